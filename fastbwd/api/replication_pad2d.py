@@ -1,0 +1,90 @@
+"""fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, SPEC §3)."""
+
+import numpy as np
+
+from .. import _dtypes as d
+from .. import _validation as v
+from ..kernels import replication_pad2d as kernels
+
+FUNC = "replication_pad2d_backward"
+
+
+def replication_pad2d_backward(grad_output, input, padding, *, out=None):
+    """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
+
+    Every grad_input cell receives the sum of the grad_output cells that replicate it: interior
+    cells copy, edge cells sum their strip, corners sum their rectangle (SPEC §3).
+
+    Parameters
+    ----------
+    grad_output : array_like
+        ``(N, C, H + top + bottom, W + left + right)`` or unbatched ``(C, ...)``. float16,
+        bfloat16, float32, float64, complex64 or complex128. Any strides; a 4-D array with
+        channels-last strides gives a channels-last result without copying.
+    input : array_like or tuple of int
+        The forward input (only its shape and dtype are used) or its shape, 3-D or 4-D.
+    padding : sequence of 4 int
+        ``(left, right, top, bottom)``. Each must be smaller than the dimension it pads
+        (``left, right < W``; ``top, bottom < H``); negative pads crop as in PyTorch, as long as
+        the padded sizes stay >= 1.
+    out : numpy.ndarray, optional
+        Written completely and returned: exactly the result's shape, dtype and memory layout.
+
+    Returns
+    -------
+    numpy.ndarray
+        grad_input, shaped like ``input``, in grad_output's dtype. Sums are accumulated in
+        float32 for float16/bfloat16/float32 (rounded once), in float64 or complex precision
+        otherwise. A cell with a single source is an exact copy.
+
+    Raises
+    ------
+    ParamError
+        For every bad argument listed in SPEC §3 (status 161001 for a missing argument).
+    """
+    grad_output = v.as_array(FUNC, "grad_output", grad_output)
+    input_shape, input_dtype = v.shape_or_array(FUNC, "input", input, (3, 4))
+    left, right, top, bottom = v.int_tuple(FUNC, "padding", padding, (4,))
+    ndim = len(input_shape)
+    if grad_output.ndim != ndim:
+        v.fail(FUNC, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
+    v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
+    if input_dtype is not None:
+        v.check_same_dtype(FUNC, "input", np.empty(0, input_dtype), "grad_output", grad_output.dtype)
+    for axis, size in enumerate(input_shape):
+        if size == 0 and not (ndim == 4 and axis == 0):
+            v.fail(FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0)
+    height, width = input_shape[-2:]
+    for index, (name, pad, size, what) in enumerate((
+        ("left", left, width, "width"), ("right", right, width, "width"),
+        ("top", top, height, "height"), ("bottom", bottom, height, "height"),
+    )):
+        if pad >= size:
+            v.fail(FUNC, f"padding[{index}]", f"({name}) must be less than the input {what} {size}", pad)
+    out_height, out_width = height + top + bottom, width + left + right
+    if out_height < 1 or out_width < 1:
+        v.fail(FUNC, "padding", f"must leave a padded size of at least 1 x 1 for input {height} x {width}",
+               f"{(left, right, top, bottom)}, giving {out_height} x {out_width}")
+    for axis in range(ndim - 2):
+        v.check_dim(FUNC, "grad_output", axis, grad_output.shape[axis], input_shape[axis], "as input")
+    v.check_dim(FUNC, "grad_output", ndim - 2, grad_output.shape[-2], out_height,
+                f"input height {height} + top {top} + bottom {bottom}")
+    v.check_dim(FUNC, "grad_output", ndim - 1, grad_output.shape[-1], out_width,
+                f"input width {width} + left {left} + right {right}")
+
+    dtype = grad_output.dtype
+    layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
+    result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
+                                  inputs=(("grad_output", grad_output), ("input", input)))
+    if result.size == 0:
+        return result
+    fmt = d.storage_format(dtype)
+    if layout == d.NHWC:
+        kernels.replication_pad2d_bwd_nhwc(
+            d.kernel_view(d.physical(grad_output, layout)), d.kernel_view(grad_input), top, left, fmt)
+    else:
+        planes = int(np.prod(input_shape[:-2]))
+        kernels.replication_pad2d_bwd_nchw(
+            d.kernel_view(d.physical(grad_output, layout)).reshape(planes, out_height, out_width),
+            d.kernel_view(grad_input).reshape(planes, height, width), top, left, fmt)
+    return result

@@ -1,0 +1,158 @@
+"""The only place Numba options are spelled, and the safe call path every kernel goes through.
+
+``@parallel_kernel`` turns a plain Python loop nest into a :class:`Kernel`:
+
+* nothing compiles at import; each kernel compiles on its first call, once per argument types;
+* compiled code is cached on disk (``cache=True``); when Numba finds no writable cache folder
+  the kernel silently compiles without the disk cache instead of failing;
+* ``nogil=True``; no fastmath flag (it would let LLVM assume away NaN and Inf);
+  ``error_model="numpy"`` (IEEE division: no ZeroDivisionError check inside loops);
+* a serial twin of every kernel (``prange`` runs as ``range``, identical arithmetic and order)
+  is used where launching Numba's thread pool is unsafe (SPEC §0.3):
+
+  - ``workqueue`` threading layer: it aborts the process when two Python threads enter parallel
+    code at once, so calls into the pool are serialised with a lock;
+  - a child process after ``fork`` of a parent that had started the ``omp`` (GNU OpenMP) or
+    ``workqueue`` pool: the child runs the serial twin (GNU OpenMP would terminate it).
+
+Kernels are deterministic by construction (fixed partitions, fixed combination order), so the
+serial twin and any thread count give bitwise identical results.
+"""
+
+import os
+import threading
+import types as pytypes
+import warnings
+
+import numba
+
+from .. import _config
+
+_OPTIONS = dict(nogil=True, fastmath=False, error_model="numpy", boundscheck=False)
+
+# ---- thread-pool state, shared by all kernels ----------------------------------------------
+_state_lock = threading.Lock()
+_pool_lock = threading.Lock()  # held around parallel calls under the workqueue layer
+_threading_layer = None  # known once the pool has been launched
+_serial_only = _config.SERIAL
+
+
+def _launch_pool():
+    """Start Numba's thread pool (once) and learn which threading layer it picked."""
+    global _threading_layer
+    with _state_lock:
+        if _threading_layer is None:
+            from numba.np.ufunc import parallel
+
+            parallel._launch_threads()
+            _threading_layer = numba.threading_layer()
+    return _threading_layer
+
+
+def _pool_started():
+    try:
+        from numba.np.ufunc import parallel
+
+        return bool(parallel._is_initialized)
+    except Exception:  # noqa: BLE001 - private API; assume the worst
+        return True
+
+
+def _after_fork_in_child():
+    global _pool_lock, _state_lock, _serial_only
+    _pool_lock = threading.Lock()
+    _state_lock = threading.Lock()
+    if _pool_started():
+        try:
+            layer = numba.threading_layer()
+        except ValueError:
+            layer = None
+        if layer != "tbb":  # tbb is fork-safe; GNU OpenMP and workqueue are not
+            _serial_only = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def threading_layer():
+    """The Numba threading layer the kernels run on (launches the pool if needed)."""
+    return _launch_pool()
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+def _dispatcher(py_func, parallel):
+    """An njit dispatcher with the project's options; disk cache when a folder is writable."""
+    options = dict(_OPTIONS, parallel=parallel)
+    if _config.CACHE:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", numba.NumbaWarning)
+                return numba.njit(cache=True, **options)(py_func)
+        except (RuntimeError, OSError):
+            pass  # no writable cache folder: compile in memory only
+    return numba.njit(**options)(py_func)
+
+
+def _serial_copy(py_func):
+    """A copy of ``py_func`` under another qualified name, so its disk cache entry is its own."""
+    copy = pytypes.FunctionType(
+        py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
+        py_func.__defaults__, py_func.__closure__,
+    )
+    copy.__qualname__ = py_func.__qualname__ + "_serial"
+    copy.__module__ = py_func.__module__
+    copy.__doc__ = py_func.__doc__
+    return copy
+
+
+class Kernel:
+    """A parallel loop nest compiled lazily, called through the safe path described above."""
+
+    def __init__(self, py_func):
+        self.py_func = py_func
+        self.__name__ = py_func.__name__
+        self.__qualname__ = py_func.__qualname__
+        self.__doc__ = py_func.__doc__
+        self.__module__ = py_func.__module__
+        self._parallel = None
+        self._serial = None
+        self._make_lock = threading.Lock()
+
+    @property
+    def parallel(self):
+        if self._parallel is None:
+            with self._make_lock:
+                if self._parallel is None:
+                    self._parallel = _dispatcher(self.py_func, parallel=True)
+        return self._parallel
+
+    @property
+    def serial(self):
+        if self._serial is None:
+            with self._make_lock:
+                if self._serial is None:
+                    self._serial = _dispatcher(_serial_copy(self.py_func), parallel=False)
+        return self._serial
+
+    def __call__(self, *args):
+        if _serial_only:
+            return self.serial(*args)
+        if _launch_pool() == "workqueue":
+            with _pool_lock:
+                return self.parallel(*args)
+        return self.parallel(*args)
+
+    def __repr__(self):
+        return f"<fastbwd kernel {self.__module__}.{self.__qualname__}>"
+
+
+def parallel_kernel(py_func):
+    """Decorate a loop nest (using ``numba.prange``) as a lazily compiled :class:`Kernel`."""
+    return Kernel(py_func)
+
+
+def helper(py_func):
+    """An ``@njit`` helper called from kernels (inlined into them by LLVM; compiled with them)."""
+    return numba.njit(**_OPTIONS)(py_func)

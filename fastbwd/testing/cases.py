@@ -1,0 +1,395 @@
+"""The case registry shared by the benchmarks (``bench/``), the main job (``python -m fastbwd``)
+and the tests: the SPEC §6 shapes, how to build each case's inputs, the PyTorch baselines to
+compare with, and the minimum bytes each call must move.
+
+One :class:`OpSpec` per operator in :data:`OPS`; its ``cases`` are the canonical (SPEC §6) cases,
+``quick_cases`` small versions of them for ``--quick`` and for smoke runs. ``prepare(case)``
+builds a :class:`Prepared`: zero-argument callables for the fastbwd call (allocating, and with
+``out=`` where useful) and for each PyTorch baseline (only when torch is importable), plus the
+byte count. Nothing here imports torch at module import.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+import fastbwd
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "complex64": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: an id of SPEC §6 (with a suffix for variants) and its parameters."""
+
+    id: str
+    op: str
+    label: str
+    params: dict
+    dtype: str = "float32"
+
+
+@dataclass
+class Prepared:
+    """A case ready to run: callables and the minimum bytes read + written per call."""
+
+    run: Callable[[], object]
+    nbytes: int
+    run_out: Callable[[], object] | None = None
+    torch: dict = field(default_factory=dict)  # baseline name -> zero-argument callable
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str  # public function name in fastbwd
+    prepare: Callable[[Case, bool], Prepared]  # (case, with_torch) -> Prepared
+    cases: tuple
+    quick_cases: tuple
+
+    @property
+    def implemented(self):
+        return hasattr(fastbwd, self.name)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _random(shape, dtype, seed=0, low=-1.0, high=1.0):
+    rng = np.random.default_rng(seed)
+    values = rng.uniform(low, high, size=shape)
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.uniform(low, high, size=shape)
+    return values.astype(dtype)
+
+
+def _to_torch(torch, array):
+    """A torch tensor sharing ``array``'s memory (bfloat16 via an int16 view)."""
+    if array.dtype == DTYPES["bfloat16"]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _nbytes(*arrays):
+    return int(sum(a.nbytes for a in arrays))
+
+
+def _channels_last(array):
+    """The same NCHW values with channels-last strides (a copy made once, at preparation)."""
+    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# replication_pad2d_backward (SPEC §3)
+# --------------------------------------------------------------------------------------------
+
+def _prepare_pad(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    input_shape = tuple(p["input_shape"])
+    left, right, top, bottom = p["padding"]
+    n, c, h, w = input_shape
+    grad_output = _random((n, c, h + top + bottom, w + left + right), dtype)
+    if p.get("channels_last"):
+        grad_output = _channels_last(grad_output)
+    out = fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"])
+    prepared = Prepared(
+        run=lambda: fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"]),
+        run_out=lambda: fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"], out=out),
+        nbytes=_nbytes(grad_output, out),
+    )
+    torch = _torch() if with_torch else None
+    if torch is not None and case.dtype != "bfloat16":
+        g = _to_torch(torch, grad_output)
+        x = torch.empty(input_shape, dtype=g.dtype)
+        if p.get("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
+        t_out = torch.empty_like(x)
+        pad = list(p["padding"])
+        prepared.torch["torch"] = lambda: torch.ops.aten.replication_pad2d_backward(g, x, pad)
+        prepared.torch["torch out="] = lambda: torch.ops.aten.replication_pad2d_backward.grad_input(
+            g, x, pad, grad_input=t_out)
+    return prepared
+
+
+_P1 = dict(input_shape=(16, 64, 128, 128), padding=(3, 3, 3, 3))
+_P1_QUICK = dict(input_shape=(2, 16, 64, 64), padding=(3, 3, 3, 3))
+PAD = OpSpec(
+    name="replication_pad2d_backward",
+    prepare=_prepare_pad,
+    cases=(
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1),
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "complex64"),
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "float64"),
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "bfloat16"),
+        Case("P1-NHWC", "replication_pad2d_backward", "(16,64,128,128) pad 3, channels-last",
+             dict(_P1, channels_last=True)),
+    ),
+    quick_cases=(
+        Case("P1q", "replication_pad2d_backward", "(2,16,64,64) pad 3", _P1_QUICK),
+        Case("P1q", "replication_pad2d_backward", "(2,16,64,64) pad 3", _P1_QUICK, "bfloat16"),
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# upsample_bilinear2d_backward (SPEC §1)
+# --------------------------------------------------------------------------------------------
+
+def _prepare_upsample(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    n, c, h, w = p["input_size"]
+    oh, ow = p["output_size"]
+    align_corners = p["align_corners"]
+    layout = p.get("layout", "NCHW")
+    grad_nchw = _random((n, c, oh, ow), dtype)
+    grad_output = np.ascontiguousarray(grad_nchw.transpose(0, 2, 3, 1)) if layout == "NHWC" else grad_nchw
+    args = (grad_output, (oh, ow), (n, c, h, w), align_corners)
+    out = fastbwd.upsample_bilinear2d_backward(*args, layout=layout)
+    prepared = Prepared(
+        run=lambda: fastbwd.upsample_bilinear2d_backward(*args, layout=layout),
+        run_out=lambda: fastbwd.upsample_bilinear2d_backward(*args, layout=layout, out=out),
+        nbytes=_nbytes(grad_output, out),
+    )
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        g = _to_torch(torch, grad_output)
+        if layout == "NHWC":
+            g = g.permute(0, 3, 1, 2)  # an NCHW tensor with channels_last strides
+        prepared.torch["torch"] = lambda: torch.ops.aten.upsample_bilinear2d_backward(
+            g, [oh, ow], [n, c, h, w], align_corners, None, None)
+    return prepared
+
+
+_U1 = dict(input_size=(8, 64, 64, 64), output_size=(128, 128), align_corners=False)
+_U1_QUICK = dict(input_size=(2, 16, 32, 32), output_size=(64, 64), align_corners=False)
+UPSAMPLE = OpSpec(
+    name="upsample_bilinear2d_backward",
+    prepare=_prepare_upsample,
+    cases=(
+        Case("U1", "upsample_bilinear2d_backward", "(8,64,128,128) -> (8,64,64,64)", _U1),
+        Case("U2", "upsample_bilinear2d_backward", "U1, align_corners", dict(_U1, align_corners=True)),
+        Case("U3", "upsample_bilinear2d_backward", "U1, NHWC", dict(_U1, layout="NHWC")),
+        Case("U4", "upsample_bilinear2d_backward", "(4,32,173,173) -> (4,32,100,100)",
+             dict(input_size=(4, 32, 100, 100), output_size=(173, 173), align_corners=False)),
+        Case("U5", "upsample_bilinear2d_backward", "U1 in bfloat16", _U1, "bfloat16"),
+        Case("U6", "upsample_bilinear2d_backward", "(1,3,1024,1024) -> (1,3,512,512), small N*C",
+             dict(input_size=(1, 3, 512, 512), output_size=(1024, 1024), align_corners=False)),
+    ),
+    quick_cases=(
+        Case("U1q", "upsample_bilinear2d_backward", "(2,16,64,64) -> (2,16,32,32)", _U1_QUICK),
+        Case("U3q", "upsample_bilinear2d_backward", "U1q, NHWC", dict(_U1_QUICK, layout="NHWC")),
+        Case("U5q", "upsample_bilinear2d_backward", "U1q in bfloat16", _U1_QUICK, "bfloat16"),
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# avg_pool2d_backward (SPEC §2)
+# --------------------------------------------------------------------------------------------
+
+def _prepare_avg_pool(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    input_shape = tuple(p["input_shape"])
+    kernel, stride, padding = p["kernel_size"], p["stride"], p["padding"]
+    ceil_mode, count_include_pad = p.get("ceil_mode", False), p.get("count_include_pad", True)
+    divisor_override = p.get("divisor_override", 0)
+    x = np.zeros(input_shape, dtype)
+    if p.get("channels_last"):
+        x = _channels_last(x)
+    from fastbwd._validation import pooling_output_size
+
+    oh = pooling_output_size(input_shape[2], kernel[0], stride[0], padding[0], ceil_mode)
+    ow = pooling_output_size(input_shape[3], kernel[1], stride[1], padding[1], ceil_mode)
+    grad_output = _random((input_shape[0], input_shape[1], oh, ow), dtype)
+    if p.get("channels_last"):
+        grad_output = _channels_last(grad_output)
+    args = (grad_output, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    out = fastbwd.avg_pool2d_backward(*args)
+    prepared = Prepared(
+        run=lambda: fastbwd.avg_pool2d_backward(*args),
+        run_out=lambda: fastbwd.avg_pool2d_backward(*args, out=out),
+        nbytes=_nbytes(grad_output, out),
+    )
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        g, tx = _to_torch(torch, grad_output), _to_torch(torch, x)
+        t_out = torch.empty_like(tx)
+        t_args = (g, tx, list(kernel), list(stride), list(padding), ceil_mode, count_include_pad,
+                  divisor_override or None)
+        prepared.torch["torch"] = lambda: torch.ops.aten.avg_pool2d_backward(*t_args)
+        prepared.torch["torch out="] = lambda: torch.ops.aten.avg_pool2d_backward.grad_input(
+            *t_args, grad_input=t_out)
+    return prepared
+
+
+_A1 = dict(input_shape=(32, 128, 56, 56), kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
+           count_include_pad=False)
+_A1_QUICK = dict(_A1, input_shape=(4, 32, 28, 28))
+AVG_POOL = OpSpec(
+    name="avg_pool2d_backward",
+    prepare=_prepare_avg_pool,
+    cases=(
+        Case("A1", "avg_pool2d_backward", "(32,128,56,56) k3 s2 p1, no pad count", _A1),
+        Case("A2", "avg_pool2d_backward", "(32,128,56,56) k2 s2",
+             dict(input_shape=(32, 128, 56, 56), kernel_size=(2, 2), stride=(2, 2), padding=(0, 0))),
+        Case("A3", "avg_pool2d_backward", "(32,512,7,7) k7 s1, global",
+             dict(input_shape=(32, 512, 7, 7), kernel_size=(7, 7), stride=(1, 1), padding=(0, 0))),
+        Case("A1", "avg_pool2d_backward", "A1 in bfloat16", _A1, "bfloat16"),
+        Case("A1-NHWC", "avg_pool2d_backward", "A1, channels-last", dict(_A1, channels_last=True)),
+    ),
+    quick_cases=(
+        Case("A1q", "avg_pool2d_backward", "(4,32,28,28) k3 s2 p1", _A1_QUICK),
+        Case("A1q", "avg_pool2d_backward", "A1q in bfloat16", _A1_QUICK, "bfloat16"),
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# roi_align_backward (SPEC §4)
+# --------------------------------------------------------------------------------------------
+
+def roi_boxes(num_boxes, input_shape, spatial_scale, seed=0, dtype=np.float32):
+    """Detection-head-like boxes ``(K, 5)`` spread over the batch, in input-image coordinates."""
+    rng = np.random.default_rng(seed)
+    batch, _, height, width = input_shape
+    image_h, image_w = height / spatial_scale, width / spatial_scale
+    x1 = rng.uniform(0, image_w * 0.8, num_boxes)
+    y1 = rng.uniform(0, image_h * 0.8, num_boxes)
+    bw = rng.uniform(16, image_w * 0.5, num_boxes)
+    bh = rng.uniform(16, image_h * 0.5, num_boxes)
+    b = np.arange(num_boxes) % batch
+    boxes = np.stack([b, x1, y1, np.minimum(x1 + bw, image_w), np.minimum(y1 + bh, image_h)], axis=1)
+    return boxes.astype(dtype)
+
+
+def _prepare_roi_align(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    input_shape = tuple(p["input_shape"])
+    k, ph, pw = p["num_boxes"], p["pooled_height"], p["pooled_width"]
+    boxes = roi_boxes(k, input_shape, p["spatial_scale"], dtype=dtype)
+    grad_output = _random((k, input_shape[1], ph, pw), dtype)
+    args = (grad_output, boxes, input_shape, ph, pw, p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    out = fastbwd.roi_align_backward(*args)
+    prepared = Prepared(
+        run=lambda: fastbwd.roi_align_backward(*args),
+        run_out=lambda: fastbwd.roi_align_backward(*args, out=out),
+        nbytes=_nbytes(grad_output, boxes, out),
+    )
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        try:
+            from . import roi_baselines
+        except ImportError:
+            roi_baselines = None
+        if roi_baselines is not None:
+            prepared.torch.update(roi_baselines.baselines(*args))
+    return prepared
+
+
+_R1 = dict(input_shape=(2, 256, 200, 304), num_boxes=512, pooled_height=7, pooled_width=7,
+           spatial_scale=0.25, sampling_ratio=2, aligned=True)
+_R1_QUICK = dict(_R1, input_shape=(2, 32, 50, 76), num_boxes=64)
+ROI_ALIGN = OpSpec(
+    name="roi_align_backward",
+    prepare=_prepare_roi_align,
+    cases=(
+        Case("R1", "roi_align_backward", "(2,256,200,304), 512 boxes 7x7, sampling 2", _R1),
+        Case("R2", "roi_align_backward", "R1, adaptive sampling", dict(_R1, sampling_ratio=0)),
+    ),
+    quick_cases=(
+        Case("R1q", "roi_align_backward", "(2,32,50,76), 64 boxes 7x7", _R1_QUICK),
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# group_norm_swish_backward (SPEC §5)
+# --------------------------------------------------------------------------------------------
+
+def group_norm_swish_inputs(shape, num_groups, dtype, seed=0, eps=1e-5, param_dtype=None):
+    """dy, mean, rstd, x, gamma, beta for an NCHW-family ``shape``; mean/rstd from x in float64."""
+    rng = np.random.default_rng(seed)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    x64 = rng.standard_normal(shape) * 2.0 + 0.5
+    x = x64.astype(dtype)
+    n, c = shape[0], shape[1]
+    grouped = x.astype(np.float64).reshape(n, num_groups, -1)
+    mean = grouped.mean(axis=2)
+    rstd = 1.0 / np.sqrt(grouped.var(axis=2) + eps)
+    gamma = rng.uniform(0.5, 1.5, c).astype(param_dtype)
+    beta = rng.uniform(-0.5, 0.5, c).astype(param_dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    return dy, mean.astype(param_dtype), rstd.astype(param_dtype), x, gamma, beta
+
+
+def _prepare_group_norm_swish(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    shape, groups, scale = tuple(p["shape"]), p["num_groups"], p.get("swish_scale", 1.0)
+    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype)
+    data_format = p.get("data_format", "NCHW")
+    if data_format == "NHWC":
+        dy, x = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (dy, x))
+    args = (dy, mean, rstd, x, gamma, beta, groups, data_format, scale)
+    out = fastbwd.group_norm_swish_backward(*args)
+    prepared = Prepared(
+        run=lambda: fastbwd.group_norm_swish_backward(*args),
+        run_out=lambda: fastbwd.group_norm_swish_backward(*args, out=out),
+        nbytes=_nbytes(dy, x, out[0]),
+    )
+    torch = _torch() if with_torch else None
+    if torch is not None and data_format == "NCHW":
+        tx = _to_torch(torch, x).clone().requires_grad_(True)
+        tg = _to_torch(torch, gamma).clone().requires_grad_(True)
+        tb = _to_torch(torch, beta).clone().requires_grad_(True)
+        tdy = _to_torch(torch, dy)
+        y = torch.nn.functional.group_norm(tx, groups, tg, tb, 1e-5)
+        swish = torch.nn.functional.silu(y) if scale == 1.0 else y * torch.sigmoid(scale * y)
+        prepared.torch["torch autograd"] = lambda: torch.autograd.grad(
+            swish, (tx, tg, tb), tdy, retain_graph=True)
+    return prepared
+
+
+_G1 = dict(shape=(8, 512, 32, 32), num_groups=32)
+_G1_QUICK = dict(shape=(2, 64, 16, 16), num_groups=8)
+GROUP_NORM_SWISH = OpSpec(
+    name="group_norm_swish_backward",
+    prepare=_prepare_group_norm_swish,
+    cases=(
+        Case("G1", "group_norm_swish_backward", "x (8,512,32,32), 32 groups", _G1),
+        Case("G3", "group_norm_swish_backward", "x (2,320,64,64), 32 groups",
+             dict(shape=(2, 320, 64, 64), num_groups=32)),
+        Case("G1", "group_norm_swish_backward", "G1 in bfloat16", _G1, "bfloat16"),
+        Case("G1-NHWC", "group_norm_swish_backward", "G1, NHWC", dict(_G1, data_format="NHWC")),
+    ),
+    quick_cases=(
+        Case("G1q", "group_norm_swish_backward", "x (2,64,16,16), 8 groups", _G1_QUICK),
+        Case("G1q", "group_norm_swish_backward", "G1q in bfloat16", _G1_QUICK, "bfloat16"),
+    ),
+)
+
+
+#: Every operator, in the order of the SPEC table.
+OPS = {spec.name: spec for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, GROUP_NORM_SWISH)}
+
+
+def implemented_ops():
+    """The OpSpecs whose public function exists in this build."""
+    return [spec for spec in OPS.values() if spec.implemented]

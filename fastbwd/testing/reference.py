@@ -1,0 +1,474 @@
+"""Float64 NumPy reference oracle for fastbwd (see SPEC.md).
+
+This module is the slow, obviously-correct implementation that the fast kernels, the tests and the
+benchmarks compare against. It is written to read like the math of SPEC.md, not to be fast:
+
+- only NumPy is used (nothing from fastbwd, no numba, no torch);
+- every array argument is converted to float64 (complex128 for complex input to the pad
+  functions) and every result is float64 (or complex128);
+- sizes and parameters are plain Python values that are already normalised (tuples of ints,
+  floats, bools) -- no argument validation is done here, that is the package's job;
+- layout is always NCHW (channels at axis 1).
+
+For every backward there is the matching forward, so that the pair can be checked with the
+adjoint identity ``<forward(x), g> == <x, backward(g)>`` (see tests/test_reference.py).
+
+Index and weight arithmetic is float64 throughout. The kernels follow PyTorch's opmath rule
+(float32 index math for float32/float16/bfloat16 data), so they are compared with this oracle
+with a tolerance, not bitwise.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "replication_pad2d_forward",
+    "replication_pad2d_backward",
+    "upsample_bilinear2d_interp_matrix",
+    "upsample_bilinear2d_forward",
+    "upsample_bilinear2d_backward",
+    "avg_pool2d_output_size",
+    "avg_pool2d_forward",
+    "avg_pool2d_backward",
+    "roi_align_forward",
+    "roi_align_backward",
+    "group_norm_swish_forward",
+    "group_norm_swish_backward",
+]
+
+
+def _as_float(a):
+    """float64 array, or complex128 if the input is complex."""
+    a = np.asarray(a)
+    if np.iscomplexobj(a):
+        return np.asarray(a, dtype=np.complex128)
+    return np.asarray(a, dtype=np.float64)
+
+
+def _clamp(v, lo, hi):
+    return min(max(v, lo), hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §3: replication_pad2d
+# ---------------------------------------------------------------------------------------------
+
+def replication_pad2d_forward(x, padding):
+    """Replication pad of the last two axes (SPEC §3; PyTorch semantics, negative pads crop).
+
+    x: (C, H, W) or (N, C, H, W); padding: (left, right, top, bottom).
+    out[..., i, j] = x[..., clamp(i - top, 0, H-1), clamp(j - left, 0, W-1)].
+    """
+    x = _as_float(x)
+    left, right, top, bottom = (int(p) for p in padding)
+    H, W = x.shape[-2], x.shape[-1]
+    OH, OW = H + top + bottom, W + left + right
+    out = np.zeros(x.shape[:-2] + (OH, OW), dtype=x.dtype)
+    for i in range(OH):
+        for j in range(OW):
+            out[..., i, j] = x[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)]
+    return out
+
+
+def replication_pad2d_backward(grad_output, input_shape, padding):
+    """Gradient of replication_pad2d_forward: the scatter loop of SPEC §3.
+
+    grad_output: (..., H + top + bottom, W + left + right); input_shape: (C, H, W) or
+    (N, C, H, W); padding: (left, right, top, bottom). Returns an array of input_shape.
+    """
+    g = _as_float(grad_output)
+    left, right, top, bottom = (int(p) for p in padding)
+    input_shape = tuple(int(s) for s in input_shape)
+    H, W = input_shape[-2], input_shape[-1]
+    grad_input = np.zeros(input_shape, dtype=g.dtype)
+    for i in range(g.shape[-2]):
+        for j in range(g.shape[-1]):
+            grad_input[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)] += g[..., i, j]
+    return grad_input
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §1: upsample_bilinear2d
+# ---------------------------------------------------------------------------------------------
+
+def upsample_bilinear2d_interp_matrix(in_size, out_size, align_corners, scale=0.0):
+    """Dense (out_size, in_size) interpolation matrix A of one axis (SPEC §1 per-axis formula).
+
+    ``scale`` is the user's scales_h / scales_w value (0.0 or None = unset). Row ``o`` holds the
+    two weights l0, l1 at columns h0, h1 (added, so h0 == h1 gives one entry l0 + l1). Includes
+    PyTorch's identity shortcut for out_size == in_size. All arithmetic is float64.
+    """
+    H, OH = int(in_size), int(out_size)
+    user_scale = 0.0 if scale is None else float(scale)
+    if align_corners:
+        ratio = (H - 1) / (OH - 1) if OH > 1 else 0.0
+    else:
+        ratio = 1.0 / user_scale if user_scale > 0 else H / OH
+    A = np.zeros((OH, H), dtype=np.float64)
+    for oh in range(OH):
+        if OH == H:
+            h0 = h1 = oh
+            l0, l1 = 1.0, 0.0
+        else:
+            if align_corners:
+                src = ratio * oh
+            else:
+                src = max(0.0, ratio * (oh + 0.5) - 0.5)
+            h0 = min(int(math.floor(src)), H - 1)
+            l1 = min(max(src - h0, 0.0), 1.0)
+            l0 = 1.0 - l1
+            h1 = h0 + (1 if h0 < H - 1 else 0)
+        A[oh, h0] += l0
+        A[oh, h1] += l1
+    return A
+
+
+def upsample_bilinear2d_forward(x, output_size, align_corners, scales_h=0.0, scales_w=0.0):
+    """Bilinear upsampling forward (SPEC §1): x (N, C, H, W) -> Ah @ x @ Aw.T, (N, C, OH, OW)."""
+    x = np.asarray(x, dtype=np.float64)
+    OH, OW = (int(s) for s in output_size)
+    H, W = x.shape[2], x.shape[3]
+    Ah = upsample_bilinear2d_interp_matrix(H, OH, align_corners, scales_h)
+    Aw = upsample_bilinear2d_interp_matrix(W, OW, align_corners, scales_w)
+    return np.einsum("oh,nchw,pw->ncop", Ah, x, Aw)
+
+
+def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners,
+                                 scales_h=0.0, scales_w=0.0):
+    """Bilinear upsampling backward (SPEC §1): Ah.T @ g @ Aw, shape input_size (N, C, H, W)."""
+    g = np.asarray(grad_output, dtype=np.float64)
+    OH, OW = (int(s) for s in output_size)
+    N, C, H, W = (int(s) for s in input_size)
+    Ah = upsample_bilinear2d_interp_matrix(H, OH, align_corners, scales_h)
+    Aw = upsample_bilinear2d_interp_matrix(W, OW, align_corners, scales_w)
+    out = np.einsum("oh,ncop,pw->nchw", Ah, g, Aw)
+    return out.reshape(N, C, H, W)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §2: avg_pool2d
+# ---------------------------------------------------------------------------------------------
+
+def avg_pool2d_output_size(in_size, kernel, stride, pad, ceil_mode):
+    """Pooled size of one axis (SPEC §2, PyTorch ``pooling_output_shape``, modern rule)."""
+    H, k, s, p = int(in_size), int(kernel), int(stride), int(pad)
+    out = (H + 2 * p - k + ((s - 1) if ceil_mode else 0)) // s + 1   # Python // is floor
+    if ceil_mode and (out - 1) * s >= H + p:
+        out -= 1
+    return out
+
+
+def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    """Yield (oh, ow, hs, he, ws, we, div) for every output cell: the SPEC §2 windows."""
+    kH, kW = (int(v) for v in kernel_size)
+    sH, sW = (int(v) for v in stride)
+    pH, pW = (int(v) for v in padding)
+    OH = avg_pool2d_output_size(H, kH, sH, pH, ceil_mode)
+    OW = avg_pool2d_output_size(W, kW, sW, pW, ceil_mode)
+    for oh in range(OH):
+        for ow in range(OW):
+            hs = oh * sH - pH
+            ws = ow * sW - pW
+            he = min(hs + kH, H + pH)
+            we = min(ws + kW, W + pW)
+            pool_size = (he - hs) * (we - ws)   # includes padding, excludes ceil overhang
+            hs, ws = max(hs, 0), max(ws, 0)
+            he, we = min(he, H), min(we, W)
+            if divisor_override != 0:
+                div = divisor_override
+            elif count_include_pad:
+                div = pool_size
+            else:
+                div = (he - hs) * (we - ws)
+            yield oh, ow, hs, he, ws, we, div
+
+
+def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                       divisor_override=0):
+    """Average pooling forward with the explicit windows of SPEC §2.
+
+    x: (C, H, W) or (N, C, H, W); kernel_size, stride, padding: (h, w) tuples;
+    divisor_override: 0 = unset. A window that holds no input element gives 0 (as PyTorch;
+    it cannot happen for valid parameters).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    unbatched = x.ndim == 3
+    if unbatched:
+        x = x[None]
+    N, C, H, W = x.shape
+    kH, kW = kernel_size
+    sH, sW = stride
+    pH, pW = padding
+    OH = avg_pool2d_output_size(H, kH, sH, pH, ceil_mode)
+    OW = avg_pool2d_output_size(W, kW, sW, pW, ceil_mode)
+    out = np.zeros((N, C, OH, OW), dtype=np.float64)
+    for oh, ow, hs, he, ws, we, div in _avg_pool2d_windows(
+            H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
+            int(divisor_override)):
+        if he <= hs or we <= ws:
+            continue
+        out[:, :, oh, ow] = x[:, :, hs:he, ws:we].sum(axis=(2, 3)) / div
+    return out[0] if unbatched else out
+
+
+def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, ceil_mode,
+                        count_include_pad, divisor_override=0):
+    """Average pooling backward: the plain scatter loop of SPEC §2.
+
+    grad_output: (C, OH, OW) or (N, C, OH, OW); input_shape: the forward input's shape (same
+    rank). grad_input[..., hs:he, ws:we] += grad_output[..., oh, ow] / div.
+    """
+    g = np.asarray(grad_output, dtype=np.float64)
+    input_shape = tuple(int(s) for s in input_shape)
+    unbatched = len(input_shape) == 3
+    if unbatched:
+        g = g[None]
+        input_shape = (1,) + input_shape
+    N, C, H, W = input_shape
+    grad_input = np.zeros(input_shape, dtype=np.float64)
+    for oh, ow, hs, he, ws, we, div in _avg_pool2d_windows(
+            H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
+            int(divisor_override)):
+        if he <= hs or we <= ws:
+            continue
+        grad_input[:, :, hs:he, ws:we] += (g[:, :, oh, ow] / div)[:, :, None, None]
+    return grad_input[0] if unbatched else grad_input
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §4: roi_align
+# ---------------------------------------------------------------------------------------------
+
+# Above this many samples along one axis of one bin, only the samples that can land inside the
+# image are visited (everything else contributes 0 anyway); below it every sample is visited.
+_ROI_FULL_LOOP_MAX = 1 << 16
+
+
+def _roi_sample_indices(start, step, n, size):
+    """Sample indices i in [0, n) of one bin along one axis whose coordinate
+    ``start + (i + 0.5) * step`` may lie inside [-1, size].
+
+    For ordinary grids this is simply range(n). For huge adaptive grids (a huge box with
+    sampling_ratio 0) it is the candidate interval solved from the linear formula and widened
+    by 2 on each side against rounding; the caller still applies the exact SPEC test to every
+    candidate, so the result is the same as iterating all n samples.
+    """
+    if n <= _ROI_FULL_LOOP_MAX or not (step > 0):
+        return range(max(n, 0))
+    a = (-1.0 - start) / step - 0.5     # first index with coordinate >= -1 (before rounding)
+    b = (size - start) / step - 0.5     # last index with coordinate <= size (before rounding)
+    if math.isnan(a) or math.isnan(b) or b < -2 or a > n + 2:
+        return range(0)                 # every coordinate is NaN, < -1 or > size
+    lo = max(math.floor(max(a, -1.0)) - 2, 0)
+    hi = min(math.ceil(min(b, float(n))) + 2, n - 1)
+    return range(lo, hi + 1)
+
+
+def _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
+    """SPEC §4 per-box setup. Returns None for a box that contributes nothing, else
+    (b, x1, y1, bin_h, bin_w, gh, gw, count)."""
+    box = [float(v) for v in box]
+    if not all(math.isfinite(v) for v in box):
+        return None
+    b = math.floor(box[0])
+    if b < 0 or b >= B:
+        return None
+    off = 0.5 if aligned else 0.0
+    x1 = box[1] * spatial_scale - off
+    y1 = box[2] * spatial_scale - off
+    x2 = box[3] * spatial_scale - off
+    y2 = box[4] * spatial_scale - off
+    roi_w, roi_h = x2 - x1, y2 - y1
+    if not aligned:
+        roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+    bin_h = roi_h / pooled_height
+    bin_w = roi_w / pooled_width
+    # A finite box can still overflow after scaling; then every sample coordinate is NaN or
+    # +-Inf and is skipped by the sample test, so the box contributes nothing.
+    if not all(math.isfinite(v) for v in (x1, y1, bin_h, bin_w)):
+        return None
+    gh = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_h / pooled_height)
+    gw = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_w / pooled_width)
+    if gh <= 0 or gw <= 0:
+        return None                      # no samples
+    count = float(gh) * float(gw)        # float64 product: no integer overflow (may be inf)
+    return b, x1, y1, bin_h, bin_w, gh, gw, count
+
+
+def _roi_bilinear(y, x, H, W):
+    """SPEC §4 sample rule. Returns None for a skipped sample, else
+    (yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh) with w_ab the weight of pixel (y_a, x_b)."""
+    if math.isnan(y) or math.isnan(x) or y < -1.0 or y > H or x < -1.0 or x > W:
+        return None
+    y, x = max(y, 0.0), max(x, 0.0)
+    yl, xl = int(y), int(x)
+    if yl >= H - 1:
+        yh = yl = H - 1
+        y = float(yl)
+    else:
+        yh = yl + 1
+    if xl >= W - 1:
+        xh = xl = W - 1
+        x = float(xl)
+    else:
+        xh = xl + 1
+    ly, lx = y - yl, x - xl
+    hy, hx = 1.0 - ly, 1.0 - lx
+    return yl, yh, xl, xh, hy * hx, hy * lx, ly * hx, ly * lx
+
+
+def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                 aligned):
+    """Yield (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) for every sample of a
+    box that contributes (SPEC §4)."""
+    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale,
+                            sampling_ratio, aligned)
+    if geo is None:
+        return
+    b, x1, y1, bin_h, bin_w, gh, gw, count = geo
+    for ph in range(pooled_height):
+        for pw in range(pooled_width):
+            ystart = y1 + ph * bin_h
+            xstart = x1 + pw * bin_w
+            for iy in _roi_sample_indices(ystart, bin_h / gh, gh, H):
+                y = y1 + ph * bin_h + (iy + 0.5) * bin_h / gh
+                for ix in _roi_sample_indices(xstart, bin_w / gw, gw, W):
+                    x = x1 + pw * bin_w + (ix + 0.5) * bin_w / gw
+                    s = _roi_bilinear(y, x, H, W)
+                    if s is None:
+                        continue
+                    yield (b, ph, pw) + s + (count,)
+
+
+def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                      aligned):
+    """torchvision roi_align forward with the sample positions and skip rules of SPEC §4.
+
+    x: (B, C, H, W); boxes: (K, 5) rows (batch_index, x1, y1, x2, y2). Returns (K, C, PH, PW):
+    the mean over the gh*gw samples of each bin of the bilinear value (skipped samples count as
+    0; a skipped box or a box without samples gives 0). The batch index is floor(boxes[k, 0])
+    as SPEC §4 says.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
+    B, C, H, W = x.shape
+    PH, PW = int(pooled_height), int(pooled_width)
+    out = np.zeros((boxes.shape[0], C, PH, PW), dtype=np.float64)
+    for k in range(boxes.shape[0]):
+        for (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) in _roi_samples(
+                boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio),
+                bool(aligned)):
+            val = (w_ll * x[b, :, yl, xl] + w_lh * x[b, :, yl, xh]
+                   + w_hl * x[b, :, yh, xl] + w_hh * x[b, :, yh, xh])
+            out[k, :, ph, pw] += val / count
+    return out
+
+
+def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
+                       spatial_scale, sampling_ratio, aligned):
+    """roi_align backward: the SPEC §4 loop in float64. Returns (B, C, H, W).
+
+    Each sample that is not skipped scatters g * weight / count to its four pixels. Skipped:
+    a box with NaN/Inf in any of its 5 values or floor(batch_index) outside [0, B); a sample
+    with NaN coordinates or outside [-1, H] x [-1, W]; gh <= 0 or gw <= 0 means no samples.
+
+    This is a plain loop over samples: it visits every sample of every bin (vectorised over
+    channels only), except that for a huge adaptive grid (more than 65536 samples along one
+    axis of a bin) it visits only the index interval that can land inside the image, which gives
+    the same result. It is meant for the small boxes of the tests, not for speed.
+    """
+    g = np.asarray(grad_output, dtype=np.float64)
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
+    B, C, H, W = (int(s) for s in input_shape)
+    PH, PW = int(pooled_height), int(pooled_width)
+    grad_input = np.zeros((B, C, H, W), dtype=np.float64)
+    for k in range(boxes.shape[0]):
+        for (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) in _roi_samples(
+                boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio),
+                bool(aligned)):
+            gk = g[k, :, ph, pw]
+            grad_input[b, :, yl, xl] += gk * w_ll / count
+            grad_input[b, :, yl, xh] += gk * w_lh / count
+            grad_input[b, :, yh, xl] += gk * w_hl / count
+            grad_input[b, :, yh, xh] += gk * w_hh / count
+    return grad_input
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §5: group_norm_swish
+# ---------------------------------------------------------------------------------------------
+
+def _sigmoid(z):
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-z))
+
+
+def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1.0):
+    """GroupNorm followed by swish (SPEC §5 forward).
+
+    x: (N, C, *spatial), rank >= 2; gamma, beta: (C,). Returns (out, mean, rstd) with
+    mean, rstd of shape (N, G): biased variance, rstd = 1 / sqrt(var + eps), all float64.
+    out = y * sigmoid(swish_scale * y), y = (x - mean) * rstd * gamma + beta.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    gamma = np.asarray(gamma, dtype=np.float64)
+    beta = np.asarray(beta, dtype=np.float64)
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    s = float(swish_scale)
+    xg = x.reshape(N, G, -1)                       # (N, G, D*HxW)
+    mean = xg.mean(axis=2)
+    var = ((xg - mean[:, :, None]) ** 2).mean(axis=2)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = ((xg - mean[:, :, None]) * rstd[:, :, None]).reshape(x.shape)
+    cshape = (1, C) + (1,) * (x.ndim - 2)
+    y = xhat * gamma.reshape(cshape) + beta.reshape(cshape)
+    out = y * _sigmoid(s * y)
+    return out, mean, rstd
+
+
+def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_scale=1.0):
+    """GroupNorm+swish backward: the SPEC §5 formulas verbatim, in float64.
+
+    mean, rstd: (N, G) or flat (N*G,), used as given (not recomputed). Returns
+    (dx, dgamma, dbeta). swish_scale is used as given in float64 (the kernels round it to
+    float32 first, so tests should pass float32-representable values).
+    """
+    dy = np.asarray(dy, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    gamma = np.asarray(gamma, dtype=np.float64)
+    beta = np.asarray(beta, dtype=np.float64)
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    D = C // G
+    HxW = int(np.prod(x.shape[2:], dtype=np.int64)) if x.ndim > 2 else 1
+    M = D * HxW
+    s = float(swish_scale)
+    mean = np.asarray(mean, dtype=np.float64).reshape(N, G)
+    rstd = np.asarray(rstd, dtype=np.float64).reshape(N, G)
+
+    # work on (N, G, D, HxW) views
+    x4 = x.reshape(N, G, D, HxW)
+    dy4 = dy.reshape(N, G, D, HxW)
+    gam = gamma.reshape(1, G, D, 1)
+    bet = beta.reshape(1, G, D, 1)
+    mean4 = mean[:, :, None, None]
+    rstd4 = rstd[:, :, None, None]
+
+    xhat = (x4 - mean4) * rstd4
+    y = xhat * gam + bet
+    sig = _sigmoid(s * y)
+    dsw = sig * (1.0 + s * y * (1.0 - sig))
+    gnew = dy4 * dsw
+
+    dbeta = gnew.sum(axis=(0, 3)).reshape(C)
+    dgamma = (gnew * xhat).sum(axis=(0, 3)).reshape(C)
+
+    sum_g = gnew.sum(axis=3)                       # (N, G, D): sum_hw gnew
+    sum_gx = (gnew * xhat).sum(axis=3)             # (N, G, D): sum_hw gnew * xhat
+    c1 = (gam[..., 0] * sum_g).sum(axis=2) / M     # (N, G)
+    c2 = (gam[..., 0] * sum_gx).sum(axis=2) / M    # (N, G)
+    dx = rstd4 * (gnew * gam - xhat * c2[:, :, None, None] - c1[:, :, None, None])
+    return dx.reshape(x.shape), dgamma, dbeta
