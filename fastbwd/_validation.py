@@ -7,6 +7,7 @@ Every failure raises :class:`fastbwd.ParamError` with the message
 """
 
 import operator
+import re
 import sys
 
 import numpy as np
@@ -17,9 +18,14 @@ from ._errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ParamErro
 MAX_DIM_SIZE = 1 << 20
 
 
-def fail(func, param, requirement, actual, *, status=ACLNN_ERR_PARAM_INVALID):
-    """Raise the ParamError of SPEC §0.4."""
-    raise ParamError(f"{func}: {param} {requirement}, but got {actual}", status=status, param=param)
+def fail(func, subject, requirement, actual, *, status=ACLNN_ERR_PARAM_INVALID):
+    """Raise the ParamError of SPEC §0.4.
+
+    ``subject`` is what the message talks about: an argument name, or a part of one such as
+    ``"grad_output.shape[2]"`` or ``"padding[0]"``; the error's ``param`` is the argument's name.
+    """
+    param = re.match(r"\w+", subject).group(0)
+    raise ParamError(f"{func}: {subject} {requirement}, but got {actual}", status=status, param=param)
 
 
 def describe(value):

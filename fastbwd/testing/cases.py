@@ -112,7 +112,7 @@ def _prepare_pad(case, with_torch):
         nbytes=_nbytes(grad_output, out),
     )
     torch = _torch() if with_torch else None
-    if torch is not None and case.dtype != "bfloat16":
+    if torch is not None:
         g = _to_torch(torch, grad_output)
         x = torch.empty(input_shape, dtype=g.dtype)
         if p.get("channels_last"):

@@ -1,0 +1,215 @@
+"""The main job: ``python -m fastbwd [--quick] [--json FILE]``.
+
+For every operator implemented in this build it checks a small case against the float64
+reference, then runs the SPEC §6 cases (``--quick``: small versions) and prints, per case:
+median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
+(measured on the spot with a large parallel copy) and the speed-up over each PyTorch baseline
+when torch is importable (the same thread count for both).
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numba
+import numpy as np
+
+import fastbwd
+from fastbwd.kernels._bandwidth import parallel_copy
+from fastbwd.kernels._jit import threading_layer
+from fastbwd.testing import reference as ref
+from fastbwd.testing.cases import implemented_ops, roi_boxes
+from fastbwd.testing.checks import assert_matches_reference
+
+
+def say(text="", end="\n"):
+    print(text, end=end, flush=True)
+
+
+def median_seconds(function, min_repeats, min_seconds):
+    """Median wall time of ``function()`` over at least ``min_repeats`` calls and ``min_seconds``."""
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_repeats or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes):
+    """GB/s of a parallel copy of ``nbytes`` (read + write counted), best of several."""
+    source = np.ones(nbytes // 4, np.float32)
+    destination = np.empty_like(source)
+    parallel_copy(source, destination)
+    best = min(median_seconds(lambda: parallel_copy(source, destination), 5, 0.2) for _ in range(3))
+    return 2 * source.nbytes / best / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# one small check per operator against the float64 reference
+# --------------------------------------------------------------------------------------------
+
+def _rng_array(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _check_pad():
+    g = _rng_array((2, 3, 9, 7))
+    shape, padding = (2, 3, 6, 5), (1, 1, 2, 1)
+    return fastbwd.replication_pad2d_backward(g, shape, padding), ref.replication_pad2d_backward(g, shape, padding)
+
+
+def _check_upsample():
+    g = _rng_array((2, 3, 9, 4))
+    args = ((9, 4), (2, 3, 5, 7), False)
+    return fastbwd.upsample_bilinear2d_backward(g, *args), ref.upsample_bilinear2d_backward(g, *args)
+
+
+def _check_avg_pool():
+    g = _rng_array((2, 3, 5, 8))
+    params = ((3, 2), (2, 1), (1, 0), True, False, 0)
+    return (fastbwd.avg_pool2d_backward(g, (2, 3, 9, 8), *params),
+            ref.avg_pool2d_backward(g, (2, 3, 9, 8), *params))
+
+
+def _check_roi_align():
+    shape = (2, 3, 10, 12)
+    boxes = roi_boxes(6, shape, 0.5)
+    g = _rng_array((6, 3, 3, 2))
+    params = (3, 2, 0.5, 0, True)
+    return fastbwd.roi_align_backward(g, boxes, shape, *params), ref.roi_align_backward(g, boxes, shape, *params)
+
+
+def _check_group_norm_swish():
+    x = _rng_array((2, 6, 4, 5), 1)
+    dy = _rng_array((2, 6, 4, 5), 2)
+    gamma, beta = _rng_array((6,), 3), _rng_array((6,), 4)
+    _, mean, rstd = ref.group_norm_swish_forward(x, gamma, beta, 3)
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    return (fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3),
+            ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3))
+
+
+SMALL_CHECKS = {
+    "upsample_bilinear2d_backward": _check_upsample,
+    "avg_pool2d_backward": _check_avg_pool,
+    "replication_pad2d_backward": _check_pad,
+    "roi_align_backward": _check_roi_align,
+    "group_norm_swish_backward": _check_group_norm_swish,
+}
+
+
+def small_check(name):
+    actual, expected = SMALL_CHECKS[name]()
+    if not isinstance(actual, tuple):
+        actual, expected = (actual,), (expected,)
+    try:
+        for a, e in zip(actual, expected):
+            assert_matches_reference(a, e)
+    except AssertionError as error:
+        return f"MISMATCH: {str(error).splitlines()[0]}"
+    return "matches the float64 reference"
+
+
+# --------------------------------------------------------------------------------------------
+
+def run(args):
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+    if torch is not None:
+        torch.set_num_threads(numba.get_num_threads())
+
+    machine = dict(
+        fastbwd=fastbwd.__version__, numba=numba.__version__, numpy=np.__version__,
+        python=platform.python_version(), cpu=_cpu_name(), threads=numba.get_num_threads(),
+        threading_layer=threading_layer(), torch=getattr(torch, "__version__", None))
+    say(f"fastbwd {machine['fastbwd']} | numba {machine['numba']} | {machine['threads']} threads "
+        f"({machine['threading_layer']}) | {machine['cpu']} | torch {machine['torch'] or 'not installed'}")
+    say("measuring memory bandwidth (parallel copy) ... ", end="")
+    bandwidth = copy_bandwidth((64 if args.quick else 512) << 20)
+    say(f"{bandwidth:.1f} GB/s")
+
+    rows = []
+    header = (f"{'operator':<29} {'case':<8} {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}"
+              f"  {'baseline':<18} {'ms':>8} {'speed-up':>8}")
+    for spec in implemented_ops():
+        if args.ops and spec.name not in args.ops:
+            continue
+        say(f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds) ... ",
+            end="")
+        t0 = time.perf_counter()
+        verdict = small_check(spec.name)
+        say(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
+        say(header)
+        for case in (spec.quick_cases if args.quick else spec.cases):
+            t0 = time.perf_counter()
+            prepared = spec.prepare(case, torch is not None)
+            setup = time.perf_counter() - t0
+            variants = [("alloc", prepared.run)] + ([("out=", prepared.run_out)] if prepared.run_out else [])
+            timings = {name: median_seconds(fn, args.repeats, args.seconds) for name, fn in variants}
+            baselines = {name: median_seconds(fn, max(3, args.repeats // 2), args.seconds)
+                         for name, fn in prepared.torch.items()}
+            for variant, seconds in timings.items():
+                gbps = prepared.nbytes / seconds / 1e9
+                # out= variants are compared with the out= baseline, everything else with the rest
+                matching = {k: v for k, v in baselines.items() if (k.endswith("out=")) == (variant == "out=")}
+                if not matching:
+                    matching = {"": None}
+                for index, (baseline, base_seconds) in enumerate(matching.items()):
+                    first = index == 0
+                    row = dict(op=spec.name, case=case.id, label=case.label, dtype=case.dtype, variant=variant,
+                               ms=seconds * 1e3, gbps=gbps, pct_bandwidth=100 * gbps / bandwidth,
+                               baseline=baseline or None,
+                               baseline_ms=None if base_seconds is None else base_seconds * 1e3,
+                               speedup=None if base_seconds is None else base_seconds / seconds,
+                               setup_s=setup)
+                    rows.append(row)
+                    left = (f"{spec.name:<29} {case.id:<8} {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} "
+                            f"{gbps:6.1f} {row['pct_bandwidth']:4.0f}%") if first else " " * 78
+                    right = (f"  {baseline:<18} {row['baseline_ms']:8.2f} {row['speedup']:7.1f}x"
+                             if base_seconds is not None else "")
+                    say(left + right)
+            del prepared
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dict(machine=machine, bandwidth_gbps=bandwidth, quick=args.quick, rows=rows), handle, indent=1)
+        say(f"\nresults saved to {args.json}")
+    return 0
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastbwd", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
+    parser.add_argument("--ops", nargs="*", help="only these operators (public names)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="minimum seconds per row (default 0.5)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.seconds = min(args.repeats, 3), min(args.seconds, 0.05)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

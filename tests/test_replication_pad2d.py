@@ -1,0 +1,343 @@
+"""replication_pad2d_backward (SPEC §3) against the float64 reference, its forward's adjoint,
+every dtype and layout, threads, out=, strides, and every error of the SPEC."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastbwd
+from fastbwd import replication_pad2d_backward as pad_bwd
+from fastbwd.testing import reference as ref
+from fastbwd.testing.checks import (
+    assert_matches_reference,
+    assert_thread_invariant,
+    bitwise_equal,
+    raises_param_error,
+)
+
+F = "replication_pad2d_backward"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16,
+          np.dtype(np.complex64), np.dtype(np.complex128)]
+
+
+def random(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.standard_normal(shape)
+    return values.astype(dtype)
+
+
+def padded_shape(input_shape, padding):
+    left, right, top, bottom = padding
+    return (*input_shape[:-2], input_shape[-2] + top + bottom, input_shape[-1] + left + right)
+
+
+def random_case(rng):
+    """A random valid (input_shape, padding): non-square, 3-D or 4-D, pads of either sign."""
+    ndim = int(rng.integers(3, 5))
+    h, w = (int(s) for s in rng.integers(1, 9, size=2))
+    leading = tuple(int(s) for s in rng.integers(1, 4, size=ndim - 2))
+    pads = []
+    for size in (w, w, h, h):
+        pad = int(rng.integers(-size + 1, size)) if size > 1 else 0
+        pads.append(pad)
+    left, right, top, bottom = pads
+    # keep the padded size >= 1
+    while w + left + right < 1:
+        left += 1
+    while h + top + bottom < 1:
+        top += 1
+    return leading + (h, w), (left, right, top, bottom)
+
+
+# --------------------------------------------------------------------------------------------
+# values
+# --------------------------------------------------------------------------------------------
+
+def test_document_example():
+    grad_output = np.array([[[1, 1, 1, 1, 1, 1, 1]]], np.float32)
+    result = pad_bwd(grad_output, np.ones((1, 1, 5), np.float32), (1, 1, 0, 0))
+    assert result.dtype == np.float32 and result.shape == (1, 1, 5)
+    assert np.array_equal(result, [[[2, 1, 1, 1, 2]]])
+
+
+def test_corners_sum_their_rectangle():
+    grad_output = np.arange(1.0, 1 + 6 * 7).reshape(1, 1, 6, 7)
+    result = pad_bwd(grad_output, (1, 1, 3, 3), (2, 2, 1, 2))
+    # top-left corner: rows 0..1, cols 0..2 of grad_output
+    assert result[0, 0, 0, 0] == grad_output[0, 0, 0:2, 0:3].sum()
+    # bottom-right: rows 3..5, cols 4..6
+    assert result[0, 0, 2, 2] == grad_output[0, 0, 3:6, 4:7].sum()
+    # the middle cell is a copy
+    assert result[0, 0, 1, 1] == grad_output[0, 0, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference_random_cases(dtype):
+    rng = np.random.default_rng(7)
+    for case in range(25):
+        input_shape, padding = random_case(rng)
+        grad_output = random(padded_shape(input_shape, padding), dtype, case)
+        expected = ref.replication_pad2d_backward(grad_output, input_shape, padding)
+        result = pad_bwd(grad_output, input_shape, padding)
+        assert result.dtype == dtype and result.shape == input_shape
+        assert_matches_reference(result, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128], ids=str)
+def test_adjoint_of_the_forward(dtype):
+    rng = np.random.default_rng(11)
+    for case in range(20):
+        input_shape, padding = random_case(rng)
+        x = random(input_shape, dtype, 100 + case)
+        g = random(padded_shape(input_shape, padding), dtype, 200 + case)
+        forward = ref.replication_pad2d_forward(x, padding)
+        lhs = np.vdot(g, forward)  # <g, f(x)>
+        rhs = np.vdot(pad_bwd(g, input_shape, padding), x)  # <f^T(g), x>
+        assert np.isclose(lhs, rhs, rtol=1e-12, atol=1e-12), (input_shape, padding)
+
+
+def test_full_jacobian_tiny():
+    input_shape, padding = (1, 3, 3), (1, -1, 2, 1)
+    out_shape = padded_shape(input_shape, padding)
+    size_in, size_out = int(np.prod(input_shape)), int(np.prod(out_shape))
+    jacobian = np.zeros((size_out, size_in))
+    for k in range(size_in):
+        e = np.zeros(size_in)
+        e[k] = 1
+        jacobian[:, k] = ref.replication_pad2d_forward(e.reshape(input_shape), padding).ravel()
+    for k in range(size_out):
+        e = np.zeros(size_out)
+        e[k] = 1
+        assert np.array_equal(pad_bwd(e.reshape(out_shape), input_shape, padding).ravel(), jacobian[k])
+
+
+@pytest.mark.parametrize("dtype, half_ulp", [(np.float16, 2.0**-11), (BF16, 2.0**-8)], ids=str)
+def test_half_formats_round_once(dtype, half_ulp):
+    # The right edge cell sums 1 + half_ulp + half_ulp: rounding after every addition would give
+    # 1 (two ties to even); summing in float32 and rounding once gives 1 + ulp exactly.
+    grad_output = np.array([[[0.0, 0.0, 1.0, half_ulp, half_ulp]]], dtype)
+    result = pad_bwd(grad_output, (1, 1, 3), (0, 2, 0, 0))
+    assert result[0, 0, 2] == np.array(1.0 + 2 * half_ulp, dtype)
+    assert result[0, 0, 2] != np.array(1.0, dtype)
+
+
+def test_nan_and_inf_propagate():
+    grad_output = np.zeros((1, 1, 4, 4), np.float32)
+    grad_output[0, 0, 0, 0] = np.nan
+    grad_output[0, 0, 3, 3] = np.inf
+    grad_output[0, 0, 3, 2] = -np.inf
+    result = pad_bwd(grad_output, (1, 1, 2, 2), (1, 1, 1, 1))
+    assert np.isnan(result[0, 0, 0, 0])
+    assert np.isnan(result[0, 0, 1, 1])  # inf + -inf
+    assert result[0, 0, 0, 1] == 0 and result[0, 0, 1, 0] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# layouts, strides, out=, threads
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.complex64], ids=str)
+def test_channels_last_is_kept_and_equal(dtype):
+    input_shape, padding = (2, 5, 6, 7), (2, 1, -1, 3)
+    grad_output = random(padded_shape(input_shape, padding), dtype, 3)
+    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    result_nchw = pad_bwd(grad_output, input_shape, padding)
+    result_nhwc = pad_bwd(channels_last, input_shape, padding)
+    assert result_nhwc.transpose(0, 2, 3, 1).flags.c_contiguous
+    assert result_nchw.flags.c_contiguous
+    assert bitwise_equal(np.ascontiguousarray(result_nhwc), result_nchw)
+
+
+def test_strided_and_negative_stride_inputs():
+    input_shape, padding = (2, 3, 5, 4), (1, 2, 2, 0)
+    base = random((2, 6, 7 * 2, 7), np.float32, 5)
+    grad_output = base[:, ::2, ::-2, :]  # non-contiguous, negative stride along H
+    assert grad_output.shape == padded_shape(input_shape, padding)
+    expected = pad_bwd(np.ascontiguousarray(grad_output), input_shape, padding)
+    assert bitwise_equal(pad_bwd(grad_output, input_shape, padding), expected)
+
+
+def test_inputs_are_not_mutated_and_out_is_overwritten():
+    input_shape, padding = (2, 3, 5, 4), (1, 2, 2, 0)
+    grad_output = random(padded_shape(input_shape, padding), np.float32, 9)
+    x = random(input_shape, np.float32, 10)
+    snapshot = (grad_output.copy(), x.copy())
+    out = np.full(input_shape, np.nan, np.float32)
+    returned = pad_bwd(grad_output, x, padding, out=out)
+    assert returned is out
+    assert bitwise_equal(out, pad_bwd(grad_output, input_shape, padding))
+    assert bitwise_equal(grad_output, snapshot[0]) and bitwise_equal(x, snapshot[1])
+
+
+def test_out_channels_last():
+    input_shape, padding = (2, 3, 5, 4), (1, 1, 1, 1)
+    grad_output = random(padded_shape(input_shape, padding), np.float32, 1)
+    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    out = np.empty((2, 5, 4, 3), np.float32).transpose(0, 3, 1, 2)
+    assert pad_bwd(channels_last, input_shape, padding, out=out) is out
+    assert bitwise_equal(np.ascontiguousarray(out), pad_bwd(grad_output, input_shape, padding))
+    with raises_param_error(r"out must be C-contiguous like the result", param="out"):
+        pad_bwd(grad_output, input_shape, padding, out=out)
+
+
+@pytest.mark.parametrize("bad_out, message", [
+    (np.empty((2, 3, 5, 5), np.float32), r"out\.shape must be \(2, 3, 5, 4\), but got \(2, 3, 5, 5\)"),
+    (np.empty((2, 3, 5, 4), np.float64), r"out\.dtype must be float32, but got float64"),
+    ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
+    (np.empty((2, 3, 5, 8), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
+])
+def test_bad_out_is_rejected_and_untouched(bad_out, message):
+    grad_output = random((2, 3, 7, 7), np.float32, 2)
+    snapshot = np.array(bad_out, copy=True)
+    with raises_param_error(message, param="out"):
+        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=bad_out)
+    assert bitwise_equal(np.asarray(bad_out), snapshot)
+
+
+def test_out_read_only_and_overlapping():
+    grad_output = random((2, 3, 7, 7), np.float32, 2)
+    read_only = np.zeros((2, 3, 5, 4), np.float32)
+    read_only.flags.writeable = False
+    with raises_param_error(r"out must be writeable, but got a read-only array"):
+        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=read_only)
+    overlapping = grad_output[:, :, :5, :4]
+    with raises_param_error(r"out must be C-contiguous|out must not overlap grad_output"):
+        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=overlapping)
+    big = np.zeros(2 * 3 * 7 * 7 * 2, np.float32)
+    grad_view, out_view = big[: 2 * 3 * 7 * 7].reshape(2, 3, 7, 7), big[100: 100 + 120].reshape(2, 3, 5, 4)
+    with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
+        pad_bwd(grad_view, (2, 3, 5, 4), (1, 2, 1, 1), out=out_view)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_thread_count_does_not_change_bits(dtype):
+    input_shape, padding = (3, 5, 37, 29), (3, 2, 4, 1)
+    grad_output = random(padded_shape(input_shape, padding), dtype, 4)
+    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    assert_thread_invariant(lambda: pad_bwd(grad_output, input_shape, padding))
+    assert_thread_invariant(lambda: pad_bwd(channels_last, input_shape, padding))
+
+
+def test_serial_twin_equals_parallel():
+    from fastbwd.kernels import replication_pad2d as kernels
+    from fastbwd.kernels._halfbits import NATIVE
+
+    grad_output = random((6, 40, 33), np.float32, 8)
+    parallel, serial = np.empty((6, 33, 30), np.float32), np.empty((6, 33, 30), np.float32)
+    kernels.replication_pad2d_bwd_nchw.parallel(grad_output, parallel, 3, 2, NATIVE)
+    kernels.replication_pad2d_bwd_nchw.serial(grad_output, serial, 3, 2, NATIVE)
+    assert bitwise_equal(parallel, serial)
+
+
+# --------------------------------------------------------------------------------------------
+# argument forms
+# --------------------------------------------------------------------------------------------
+
+def test_input_as_array_or_shape_and_lists():
+    grad_output = [[[1.0, 2.0, 3.0, 4.0]]]  # a list: float64
+    by_shape = pad_bwd(grad_output, (1, 1, 2), [1, 1, 0, 0])
+    by_array = pad_bwd(np.array(grad_output), np.zeros((1, 1, 2)), np.array([1, 1, 0, 0]))
+    assert by_shape.dtype == np.float64 and np.array_equal(by_shape, [[[3.0, 7.0]]])
+    assert bitwise_equal(by_shape, by_array)
+
+
+def test_empty_batch():
+    result = pad_bwd(np.zeros((0, 3, 7, 8), BF16), (0, 3, 5, 4), (2, 2, 1, 1))
+    assert result.shape == (0, 3, 5, 4) and result.dtype == BF16
+
+
+def test_torch_tensors_are_accepted():
+    torch = pytest.importorskip("torch")
+    grad = torch.randn(2, 3, 7, 6, dtype=torch.bfloat16, requires_grad=True)
+    result = pad_bwd(grad, (2, 3, 5, 4), (1, 1, 1, 1))
+    assert result.dtype == BF16
+    expected = torch.ops.aten.replication_pad2d_backward(grad.detach().float(), torch.empty(2, 3, 5, 4), [1, 1, 1, 1])
+    assert_matches_reference(result, expected.double().numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "float16"])
+def test_matches_torch(dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        input_shape, padding = random_case(rng)
+        if len(input_shape) == 3:
+            input_shape = (1,) + input_shape
+        grad = torch.from_numpy(random(padded_shape(input_shape, padding), dtype, 1))
+        expected = torch.ops.aten.replication_pad2d_backward(grad, torch.empty(input_shape, dtype=grad.dtype), list(padding))
+        result = pad_bwd(grad, input_shape, padding)
+        if dtype == "float16":  # torch accumulates float16 in float16 on CPU; compare loosely
+            assert np.allclose(result.astype(np.float32), expected.float().numpy(), rtol=2e-3, atol=2e-3)
+        else:
+            assert_matches_reference(result, expected.numpy())
+
+
+# --------------------------------------------------------------------------------------------
+# errors (SPEC §3)
+# --------------------------------------------------------------------------------------------
+
+GOOD = dict(grad_output=np.zeros((2, 3, 7, 8), np.float32), input=(2, 3, 5, 4), padding=(2, 2, 1, 1))
+
+
+def call(**changes):
+    return pad_bwd(**dict(GOOD, **changes))
+
+
+@pytest.mark.parametrize("changes, message, param", [
+    (dict(grad_output=np.zeros((7, 8), np.float32)), r"grad_output must be 4-D like input, but got 2-D", "grad_output"),
+    (dict(input=(5, 4)), r"input must have length 3 or 4, but got length 2", "input"),
+    (dict(input=np.zeros((1, 2, 3, 5, 4))), r"input must be 3-D or 4-D, but got 5-D", "input"),
+    (dict(grad_output=np.zeros((3, 7, 8), np.float32)), r"grad_output must be 4-D like input, but got 3-D", "grad_output"),
+    (dict(padding=(2, 2, 1)), r"padding must have length 4, but got length 3", "padding"),
+    (dict(padding=(2, 2, 1, 1, 0)), r"padding must have length 4, but got length 5", "padding"),
+    (dict(padding=(2.0, 2, 1, 1)), r"padding\[0\] must be an integer, but got 2.0 \(a float\)", "padding"),
+    (dict(padding=(2, True, 1, 1)), r"padding\[1\] must be an integer, but got True \(a bool\)", "padding"),
+    (dict(padding=4), r"padding must be a sequence of integers, but got 4", "padding"),
+    (dict(padding=(4, 0, 1, 1), grad_output=np.zeros((2, 3, 7, 8), np.float32)),
+     r"padding\[0\] \(left\) must be less than the input width 4, but got 4", "padding"),
+    (dict(padding=(0, 5, 1, 1)), r"padding\[1\] \(right\) must be less than the input width 4, but got 5", "padding"),
+    (dict(padding=(2, 2, 5, 1)), r"padding\[2\] \(top\) must be less than the input height 5, but got 5", "padding"),
+    (dict(padding=(2, 2, 1, 7)), r"padding\[3\] \(bottom\) must be less than the input height 5, but got 7", "padding"),
+    (dict(padding=(-3, -3, 1, 1)), r"padding must leave a padded size of at least 1 x 1 for input 5 x 4, but got "
+     r"\(-3, -3, 1, 1\), giving 7 x -2", "padding"),
+    (dict(grad_output=np.zeros((3, 3, 7, 8), np.float32)), r"grad_output\.shape\[0\] must be 2 \(as input\), but got 3",
+     "grad_output"),
+    (dict(grad_output=np.zeros((2, 4, 7, 8), np.float32)), r"grad_output\.shape\[1\] must be 3 \(as input\), but got 4",
+     "grad_output"),
+    (dict(grad_output=np.zeros((2, 3, 6, 8), np.float32)),
+     r"grad_output\.shape\[2\] must be 7 \(input height 5 \+ top 1 \+ bottom 1\), but got 6", "grad_output"),
+    (dict(grad_output=np.zeros((2, 3, 7, 9), np.float32)),
+     r"grad_output\.shape\[3\] must be 8 \(input width 4 \+ left 2 \+ right 2\), but got 9", "grad_output"),
+    (dict(input=(2, 0, 5, 4), grad_output=np.zeros((2, 0, 7, 8), np.float32)),
+     r"input\.shape\[1\] must be > 0 \(only the batch dimension of a 4-D input may be empty\), but got 0", "input"),
+    (dict(input=(0, 5, 4), grad_output=np.zeros((0, 7, 8), np.float32)),
+     r"input\.shape\[0\] must be > 0", "input"),
+    (dict(input=(2, 3, -5, 4)), r"input\[2\] must be >= 0, but got -5", "input"),
+    (dict(grad_output=np.zeros((2, 3, 7, 8), np.int32)),
+     r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, complex64, complex128, but got int32",
+     "grad_output"),
+    (dict(input=np.zeros((2, 3, 5, 4), np.float64)), r"input\.dtype must equal grad_output\.dtype \(float32\), but got float64",
+     "input"),
+    (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
+    (dict(grad_output=object()), r"grad_output must be a numeric array", "grad_output"),
+])
+def test_errors(changes, message, param):
+    with raises_param_error(message, param=param):
+        call(**changes)
+
+
+@pytest.mark.parametrize("name", ["grad_output", "input", "padding"])
+def test_none_is_nullptr(name):
+    with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
+        call(**{name: None})
+
+
+def test_param_error_is_value_and_type_error():
+    assert issubclass(fastbwd.ParamError, ValueError) and issubclass(fastbwd.ParamError, TypeError)
+    with pytest.raises(ValueError):
+        call(padding=(9, 9, 9, 9))
+    with pytest.raises(TypeError):
+        call(padding=(9, 9, 9, 9))

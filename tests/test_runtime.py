@@ -1,0 +1,161 @@
+"""Safe from any caller (SPEC §0.3), caching without failing, and a clean import.
+
+Each scenario runs in a fresh subprocess with a time limit: the failures guarded against here
+(Numba's workqueue layer aborting on concurrent parallel calls, GNU OpenMP terminating a forked
+child, a hang) would otherwise take the test process down with them.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PRELUDE = """
+import sys, threading
+import numpy as np
+import fastbwd
+
+def case(seed):
+    rng = np.random.default_rng(seed)
+    grad_output = rng.standard_normal((3, 8, 41, 37)).astype(np.float32)
+    return grad_output, (3, 8, 35, 33), (2, 2, 3, 3)
+
+def expected(seed):
+    from fastbwd.testing import reference
+    grad_output, shape, padding = case(seed)
+    return reference.replication_pad2d_backward(grad_output, shape, padding)
+"""
+
+
+def run_script(body, env=None, timeout=240):
+    script = textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    environment.update(env or {})
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               timeout=timeout, env=environment, cwd=ROOT)
+    assert completed.returncode == 0, (
+        f"exit {completed.returncode}\nstdout:\n{completed.stdout}\nstderr:\n{completed.stderr}")
+    return completed.stdout
+
+
+_CONCURRENT = """
+results = {}
+errors = []
+def worker(index):
+    try:
+        for repeat in range(25):
+            grad_output, shape, padding = case(index)
+            results[index, repeat] = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
+    except BaseException as error:  # pragma: no cover - reported below
+        errors.append(repr(error))
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors
+for (index, repeat), result in results.items():
+    assert np.allclose(result, expected(index), rtol=1e-5, atol=1e-5), (index, repeat)
+    assert result.tobytes() == results[index, 0].tobytes()
+from fastbwd.kernels._jit import threading_layer
+print("layer", threading_layer())
+"""
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "omp"])
+def test_eight_python_threads_at_once(layer):
+    out = run_script(_CONCURRENT, env={"NUMBA_THREADING_LAYER": layer})
+    assert f"layer {layer}" in out
+
+
+_FORK = """
+import os
+grad_output, shape, padding = case(1)
+parent = fastbwd.replication_pad2d_backward(grad_output, shape, padding)  # starts the thread pool
+pid = os.fork()
+if pid == 0:
+    try:
+        child = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
+        ok = child.tobytes() == parent.tobytes()
+    except BaseException:
+        ok = False
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+# the parent still runs in parallel afterwards
+assert fastbwd.replication_pad2d_backward(grad_output, shape, padding).tobytes() == parent.tobytes()
+print("fork ok")
+"""
+
+
+@pytest.mark.parametrize("layer", ["omp", "workqueue"])
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_call_in_a_forked_child(layer):
+    assert "fork ok" in run_script(_FORK, env={"NUMBA_THREADING_LAYER": layer})
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_multiprocessing_fork_pool():
+    body = """
+    import multiprocessing as mp
+    grad_output, shape, padding = case(2)
+    parent = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
+    def work(_):
+        return fastbwd.replication_pad2d_backward(grad_output, shape, padding).tobytes()
+    with mp.get_context("fork").Pool(2) as pool:
+        assert all(r == parent.tobytes() for r in pool.map(work, range(4)))
+    print("pool ok")
+    """
+    assert "pool ok" in run_script(body)
+
+
+def test_runs_without_a_writable_cache_folder():
+    body = """
+    import numba.core.caching as caching
+    caching.CacheImpl._locator_classes = []   # as if no cache folder were writable anywhere
+    grad_output, shape, padding = case(3)
+    result = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
+    assert np.allclose(result, expected(3), rtol=1e-5, atol=1e-5)
+    print("no cache ok")
+    """
+    assert "no cache ok" in run_script(body)
+
+
+def test_cache_dir_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    body = """
+    grad_output, shape, padding = case(4)
+    assert np.allclose(fastbwd.replication_pad2d_backward(grad_output, shape, padding), expected(4), rtol=1e-5, atol=1e-5)
+    print("bad cache dir ok")
+    """
+    assert "bad cache dir ok" in run_script(body, env={"NUMBA_CACHE_DIR": str(blocker / "cache")})
+
+
+def test_serial_switch():
+    body = """
+    import numba.np.ufunc.parallel as parallel
+    grad_output, shape, padding = case(5)
+    result = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
+    assert np.allclose(result, expected(5), rtol=1e-5, atol=1e-5)
+    assert not parallel._is_initialized, "FASTBWD_SERIAL=1 must never start the thread pool"
+    print("serial ok")
+    """
+    assert "serial ok" in run_script(body, env={"FASTBWD_SERIAL": "1"})
+
+
+def test_import_compiles_nothing_and_never_imports_torch():
+    body = """
+    import gc
+    from fastbwd.kernels._jit import Kernel
+    kernels = [o for o in gc.get_objects() if isinstance(o, Kernel)]
+    assert kernels, "expected the kernel objects to exist"
+    assert all(k._parallel is None and k._serial is None for k in kernels), "a kernel was built at import"
+    assert "torch" not in sys.modules
+    import numba.np.ufunc.parallel as parallel
+    assert not parallel._is_initialized
+    print("clean import", len(kernels))
+    """
+    assert "clean import" in run_script(body)
