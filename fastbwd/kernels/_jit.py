@@ -40,6 +40,8 @@ _serial_only = _config.SERIAL
 def _launch_pool():
     """Start Numba's thread pool (once) and learn which threading layer it picked."""
     global _threading_layer
+    if _threading_layer is not None:  # the common case: no lock
+        return _threading_layer
     with _state_lock:
         if _threading_layer is None:
             from numba.np.ufunc import parallel

@@ -1,0 +1,41 @@
+"""Turn the main job's JSON (``python -m fastbwd --json results.json``) into the README's
+Markdown benchmark table.
+
+Usage: python bench/to_table.py results.json
+"""
+
+import json
+import sys
+
+
+def table(results):
+    machine = results["machine"]
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}), "
+        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s; fastbwd {machine['fastbwd']}, "
+        f"numba {machine['numba']}, torch {machine['torch'] or 'not installed'} (same thread count).",
+        "",
+        "| case | operator | dtype | variant | fastbwd ms | GB/s | % of copy bw | baseline | baseline ms | speed-up |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for row in results["rows"]:
+        baseline = row["baseline"] or "-"
+        base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
+        speedup = f"**{row['speedup']:.1f}x**" if row["speedup"] is not None else "-"
+        lines.append(
+            f"| {row['case']} | {row['op']} | {row['dtype']} | {row['variant']} | {row['ms']:.2f} | "
+            f"{row['gbps']:.1f} | {row['pct_bandwidth']:.0f}% | {baseline} | {base_ms} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) != 2:
+        print(__doc__)
+        return 2
+    with open(argv[1]) as handle:
+        print(table(json.load(handle)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
