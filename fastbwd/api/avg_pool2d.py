@@ -1,0 +1,227 @@
+"""fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, SPEC §2)."""
+
+import numpy as np
+
+from .. import _dtypes as d
+from .. import _validation as v
+from ..kernels import avg_pool2d as kernels
+from ..kernels import _separable
+
+FUNC = "avg_pool2d_backward"
+
+#: The documents' limit on the channel count.
+MAX_CHANNELS = 65535
+#: Kernel, stride and padding are C ``int`` on the device and in PyTorch's CPU kernel.
+_INT32_MAX = 2**31 - 1
+#: divisor_override is an ``int64_t``.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0, ceil_mode=False,
+                        count_include_pad=True, divisor_override=0, cube_math_type=0, *, out=None):
+    """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
+
+    Every output cell ``(oh, ow)`` pools the window ``[oh*sH - pH, oh*sH - pH + kH)`` x
+    ``[ow*sW - pW, ow*sW - pW + kW)``, and its gradient is spread evenly over the window's input
+    cells (SPEC §2, PyTorch semantics, modern ``ceil_mode`` rule): ``grad_input[..., h, w]`` is the
+    sum over the windows covering ``(h, w)`` of ``grad_output[..., oh, ow] / divisor``.
+
+    Parameters
+    ----------
+    grad_output : array_like
+        ``(N, C, OH, OW)`` or unbatched ``(C, OH, OW)``; float32, float16, bfloat16 or float64.
+        ``(OH, OW)`` must be the pooled size of ``input``. Any strides; see Returns for layouts.
+    input : array_like or tuple of int
+        The forward input (only its shape and dtype are used; its dtype must be grad_output's) or
+        its shape, of grad_output's rank. ``C`` must be at most 65535 and ``C, H, W`` must be > 0
+        (only the batch dimension may be empty, giving an empty result).
+    kernel_size : int or sequence of 1 or 2 int
+        ``(kH, kW)``; one value is used for both axes. Each > 0.
+    stride : int or sequence of 0, 1 or 2 int, optional
+        ``(sH, sW)``; None or an empty sequence means ``kernel_size`` (as in PyTorch). Each > 0.
+    padding : int or sequence of 1 or 2 int, default 0
+        ``(pH, pW)`` implicit zero padding on both sides; an empty sequence is an error.
+        ``0 <= p <= k / 2`` on each axis.
+    ceil_mode : bool, default False
+        Round the output size up; the last window must still start inside the input or the
+        left/top padding (the modern rule, so no window lies entirely in the right padding).
+    count_include_pad : bool, default True
+        Divide by the window size including padding (but never the part of a ceil-mode window
+        overhanging the padding); False divides by the number of input cells in the window.
+    divisor_override : int or None, default 0
+        0 (or None, PyTorch's spelling) means not set; any other value, negative included, is
+        the divisor of every window.
+    cube_math_type : int, default 0
+        The device's matmul precision mode, one of 0, 1, 2, 3. Validated; it does not change the
+        CPU numerics (float32 accumulation always).
+    out : numpy.ndarray, optional
+        Written completely and returned: exactly the result's shape, dtype and memory layout,
+        not overlapping grad_output or input.
+
+    Returns
+    -------
+    numpy.ndarray
+        grad_input, shaped like ``input``, in grad_output's dtype. Layout: C-contiguous, except
+        that a 4-D grad_output with channels-last strides gives a channels-last result, read
+        without copying. grad_output decides the layout (its memory is what is read); only when
+        it is 1 x 1 spatially, where both layouts are the same memory, does a channels-last
+        ``input`` array make the result channels-last, as PyTorch would.
+
+        Numerics: the divisor factorises per axis (``1/d`` becomes ``(1/dH) * (1/dW)``, and a
+        ``divisor_override`` ``d`` becomes ``1/d`` on the H axis), so each gradient is scaled by
+        per-axis reciprocals (float32 for float32/float16/bfloat16, float64 for float64) and
+        summed along W, then along H, accumulating in the compute type; half formats are rounded
+        once at the end. PyTorch divides each gradient once by the integer divisor instead: the
+        results differ by about 1 ulp of float32. The global case (one window covering the
+        whole input) divides by the integer divisor exactly as PyTorch does.
+
+    Raises
+    ------
+    ParamError
+        For every bad argument of SPEC §2 (status 161001 when a required argument is None):
+        ranks, dtypes, sizes, kernel/stride/padding values and lengths, ``2*p > k``, channels
+        above 65535, an empty non-batch dimension, an output size below 1, a grad_output shape
+        that does not match the pooled input, ``cube_math_type`` not in 0-3, a bad ``out``.
+    """
+    grad_output = v.as_array(FUNC, "grad_output", grad_output)
+    v.check_ndim(FUNC, "grad_output", grad_output, (3, 4))
+    input_shape, input_dtype = v.shape_or_array(FUNC, "input", input, (3, 4))
+    ndim = len(input_shape)
+    if grad_output.ndim != ndim:
+        v.fail(FUNC, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
+    v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
+    if input_dtype is not None:
+        v.check_same_dtype(FUNC, "input", np.empty(0, input_dtype), "grad_output", grad_output.dtype)
+
+    kernel = v.int_tuple(FUNC, "kernel_size", kernel_size, (1, 2), scalar_repeats=2)
+    _check_positive("kernel_size", kernel)
+    # PyTorch: no stride (None or empty) means stride = kernel, non-overlapping windows.
+    stride = () if stride is None else v.int_tuple(FUNC, "stride", stride, (0, 1, 2), scalar_repeats=2)
+    stride = stride or kernel
+    _check_positive("stride", stride)
+    padding = v.int_tuple(FUNC, "padding", padding, (1, 2), scalar_repeats=2)
+    for axis, (pad, k) in enumerate(zip(padding, kernel)):
+        if pad < 0:
+            v.fail(FUNC, f"padding[{axis}]", "must be >= 0", pad)
+        if 2 * pad > k:
+            v.fail(FUNC, f"padding[{axis}]", f"must be at most half of kernel_size[{axis}] = {k}", pad)
+    ceil_mode = v.bool_value(FUNC, "ceil_mode", ceil_mode)
+    count_include_pad = v.bool_value(FUNC, "count_include_pad", count_include_pad)
+    divisor_override = 0 if divisor_override is None else v.int_value(FUNC, "divisor_override", divisor_override)
+    if not _INT64_MIN <= divisor_override <= _INT64_MAX:
+        v.fail(FUNC, "divisor_override", "must fit in int64", divisor_override)
+    cube_math_type = v.int_value(FUNC, "cube_math_type", cube_math_type)
+    if cube_math_type not in (0, 1, 2, 3):
+        v.fail(FUNC, "cube_math_type", "must be one of 0, 1, 2, 3", cube_math_type)
+
+    channels, height, width = input_shape[-3:]
+    channel_axis = ndim - 3
+    if channels > MAX_CHANNELS:
+        v.fail(FUNC, f"input.shape[{channel_axis}]", f"(channels) must be at most {MAX_CHANNELS}", channels)
+    for axis in range(channel_axis, ndim):
+        if input_shape[axis] == 0:
+            v.fail(FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0)
+    out_sizes = []
+    for axis, (name, size, k, s, pad) in enumerate(
+            (("height", height, kernel[0], stride[0], padding[0]),
+             ("width", width, kernel[1], stride[1], padding[1]))):
+        out_size = v.pooling_output_size(size, k, s, pad, ceil_mode)
+        setting = f"input {name} {size}, stride {s}, padding {pad}, ceil_mode {ceil_mode}"
+        if out_size < 1:
+            v.fail(FUNC, f"kernel_size[{axis}]", f"must leave an output {name} >= 1 ({setting})",
+                   f"{k} (output {name} {out_size})")
+        v.check_dim(FUNC, "grad_output", ndim - 2 + axis, grad_output.shape[ndim - 2 + axis], out_size,
+                    f"output {name} for {setting}, kernel {k}")
+        out_sizes.append(out_size)
+    for axis in range(ndim - 2):
+        v.check_dim(FUNC, "grad_output", axis, grad_output.shape[axis], input_shape[axis], "as input")
+    out_height, out_width = out_sizes
+
+    dtype = grad_output.dtype
+    layout = d.NCHW
+    if d.is_channels_last(grad_output) or (
+            out_height == out_width == 1 and isinstance(input, np.ndarray) and d.is_channels_last(input)):
+        layout = d.NHWC
+    result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
+                                  inputs=(("grad_output", grad_output), ("input", input)))
+    if result.size == 0:
+        return result
+    if ndim == 3:
+        grad_output = grad_output[None]
+    grad_output = d.kernel_view(d.physical(grad_output, layout))
+    grad_input = d.kernel_view(grad_input)
+    fmt = d.storage_format(dtype)
+    compute = d.compute_dtype(dtype)
+    planes = int(np.prod(input_shape[:-2]))
+
+    start_h, stop_h, extent_h = _axis_windows(height, kernel[0], stride[0], padding[0], out_height)
+    start_w, stop_w, extent_w = _axis_windows(width, kernel[1], stride[1], padding[1], out_width)
+    if out_height == out_width == 1 and start_h[0] == start_w[0] == 0 and stop_h[0] == height and stop_w[0] == width:
+        # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
+        if divisor_override != 0:
+            divisor = divisor_override
+        elif count_include_pad:
+            divisor = int(extent_h[0]) * int(extent_w[0])
+        else:
+            divisor = height * width
+        divisor = compute.type(divisor)
+        if layout == d.NHWC:
+            batch = input_shape[0]
+            kernels.global_avg_pool2d_bwd_nhwc(grad_output.reshape(batch, channels),
+                                               grad_input.reshape(batch, height * width, channels), divisor, fmt)
+        else:
+            kernels.global_avg_pool2d_bwd_nchw(grad_output.reshape(planes),
+                                               grad_input.reshape(planes, height * width), divisor, fmt)
+        return result
+
+    # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
+    # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
+    if divisor_override != 0:
+        divisor_h = np.full(out_height, divisor_override, np.int64)
+        divisor_w = np.ones(out_width, np.int64)
+    elif count_include_pad:
+        divisor_h, divisor_w = extent_h, extent_w
+    else:
+        divisor_h, divisor_w = stop_h - start_h, stop_w - start_w
+    window_weight_h = np.divide(1, divisor_h.astype(compute), dtype=compute)
+    window_weight_w = np.divide(1, divisor_w.astype(compute), dtype=compute)
+    taps_h = _window_taps(start_h, stop_h, window_weight_h, compute)
+    taps_w = _window_taps(start_w, stop_w, window_weight_w, compute)
+    if layout == d.NHWC:
+        _separable.separable_bwd_nhwc(grad_output, grad_input, *taps_h, *taps_w, fmt)
+    else:
+        _separable.separable_bwd_nchw(grad_output.reshape(planes, out_height, out_width),
+                                      grad_input.reshape(planes, height, width), *taps_h, *taps_w, fmt)
+    return result
+
+
+def _check_positive(param, values):
+    for axis, value in enumerate(values):
+        if value <= 0:
+            v.fail(FUNC, f"{param}[{axis}]", "must be > 0", value)
+        if value > _INT32_MAX:
+            v.fail(FUNC, f"{param}[{axis}]", f"must be at most {_INT32_MAX}", value)
+
+
+def _axis_windows(size, kernel, stride, pad, out_size):
+    """The SPEC §2 windows of one axis, per output index: ``(start, stop, pool_extent)``.
+
+    ``[start, stop)`` is the window clipped to the input; ``pool_extent`` is its length
+    counting the padding but not the part of a ceil-mode window beyond the padding (so a
+    last window overhanging ``size + pad`` is divided by less than ``kernel``).
+    """
+    start = np.arange(out_size, dtype=np.int64) * stride - pad
+    stop = np.minimum(start + kernel, size + pad)
+    pool_extent = stop - start
+    return np.maximum(start, 0), np.minimum(stop, size), pool_extent
+
+
+def _window_taps(start, stop, window_weight, compute):
+    """The forward tap table of one axis for the separable engine: output ``o`` reads the cells
+    ``[start[o], stop[o])`` of its clipped window, each with the window's weight (unused taps of
+    shorter windows are -1)."""
+    taps = max(1, int(np.max(stop - start)))
+    index = start[:, None] + np.arange(taps)[None, :]
+    index = np.where(index < stop[:, None], index, -1)
+    weight = np.broadcast_to(window_weight[:, None], index.shape)
+    return _separable.tap_table(index, weight, compute)

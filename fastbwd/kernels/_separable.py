@@ -1,0 +1,182 @@
+"""The separable backward engine shared by upsample_bilinear2d_backward and avg_pool2d_backward.
+
+Both backwards are separable linear maps: per (n, c) plane,
+``grad_input = A_h^T . grad_output . A_w`` with band matrices ``A_h`` (OH x H) and ``A_w``
+(OW x W). The engine takes each axis in *forward tap* form, the way the forward reads it:
+
+    output index ``o`` reads input ``index[o, t]`` with weight ``weight[o, t]`` for each tap
+    ``t`` (a negative index marks an unused tap)
+
+``index`` is int64 and ``weight`` float32 (float64 for float64 data), both ``(output size,
+taps)`` C-contiguous. Bilinear upsampling has two taps per output index (``index0, lambda0`` and
+``index1, lambda1``), average pooling one tap per window cell. Used indices must lie in
+``[0, input size)``: the kernels do no bounds checking; the api layer builds the tables.
+
+Result, in the compute type (float32 for float32/float16/bfloat16, float64 for float64)::
+
+    U[p, h, ow]  = sum over oh ascending, taps t with index_h[oh, t] == h of weight_h[oh, t] * grad_output[p, oh, ow]
+    grad_input[p, h, w] = sum over ow ascending, taps t with index_w[ow, t] == w of weight_w[ow, t] * U[p, h, ow]
+
+Every sum starts from +0.0 and adds in that order (height axis first, then width); each value
+is stored once (half formats round to nearest even); an input index no tap reads gets 0. Both
+layouts perform the same operations in the same order, so NCHW and NHWC results are bitwise
+equal, and the task partition never changes a bit (it does not depend on the thread count).
+
+How, per task = (plane, block of input rows) for NCHW, (image, block of input rows) for NHWC,
+with task-local scratch that stays in cache and no atomics:
+
+1. height pass: every grad_output row a tap sends into the block is added, scaled, to the
+   scratch row of its target: contiguous, vectorised row operations;
+2. NCHW: the scratch block is transposed (``OW x rows``), so that the width pass
+   ``G[w, :] += weight * U_t[ow, :]`` again runs on contiguous vectors of the block's rows; the
+   block is transposed back on the final store. NHWC: the width pass adds whole channel vectors.
+"""
+
+import numpy as np
+from numba import prange
+
+from ._halfbits import accumulator, load, store
+from ._jit import helper, parallel_kernel
+
+#: Input rows per NCHW task: the width of the transposed tiles (one 512-bit vector of float32).
+BLOCK_ROWS = 16
+#: Scratch elements an NHWC task's height-pass buffer may hold (256 KiB of float32: inside L2).
+NHWC_SCRATCH_ELEMENTS = 1 << 16
+
+
+def tap_table(index, weight, dtype):
+    """The C-contiguous ``(index, weight)`` pair of one axis from array-likes of shape (O, taps)."""
+    index = np.ascontiguousarray(index, dtype=np.int64)
+    weight = np.ascontiguousarray(weight, dtype=dtype)
+    if index.ndim == 1:
+        index, weight = index[:, None], weight[:, None]
+    return index, weight
+
+
+def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
+    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
+
+    Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
+    """
+    _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, BLOCK_ROWS, fmt)
+
+
+def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
+    """grad_output (N, OH, OW, C) -> grad_input (N, H, W, C), both C-contiguous.
+
+    Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
+    """
+    row_elements = grad_output.shape[2] * grad_output.shape[3]
+    rows = max(1, min(grad_input.shape[1], NHWC_SCRATCH_ELEMENTS // max(row_elements, 1)))
+    _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, rows, fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+@helper
+def _touching_rows(index_h, row_start, row_stop):
+    """``[lo, hi)``: the output rows with a tap into input rows ``[row_start, row_stop)``."""
+    lo = index_h.shape[0]
+    hi = 0
+    for oh in range(index_h.shape[0]):
+        for t in range(index_h.shape[1]):
+            target = index_h[oh, t]
+            if row_start <= target < row_stop:
+                lo = min(lo, oh)
+                hi = max(hi, oh + 1)
+    return lo, max(hi, lo)
+
+
+@parallel_kernel
+def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, block_rows, fmt):
+    """Parallel over (plane, block of ``block_rows`` input rows); a task writes only its rows."""
+    planes, height, width = grad_input.shape
+    out_width = grad_output.shape[2]
+    taps_h, taps_w = index_h.shape[1], index_w.shape[1]
+    blocks = (height + block_rows - 1) // block_rows
+    zero = accumulator(grad_output, fmt)
+    for task in prange(planes * blocks):
+        plane = task // blocks
+        row_start = (task - plane * blocks) * block_rows
+        rows = min(block_rows, height - row_start)
+        source = grad_output[plane]
+        # 1. height pass into rows x OW
+        block = np.full((block_rows, out_width), zero)
+        lo, hi = _touching_rows(index_h, row_start, row_start + rows)
+        for oh in range(lo, hi):
+            row = source[oh]
+            for t in range(taps_h):
+                r = index_h[oh, t] - row_start
+                if 0 <= r < rows:
+                    c = weight_h[oh, t]
+                    acc = block[r]
+                    for k in range(out_width):
+                        acc[k] += c * load(row[k], fmt)
+        # 2. transpose to OW x rows, width pass on contiguous vectors of the block's rows
+        block_t = np.empty((out_width, block_rows), block.dtype)
+        for r in range(block_rows):
+            acc = block[r]
+            for k in range(out_width):
+                block_t[k, r] = acc[k]
+        result_t = np.full((width, block_rows), zero)
+        for ow in range(out_width):
+            column = block_t[ow]
+            for t in range(taps_w):
+                w = index_w[ow, t]
+                if w >= 0:
+                    c = weight_w[ow, t]
+                    acc = result_t[w]
+                    for r in range(block_rows):
+                        acc[r] += c * column[r]
+        # 3. store, transposing back
+        for r in range(rows):
+            destination = grad_input[plane, row_start + r]
+            for w in range(width):
+                destination[w] = store(result_t[w, r], fmt)
+
+
+@parallel_kernel
+def _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, block_rows, fmt):
+    """Parallel over (image, block of ``block_rows`` input rows); a task writes only its rows."""
+    batch, height, width, channels = grad_input.shape
+    out_width = grad_output.shape[2]
+    taps_h, taps_w = index_h.shape[1], index_w.shape[1]
+    row_length = out_width * channels
+    blocks = (height + block_rows - 1) // block_rows
+    zero = accumulator(grad_output, fmt)
+    for task in prange(batch * blocks):
+        n = task // blocks
+        row_start = (task - n * blocks) * block_rows
+        rows = min(block_rows, height - row_start)
+        # 1. height pass: whole (OW * C) rows
+        block = np.full((block_rows, row_length), zero)
+        lo, hi = _touching_rows(index_h, row_start, row_start + rows)
+        for oh in range(lo, hi):
+            row = grad_output[n, oh].reshape(row_length)
+            for t in range(taps_h):
+                r = index_h[oh, t] - row_start
+                if 0 <= r < rows:
+                    c = weight_h[oh, t]
+                    acc = block[r]
+                    for k in range(row_length):
+                        acc[k] += c * load(row[k], fmt)
+        # 2. width pass on channel vectors, one input row at a time
+        result = np.empty((width, channels), block.dtype)
+        for r in range(rows):
+            result[:] = zero
+            source = block[r].reshape((out_width, channels))
+            for ow in range(out_width):
+                column = source[ow]
+                for t in range(taps_w):
+                    w = index_w[ow, t]
+                    if w >= 0:
+                        c = weight_w[ow, t]
+                        acc = result[w]
+                        for k in range(channels):
+                            acc[k] += c * column[k]
+            destination = grad_input[n, row_start + r]
+            for w in range(width):
+                for k in range(channels):
+                    destination[w, k] = store(result[w, k], fmt)
