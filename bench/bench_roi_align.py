@@ -1,0 +1,63 @@
+"""roi_align_backward benchmarks (SPEC §6 R1, R2, and one 1e7-pixel box with adaptive sampling),
+with the two baselines of ``fastbwd.testing.roi_baselines`` when torch is installed: the
+pure-PyTorch formulation (autograd through index_add) and the serial torchvision-style loop.
+
+Run: python -m pytest bench/bench_roi_align.py --benchmark-enable --benchmark-only
+"""
+
+import numba
+import numpy as np
+import pytest
+
+import fastbwd
+from benchutil import case_id, op_cases, prepared_case
+from fastbwd.testing.cases import Case, Prepared
+
+CASES = op_cases("roi_align_backward")
+
+#: One box of about 1e7 feature-map pixels (3163 x 3163 at scale 0.25) around the R1 image:
+#: adaptive sampling gives 452 x 452 samples per bin, of which only those in the image are visited.
+HUGE = Case("R-huge", "roi_align_backward", "(2,256,200,304), one 1e7-pixel box, adaptive",
+            dict(input_shape=(2, 256, 200, 304), pooled_height=7, pooled_width=7, spatial_scale=0.25,
+                 sampling_ratio=0, aligned=True, box=(1, -5520.0, -5920.0, 7132.0, 6732.0)))
+
+
+def _prepare_huge(case):
+    p = case.params
+    boxes = np.array([p["box"]], np.float32)
+    grad_output = np.random.default_rng(0).uniform(-1, 1, (1, p["input_shape"][1], 7, 7)).astype(np.float32)
+    args = (grad_output, boxes, p["input_shape"], p["pooled_height"], p["pooled_width"],
+            p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    out = fastbwd.roi_align_backward(*args)
+    return Prepared(run=lambda: fastbwd.roi_align_backward(*args),
+                    run_out=lambda: fastbwd.roi_align_backward(*args, out=out),
+                    nbytes=grad_output.nbytes + out.nbytes)
+
+
+@pytest.mark.parametrize("case", CASES)
+def bench_fastbwd(case, measure):
+    prepared = prepared_case(case)
+    measure(case, prepared.run, prepared.nbytes, "fastbwd")
+
+
+@pytest.mark.parametrize("case", CASES)
+def bench_fastbwd_out(case, measure):
+    prepared = prepared_case(case)
+    measure(case, prepared.run_out, prepared.nbytes, "fastbwd out=")
+
+
+@pytest.mark.parametrize("case", [pytest.param(HUGE, id=case_id(HUGE))])
+def bench_fastbwd_huge_box(case, measure):
+    prepared = _prepare_huge(case)
+    measure(case, prepared.run, prepared.nbytes, "fastbwd")
+
+
+@pytest.mark.parametrize("baseline", ["torch (pure PyTorch)", "serial loop"])
+@pytest.mark.parametrize("case", CASES)
+def bench_baseline(case, baseline, measure):
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
+    prepared = prepared_case(case, with_torch=True)
+    if baseline not in prepared.torch:
+        pytest.skip(f"no {baseline} baseline for {case.id} {case.dtype} (see roi_baselines)")
+    measure(case, prepared.torch[baseline], prepared.nbytes, baseline)
