@@ -1,0 +1,211 @@
+"""fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, SPEC §5)."""
+
+import numpy as np
+
+from .. import _dtypes as d
+from .. import _validation as v
+from ..kernels import group_norm_swish as kernels
+
+FUNC = "group_norm_swish_backward"
+
+#: data_format strings meaning "channels at axis 1" (SPEC §5), and the channels-last one.
+CHANNELS_FIRST_FORMATS = ("NCHW", "ND", "NCL", "NCDHW")
+CHANNELS_LAST_FORMAT = "NHWC"
+#: The documents' limit on channels per group.
+MAX_GROUP_SIZE = 4000
+MAX_RANK = 8
+#: At most this many bytes of dy + x per NHWC task (unless one group is larger): the task reads
+#: them in pass 1 and x (with its gnew scratch) again in pass 2, from cache if they fit.
+_NHWC_TASK_BYTES = 1 << 20
+#: Channels an NHWC task aims to span, so its inner loops are long enough to vectorise well
+#: (measured on G1 in NHWC: 128 channels per task ran ~25% faster than 32).
+_NHWC_TASK_CHANNELS = 128
+
+
+def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_format="NCHW",
+                              swish_scale=1.0, dgamma_is_require=True, dbeta_is_require=True,
+                              *, out=None):
+    """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
+
+    With ``s = float32(swish_scale)``, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
+    ``sig = sigmoid(s*y)``, ``gnew = dy * sig * (1 + s*y*(1 - sig))`` (SPEC §5)::
+
+        dbeta[c]  = sum over n, spatial of gnew
+        dgamma[c] = sum over n, spatial of gnew * xhat
+        c1[n,g] = sum_{c in g} gamma[c] * sum_spatial(gnew) / (D * HxW)     (c2: with gnew * xhat)
+        dx = rstd[n,g] * (gnew * gamma[c] - xhat * c2[n,g] - c1[n,g])
+
+    The same as PyTorch autograd through ``F.group_norm(x, G, gamma, beta, eps)`` then
+    ``y * torch.sigmoid(s * y)``, given that forward's mean and rstd.
+
+    Parameters
+    ----------
+    dy : array_like
+        Gradient of the Swish output, shaped like ``x``. float32, float16, bfloat16 or float64.
+    mean, rstd : array_like
+        Per-(sample, group) mean and reciprocal standard deviation of the forward, shape
+        ``(N, G)`` or flat ``(N*G,)`` (both arrays the same shape); used as given, never
+        recomputed. dtype: dy's or float32.
+    x : array_like
+        The forward input, rank 2 to 8: ``(N, C, *spatial)``, or ``(N, *spatial, C)`` with
+        ``data_format="NHWC"``. Same dtype as dy. Any strides; a 4-D NCHW array with
+        channels-last strides (PyTorch ``channels_last``) is read in place and gives a
+        channels-last dx.
+    gamma, beta : array_like
+        Per-channel scale and shift, shape ``(C,)``. dtype: dy's or float32 (each).
+    num_groups : int
+        G > 0, dividing C, with at most 4000 channels per group.
+    data_format : str, optional
+        ``"NCHW"`` (default), ``"ND"``, ``"NCL"`` or ``"NCDHW"``: channels at axis 1, for any
+        rank (the names are synonyms). ``"NHWC"``: channels on the last axis.
+    swish_scale : float, optional
+        ``s``, any real value (0 and negatives included), rounded to float32 first. For
+        ``|s*y|`` beyond 104 (750 for float64 data) the Swish derivative takes its limit value
+        (1 above, 0 below), which is what float32 (float64) evaluation of the formula gives
+        there to the last bit; infinities in ``s*y`` therefore give finite derivatives.
+    dgamma_is_require, dbeta_is_require : bool, optional
+        When False that gradient is not returned (None in its place).
+    out : tuple of 3 (numpy.ndarray or None), optional
+        ``(dx, dgamma, dbeta)``; each given array must have exactly its result's shape, dtype
+        and memory layout and is written completely and returned. An array given for a
+        gradient that is not required is zero-filled (and None is returned in its place). On
+        any error nothing is written.
+
+    Returns
+    -------
+    dx : numpy.ndarray
+        Shaped like ``x``, in x's dtype, C-contiguous (channels-last for a channels-last 4-D
+        NCHW input).
+    dgamma, dbeta : numpy.ndarray or None
+        Shape ``(C,)`` in gamma's dtype, or None when not required.
+
+    Notes
+    -----
+    Computed in float32 for float32, float16 and bfloat16 data (parameters are converted
+    exactly), in float64 for float64 data; half-format results are rounded once. The Swish
+    derivative uses a polynomial exp with about 1e-7 relative error for float32 and ``exp``
+    for float64. Sums run in a fixed order (blocks of 4096 spatial positions, 256 interleaved
+    partial sums each, folded pairwise), identical for NCHW and NHWC and for any thread
+    count, so results are bitwise reproducible. Each (sample, group) task keeps its group's
+    ``gnew`` in a compute-type scratch array between its two passes (D*HxW elements, float32
+    for the half formats), so the Swish derivative is evaluated once per element.
+
+    Raises
+    ------
+    ParamError
+        Status 161001 when dy, mean, rstd, x, gamma, beta or num_groups is None; 161002 for:
+        x of rank < 2 or > 8; dy.shape != x.shape; N, C or HxW == 0; mean or rstd not of shape
+        (N, G) or (N*G,), or of different shapes; gamma or beta shape != (C,); num_groups not an
+        integer or <= 0, C % G != 0, C/G > 4000; unsupported dtypes (dy and x not the same
+        float dtype, a parameter neither dy's dtype nor float32); a bad data_format,
+        swish_scale, flag or ``out``.
+    """
+    dy = v.as_array(FUNC, "dy", dy)
+    mean = v.as_array(FUNC, "mean", mean)
+    rstd = v.as_array(FUNC, "rstd", rstd)
+    x = v.as_array(FUNC, "x", x)
+    gamma = v.as_array(FUNC, "gamma", gamma)
+    beta = v.as_array(FUNC, "beta", beta)
+    groups = v.int_value(FUNC, "num_groups", num_groups)
+    data_format = v.choice(FUNC, "data_format", data_format,
+                           CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
+    swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
+    want_dgamma = v.bool_value(FUNC, "dgamma_is_require", dgamma_is_require)
+    want_dbeta = v.bool_value(FUNC, "dbeta_is_require", dbeta_is_require)
+
+    v.check_dtype(FUNC, "x", x, d.FLOATING)
+    v.check_same_dtype(FUNC, "dy", dy, "x", x.dtype)
+    dtype = x.dtype
+    for name, param in (("mean", mean), ("rstd", rstd), ("gamma", gamma), ("beta", beta)):
+        if param.dtype not in (dtype, d.float32):
+            v.fail(FUNC, f"{name}.dtype", f"must be x's dtype ({dtype}) or float32", param.dtype)
+
+    if not 2 <= x.ndim <= MAX_RANK:
+        v.fail(FUNC, "x", f"must have rank 2 to {MAX_RANK}", f"{x.ndim}-D with shape {x.shape}")
+    v.check_shape(FUNC, "dy", dy.shape, x.shape, "as x")
+    channels_last = data_format == CHANNELS_LAST_FORMAT
+    channel_axis = x.ndim - 1 if channels_last else 1
+    spatial_axes = [axis for axis in range(1, x.ndim) if axis != channel_axis]
+    batch, channels = x.shape[0], x.shape[channel_axis]
+    for axis, what in [(0, "N"), (channel_axis, "C")] + [(axis, "spatial") for axis in spatial_axes]:
+        if x.shape[axis] == 0:
+            v.fail(FUNC, f"x.shape[{axis}]", f"({what}) must be > 0 (empty tensors are not supported)", 0)
+    hw = int(np.prod([x.shape[axis] for axis in spatial_axes], dtype=np.int64))
+
+    if groups <= 0:
+        v.fail(FUNC, "num_groups", "must be > 0", groups)
+    if channels % groups != 0:
+        v.fail(FUNC, "num_groups", f"must divide the channel count C = {channels}", groups)
+    if channels // groups > MAX_GROUP_SIZE:
+        v.fail(FUNC, "num_groups", f"must leave at most {MAX_GROUP_SIZE} channels per group "
+               f"(C = {channels})", f"{groups} ({channels // groups} channels per group)")
+    if mean.shape not in ((batch, groups), (batch * groups,)):
+        v.fail(FUNC, "mean.shape", f"must be {(batch, groups)} or {(batch * groups,)} (N, G)", mean.shape)
+    v.check_shape(FUNC, "rstd", rstd.shape, mean.shape, "as mean")
+    v.check_shape(FUNC, "gamma", gamma.shape, (channels,), "one per channel")
+    v.check_shape(FUNC, "beta", beta.shape, (channels,), "one per channel")
+
+    # The physical layout the kernels see: (N, C, HxW) or (N, HxW, C).
+    layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
+    kernel_nhwc = channels_last or layout == d.NHWC
+    out_dx, out_dgamma, out_dbeta = _out_entries(out)
+    inputs = (("dy", dy), ("mean", mean), ("rstd", rstd), ("x", x), ("gamma", gamma), ("beta", beta))
+    dx, dx_phys = d.output(FUNC, out_dx, x.shape, dtype, layout, inputs=inputs, param="out[0]")
+    dgamma, dgamma_phys = d.output(FUNC, out_dgamma, (channels,), gamma.dtype,
+                                   inputs=inputs + (("out[0]", dx),), param="out[1]")
+    dbeta, dbeta_phys = d.output(FUNC, out_dbeta, (channels,), gamma.dtype,
+                                 inputs=inputs + (("out[0]", dx), ("out[1]", dgamma)), param="out[2]")
+
+    compute = d.compute_dtype(dtype)
+    fmt = d.storage_format(dtype)
+    mean_c = mean.astype(compute).reshape(batch, groups)
+    rstd_c = rstd.astype(compute).reshape(batch, groups)
+    gamma_c = np.ascontiguousarray(gamma, dtype=compute)
+    beta_c = np.ascontiguousarray(beta, dtype=compute)
+    scale_c = compute.type(np.float32(swish_scale))
+    sum_g = np.empty((batch, channels), compute)
+    sum_gx = np.empty((batch, channels), compute)
+    if kernel_nhwc:
+        dy_k = d.kernel_view(d.physical(dy, layout) if layout == d.NHWC else np.ascontiguousarray(dy))
+        x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
+        shape = (batch, hw, channels)
+        kernels.group_norm_swish_bwd_nhwc(
+            dy_k.reshape(shape), x_k.reshape(shape), mean_c, rstd_c, gamma_c, beta_c, scale_c,
+            d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx,
+            _nhwc_groups_per_task(groups, channels // groups, hw, dtype.itemsize), fmt)
+    else:
+        shape = (batch, channels, hw)
+        kernels.group_norm_swish_bwd_nchw(
+            d.kernel_view(np.ascontiguousarray(dy)).reshape(shape),
+            d.kernel_view(np.ascontiguousarray(x)).reshape(shape), mean_c, rstd_c, gamma_c, beta_c,
+            scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt)
+
+    if want_dgamma or want_dbeta:
+        kernels.group_norm_swish_param_grads(
+            sum_g, sum_gx, d.kernel_view(dgamma_phys), d.kernel_view(dbeta_phys),
+            want_dgamma, want_dbeta, d.storage_format(gamma.dtype))
+    # A gradient that is not required: None, and an out= array given for it is zero-filled.
+    if not want_dgamma:
+        dgamma_phys.fill(0)
+        dgamma = None
+    if not want_dbeta:
+        dbeta_phys.fill(0)
+        dbeta = None
+    return dx, dgamma, dbeta
+
+
+def _out_entries(out):
+    """``out=`` as three entries (array or None); None means allocate all three."""
+    if out is None:
+        return None, None, None
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        v.fail(FUNC, "out", "must be a tuple (dx, dgamma, dbeta) of arrays or None", v.describe(out))
+    return tuple(out)
+
+
+def _nhwc_groups_per_task(groups, group_size, hw, itemsize):
+    """Consecutive groups one NHWC task handles: enough channels to vectorise along, while its
+    dy and x stay within a cache budget between the two passes, and never fewer than one."""
+    by_width = -(-_NHWC_TASK_CHANNELS // group_size)
+    by_cache = _NHWC_TASK_BYTES // max(1, 2 * itemsize * group_size * hw)
+    return max(1, min(groups, by_width, by_cache))

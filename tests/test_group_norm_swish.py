@@ -1,0 +1,489 @@
+"""group_norm_swish_backward (SPEC §5) against the float64 reference, finite differences and
+PyTorch autograd; every dtype, layout, flag and limit; threads, out=, strides; every error.
+Also the accuracy of the kernel module's vectorisable exp and Swish derivative."""
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+
+from fastbwd import group_norm_swish_backward as gns_bwd
+from fastbwd.kernels import group_norm_swish as kernels
+from fastbwd.testing import reference as ref
+from fastbwd.testing.cases import group_norm_swish_inputs
+from fastbwd.testing.checks import (
+    assert_matches_reference,
+    assert_thread_invariant,
+    bitwise_equal,
+    raises_param_error,
+)
+
+F = "group_norm_swish_backward"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+HALVES = [F16, BF16]
+
+
+def inputs(shape, groups, dtype, seed=0, param_dtype=None):
+    """dy, mean, rstd, x, gamma, beta (NCHW family) from the shared case builder."""
+    return group_norm_swish_inputs(shape, groups, dtype, seed=seed, param_dtype=param_dtype)
+
+
+def expected(args, groups, scale=1.0):
+    """The float64 reference from the same (upcast) inputs."""
+    dy, mean, rstd, x, gamma, beta = (np.asarray(a).astype(np.float64) for a in args)
+    return ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, scale)
+
+
+def to_channels_last(array):
+    """(N, C, *spatial) -> C-contiguous (N, *spatial, C)."""
+    return np.ascontiguousarray(np.moveaxis(array, 1, -1))
+
+
+def assert_all_match(results, references, **tolerance):
+    for result, reference in zip(results, references):
+        assert_matches_reference(result, reference, **tolerance)
+
+
+# Random non-square cases (shape, G, swish_scale): ranks 2 to 5, tails of the 256 lanes, one
+# multi-block spatial size (4550 > BLOCK = 4096), scales of both signs and 0 (all exact in float32).
+CASES = [
+    ((3, 12, 7, 5), 4, 1.0),
+    ((2, 6, 300), 3, -0.75),
+    ((4, 40), 5, 0.0),
+    ((2, 4, 3, 5, 6), 2, 2.5),
+    ((1, 6, 70, 65), 2, 1.0),
+    ((2, 8, 17, 1), 8, 0.5),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# values
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=str)
+@pytest.mark.parametrize("shape, groups, scale", CASES)
+def test_matches_reference(dtype, shape, groups, scale):
+    args = inputs(shape, groups, dtype, seed=len(shape) + groups)
+    results = gns_bwd(*args, groups, "NCHW", scale)
+    for result, like in zip(results, (args[3], args[4], args[4])):
+        assert result.dtype == dtype and result.shape == like.shape and result.flags.c_contiguous
+    assert_all_match(results, expected(args, groups, scale))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_finite_differences_of_the_forward(seed):
+    """dx, dgamma, dbeta (float64) equal central differences of sum(dy * forward)."""
+    rng = np.random.default_rng(seed)
+    shape, groups, scale, eps, h = (2, 6, 3, 2), 3, 0.8, 1e-5, 1e-6
+    x, dy = rng.standard_normal(shape) * 1.5 + 0.3, rng.standard_normal(shape)
+    gamma, beta = rng.uniform(0.5, 1.5, 6), rng.uniform(-0.5, 0.5, 6)
+    _, mean, rstd = ref.group_norm_swish_forward(x, gamma, beta, groups, eps, scale)
+    dx, dgamma, dbeta = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", scale)
+
+    def numeric(which):
+        arrays = [x, gamma, beta]
+        grad = np.zeros_like(arrays[which])
+        for index in np.ndindex(grad.shape):
+            values = []
+            for step in (h, -h):
+                moved = [a.copy() for a in arrays]
+                moved[which][index] += step
+                values.append(np.sum(ref.group_norm_swish_forward(*moved, groups, eps, scale)[0] * dy))
+            grad[index] = (values[0] - values[1]) / (2 * h)
+        return grad
+
+    for result, which in ((dx, 0), (dgamma, 1), (dbeta, 2)):
+        np.testing.assert_allclose(result, numeric(which), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_half_formats_round_once(dtype):
+    """float16/bfloat16 within 1 ulp of the reference from the same inputs, rounded once.
+
+    dgamma and dbeta sum 2 * 4550 products here; 1 ulp still holds for them: the float32 sums
+    (fixed blocks of 256 lanes) carry a relative error of about 1e-6 of the summed magnitudes,
+    far below half an ulp of the half formats (2^-9 for bfloat16, 2^-12 for float16), and the
+    test's small-value clause (1e-6 of the largest value) covers results that cancel to ~0.
+    """
+    shape, groups = (2, 6, 70, 65), 3
+    args = inputs(shape, groups, dtype, seed=3)
+    results = gns_bwd(*args, groups, "NCHW", 1.5)
+    assert all(r.dtype == dtype for r in results)
+    assert_all_match(results, expected(args, groups, 1.5))
+
+
+def test_mixed_precision_float32_parameters():
+    """bfloat16 data with float32 mean/rstd/gamma/beta: dgamma/dbeta come back in float32."""
+    shape, groups = (2, 8, 9, 11), 4
+    args = inputs(shape, groups, BF16, seed=4, param_dtype=np.float32)
+    dx, dgamma, dbeta = gns_bwd(*args, groups)
+    assert dx.dtype == BF16 and dgamma.dtype == dbeta.dtype == F32
+    reference = expected(args, groups)
+    assert_matches_reference(dx, reference[0])
+    assert_all_match((dgamma, dbeta), reference[1:], rtol=1e-5, atol=1e-6)
+    # float16 data with a float32 gamma but float16 statistics is accepted too
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F16, seed=5)
+    result = gns_bwd(dy, mean, rstd, x, gamma.astype(np.float32), beta, groups)
+    assert result[1].dtype == F32 and result[0].dtype == F16
+
+
+def test_matches_torch_autograd():
+    """PyTorch autograd of y * sigmoid(s*y) after F.group_norm, with that forward's statistics."""
+    torch = pytest.importorskip("torch")
+    shape, groups, scale, eps = (3, 8, 6, 5), 4, 1.25, 1e-5
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape) * 2 + 0.5
+    dy = rng.standard_normal(shape)
+    gamma, beta = rng.uniform(0.5, 1.5, 8), rng.uniform(-0.5, 0.5, 8)
+    tx, tg, tb = (torch.tensor(a, requires_grad=True) for a in (x, gamma, beta))
+    y = torch.nn.functional.group_norm(tx, groups, tg, tb, eps)
+    torch_grads = torch.autograd.grad(y * torch.sigmoid(scale * y), (tx, tg, tb), torch.tensor(dy))
+    _, mean, rstd = torch.ops.aten.native_group_norm(
+        torch.tensor(x), torch.tensor(gamma), torch.tensor(beta), shape[0], shape[1], 30, groups, eps)
+    for dtype, rtol in ((np.float64, 1e-10), (np.float32, 2e-5)):
+        cast = [np.asarray(a, dtype) for a in (dy, mean.numpy(), rstd.numpy(), x, gamma, beta)]
+        results = gns_bwd(*cast, groups, "NCHW", scale)
+        for result, grad in zip(results, torch_grads):
+            expect = grad.numpy()
+            np.testing.assert_allclose(result, expect, rtol=rtol, atol=rtol * np.abs(expect).max())
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("scale", [80.0, -80.0, 1e4, -1e4])
+def test_huge_swish_arguments_stay_finite(dtype, scale):
+    """s*y of +-80 and +-1e4: the derivative saturates without inf*0 and still matches."""
+    shape, groups = (2, 4, 6, 5), 2
+    args = inputs(shape, groups, dtype, seed=7)
+    results = gns_bwd(*args, groups, "NCHW", scale)
+    assert all(np.isfinite(r.astype(np.float64)).all() for r in results)
+    assert_all_match(results, expected(args, groups, float(np.float32(scale))))
+
+
+def test_constant_group_with_huge_rstd_stays_finite():
+    shape, groups = (2, 4, 5, 6), 2
+    dy, _, _, x, gamma, beta = inputs(shape, groups, F32, seed=8)
+    x[0, :2] = 3.0  # group (0, 0) constant: variance 0
+    grouped = x.astype(np.float64).reshape(2, groups, -1)
+    mean = grouped.mean(axis=2)
+    rstd = 1.0 / np.sqrt(grouped.var(axis=2) + 1e-12)  # 1e6 for the constant group
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    results = gns_bwd(dy, mean, rstd, x, gamma, beta, groups)
+    assert all(np.isfinite(r).all() for r in results)
+    assert_all_match(results, expected((dy, mean, rstd, x, gamma, beta), groups))
+
+
+@pytest.mark.parametrize("shape, groups", [((2, 6, 5), 1), ((2, 6, 5), 6), ((2, 4000, 1), 1), ((1, 8000), 2)])
+def test_group_size_limits_accepted(shape, groups):
+    args = inputs(shape, groups, F32, seed=9)
+    assert_all_match(gns_bwd(*args, groups), expected(args, groups))
+
+
+def test_two_dimensional_input():
+    shape, groups = (5, 48), 3
+    args = inputs(shape, groups, F32, seed=10)
+    results = gns_bwd(*args, groups, "ND")
+    assert results[0].shape == shape
+    assert_all_match(results, expected(args, groups))
+    # "NHWC" with 2-D x is the same (N, C) layout
+    assert all(bitwise_equal(a, b) for a, b in zip(gns_bwd(*args, groups, "NHWC"), results))
+
+
+def test_flat_statistics_and_format_synonyms_agree():
+    shape, groups = (2, 6, 4, 5), 3
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=11)
+    baseline = gns_bwd(dy, mean, rstd, x, gamma, beta, groups)
+    for data_format in ("NCHW", "ND", "NCL", "NCDHW"):
+        result = gns_bwd(dy, mean.ravel(), rstd.ravel(), x, gamma, beta, groups, data_format)
+        assert all(bitwise_equal(a, b) for a, b in zip(result, baseline))
+
+
+def test_nan_propagates():
+    shape, groups = (2, 4, 3, 3), 2
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=12)
+    dy[1, 3, 2, 0] = np.nan
+    dx, dgamma, dbeta = gns_bwd(dy, mean, rstd, x, gamma, beta, groups)
+    assert np.isnan(dx[1, 2:]).all() and not np.isnan(dx[0]).any() and not np.isnan(dx[1, :2]).any()
+    assert np.isnan(dbeta[3]) and np.isnan(dgamma[3]) and not np.isnan(dbeta[:3]).any()
+
+
+# --------------------------------------------------------------------------------------------
+# layouts, strides, threads
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5)])
+def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=13)
+    nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
+    nhwc = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta, groups, "NHWC", 0.5)
+    assert nhwc[0].shape == to_channels_last(x).shape and nhwc[0].flags.c_contiguous
+    assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
+    assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
+
+
+def test_channels_last_strides_are_read_in_place_and_kept():
+    shape, groups = (2, 8, 6, 7), 4
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=14)
+    x_cl = to_channels_last(x).transpose(0, 3, 1, 2)
+    dy_cl = to_channels_last(dy).transpose(0, 3, 1, 2)
+    dx, dgamma, dbeta = gns_bwd(dy_cl, mean, rstd, x_cl, gamma, beta, groups)
+    assert dx.transpose(0, 2, 3, 1).flags.c_contiguous and not dx.flags.c_contiguous
+    baseline = gns_bwd(dy, mean, rstd, x, gamma, beta, groups)
+    assert bitwise_equal(np.ascontiguousarray(dx), baseline[0])
+    assert bitwise_equal(dgamma, baseline[1]) and bitwise_equal(dbeta, baseline[2])
+
+
+def test_strided_and_negative_stride_inputs():
+    shape, groups = (2, 6, 5, 4), 3
+    dy, mean, rstd, x, gamma, beta = inputs((2, 12, 10, 4), 3, F32, seed=15)
+    views = (dy[:, ::2, ::-2], mean[:, ::-1], rstd[:, ::-1], x[:, 1::2, ::2], gamma[::-2], beta[1::2])
+    assert views[0].shape == views[3].shape == shape
+    result = gns_bwd(*views, groups)
+    contiguous = gns_bwd(*(np.ascontiguousarray(v) for v in views), groups)
+    assert all(bitwise_equal(a, b) for a, b in zip(result, contiguous))
+
+
+@pytest.mark.parametrize("dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW")], ids=str)
+def test_thread_count_does_not_change_bits(dtype, data_format):
+    shape, groups = (3, 12, 40, 33), 4
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=16)
+    if data_format == "NHWC":
+        dy, x = to_channels_last(dy), to_channels_last(x)
+    assert_thread_invariant(lambda: gns_bwd(dy, mean, rstd, x, gamma, beta, groups, data_format))
+
+
+def test_serial_twin_equals_parallel():
+    from fastbwd.kernels._halfbits import NATIVE
+
+    dy, mean, rstd, x, gamma, beta = inputs((2, 6, 300), 3, F32, seed=17)
+    results = []
+    for run in (kernels.group_norm_swish_bwd_nchw.parallel, kernels.group_norm_swish_bwd_nchw.serial):
+        dx, sum_g, sum_gx = np.empty_like(x), np.empty((2, 6), F32), np.empty((2, 6), F32)
+        run(dy, x, mean, rstd, gamma, beta, np.float32(1.0), dx, sum_g, sum_gx, NATIVE)
+        results.append((dx, sum_g, sum_gx))
+    assert all(bitwise_equal(a, b) for a, b in zip(*results))
+
+
+# --------------------------------------------------------------------------------------------
+# flags and out=
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("want_dgamma, want_dbeta", [(True, True), (True, False), (False, True), (False, False)])
+def test_require_flags(want_dgamma, want_dbeta):
+    shape, groups = (2, 6, 4, 3), 3
+    args = inputs(shape, groups, F32, seed=18)
+    full = gns_bwd(*args, groups)
+    dx, dgamma, dbeta = gns_bwd(*args, groups, "NCHW", 1.0, want_dgamma, want_dbeta)
+    assert bitwise_equal(dx, full[0])
+    assert (dgamma is None) != want_dgamma and (dbeta is None) != want_dbeta
+    if want_dgamma:
+        assert bitwise_equal(dgamma, full[1])
+    if want_dbeta:
+        assert bitwise_equal(dbeta, full[2])
+    # with out=: the arrays of gradients not required are zero-filled, None is returned
+    out = tuple(np.full_like(a, np.nan) for a in full)
+    returned = gns_bwd(*args, groups, "NCHW", 1.0, want_dgamma, want_dbeta, out=out)
+    assert returned[0] is out[0] and bitwise_equal(out[0], full[0])
+    for want, given, got, reference in ((want_dgamma, out[1], returned[1], full[1]),
+                                        (want_dbeta, out[2], returned[2], full[2])):
+        if want:
+            assert got is given and bitwise_equal(given, reference)
+        else:
+            assert got is None and not given.any()
+
+
+def test_out_entries_may_be_none_and_inputs_are_not_mutated():
+    shape, groups = (2, 6, 4, 3), 3
+    args = inputs(shape, groups, BF16, seed=19)
+    snapshot = [a.copy() for a in args]
+    full = gns_bwd(*args, groups)
+    out_dgamma = np.full(6, np.nan, BF16)
+    dx, dgamma, dbeta = gns_bwd(*args, groups, out=(None, out_dgamma, None))
+    assert dgamma is out_dgamma and bitwise_equal(dgamma, full[1])
+    assert bitwise_equal(dx, full[0]) and bitwise_equal(dbeta, full[2])
+    assert all(bitwise_equal(a, b) for a, b in zip(args, snapshot))
+
+
+def test_out_channels_last():
+    shape, groups = (2, 8, 6, 7), 4
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=20)
+    x_cl, dy_cl = (to_channels_last(a).transpose(0, 3, 1, 2) for a in (x, dy))
+    out_cl = np.empty((2, 6, 7, 8), F32).transpose(0, 3, 1, 2)
+    assert gns_bwd(dy_cl, mean, rstd, x_cl, gamma, beta, groups, out=(out_cl, None, None))[0] is out_cl
+    assert bitwise_equal(np.ascontiguousarray(out_cl), gns_bwd(dy, mean, rstd, x, gamma, beta, groups)[0])
+    with raises_param_error(r"out\[0\] must be C-contiguous like the result", param="out"):
+        gns_bwd(dy, mean, rstd, x, gamma, beta, groups, out=(out_cl, None, None))
+
+
+def test_bad_out_is_rejected_and_nothing_is_written():
+    shape, groups = (2, 6, 4, 3), 3
+    args = inputs(shape, groups, F32, seed=21)
+    good_dx, good_dgamma = np.full(shape, 7.0, F32), np.full(6, 7.0, F32)
+    cases = [
+        ((good_dx, good_dgamma, np.zeros(5, F32)), r"out\[2\]\.shape must be \(6,\), but got \(5,\)", "out"),
+        ((good_dx, good_dgamma, np.zeros(6, F64)), r"out\[2\]\.dtype must be float32, but got float64", "out"),
+        ((good_dx, good_dgamma, good_dgamma), r"out\[2\] must not overlap out\[1\]", "out"),
+        ((good_dx, args[4], None), r"out\[1\] must not overlap gamma", "out"),
+        ((np.zeros((2, 6, 4, 4), F32), None, None), r"out\[0\]\.shape must be \(2, 6, 4, 3\)", "out"),
+        ((good_dx, good_dgamma), r"out must be a tuple \(dx, dgamma, dbeta\) of arrays or None, but got", "out"),
+        (good_dx, r"out must be a tuple \(dx, dgamma, dbeta\) of arrays or None", "out"),
+        (([1.0], None, None), r"out\[0\] must be a numpy.ndarray, but got \[1.0\]", "out"),
+    ]
+    for out, message, param in cases:
+        with raises_param_error(message, param=param):
+            gns_bwd(*args, groups, out=out)
+        assert (good_dx == 7).all() and (good_dgamma == 7).all()
+    read_only = np.zeros(6, F32)
+    read_only.flags.writeable = False
+    with raises_param_error(r"out\[1\] must be writeable, but got a read-only array", param="out"):
+        gns_bwd(*args, groups, out=(good_dx, read_only, None))
+    with raises_param_error(r"out\[0\] must not overlap x", param="out"):
+        gns_bwd(*args, groups, out=(args[3], None, None))
+    assert (good_dx == 7).all()
+
+
+def test_torch_tensors_are_accepted():
+    torch = pytest.importorskip("torch")
+    shape, groups = (2, 6, 4, 3), 3
+    args = inputs(shape, groups, BF16, seed=22)
+    tensors = [torch.from_numpy(np.asarray(a).view(np.int16)).view(torch.bfloat16) for a in args]
+    assert all(bitwise_equal(a, b) for a, b in zip(gns_bwd(*tensors, groups), gns_bwd(*args, groups)))
+
+
+# --------------------------------------------------------------------------------------------
+# the vectorisable exp and Swish derivative
+# --------------------------------------------------------------------------------------------
+
+@numba.njit
+def _map_exp(values):
+    out = np.empty_like(values)
+    for i in range(values.size):
+        out[i] = kernels.exp_nonpositive_float32(values[i])
+    return out
+
+
+@numba.njit
+def _map_swish(values):
+    out = np.empty_like(values)
+    for i in range(values.size):
+        out[i] = kernels.swish_derivative_float32(values[i])
+    return out
+
+
+def test_polynomial_exp_accuracy():
+    """exp_nonpositive_float32 over [-104, 0]: <= 2e-7 relative down to the smallest normal
+    result, 0 below (an absolute error of at most ~1.2e-38); NaN stays NaN."""
+    values = np.concatenate([-np.linspace(0, 104, 1_000_001), -np.geomspace(1e-30, 104, 100_000)]).astype(F32)
+    result = _map_exp(values).astype(F64)
+    exact = np.exp(values.astype(F64))
+    normal = values >= kernels._EXP_FLUSH  # -87.33: exp is about the smallest normal there
+    assert np.max(np.abs(result[normal] - exact[normal]) / exact[normal]) <= 2e-7
+    assert (result[~normal] == 0).all() and np.max(exact[~normal]) < 1.01 * np.finfo(F32).tiny
+    assert _map_exp(np.array([0.0, -0.0], F32)).tolist() == [1.0, 1.0]
+    assert np.isnan(_map_exp(np.array([np.nan], F32))[0])
+
+
+def test_swish_derivative_accuracy_and_limits():
+    """sig*(1 + z*(1-sig)) in float32 for any z: close to the float64 formula everywhere,
+    exactly 1 / 0 at +-inf and beyond the clamp, NaN for NaN, never inf or NaN otherwise."""
+    z = np.concatenate([np.linspace(-120, 120, 400_001), np.geomspace(1e-30, 3e38, 20_000),
+                        -np.geomspace(1e-30, 3e38, 20_000)]).astype(F32)
+    result = _map_swish(z).astype(F64)
+    z64 = z.astype(F64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sig = 1.0 / (1.0 + np.exp(-z64))
+        exact = sig * (1.0 + z64 * (1.0 - sig))
+    exact[z64 > 700] = 1.0
+    exact[z64 < -700] = 0.0
+    assert np.isfinite(result).all()
+    # absolute error relative to the derivative's scale (it ranges over about [-0.1, 1.1])
+    assert np.max(np.abs(result - exact)) <= 4e-7
+    big = np.array([np.inf, 1e4, 105.0, -np.inf, -1e4, -105.0], F32)
+    assert _map_swish(big).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert np.isnan(_map_swish(np.array([np.nan], F32))[0])
+    assert _map_swish(np.array([0.0], F32))[0] == 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+
+_DY, _MEAN, _RSTD, _X, _GAMMA, _BETA = inputs((2, 6, 4, 3), 3, F32, seed=23)
+GOOD = dict(dy=_DY, mean=_MEAN, rstd=_RSTD, x=_X, gamma=_GAMMA, beta=_BETA, num_groups=3)
+
+
+def call(**changes):
+    return gns_bwd(**dict(GOOD, **changes))
+
+
+def zeros(shape, dtype=F32):
+    return np.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("changes, message, param", [
+    (dict(x=zeros((6,)), dy=zeros((6,))), r"x must have rank 2 to 8, but got 1-D with shape \(6,\)", "x"),
+    (dict(x=zeros((2, 6) + (1,) * 7), dy=zeros((2, 6) + (1,) * 7)), r"x must have rank 2 to 8, but got 9-D", "x"),
+    (dict(dy=zeros((2, 6, 4, 4))), r"dy\.shape must be \(2, 6, 4, 3\) \(as x\), but got \(2, 6, 4, 4\)", "dy"),
+    (dict(x=zeros((0, 6, 4, 3)), dy=zeros((0, 6, 4, 3))), r"x\.shape\[0\] \(N\) must be > 0 \(empty tensors are not "
+     r"supported\), but got 0", "x"),
+    (dict(x=zeros((2, 0, 4, 3)), dy=zeros((2, 0, 4, 3))), r"x\.shape\[1\] \(C\) must be > 0", "x"),
+    (dict(x=zeros((2, 6, 4, 0)), dy=zeros((2, 6, 4, 0))), r"x\.shape\[3\] \(spatial\) must be > 0", "x"),
+    (dict(x=zeros((2, 4, 3, 0)), dy=zeros((2, 4, 3, 0)), data_format="NHWC"),
+     r"x\.shape\[3\] \(C\) must be > 0", "x"),
+    (dict(num_groups=0), r"num_groups must be > 0, but got 0", "num_groups"),
+    (dict(num_groups=-3), r"num_groups must be > 0, but got -3", "num_groups"),
+    (dict(num_groups=4), r"num_groups must divide the channel count C = 6, but got 4", "num_groups"),
+    (dict(num_groups=3.0), r"num_groups must be an integer, but got 3.0 \(a float\)", "num_groups"),
+    (dict(num_groups=True), r"num_groups must be an integer, but got True \(a bool\)", "num_groups"),
+    (dict(x=zeros((1, 4001, 1)), dy=zeros((1, 4001, 1)), gamma=zeros(4001), beta=zeros(4001),
+          mean=zeros((1, 1)), rstd=zeros((1, 1)), num_groups=1),
+     r"num_groups must leave at most 4000 channels per group \(C = 4001\), but got 1 \(4001 channels per group\)",
+     "num_groups"),
+    (dict(mean=zeros((2, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(2, 2\)", "mean"),
+    (dict(mean=zeros((3, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(3, 2\)", "mean"),
+    (dict(mean=zeros(7)), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(7,\)", "mean"),
+    (dict(rstd=zeros(6)), r"rstd\.shape must be \(2, 3\) \(as mean\), but got \(6,\)", "rstd"),
+    (dict(gamma=zeros(5)), r"gamma\.shape must be \(6,\) \(one per channel\), but got \(5,\)", "gamma"),
+    (dict(beta=zeros((6, 1))), r"beta\.shape must be \(6,\) \(one per channel\), but got \(6, 1\)", "beta"),
+    (dict(x=zeros((2, 6, 4, 3), np.int32)),
+     r"x\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
+     "x"),
+    (dict(dy=zeros((2, 6, 4, 3), F64)), r"dy\.dtype must equal x\.dtype \(float32\), but got float64", "dy"),
+    (dict(gamma=zeros(6, F64)), r"gamma\.dtype must be x's dtype \(float32\) or float32, but got float64", "gamma"),
+    (dict(x=zeros((2, 6, 4, 3), BF16), dy=zeros((2, 6, 4, 3), BF16), mean=zeros((2, 3), F16)),
+     r"mean\.dtype must be x's dtype \(bfloat16\) or float32, but got float16", "mean"),
+    (dict(rstd=zeros((2, 3), F16)), r"rstd\.dtype must be x's dtype \(float32\) or float32, but got float16", "rstd"),
+    (dict(beta=zeros(6, np.int64)), r"beta\.dtype must be x's dtype \(float32\) or float32, but got int64", "beta"),
+    (dict(data_format="NDHWC"), r"data_format must be one of 'NCHW', 'ND', 'NCL', 'NCDHW', 'NHWC', but got 'NDHWC'",
+     "data_format"),
+    (dict(data_format=1), r"data_format must be one of .*, but got 1", "data_format"),
+    (dict(swish_scale="1"), r"swish_scale must be a real number, but got '1'", "swish_scale"),
+    (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
+    (dict(dgamma_is_require=1), r"dgamma_is_require must be a bool, but got 1", "dgamma_is_require"),
+    (dict(dbeta_is_require="no"), r"dbeta_is_require must be a bool, but got 'no'", "dbeta_is_require"),
+    (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
+    (dict(gamma=object()), r"gamma must be a numeric array", "gamma"),
+])
+def test_errors(changes, message, param):
+    with raises_param_error(message, param=param):
+        call(**changes)
+
+
+@pytest.mark.parametrize("name", ["dy", "mean", "rstd", "x", "gamma", "beta", "num_groups"])
+def test_none_is_nullptr(name):
+    with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
+        call(**{name: None})
+
+
+def test_param_error_is_value_and_type_error():
+    with pytest.raises(ValueError):
+        call(num_groups=4)
+    with pytest.raises(TypeError):
+        call(num_groups=4)
+
+
+def test_none_for_optional_scalars_is_an_error():
+    for name in ("data_format", "swish_scale", "dgamma_is_require", "dbeta_is_require"):
+        with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
+            call(**{name: None})
