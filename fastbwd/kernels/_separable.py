@@ -27,9 +27,10 @@ with task-local scratch that stays in cache and no atomics:
 
 1. height pass: every grad_output row a tap sends into the block is added, scaled, to the
    scratch row of its target: contiguous, vectorised row operations;
-2. NCHW: the scratch block is transposed (``OW x rows``), so that the width pass
-   ``G[w, :] += weight * U_t[ow, :]`` again runs on contiguous vectors of the block's rows; the
-   block is transposed back on the final store. NHWC: the width pass adds whole channel vectors.
+2. NCHW: the scratch block is transposed (``OW x LANES``, 16 x 16 register transposes), so
+   that the width pass ``G[w, :] += weight * U_t[ow, :]`` runs on 16-lane vectors of the
+   block's rows (``_simd`` intrinsics: LLVM leaves such short loops scalar); the result is
+   transposed back before the rows are stored. NHWC: the width pass adds channel vectors.
 """
 
 import numpy as np
@@ -37,9 +38,8 @@ from numba import prange
 
 from ._halfbits import accumulator, load, store
 from ._jit import helper, parallel_kernel
+from ._simd import LANES, lanes_axpy, transpose_lanes
 
-#: Input rows per NCHW task: the width of the transposed tiles (one 512-bit vector of float32).
-BLOCK_ROWS = 16
 #: Scratch elements an NHWC task's height-pass buffer may hold (256 KiB of float32: inside L2).
 NHWC_SCRATCH_ELEMENTS = 1 << 16
 
@@ -58,7 +58,7 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
 
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
     """
-    _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, BLOCK_ROWS, fmt)
+    _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
 
 
 def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
@@ -90,20 +90,20 @@ def _touching_rows(index_h, row_start, row_stop):
 
 
 @parallel_kernel
-def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, block_rows, fmt):
-    """Parallel over (plane, block of ``block_rows`` input rows); a task writes only its rows."""
+def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
+    """Parallel over (plane, block of LANES input rows); a task writes only its rows."""
     planes, height, width = grad_input.shape
     out_width = grad_output.shape[2]
     taps_h, taps_w = index_h.shape[1], index_w.shape[1]
-    blocks = (height + block_rows - 1) // block_rows
+    blocks = (height + LANES - 1) // LANES
     zero = accumulator(grad_output, fmt)
     for task in prange(planes * blocks):
         plane = task // blocks
-        row_start = (task - plane * blocks) * block_rows
-        rows = min(block_rows, height - row_start)
+        row_start = (task - plane * blocks) * LANES
+        rows = min(LANES, height - row_start)
         source = grad_output[plane]
         # 1. height pass into rows x OW
-        block = np.full((block_rows, out_width), zero)
+        block = np.full((LANES, out_width), zero)
         lo, hi = _touching_rows(index_h, row_start, row_start + rows)
         for oh in range(lo, hi):
             row = source[oh]
@@ -114,27 +114,33 @@ def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, wei
                     acc = block[r]
                     for k in range(out_width):
                         acc[k] += c * load(row[k], fmt)
-        # 2. transpose to OW x rows, width pass on contiguous vectors of the block's rows
-        block_t = np.empty((out_width, block_rows), block.dtype)
-        for r in range(block_rows):
-            acc = block[r]
-            for k in range(out_width):
-                block_t[k, r] = acc[k]
-        result_t = np.full((width, block_rows), zero)
+        # 2. transpose to OW x LANES; width pass on vectors of the block's LANES rows
+        block_t = np.empty((out_width, LANES), block.dtype)
+        whole = out_width - out_width % LANES
+        for k in range(0, whole, LANES):
+            transpose_lanes(block_t, k, 0, block, 0, k)
+        for k in range(whole, out_width):
+            for r in range(LANES):
+                block_t[k, r] = block[r, k]
+        result_t = np.full((width, LANES), zero)
         for ow in range(out_width):
-            column = block_t[ow]
             for t in range(taps_w):
                 w = index_w[ow, t]
                 if w >= 0:
-                    c = weight_w[ow, t]
-                    acc = result_t[w]
-                    for r in range(block_rows):
-                        acc[r] += c * column[r]
-        # 3. store, transposing back
+                    lanes_axpy(result_t, w, block_t, ow, weight_w[ow, t])
+        # 3. transpose back to LANES x W, store the block's rows (rounding once)
+        result = np.empty((LANES, width), block.dtype)
+        whole = width - width % LANES
+        for w in range(0, whole, LANES):
+            transpose_lanes(result, 0, w, result_t, w, 0)
+        for w in range(whole, width):
+            for r in range(LANES):
+                result[r, w] = result_t[w, r]
         for r in range(rows):
             destination = grad_input[plane, row_start + r]
+            values = result[r]
             for w in range(width):
-                destination[w] = store(result_t[w, r], fmt)
+                destination[w] = store(values[w], fmt)
 
 
 @parallel_kernel
