@@ -271,8 +271,8 @@ def roi_boxes(num_boxes, input_shape, spatial_scale, seed=0, dtype=np.float32):
     image_h, image_w = height / spatial_scale, width / spatial_scale
     x1 = rng.uniform(0, image_w * 0.8, num_boxes)
     y1 = rng.uniform(0, image_h * 0.8, num_boxes)
-    bw = rng.uniform(16, image_w * 0.5, num_boxes)
-    bh = rng.uniform(16, image_h * 0.5, num_boxes)
+    bw = rng.uniform(min(16, image_w * 0.1), image_w * 0.5, num_boxes)
+    bh = rng.uniform(min(16, image_h * 0.1), image_h * 0.5, num_boxes)
     b = np.arange(num_boxes) % batch
     boxes = np.stack([b, x1, y1, np.minimum(x1 + bw, image_w), np.minimum(y1 + bh, image_h)], axis=1)
     return boxes.astype(dtype)
