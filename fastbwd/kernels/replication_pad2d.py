@@ -38,24 +38,40 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     # Columns 1 <= w < width-1 whose only reader is w + pad_left (inside grad_output).
     copy_start = max(1, -pad_left)
     copy_stop = max(copy_start, min(width - 1, out_width - pad_left))
+    first_stop = replicate_source_range(0, width, out_width, pad_left)[1]
+    last_start = replicate_source_range(width - 1, width, out_width, pad_left)[0]
     for t in prange(planes * height):
         p = t // height
         h = t - p * height
         src = grad_output[p]
         dst = grad_input[p, h]
         row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
-        if row_stop - row_start == 1:
+        if row_stop - row_start == 1 and width > 1:
+            row = src[row_start]
             # Zero-based loop over slices: no negative-index wraparound, so LLVM vectorises it.
             copy_dst = dst[copy_start:copy_stop]
-            copy_src = src[row_start, copy_start + pad_left:copy_stop + pad_left]
+            copy_src = row[copy_start + pad_left:copy_stop + pad_left]
             for k in range(copy_stop - copy_start):
                 copy_dst[k] = copy_src[k]
-            for w in range(0, copy_start):
-                col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
-                dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
-            for w in range(copy_stop, width):
-                col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
-                dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
+            # The two edge cells sum their strips (a lone source is copied).
+            if first_stop == 1:
+                dst[0] = row[0]
+            else:
+                acc = accumulator(row, fmt)
+                for j in range(first_stop):
+                    acc += load(row[j], fmt)
+                dst[0] = store(acc, fmt)
+            if out_width - last_start == 1:
+                dst[width - 1] = row[last_start]
+            else:
+                acc = accumulator(row, fmt)
+                for j in range(last_start, out_width):
+                    acc += load(row[j], fmt)
+                dst[width - 1] = store(acc, fmt)
+            for w in range(1, copy_start):  # cropped away by a negative left pad
+                dst[w] = store(accumulator(row, fmt), fmt)
+            for w in range(copy_stop, width - 1):  # cropped away by a negative right pad
+                dst[w] = store(accumulator(row, fmt), fmt)
         else:
             for w in range(width):
                 col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
