@@ -13,8 +13,8 @@ def _transpose(destination, source, dr, dc, sr, sc):
 
 
 @njit
-def _axpy(destination, row, source, source_row, scale):
-    lanes_axpy(destination, row, source, source_row, scale)
+def _axpy(destination, row, column, source, source_row, source_column, scale):
+    lanes_axpy(destination, row, column, source, source_row, source_column, scale)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -33,11 +33,12 @@ def test_transpose_moves_exactly_one_tile(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_axpy_is_bitwise_the_scalar_loop(dtype):
     rng = np.random.default_rng(1)
-    destination = rng.standard_normal((3, LANES)).astype(dtype)
-    source = rng.standard_normal((4, LANES)).astype(dtype)
+    destination = rng.standard_normal((3, LANES + 7)).astype(dtype)
+    source = rng.standard_normal((4, LANES + 3)).astype(dtype)
     source[2, 5] = np.inf
     scale = dtype(0.3)
     expected = destination.copy()
-    expected[1] = expected[1] + scale * source[2]  # multiply, then add: no fused multiply-add
-    _axpy(destination, 1, source, 2, scale)
+    # multiply, then add: no fused multiply-add; nothing outside the 16 lanes changes
+    expected[1, 4:4 + LANES] = expected[1, 4:4 + LANES] + scale * source[2, 2:2 + LANES]
+    _axpy(destination, 1, 4, source, 2, 2, scale)
     assert destination.tobytes() == expected.tobytes()

@@ -127,7 +127,7 @@ def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, wei
             for t in range(taps_w):
                 w = index_w[ow, t]
                 if w >= 0:
-                    lanes_axpy(result_t, w, block_t, ow, weight_w[ow, t])
+                    lanes_axpy(result_t, w, 0, block_t, ow, 0, weight_w[ow, t])
         # 3. transpose back to LANES x W, store the block's rows (rounding once)
         result = np.empty((LANES, width), block.dtype)
         whole = width - width % LANES
@@ -170,6 +170,7 @@ def _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, wei
                         acc[k] += c * load(row[k], fmt)
         # 2. width pass on channel vectors, one input row at a time
         result = np.empty((width, channels), block.dtype)
+        whole = channels - channels % LANES
         for r in range(rows):
             result[:] = zero
             source = block[r].reshape((out_width, channels))
@@ -179,8 +180,10 @@ def _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, wei
                     w = index_w[ow, t]
                     if w >= 0:
                         c = weight_w[ow, t]
+                        for k in range(0, whole, LANES):
+                            lanes_axpy(result, w, k, source, ow, k, c)
                         acc = result[w]
-                        for k in range(channels):
+                        for k in range(whole, channels):
                             acc[k] += c * column[k]
             destination = grad_input[n, row_start + r]
             for w in range(width):

@@ -35,18 +35,19 @@ def _vector_pointer(builder, array, row, column, vector_type):
 
 
 @intrinsic
-def lanes_axpy(typingctx, destination, destination_row, source, source_row, scale):
-    """``destination[destination_row, :LANES] += scale * source[source_row, :LANES]``."""
-    sig = types.void(destination, types.intp, source, types.intp, destination.dtype)
+def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column,
+               scale):
+    """``destination[dr, dc:dc + LANES] += scale * source[sr, sc:sc + LANES]``."""
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype)
 
     def codegen(context, builder, signature, args):
         dst = context.make_array(signature.args[0])(context, builder, args[0])
-        src = context.make_array(signature.args[2])(context, builder, args[2])
+        src = context.make_array(signature.args[3])(context, builder, args[3])
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
-        dst_pointer = _vector_pointer(builder, dst, args[1], _I64(0), vector)
-        src_pointer = _vector_pointer(builder, src, args[3], _I64(0), vector)
-        splat = builder.insert_element(ir.Constant(vector, ir.Undefined), args[4], _I32(0))
+        dst_pointer = _vector_pointer(builder, dst, args[1], args[2], vector)
+        src_pointer = _vector_pointer(builder, src, args[4], args[5], vector)
+        splat = builder.insert_element(ir.Constant(vector, ir.Undefined), args[6], _I32(0))
         splat = builder.shuffle_vector(splat, ir.Constant(vector, ir.Undefined),
                                        ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
         product = builder.fmul(builder.load(src_pointer, align=align), splat)
