@@ -107,3 +107,29 @@ def test_thread_invariant_and_blocked():
             assert bitwise_equal(np.ascontiguousarray(run(grad, tables, "NHWC", np.float32)), whole)
     finally:
         S.NHWC_SCRATCH_ELEMENTS = previous
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_plane_lanes_and_row_blocks_agree(dtype):
+    # Small planes run LANES planes at a time, large ones LANES rows at a time: same bits.
+    rng = np.random.default_rng(3)
+    height, width, out_height, out_width = 11, 7, 6, 13
+    weight_dtype = d.compute_dtype(dtype)
+    th, wh, dense_h = random_band(rng, height, out_height, 3, weight_dtype)
+    tw, ww, dense_w = random_band(rng, width, out_width, 2, weight_dtype)
+    (tables, _) = taps(height, th, wh, width, tw, ww, weight_dtype)
+    planes = S.PLANE_LANES_MIN_PLANES + 5  # a partial last group of planes
+    grad = rng.standard_normal((planes, out_height, out_width)).astype(dtype)
+    fmt = d.storage_format(dtype)
+    by_planes = np.empty((planes, height, width), dtype)
+    by_rows = np.empty((planes, height, width), dtype)
+    S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt)
+    S._separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(by_rows), *tables, fmt)
+    assert bitwise_equal(by_planes, by_rows)
+    expected = np.einsum("oh,nop,pw->nhw", dense_h, grad.astype(np.float64), dense_w)
+    assert_matches_reference(by_planes, expected)
+    public = np.empty_like(by_planes)
+    S.separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(public), *tables, fmt)
+    assert bitwise_equal(public, by_planes)
+    assert_thread_invariant(lambda: S._separable_bwd_planes(
+        d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy())

@@ -40,6 +40,11 @@ from ._halfbits import accumulator, load, store
 from ._jit import helper, parallel_kernel
 from ._simd import LANES, lanes_axpy, transpose_lanes
 
+#: NCHW planes whose grad_output, height-pass and result planes together hold at most this many
+#: elements (x LANES planes: 512 KiB of float32, inside L2) run LANES planes at a time...
+PLANE_LANES_SCRATCH = 8192
+#: ... when there are enough planes to keep every thread busy that way.
+PLANE_LANES_MIN_PLANES = 8 * LANES
 #: Scratch elements an NHWC task's height-pass buffer may hold (256 KiB of float32: inside L2).
 NHWC_SCRATCH_ELEMENTS = 1 << 16
 
@@ -57,8 +62,16 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
 
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
+    Small planes run LANES planes at a time (:func:`_separable_bwd_planes`), large ones LANES
+    rows at a time; both compute every element with the same operations in the same order.
     """
-    _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
+    planes, height, width = grad_input.shape
+    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
+    scratch = out_height * out_width + height * out_width + height * width
+    if scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
+        _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
+    else:
+        _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
 
 
 def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
@@ -141,6 +154,64 @@ def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, wei
             values = result[r]
             for w in range(width):
                 destination[w] = store(values[w], fmt)
+
+
+@parallel_kernel
+def _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
+    """Parallel over groups of LANES planes; a task writes only its planes.
+
+    The group is transposed so that its LANES planes become the lanes of every position
+    (``(position, LANES)``); both passes then add 16-lane vectors, exactly the operations of the
+    per-element formula; the result is transposed back. A partial last group computes on zero
+    lanes that are never stored.
+    """
+    planes, height, width = grad_input.shape
+    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
+    taps_h, taps_w = index_h.shape[1], index_w.shape[1]
+    out_size, in_size = out_height * out_width, height * width
+    padded_out = (out_size + LANES - 1) // LANES * LANES
+    padded_in = (in_size + LANES - 1) // LANES * LANES
+    groups = (planes + LANES - 1) // LANES
+    zero = accumulator(grad_output, fmt)
+    for group in prange(groups):
+        first = group * LANES
+        used = min(LANES, planes - first)
+        # decoded planes (LANES, OH*OW), transposed to (OH*OW, LANES)
+        staged = np.full((LANES, padded_out), zero)
+        for lane in range(used):
+            source = grad_output[first + lane].reshape(out_size)
+            target = staged[lane]
+            for k in range(out_size):
+                target[k] = load(source[k], fmt)
+        lanes_out = np.empty((padded_out, LANES), staged.dtype)
+        for k in range(0, padded_out, LANES):
+            transpose_lanes(lanes_out, k, 0, staged, 0, k)
+        # height pass: (H*OW, LANES)
+        partial = np.full((height * out_width, LANES), zero)
+        for oh in range(out_height):
+            for t in range(taps_h):
+                h = index_h[oh, t]
+                if h >= 0:
+                    c = weight_h[oh, t]
+                    for ow in range(out_width):
+                        lanes_axpy(partial, h * out_width + ow, 0, lanes_out, oh * out_width + ow, 0, c)
+        # width pass: (H*W, LANES)
+        result = np.full((padded_in, LANES), zero)
+        for h in range(height):
+            for ow in range(out_width):
+                for t in range(taps_w):
+                    w = index_w[ow, t]
+                    if w >= 0:
+                        lanes_axpy(result, h * width + w, 0, partial, h * out_width + ow, 0, weight_w[ow, t])
+        # transpose back and store (rounding once)
+        planes_in = np.empty((LANES, padded_in), staged.dtype)
+        for k in range(0, padded_in, LANES):
+            transpose_lanes(planes_in, 0, k, result, k, 0)
+        for lane in range(used):
+            destination = grad_input[first + lane].reshape(in_size)
+            values = planes_in[lane]
+            for k in range(in_size):
+                destination[k] = store(values[k], fmt)
 
 
 @parallel_kernel
