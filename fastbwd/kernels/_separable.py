@@ -22,15 +22,16 @@ is stored once (half formats round to nearest even); an input index no tap reads
 layouts perform the same operations in the same order, so NCHW and NHWC results are bitwise
 equal, and the task partition never changes a bit (it does not depend on the thread count).
 
-How, per task = (plane, block of input rows) for NCHW, (image, block of input rows) for NHWC,
-with task-local scratch that stays in cache and no atomics:
+How, per task = (plane, block of input rows) or (group of 16 planes) for NCHW, one input row
+for NHWC, with task-local scratch that stays in cache and no atomics:
 
 1. height pass: every grad_output row a tap sends into the block is added, scaled, to the
    scratch row of its target: contiguous, vectorised row operations;
 2. NCHW: the scratch block is transposed (``OW x LANES``, 16 x 16 register transposes), so
    that the width pass ``G[w, :] += weight * U_t[ow, :]`` runs on 16-lane vectors of the
    block's rows (``_simd`` intrinsics: LLVM leaves such short loops scalar); the result is
-   transposed back before the rows are stored. NHWC: the width pass adds channel vectors.
+   transposed back before the rows are stored. NHWC works in gather form (each input row and
+   column adds its sources in the same ascending order) on channel vectors.
 """
 
 import numpy as np
@@ -45,8 +46,6 @@ from ._simd import LANES, lanes_axpy, transpose_lanes
 PLANE_LANES_SCRATCH = 8192
 #: ... when there are enough planes to keep every thread busy that way.
 PLANE_LANES_MIN_PLANES = 8 * LANES
-#: Scratch elements an NHWC task's height-pass buffer may hold (256 KiB of float32: inside L2).
-NHWC_SCRATCH_ELEMENTS = 1 << 16
 
 
 def tap_table(index, weight, dtype):
@@ -79,9 +78,23 @@ def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weig
 
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
     """
-    row_elements = grad_output.shape[2] * grad_output.shape[3]
-    rows = max(1, min(grad_input.shape[1], NHWC_SCRATCH_ELEMENTS // max(row_elements, 1)))
-    _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, rows, fmt)
+    height, width = grad_input.shape[1], grad_input.shape[2]
+    _separable_bwd_nhwc(grad_output, grad_input, *gather_table(index_h, weight_h, height),
+                        *gather_table(index_w, weight_w, width), fmt)
+
+
+def gather_table(index, weight, input_size):
+    """The tap table of one axis seen from the inputs (CSR): input ``i`` reads the outputs
+    ``source[start[i]:start[i + 1]]`` with the matching weights, in ascending output index and
+    then tap order, which is the engine's summation order."""
+    outputs = np.repeat(np.arange(index.shape[0], dtype=np.int64), index.shape[1])
+    targets, weights = index.ravel(), weight.ravel()
+    used = targets >= 0
+    outputs, targets, weights = outputs[used], targets[used], weights[used]
+    order = np.argsort(targets, kind="stable")
+    start = np.zeros(input_size + 1, np.int64)
+    np.cumsum(np.bincount(targets, minlength=input_size), out=start[1:])
+    return start, np.ascontiguousarray(outputs[order]), np.ascontiguousarray(weights[order])
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,48 +228,42 @@ def _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, w
 
 
 @parallel_kernel
-def _separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, block_rows, fmt):
-    """Parallel over (image, block of ``block_rows`` input rows); a task writes only its rows."""
+def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, start_w, source_w, weight_w, fmt):
+    """Parallel over the N*H input rows; a task writes only its row ``grad_input[n, h]``.
+
+    In gather form (tables from :func:`gather_table`): the row's height-pass sum ``U`` (OW x C)
+    adds its source rows one after the other while it stays in L1, then each ``w`` adds its
+    ``U`` columns as 16-channel vectors. Same operations, same order as the NCHW kernels.
+    """
     batch, height, width, channels = grad_input.shape
     out_width = grad_output.shape[2]
-    taps_h, taps_w = index_h.shape[1], index_w.shape[1]
     row_length = out_width * channels
-    blocks = (height + block_rows - 1) // block_rows
+    whole = channels - channels % LANES
     zero = accumulator(grad_output, fmt)
-    for task in prange(batch * blocks):
-        n = task // blocks
-        row_start = (task - n * blocks) * block_rows
-        rows = min(block_rows, height - row_start)
-        # 1. height pass: whole (OW * C) rows
-        block = np.full((block_rows, row_length), zero)
-        lo, hi = _touching_rows(index_h, row_start, row_start + rows)
-        for oh in range(lo, hi):
-            row = grad_output[n, oh].reshape(row_length)
-            for t in range(taps_h):
-                r = index_h[oh, t] - row_start
-                if 0 <= r < rows:
-                    c = weight_h[oh, t]
-                    acc = block[r]
-                    for k in range(row_length):
-                        acc[k] += c * load(row[k], fmt)
-        # 2. width pass on channel vectors, one input row at a time
-        result = np.empty((width, channels), block.dtype)
-        whole = channels - channels % LANES
-        for r in range(rows):
-            result[:] = zero
-            source = block[r].reshape((out_width, channels))
-            for ow in range(out_width):
-                column = source[ow]
-                for t in range(taps_w):
-                    w = index_w[ow, t]
-                    if w >= 0:
-                        c = weight_w[ow, t]
-                        for k in range(0, whole, LANES):
-                            lanes_axpy(result, w, k, source, ow, k, c)
-                        acc = result[w]
-                        for k in range(whole, channels):
-                            acc[k] += c * column[k]
-            destination = grad_input[n, row_start + r]
-            for w in range(width):
-                for k in range(channels):
-                    destination[w, k] = store(result[w, k], fmt)
+    for task in prange(batch * height):
+        n = task // height
+        h = task - n * height
+        # 1. height pass: U = sum of the source rows, ascending
+        partial = np.full(row_length, zero)
+        for j in range(start_h[h], start_h[h + 1]):
+            c = weight_h[j]
+            row = grad_output[n, source_h[j]].reshape(row_length)
+            for k in range(row_length):
+                partial[k] += c * load(row[k], fmt)
+        columns = partial.reshape((out_width, channels))
+        # 2. width pass: each w adds its source columns, ascending, as channel vectors
+        result = np.full((width, channels), zero)
+        for w in range(width):
+            for j in range(start_w[w], start_w[w + 1]):
+                c = weight_w[j]
+                ow = source_w[j]
+                for k in range(0, whole, LANES):
+                    lanes_axpy(result, w, k, columns, ow, k, c)
+                acc = result[w]
+                column = columns[ow]
+                for k in range(whole, channels):
+                    acc[k] += c * column[k]
+        destination = grad_input[n, h]
+        for w in range(width):
+            for k in range(channels):
+                destination[w, k] = store(result[w, k], fmt)
