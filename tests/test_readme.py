@@ -1,0 +1,24 @@
+"""The README's examples run as written, and its two commands are the ones CI runs."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_examples_run():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Examples", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    dx, dgamma, dbeta = namespace["dx"], namespace["dgamma"], namespace["dbeta"]
+    assert dx.shape == (2, 64, 16, 16) and dgamma.shape == dbeta.shape == (64,)
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    assert "python3 -m fastbwd" in commands and "python3 -m pytest" in commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install --quiet -e ".[test]"' in ci and "\npython -m pytest\n" in ci
