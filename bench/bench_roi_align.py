@@ -5,15 +5,15 @@ pure-PyTorch formulation (autograd through index_add) and the serial torchvision
 Run: python -m pytest bench/bench_roi_align.py --benchmark-enable --benchmark-only
 """
 
-import numba
 import numpy as np
 import pytest
 
 import fastbwd
-from benchutil import case_id, op_cases, prepared_case
+from benchutil import case_id, standard_benchmarks
 from fastbwd.testing.cases import Case, Prepared
 
-CASES = op_cases("roi_align_backward")
+bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
+    "roi_align_backward", baselines=["torch (pure PyTorch)", "serial loop"])
 
 #: One box of about 1e7 feature-map pixels (3163 x 3163 at scale 0.25) around the R1 image:
 #: adaptive sampling gives 452 x 452 samples per bin, of which only those in the image are visited.
@@ -34,30 +34,7 @@ def _prepare_huge(case):
                     nbytes=grad_output.nbytes + out.nbytes)
 
 
-@pytest.mark.parametrize("case", CASES)
-def bench_fastbwd(case, measure):
-    prepared = prepared_case(case)
-    measure(case, prepared.run, prepared.nbytes, "fastbwd")
-
-
-@pytest.mark.parametrize("case", CASES)
-def bench_fastbwd_out(case, measure):
-    prepared = prepared_case(case)
-    measure(case, prepared.run_out, prepared.nbytes, "fastbwd out=")
-
-
 @pytest.mark.parametrize("case", [pytest.param(HUGE, id=case_id(HUGE))])
 def bench_fastbwd_huge_box(case, measure):
     prepared = _prepare_huge(case)
     measure(case, prepared.run, prepared.nbytes, "fastbwd")
-
-
-@pytest.mark.parametrize("baseline", ["torch (pure PyTorch)", "serial loop"])
-@pytest.mark.parametrize("case", CASES)
-def bench_baseline(case, baseline, measure):
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
-    prepared = prepared_case(case, with_torch=True)
-    if baseline not in prepared.torch:
-        pytest.skip(f"no {baseline} baseline for {case.id} {case.dtype} (see roi_baselines)")
-    measure(case, prepared.torch[baseline], prepared.nbytes, baseline)

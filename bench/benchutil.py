@@ -1,5 +1,7 @@
-"""Helpers for bench/bench_*.py: the operator's cases as pytest parameters, prepared inputs."""
+"""Helpers for bench/bench_*.py: the operator's cases as pytest parameters, prepared inputs, and
+the standard benchmark functions every operator has."""
 
+import numba
 import pytest
 
 from fastbwd.testing.cases import OPS
@@ -25,3 +27,32 @@ def prepared_case(case, with_torch=False):
             _PREPARED.pop(next(iter(_PREPARED)))
         _PREPARED[key] = OPS[case.op].prepare(case, with_torch)
     return _PREPARED[key]
+
+
+def standard_benchmarks(name, baselines):
+    """``(bench_fastbwd, bench_fastbwd_out, bench_baseline)`` for the operator ``name``: the
+    allocating call, the ``out=`` call, and each named baseline of ``cases.py`` (skipped when torch
+    is missing or the case has no such baseline), PyTorch on fastbwd's thread count."""
+    cases = op_cases(name)
+
+    @pytest.mark.parametrize("case", cases)
+    def bench_fastbwd(case, measure):
+        prepared = prepared_case(case)
+        measure(case, prepared.run, prepared.nbytes, "fastbwd")
+
+    @pytest.mark.parametrize("case", cases)
+    def bench_fastbwd_out(case, measure):
+        prepared = prepared_case(case)
+        measure(case, prepared.run_out, prepared.nbytes, "fastbwd out=")
+
+    @pytest.mark.parametrize("baseline", baselines)
+    @pytest.mark.parametrize("case", cases)
+    def bench_baseline(case, baseline, measure):
+        torch = pytest.importorskip("torch")
+        torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
+        prepared = prepared_case(case, with_torch=True)
+        if baseline not in prepared.torch:
+            pytest.skip(f"no {baseline!r} baseline for {case.id} {case.dtype}")
+        measure(case, prepared.torch[baseline], prepared.nbytes, baseline)
+
+    return bench_fastbwd, bench_fastbwd_out, bench_baseline
