@@ -148,6 +148,21 @@ def shape_or_array(func, param, value, allowed_ndim):
     return tuple(int(s) for s in array.shape), array.dtype
 
 
+def input_shape_like(func, input, grad_output, allowed_ndim):
+    """The forward input's shape, from ``input`` given as that array or as its shape.
+
+    Its rank must be in ``allowed_ndim`` and equal grad_output's; an array must also have
+    grad_output's dtype (only its shape and dtype are used).
+    """
+    input_shape, input_dtype = shape_or_array(func, "input", input, allowed_ndim)
+    ndim = len(input_shape)
+    if grad_output.ndim != ndim:
+        fail(func, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
+    if input_dtype is not None and input_dtype != grad_output.dtype:
+        fail(func, "input.dtype", f"must equal grad_output.dtype ({grad_output.dtype})", input_dtype)
+    return input_shape
+
+
 # --------------------------------------------------------------------------------------------
 # host-side scalars and sizes
 # --------------------------------------------------------------------------------------------

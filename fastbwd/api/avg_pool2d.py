@@ -85,13 +85,9 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     v.check_ndim(FUNC, "grad_output", grad_output, (3, 4))
-    input_shape, input_dtype = v.shape_or_array(FUNC, "input", input, (3, 4))
-    ndim = len(input_shape)
-    if grad_output.ndim != ndim:
-        v.fail(FUNC, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
-    if input_dtype is not None:
-        v.check_same_dtype(FUNC, "input", np.empty(0, input_dtype), "grad_output", grad_output.dtype)
+    input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
+    ndim = len(input_shape)
 
     kernel = v.int_tuple(FUNC, "kernel_size", kernel_size, (1, 2), scalar_repeats=2)
     _check_positive("kernel_size", kernel)

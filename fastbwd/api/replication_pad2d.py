@@ -43,14 +43,10 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
         For every bad argument listed in SPEC §3 (status 161001 for a missing argument).
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
-    input_shape, input_dtype = v.shape_or_array(FUNC, "input", input, (3, 4))
+    v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
+    input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
     left, right, top, bottom = v.int_tuple(FUNC, "padding", padding, (4,))
     ndim = len(input_shape)
-    if grad_output.ndim != ndim:
-        v.fail(FUNC, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
-    v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
-    if input_dtype is not None:
-        v.check_same_dtype(FUNC, "input", np.empty(0, input_dtype), "grad_output", grad_output.dtype)
     for axis, size in enumerate(input_shape):
         if size == 0 and not (ndim == 4 and axis == 0):
             v.fail(FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0)
