@@ -99,18 +99,17 @@ def _physical_shape(shape, layout):
     return tuple(shape)
 
 
-def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out", zero=False):
+def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out"):
     """The result array (logical shape ``shape``) and its physical C-contiguous view for the kernel.
 
-    Without ``out`` a new array is allocated (``np.empty``, or zeros when ``zero``). With ``out``
+    Without ``out`` a new array is allocated (``np.empty``: the kernel writes every element). With ``out``
     it must be a writeable ndarray of exactly that shape, dtype and layout that does not overlap
     any of ``inputs``; it is checked completely before anything is written.
     Returns ``(result, physical_view)``.
     """
     dtype = np.dtype(dtype)
     if out is None:
-        make = np.zeros if zero else np.empty
-        phys = make(_physical_shape(shape, layout), dtype)
+        phys = np.empty(_physical_shape(shape, layout), dtype)
         return logical(phys, layout), phys
     if not isinstance(out, np.ndarray):
         v.fail(func, param, "must be a numpy.ndarray", v.describe(out))
@@ -127,8 +126,6 @@ def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out", zero
     for name, array in inputs:
         if array is not None and _overlaps(out, array):
             v.fail(func, param, f"must not overlap {name}", "overlapping memory")
-    if zero:
-        phys.fill(0)
     return out, phys
 
 
