@@ -1,5 +1,7 @@
 """fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, SPEC §2)."""
 
+import functools
+
 import numpy as np
 
 from .. import _dtypes as d
@@ -172,17 +174,9 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
 
     # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
-    if divisor_override != 0:
-        divisor_h = np.full(out_height, divisor_override, np.int64)
-        divisor_w = np.ones(out_width, np.int64)
-    elif count_include_pad:
-        divisor_h, divisor_w = extent_h, extent_w
-    else:
-        divisor_h, divisor_w = stop_h - start_h, stop_w - start_w
-    window_weight_h = np.divide(1, divisor_h.astype(compute), dtype=compute)
-    window_weight_w = np.divide(1, divisor_w.astype(compute), dtype=compute)
-    taps_h = _window_taps(start_h, stop_h, window_weight_h, compute)
-    taps_w = _window_taps(start_w, stop_w, window_weight_w, compute)
+    override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
+    taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
+    taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     if layout == d.NHWC:
         _separable.separable_bwd_nhwc(grad_output, grad_input, *taps_h, *taps_w, fmt)
     else:
@@ -210,6 +204,22 @@ def _axis_windows(size, kernel, stride, pad, out_size):
     stop = np.minimum(start + kernel, size + pad)
     pool_extent = stop - start
     return np.maximum(start, 0), np.minimum(stop, size), pool_extent
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """The separable engine's tap table of one axis: every window's clipped cells, weighted by
+    1 / divisor, the divisor being ``divisor`` when given, else the window's extent (counting the
+    padding or not). Memoised: a training loop calls with the same geometry every step (the
+    tables are internal and never written)."""
+    start, stop, extent = _axis_windows(size, kernel, stride, pad, out_size)
+    if divisor is not None:
+        divisors = np.full(out_size, divisor, np.int64)
+    elif count_include_pad:
+        divisors = extent
+    else:
+        divisors = stop - start
+    return _window_taps(start, stop, np.divide(1, divisors.astype(compute), dtype=compute), compute)
 
 
 def _window_taps(start, stop, window_weight, compute):

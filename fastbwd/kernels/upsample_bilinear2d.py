@@ -9,6 +9,8 @@ PyTorch's. Every table entry of the scatter formula is kept, zero lambdas and th
 at the last row included, so NaN and Inf propagate exactly as the formula says.
 """
 
+import functools
+
 import numpy as np
 
 from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
@@ -74,12 +76,14 @@ def compute_source_index_and_lambda(input_size, output_size, align_corners, scal
     return index0, index1, lambda0, lambda1
 
 
+@functools.lru_cache(maxsize=256)
 def backward_table(input_size, output_size, align_corners, scale, opmath):
     """The forward tap table ``(index, weight)`` of one axis for the separable engine.
 
     Output index ``o`` reads ``index0`` with ``lambda0`` and ``index1`` with ``lambda1``: both
     taps are kept even when ``lambda1 == 0`` or ``index1 == index0`` (SPEC §1 scatter formula),
-    so a NaN or Inf gradient spreads exactly as in PyTorch.
+    so a NaN or Inf gradient spreads exactly as in PyTorch. Memoised: a training loop calls
+    with the same sizes every step (the tables are internal and never written).
     """
     index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
         input_size, output_size, align_corners, scale, opmath)
