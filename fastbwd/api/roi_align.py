@@ -11,10 +11,11 @@ FUNC = "roi_align_backward"
 #: The smallest normal float32 (SPEC §4: spatial_scale must exceed it).
 FLT_MIN = float(np.finfo(np.float32).tiny)
 
-#: Channels per task of the scatter kernel, at most (see ``_channel_block``).
-_CHANNEL_BLOCK = 16
+#: Channels per task of the scatter kernel, at most (see ``_channel_block``): each sample's
+#: offsets and weights are shared by this many channels (16 -> 64 made R2 1.6x faster).
+_CHANNEL_BLOCK = 64
 #: Bytes of each scatter task's scratch, about (see ``_band_rows``).
-_SCRATCH_BYTES = 1 << 18
+_SCRATCH_BYTES = 1 << 20
 
 
 def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
