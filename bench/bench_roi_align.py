@@ -10,7 +10,7 @@ import pytest
 
 import fastbwd
 from benchutil import case_id, standard_benchmarks
-from fastbwd.testing.cases import Case, Prepared
+from fastbwd.testing.cases import Case, Prepared, fastbwd_calls
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
     "roi_align_backward", baselines=["torch (pure PyTorch)", "serial loop"])
@@ -28,10 +28,8 @@ def _prepare_huge(case):
     grad_output = np.random.default_rng(0).uniform(-1, 1, (1, p["input_shape"][1], 7, 7)).astype(np.float32)
     args = (grad_output, boxes, p["input_shape"], p["pooled_height"], p["pooled_width"],
             p["spatial_scale"], p["sampling_ratio"], p["aligned"])
-    out = fastbwd.roi_align_backward(*args)
-    return Prepared(run=lambda: fastbwd.roi_align_backward(*args),
-                    run_out=lambda: fastbwd.roi_align_backward(*args, out=out),
-                    nbytes=grad_output.nbytes + out.nbytes)
+    run, run_out, out = fastbwd_calls(fastbwd.roi_align_backward, *args)
+    return Prepared(run=run, run_out=run_out, nbytes=grad_output.nbytes + out.nbytes)
 
 
 @pytest.mark.parametrize("case", [pytest.param(HUGE, id=case_id(HUGE))])

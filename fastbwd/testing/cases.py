@@ -83,6 +83,13 @@ def _to_torch(torch, array):
     return torch.from_numpy(array)
 
 
+def fastbwd_calls(function, *args, **kwargs):
+    """``(run, run_out, out)`` for a fastbwd function: the allocating call, and the ``out=`` call
+    writing into ``out``, the result of one first call made here (which also compiles)."""
+    out = function(*args, **kwargs)
+    return (lambda: function(*args, **kwargs)), (lambda: function(*args, **kwargs, out=out)), out
+
+
 def _nbytes(*arrays):
     return int(sum(a.nbytes for a in arrays))
 
@@ -105,12 +112,8 @@ def _prepare_pad(case, with_torch):
     grad_output = _random((n, c, h + top + bottom, w + left + right), dtype)
     if p.get("channels_last"):
         grad_output = _channels_last(grad_output)
-    out = fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"])
-    prepared = Prepared(
-        run=lambda: fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"]),
-        run_out=lambda: fastbwd.replication_pad2d_backward(grad_output, input_shape, p["padding"], out=out),
-        nbytes=_nbytes(grad_output, out),
-    )
+    run, run_out, out = fastbwd_calls(fastbwd.replication_pad2d_backward, grad_output, input_shape, p["padding"])
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, out))
     torch = _torch() if with_torch else None
     if torch is not None:
         g = _to_torch(torch, grad_output)
@@ -159,12 +162,8 @@ def _prepare_upsample(case, with_torch):
     grad_nchw = _random((n, c, oh, ow), dtype)
     grad_output = np.ascontiguousarray(grad_nchw.transpose(0, 2, 3, 1)) if layout == "NHWC" else grad_nchw
     args = (grad_output, (oh, ow), (n, c, h, w), align_corners)
-    out = fastbwd.upsample_bilinear2d_backward(*args, layout=layout)
-    prepared = Prepared(
-        run=lambda: fastbwd.upsample_bilinear2d_backward(*args, layout=layout),
-        run_out=lambda: fastbwd.upsample_bilinear2d_backward(*args, layout=layout, out=out),
-        nbytes=_nbytes(grad_output, out),
-    )
+    run, run_out, out = fastbwd_calls(fastbwd.upsample_bilinear2d_backward, *args, layout=layout)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, out))
     torch = _torch() if with_torch else None
     if torch is not None:
         g = _to_torch(torch, grad_output)
@@ -220,12 +219,8 @@ def _prepare_avg_pool(case, with_torch):
     if p.get("channels_last"):
         grad_output = _channels_last(grad_output)
     args = (grad_output, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    out = fastbwd.avg_pool2d_backward(*args)
-    prepared = Prepared(
-        run=lambda: fastbwd.avg_pool2d_backward(*args),
-        run_out=lambda: fastbwd.avg_pool2d_backward(*args, out=out),
-        nbytes=_nbytes(grad_output, out),
-    )
+    run, run_out, out = fastbwd_calls(fastbwd.avg_pool2d_backward, *args)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, out))
     torch = _torch() if with_torch else None
     if torch is not None:
         g, tx = _to_torch(torch, grad_output), _to_torch(torch, x)
@@ -286,12 +281,8 @@ def _prepare_roi_align(case, with_torch):
     boxes = roi_boxes(k, input_shape, p["spatial_scale"], dtype=dtype)
     grad_output = _random((k, input_shape[1], ph, pw), dtype)
     args = (grad_output, boxes, input_shape, ph, pw, p["spatial_scale"], p["sampling_ratio"], p["aligned"])
-    out = fastbwd.roi_align_backward(*args)
-    prepared = Prepared(
-        run=lambda: fastbwd.roi_align_backward(*args),
-        run_out=lambda: fastbwd.roi_align_backward(*args, out=out),
-        nbytes=_nbytes(grad_output, boxes, out),
-    )
+    run, run_out, out = fastbwd_calls(fastbwd.roi_align_backward, *args)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, boxes, out))
     torch = _torch() if with_torch else None
     if torch is not None:
         try:
@@ -348,12 +339,8 @@ def _prepare_group_norm_swish(case, with_torch):
     if data_format == "NHWC":
         dy, x = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (dy, x))
     args = (dy, mean, rstd, x, gamma, beta, groups, data_format, scale)
-    out = fastbwd.group_norm_swish_backward(*args)
-    prepared = Prepared(
-        run=lambda: fastbwd.group_norm_swish_backward(*args),
-        run_out=lambda: fastbwd.group_norm_swish_backward(*args, out=out),
-        nbytes=_nbytes(dy, x, out[0]),
-    )
+    run, run_out, out = fastbwd_calls(fastbwd.group_norm_swish_backward, *args)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(dy, x, out[0]))
     torch = _torch() if with_torch else None
     if torch is not None and data_format == "NCHW":
         tx = _to_torch(torch, x).clone().requires_grad_(True)
