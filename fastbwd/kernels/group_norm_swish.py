@@ -9,7 +9,7 @@ while its data is still in cache:
 
 Every per-(n, c) sum has the same fixed order in both layouts, so NCHW and NHWC agree bitwise
 and no thread count changes a bit: spatial positions are cut into blocks of :data:`BLOCK`;
-inside a block position ``i`` is added (in order) to lane ``i % LANES``, the lanes are folded
+inside a block position ``i`` is added (in order) to lane ``i % PARTIAL_SUMS``, the lanes are folded
 by halving (:func:`_fold_lanes`), and the block sums are added to the total in block order.
 The lanes let the NCHW loop vectorise along space without fastmath (each lane is its own
 sequential sum), while the NHWC loop vectorises along channels with one row of lanes per
@@ -31,11 +31,11 @@ from numba.extending import intrinsic, overload
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel
 
-#: Spatial positions per block of every per-(n, c) reduction (a multiple of LANES).
+#: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
 #: Interleaved partial sums inside a block: long enough rounds for the NCHW loop to vectorise
 #: with its per-round overhead amortised; a power of two (the lanes are folded by halving).
-LANES = 256
+PARTIAL_SUMS = 256
 
 # ---- exp(a) for a <= 0 in float32 (Cephes expf: exp(a) = 2^k * p(r), |r| <= ln2/2) -----------
 _LOG2E = np.float32(1.44269504088896341)
@@ -185,14 +185,14 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 @helper
 def _fold_lanes(lanes, width, used):
     """Add lanes ``[0, used)`` into lane 0 by halving; ``lanes`` is the flat C-order view of a
-    (LANES, width) array (width 1 for the NCHW kernel's 1-D lanes).
+    (PARTIAL_SUMS, width) array (width 1 for the NCHW kernel's 1-D lanes).
 
-    Level ``h`` (LANES/2, ..., 2, 1) adds lane ``j + h`` into lane ``j``; lanes at or above
+    Level ``h`` (PARTIAL_SUMS/2, ..., 2, 1) adds lane ``j + h`` into lane ``j``; lanes at or above
     ``used`` hold +0 and are skipped, which changes no bit (a lane that started at +0 is never
     -0, so adding +0 is exact). Each level is one contiguous vector loop: the lanes ``[0, count)``
     and ``[h, h + count)`` are two disjoint runs of ``count * width`` elements.
     """
-    h = LANES // 2
+    h = PARTIAL_SUMS // 2
     while h >= 1:
         if used > h:
             low = lanes[:(used - h) * width]
@@ -225,8 +225,8 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         group_mean = mean[n, g]
         group_rstd = rstd[n, g]
         gnew_group = np.empty((group_size, hw), sum_g.dtype)
-        lanes_g = np.empty(LANES, sum_g.dtype)
-        lanes_gx = np.empty(LANES, sum_g.dtype)
+        lanes_g = np.empty(PARTIAL_SUMS, sum_g.dtype)
+        lanes_gx = np.empty(PARTIAL_SUMS, sum_g.dtype)
         for k in range(group_size):
             c = start + k
             dy_row = dy[n, c]
@@ -238,12 +238,12 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
             total_gx = total_g
             for block_start in range(0, hw, BLOCK):
                 block_stop = min(block_start + BLOCK, hw)
-                used = min(block_stop - block_start, LANES)
+                used = min(block_stop - block_start, PARTIAL_SUMS)
                 lanes_g[:used] = 0
                 lanes_gx[:used] = 0
-                # position i of the block goes to lane i % LANES: rounds of LANES positions
-                for round_start in range(block_start, block_stop, LANES):
-                    size = min(LANES, block_stop - round_start)
+                # position i of the block goes to lane i % PARTIAL_SUMS: rounds of PARTIAL_SUMS positions
+                for round_start in range(block_start, block_stop, PARTIAL_SUMS):
+                    size = min(PARTIAL_SUMS, block_stop - round_start)
                     round_dy = dy_row[round_start:round_start + size]
                     round_x = x_row[round_start:round_start + size]
                     round_gnew = gnew_row[round_start:round_start + size]
@@ -281,7 +281,7 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
     channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` in a scratch
     array between the passes. Inner loops run along its contiguous channels; every per-(n, c)
-    sum has the NCHW kernel's order (lane rows ``i % LANES``, the same folds and blocks).
+    sum has the NCHW kernel's order (lane rows ``i % PARTIAL_SUMS``, the same folds and blocks).
     """
     batch, hw, channels = x.shape
     groups = mean.shape[1]
@@ -306,23 +306,23 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         channel_gamma = gamma[start:start + width]
         channel_beta = beta[start:start + width]
         gnew_run = np.empty((hw, width), sum_g.dtype)
-        lanes_g = np.empty((LANES, width), sum_g.dtype)
-        lanes_gx = np.empty((LANES, width), sum_g.dtype)
+        lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
+        lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
         total_g = sum_g[n, start:start + width]
         total_gx = sum_gx[n, start:start + width]
         total_g[:] = 0
         total_gx[:] = 0
         for block_start in range(0, hw, BLOCK):
             block_stop = min(block_start + BLOCK, hw)
-            used = min(block_stop - block_start, LANES)
+            used = min(block_stop - block_start, PARTIAL_SUMS)
             lanes_g[:used] = 0
             lanes_gx[:used] = 0
             for i in range(block_start, block_stop):
                 dy_row = dy[n, i, start:start + width]
                 x_row = x[n, i, start:start + width]
                 gnew_row = gnew_run[i]
-                lane_g = lanes_g[(i - block_start) % LANES]
-                lane_gx = lanes_gx[(i - block_start) % LANES]
+                lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
+                lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
                 for k in range(width):
                     gnew, xhat = _gnew_xhat(load(dy_row[k], fmt), load(x_row[k], fmt), channel_mean[k],
                                             channel_rstd[k], channel_gamma[k], channel_beta[k], swish_scale)
