@@ -124,10 +124,10 @@ def check_dtype(func, param, array, allowed):
         fail(func, f"{param}.dtype", f"must be one of {names}", array.dtype)
 
 
-def check_same_dtype(func, param, array, other_param, dtype):
-    """``array`` must have ``dtype``, the dtype of ``other_param``."""
-    if array.dtype != dtype:
-        fail(func, f"{param}.dtype", f"must equal {other_param}.dtype ({dtype})", array.dtype)
+def check_same_dtype(func, param, dtype, other_param, other_dtype):
+    """``param``'s ``dtype`` must be ``other_dtype``, the dtype of ``other_param``."""
+    if dtype != other_dtype:
+        fail(func, f"{param}.dtype", f"must equal {other_param}.dtype ({other_dtype})", dtype)
 
 
 def shape_or_array(func, param, value, allowed_ndim):
@@ -158,8 +158,8 @@ def input_shape_like(func, input, grad_output, allowed_ndim):
     ndim = len(input_shape)
     if grad_output.ndim != ndim:
         fail(func, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
-    if input_dtype is not None and input_dtype != grad_output.dtype:
-        fail(func, "input.dtype", f"must equal grad_output.dtype ({grad_output.dtype})", input_dtype)
+    if input_dtype is not None:
+        check_same_dtype(func, "input", input_dtype, "grad_output", grad_output.dtype)
     return input_shape
 
 

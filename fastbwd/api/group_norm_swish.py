@@ -114,7 +114,7 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
     want_dbeta = v.bool_value(FUNC, "dbeta_is_require", dbeta_is_require)
 
     v.check_dtype(FUNC, "x", x, d.FLOATING)
-    v.check_same_dtype(FUNC, "dy", dy, "x", x.dtype)
+    v.check_same_dtype(FUNC, "dy", dy.dtype, "x", x.dtype)
     dtype = x.dtype
     for name, param in (("mean", mean), ("rstd", rstd), ("gamma", gamma), ("beta", beta)):
         if param.dtype not in (dtype, d.float32):

@@ -88,7 +88,7 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     if boxes.ndim != 2 or boxes.shape[1] != 5:
         v.fail(FUNC, "boxes", "must have shape (K, 5)", f"shape {tuple(boxes.shape)}")
     v.check_dim(FUNC, "boxes", 0, boxes.shape[0], num_boxes, "K of grad_output")
-    v.check_same_dtype(FUNC, "boxes", boxes, "grad_output", grad_output.dtype)
+    v.check_same_dtype(FUNC, "boxes", boxes.dtype, "grad_output", grad_output.dtype)
     for axis, size in enumerate(input_shape):
         if size < 0:
             v.fail(FUNC, f"input_shape[{axis}]", "must be >= 0", size)
