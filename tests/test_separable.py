@@ -43,15 +43,23 @@ def run(grad_nchw, tables, layout, dtype):
     return result
 
 
+# (H, W, OH, OW, C): widths below, at and between multiples of the 16 lanes (tiles that
+# overlap their neighbour, scratch wider than the plane), partial row blocks, NHWC rows and
+# channel counts shorter than 16.
+ENGINE_SHAPES = [(9, 13, 7, 11, 3), (37, 21, 50, 45, 19), (33, 16, 16, 48, 16), (5, 3, 2, 7, 1),
+                 (20, 33, 17, 16, 35)]
+
+
+@pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16, np.float16])
-def test_engine_matches_dense(dtype):
+def test_engine_matches_dense(dtype, shape):
     rng = np.random.default_rng(1)
-    height, width, out_height, out_width = 9, 13, 7, 11
+    height, width, out_height, out_width, channels = shape
     weight_dtype = d.compute_dtype(dtype)
     th, wh, dense_h = random_band(rng, height, out_height, 3, weight_dtype)
     tw, ww, dense_w = random_band(rng, width, out_width, 2, weight_dtype)
     tables = taps(height, th, wh, width, tw, ww, weight_dtype)
-    grad = rng.standard_normal((2, 3, out_height, out_width)).astype(dtype)
+    grad = rng.standard_normal((2, channels, out_height, out_width)).astype(dtype)
     expected = np.einsum("oh,ncop,pw->nchw", dense_h, grad.astype(np.float64), dense_w)
     nchw = run(grad, tables, "NCHW", dtype)
     assert_matches_reference(nchw, expected)
@@ -127,7 +135,8 @@ def test_plane_lanes_and_row_blocks_agree(dtype):
     by_planes = np.empty((planes, height, width), dtype)
     by_rows = np.empty((planes, height, width), dtype)
     S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt)
-    S._separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(by_rows), *tables, fmt)
+    S._separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(by_rows), *S.gather_table(*tables[:2], height),
+                          *S.gather_table(*tables[2:], width), fmt)
     assert bitwise_equal(by_planes, by_rows)
     expected = np.einsum("oh,nop,pw->nhw", dense_h, grad.astype(np.float64), dense_w)
     assert_matches_reference(by_planes, expected)

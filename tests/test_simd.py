@@ -1,10 +1,12 @@
 """The explicit vector intrinsics of fastbwd/kernels/_simd.py: exact, and bitwise the scalar loops."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numba import njit
 
-from fastbwd.kernels._simd import LANES, lanes_axpy, transpose_lanes
+from fastbwd import _dtypes as d
+from fastbwd.kernels._simd import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
 
 
 @njit
@@ -41,4 +43,66 @@ def test_axpy_is_bitwise_the_scalar_loop(dtype):
     # multiply, then add: no fused multiply-add; nothing outside the 16 lanes changes
     expected[1, 4:4 + LANES] = expected[1, 4:4 + LANES] + scale * source[2, 2:2 + LANES]
     _axpy(destination, 1, 4, source, 2, 2, scale)
+    assert destination.tobytes() == expected.tobytes()
+
+
+@njit
+def _gather_sum(destination, row, column, source, index, weights, start, stop, source_column, fmt):
+    lanes_gather_sum(destination, row, column, source, index, weights, start, stop, source_column, fmt)
+
+
+@njit
+def _gather_transpose(destination, row, column, source, index, weights, starts, first, count, source_column,
+                      fmt):
+    gather_transpose_lanes(destination, row, column, source, index, weights, starts, first, count, source_column,
+                           fmt)
+
+
+def _scalar_gathered_sum(source, index, weights, start, stop, source_column):
+    """The plain loop the intrinsics replace: from +0.0, multiply then add, in list order."""
+    total = np.zeros(LANES, weights.dtype)
+    for s in range(start, stop):
+        total = total + weights[s] * source[index[s], source_column:source_column + LANES].astype(weights.dtype)
+    return total
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+def test_gather_sum_is_bitwise_the_scalar_loop(dtype):
+    rng = np.random.default_rng(2)
+    compute = d.compute_dtype(dtype)
+    source = rng.standard_normal((6, LANES + 5)).astype(dtype)
+    source[4, 7] = np.inf
+    index = np.array([3, 0, 4, 0, 5], np.int64)  # repeats and any order
+    weights = rng.standard_normal(5).astype(compute)
+    destination = np.full((3, LANES + 4), 7, compute)
+    _gather_sum(destination, 1, 2, d.kernel_view(source), index, weights, 1, 5, 3, d.storage_format(dtype))
+    expected = np.full((3, LANES + 4), 7, compute)
+    expected[1, 2:2 + LANES] = _scalar_gathered_sum(source, index, weights, 1, 5, 3)
+    assert destination.tobytes() == expected.tobytes()
+    # an empty list stores +0.0
+    _gather_sum(destination, 1, 2, d.kernel_view(source), index, weights, 2, 2, 3, d.storage_format(dtype))
+    assert destination[1, 2:2 + LANES].tobytes() == np.zeros(LANES, compute).tobytes()
+
+
+@pytest.mark.parametrize("count", [LANES, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
+def test_gather_transpose_is_the_transposed_scalar_sums(dtype, count):
+    rng = np.random.default_rng(3)
+    compute = d.compute_dtype(dtype)
+    source = rng.standard_normal((9, LANES + 2)).astype(dtype)
+    lists = 2 + count  # lists 2 .. 2 + count - 1 are used; reading past them would be a bug
+    lengths = rng.integers(0, 4, size=lists)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = rng.integers(0, 9, size=starts[-1]).astype(np.int64)
+    weights = rng.standard_normal(starts[-1]).astype(compute)
+    destination = np.full((LANES + 3, LANES + 2), 7, compute)
+    _gather_transpose(destination, 1, 2, d.kernel_view(source), index, weights, starts, 2, count, 1,
+                      d.storage_format(dtype))
+    expected = np.full((LANES + 3, LANES + 2), 7, compute)
+    for r in range(LANES):
+        if r < count:
+            expected[1:1 + LANES, 2 + r] = _scalar_gathered_sum(source, index, weights, starts[2 + r],
+                                                                 starts[3 + r], 1)
+        else:
+            expected[1:1 + LANES, 2 + r] = 0
     assert destination.tobytes() == expected.tobytes()

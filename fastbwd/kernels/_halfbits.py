@@ -21,6 +21,7 @@ float32, float64 for float64, the complex type for complex arrays).
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core.imputils import lower_constant
 from numba.extending import (
     NativeValue,
     intrinsic,
@@ -79,6 +80,12 @@ register_model(StorageFormatType)(models.OpaqueModel)
 @unbox(StorageFormatType)
 def _unbox_storage_format(typ, obj, c):
     return NativeValue(c.context.get_dummy_value())
+
+
+@lower_constant(StorageFormatType)
+def _constant_storage_format(context, builder, typ, value):
+    """A kernel may name a format as a global (``NATIVE`` for its float32 scratch)."""
+    return context.get_dummy_value()
 
 
 # --------------------------------------------------------------------------------------------

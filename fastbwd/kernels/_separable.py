@@ -22,30 +22,40 @@ is stored once (half formats round to nearest even); an input index no tap reads
 layouts perform the same operations in the same order, so NCHW and NHWC results are bitwise
 equal, and the task partition never changes a bit (it does not depend on the thread count).
 
-How, per task = (plane, block of input rows) or (group of 16 planes) for NCHW, one input row
-for NHWC, with task-local scratch that stays in cache and no atomics:
+How, with task-local scratch that stays in cache and no atomics. Both passes work in *gather
+form* (tables from :func:`gather_table`: each input index adds its sources, in the order above)
+with 16-lane register sums (``_simd`` intrinsics; LLVM keeps neither a runtime-length sum nor a
+16 x 16 tile in registers by itself):
 
-1. height pass: every grad_output row a tap sends into the block is added, scaled, to the
-   scratch row of its target: contiguous, vectorised row operations;
-2. NCHW: the scratch block is transposed (``OW x LANES``, 16 x 16 register transposes), so
-   that the width pass ``G[w, :] += weight * U_t[ow, :]`` runs on 16-lane vectors of the
-   block's rows (``_simd`` intrinsics: LLVM leaves such short loops scalar); the result is
-   transposed back before the rows are stored. NHWC works in gather form (each input row and
-   column adds its sources in the same ascending order) on channel vectors.
+* NCHW, large planes: a task is one block of LANES input rows of one plane. Its source rows are
+  first copied (decoded) into a contiguous scratch, one sequential read that the hardware
+  prefetcher follows; the height pass then sums them 16 columns at a time for the block's 16
+  rows and transposes each 16 x 16 tile in registers (``U_t``: OW x LANES); the width pass sums
+  ``U_t`` rows into 16 columns of the block's rows and transposes back; the rows are stored,
+  rounded once. Tasks run in TASK_GROUPS fixed groups, each allocating its scratch once. A
+  last partial tile starts LANES columns before the end and recomputes the columns it shares
+  with its neighbour (the same operations, so the same bits).
+* NCHW, small planes: LANES planes at a time as the vector lanes (:func:`_separable_bwd_planes`).
+* NHWC: a task is one input row; its height-pass sum ``U`` (OW x C) adds whole source rows one
+  after the other (one sequential stream), then each ``w`` sums its ``U`` columns as 16-channel
+  vectors.
 """
 
 import numpy as np
 from numba import prange
 
-from ._halfbits import accumulator, load, store
+from ._halfbits import NATIVE, accumulator, load, store
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, lanes_axpy, transpose_lanes
+from ._simd import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
 
 #: NCHW planes whose grad_output, height-pass and result planes together hold at most this many
 #: elements (x LANES planes: 512 KiB of float32, inside L2) run LANES planes at a time...
 PLANE_LANES_SCRATCH = 8192
 #: ... when there are enough planes to keep every thread busy that way.
 PLANE_LANES_MIN_PLANES = 8 * LANES
+#: The (plane, row block) tasks of large NCHW planes run in this many fixed groups (fewer when
+#: there are fewer tasks); a group allocates its scratch once. Results do not depend on it.
+TASK_GROUPS = 64
 
 
 def tap_table(index, weight, dtype):
@@ -62,7 +72,8 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
 
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
     Small planes run LANES planes at a time (:func:`_separable_bwd_planes`), large ones LANES
-    rows at a time; both compute every element with the same operations in the same order.
+    rows at a time (:func:`_separable_bwd_nchw`); both compute every element with the same
+    operations in the same order.
     """
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
@@ -70,7 +81,8 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
     if scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
         _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
     else:
-        _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
+        _separable_bwd_nchw(grad_output, grad_input, *gather_table(index_h, weight_h, height),
+                            *gather_table(index_w, weight_w, width), fmt)
 
 
 def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
@@ -102,71 +114,67 @@ def gather_table(index, weight, input_size):
 # --------------------------------------------------------------------------------------------
 
 @helper
-def _touching_rows(index_h, row_start, row_stop):
-    """``[lo, hi)``: the output rows with a tap into input rows ``[row_start, row_stop)``."""
-    lo = index_h.shape[0]
-    hi = 0
-    for oh in range(index_h.shape[0]):
-        for t in range(index_h.shape[1]):
-            target = index_h[oh, t]
-            if row_start <= target < row_stop:
-                lo = min(lo, oh)
-                hi = max(hi, oh + 1)
-    return lo, max(hi, lo)
+def _source_rows(start_h, source_h, row_start, row_stop):
+    """``[lo, hi)``: the grad_output rows that input rows ``[row_start, row_stop)`` read
+    (``hi <= lo`` when they read none)."""
+    lo, hi = 1 << 62, 0
+    for s in range(start_h[row_start], start_h[row_stop]):
+        lo = min(lo, source_h[s])
+        hi = max(hi, source_h[s] + 1)
+    return lo, hi
 
 
 @parallel_kernel
-def _separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
-    """Parallel over (plane, block of LANES input rows); a task writes only its rows."""
+def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, start_w, source_w, weight_w,
+                        fmt):
+    """Parallel over fixed groups of (plane, block of LANES input rows) tasks; a task writes only
+    its rows. Gather tables (:func:`gather_table`) for both axes."""
     planes, height, width = grad_input.shape
     out_width = grad_output.shape[2]
-    taps_h, taps_w = index_h.shape[1], index_w.shape[1]
     blocks = (height + LANES - 1) // LANES
-    zero = accumulator(grad_output, fmt)
-    for task in prange(planes * blocks):
-        plane = task // blocks
-        row_start = (task - plane * blocks) * LANES
-        rows = min(LANES, height - row_start)
-        source = grad_output[plane]
-        # 1. height pass into rows x OW
-        block = np.full((LANES, out_width), zero)
-        lo, hi = _touching_rows(index_h, row_start, row_start + rows)
-        for oh in range(lo, hi):
-            row = source[oh]
-            for t in range(taps_h):
-                r = index_h[oh, t] - row_start
-                if 0 <= r < rows:
-                    c = weight_h[oh, t]
-                    acc = block[r]
-                    for k in range(out_width):
-                        acc[k] += c * load(row[k], fmt)
-        # 2. transpose to OW x LANES; width pass on vectors of the block's LANES rows
-        block_t = np.empty((out_width, LANES), block.dtype)
-        whole = out_width - out_width % LANES
-        for k in range(0, whole, LANES):
-            transpose_lanes(block_t, k, 0, block, 0, k)
-        for k in range(whole, out_width):
-            for r in range(LANES):
-                block_t[k, r] = block[r, k]
-        result_t = np.full((width, LANES), zero)
-        for ow in range(out_width):
-            for t in range(taps_w):
-                w = index_w[ow, t]
-                if w >= 0:
-                    lanes_axpy(result_t, w, 0, block_t, ow, 0, weight_w[ow, t])
-        # 3. transpose back to LANES x W, store the block's rows (rounding once)
-        result = np.empty((LANES, width), block.dtype)
-        whole = width - width % LANES
-        for w in range(0, whole, LANES):
-            transpose_lanes(result, 0, w, result_t, w, 0)
-        for w in range(whole, width):
-            for r in range(LANES):
-                result[r, w] = result_t[w, r]
-        for r in range(rows):
-            destination = grad_input[plane, row_start + r]
-            values = result[r]
-            for w in range(width):
-                destination[w] = store(values[w], fmt)
+    tasks = planes * blocks
+    groups = min(tasks, TASK_GROUPS)
+    span = 0  # the most source rows a block reads
+    for block in range(blocks):
+        lo, hi = _source_rows(start_h, source_h, block * LANES, min(block * LANES + LANES, height))
+        span = max(span, hi - lo)
+    # scratch widths of at least LANES: a tile never reaches past them (columns beyond OW
+    # stay 0 and are never read back; columns beyond W are never stored)
+    staged_width, result_width = max(out_width, LANES), max(width, LANES)
+    for group in prange(groups):
+        staged = np.zeros((span, staged_width), weight_h.dtype)  # decoded source rows
+        staged_index = np.empty(source_h.shape[0], np.int64)  # source_h, relative to the block
+        block_t = np.empty((staged_width, LANES), weight_h.dtype)  # U_t: OW x the block's rows
+        result = np.empty((LANES, result_width), weight_h.dtype)
+        for task in range(group * tasks // groups, (group + 1) * tasks // groups):
+            plane = task // blocks
+            row_start = (task - plane * blocks) * LANES
+            rows = min(LANES, height - row_start)
+            # 1. stage the block's source rows (one sequential read), decoded
+            lo, hi = _source_rows(start_h, source_h, row_start, row_start + rows)
+            for i in range(hi - lo):
+                source = grad_output[plane, lo + i]
+                target = staged[i]
+                for k in range(out_width):
+                    target[k] = load(source[k], fmt)
+            for s in range(start_h[row_start], start_h[row_start + rows]):
+                staged_index[s] = source_h[s] - lo
+            # 2. height pass, 16 columns at a time, transposed into U_t
+            for k in range(0, staged_width, LANES):
+                column = min(k, staged_width - LANES)
+                gather_transpose_lanes(block_t, column, 0, staged, staged_index, weight_h, start_h, row_start,
+                                       rows, column, NATIVE)
+            # 3. width pass, 16 input columns at a time, transposed back to rows
+            for w in range(0, result_width, LANES):
+                column = min(w, result_width - LANES)
+                gather_transpose_lanes(result, 0, column, block_t, source_w, weight_w, start_w, column,
+                                       min(LANES, width - column), 0, NATIVE)
+            # 4. store the block's rows, rounding once
+            for r in range(rows):
+                destination = grad_input[plane, row_start + r]
+                values = result[r]
+                for w in range(width):
+                    destination[w] = store(values[w], fmt)
 
 
 @parallel_kernel
@@ -232,18 +240,21 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
     """Parallel over the N*H input rows; a task writes only its row ``grad_input[n, h]``.
 
     In gather form (tables from :func:`gather_table`): the row's height-pass sum ``U`` (OW x C)
-    adds its source rows one after the other while it stays in L1, then each ``w`` adds its
-    ``U`` columns as 16-channel vectors. Same operations, same order as the NCHW kernels.
+    adds its source rows one after the other, then each ``w`` sums its ``U`` columns as
+    16-channel vectors in a register. Same operations, same order as the NCHW kernels. A last
+    partial vector starts LANES channels before the end (recomputing the shared ones, bit for
+    bit); fewer than LANES channels run as scalar loops.
     """
     batch, height, width, channels = grad_input.shape
     out_width = grad_output.shape[2]
     row_length = out_width * channels
-    whole = channels - channels % LANES
     zero = accumulator(grad_output, fmt)
     for task in prange(batch * height):
         n = task // height
         h = task - n * height
-        # 1. height pass: U = sum of the source rows, ascending
+        # 1. height pass: U = sum of the source rows, ascending, one whole row after the other
+        #    (a single sequential stream; summing 16 elements of all of them at a time in a
+        #    register measured 35% slower from DRAM, though faster in cache)
         partial = np.full(row_length, zero)
         for j in range(start_h[h], start_h[h + 1]):
             c = weight_h[j]
@@ -251,18 +262,20 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
             for k in range(row_length):
                 partial[k] += c * load(row[k], fmt)
         columns = partial.reshape((out_width, channels))
-        # 2. width pass: each w adds its source columns, ascending, as channel vectors
-        result = np.full((width, channels), zero)
+        # 2. width pass: each w sums its source columns, ascending, as channel vectors
+        result = np.empty((width, channels), weight_h.dtype)
         for w in range(width):
-            for j in range(start_w[w], start_w[w + 1]):
-                c = weight_w[j]
-                ow = source_w[j]
-                for k in range(0, whole, LANES):
-                    lanes_axpy(result, w, k, columns, ow, k, c)
-                acc = result[w]
-                column = columns[ow]
-                for k in range(whole, channels):
-                    acc[k] += c * column[k]
+            if channels >= LANES:
+                for k in range(0, channels, LANES):
+                    channel = min(k, channels - LANES)
+                    lanes_gather_sum(result, w, channel, columns, source_w, weight_w, start_w[w], start_w[w + 1],
+                                     channel, NATIVE)
+            else:
+                for k in range(channels):
+                    acc = zero
+                    for j in range(start_w[w], start_w[w + 1]):
+                        acc += weight_w[j] * columns[source_w[j], k]
+                    result[w, k] = acc
         destination = grad_input[n, h]
         for w in range(width):
             for k in range(channels):

@@ -3,13 +3,16 @@ vectorise by itself.
 
 LLVM fully unrolls a loop of 16 iterations into scalar code and its SLP vectoriser then gives
 up (it cannot prove the tiles do not alias), so the tile loops of the separable engine ran
-scalar. These intrinsics emit the vector IR directly. They perform exactly the scalar
-operations they replace (a multiply, then an add: no fused multiply-add), so results are
-bitwise those of the plain loops.
+scalar; and a sum over a runtime-length list of source rows cannot keep its 16-lane
+accumulator in a register when written as Numba loops. These intrinsics emit the vector IR
+directly. They perform exactly the scalar operations they replace (a multiply, then an add: no
+fused multiply-add; sums start from +0.0 and add in list order), so results are bitwise those
+of the plain loops.
 
-Both operate on 2-D C-contiguous float32 or float64 arrays and trust their indices (no bounds
-checks, like every kernel): the caller guarantees ``LANES`` elements exist where they read and
-write.
+They operate on 2-D C-contiguous arrays (float32 or float64 results; sources may also be
+float16/bfloat16 ``uint16`` views, decoded with their StorageFormat) and trust their indices
+(no bounds checks, like every kernel): the caller guarantees ``LANES`` elements exist where they
+read and write.
 """
 
 from llvmlite import ir
@@ -34,6 +37,61 @@ def _vector_pointer(builder, array, row, column, vector_type):
     return builder.bitcast(_element_pointer(builder, array, row, column), vector_type.as_pointer())
 
 
+def _splat(builder, vector_type, value):
+    """``value`` in every lane."""
+    one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, _I32(0))
+    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+
+def _load_decoded(builder, array, row, column, element_type, format_name, vector_type):
+    """``array[row, column:column + LANES]`` decoded to ``vector_type`` (see kernels._halfbits:
+    float16 widens exactly, bfloat16 bits move to the top half of a float32)."""
+    if format_name == "native":
+        pointer = _vector_pointer(builder, array, row, column, vector_type)
+        return builder.load(pointer, align=element_type.bitwidth // 8)
+    bits = builder.load(_vector_pointer(builder, array, row, column, ir.VectorType(ir.IntType(16), LANES)),
+                        align=2)
+    if format_name == "float16":
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), vector_type)
+    words = builder.zext(bits, ir.VectorType(_I32, LANES))
+    return builder.bitcast(builder.shl(words, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES)),
+                           vector_type)
+
+
+def _gathered_sum(context, builder, source, source_type, index, weights, start, stop, column, format_name,
+                  vector_type):
+    """The 16-lane register sum ``sum over s in [start, stop) of weights[s] *
+    source[index[s], column:column + LANES]``, from +0.0, in ascending ``s``."""
+    accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
+    builder.store(ir.Constant(vector_type, None), accumulator)
+    with cgutils.for_range_slice(builder, start, stop, _I64(1), inc=True) as (s, _):
+        row = builder.load(builder.gep(index.data, [s]))
+        weight = builder.load(builder.gep(weights.data, [s]))
+        values = _load_decoded(builder, source, row, column, source_type.dtype, format_name, vector_type)
+        product = builder.fmul(values, _splat(builder, vector_type, weight))
+        builder.store(builder.fadd(builder.load(accumulator), product), accumulator)
+    return builder.load(accumulator)
+
+
+def _transpose_registers(builder, rows):
+    """The LANES x LANES transpose of LANES vectors: the four-stage shuffle network (stage
+    ``d`` swaps the off-diagonal ``d x d`` blocks of every ``2d x 2d`` block: d = 8, 4, 2, 1)."""
+    mask_type = ir.VectorType(_I32, LANES)
+    rows = list(rows)
+    distance = LANES // 2
+    while distance >= 1:
+        low = [j if j & distance == 0 else LANES + j - distance for j in range(LANES)]
+        high = [j + distance if j & distance == 0 else LANES + j for j in range(LANES)]
+        for i in range(LANES):
+            if i & distance == 0:
+                a, b = rows[i], rows[i + distance]
+                rows[i] = builder.shuffle_vector(a, b, ir.Constant(mask_type, low))
+                rows[i + distance] = builder.shuffle_vector(a, b, ir.Constant(mask_type, high))
+        distance //= 2
+    return rows
+
+
 @intrinsic
 def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column,
                scale):
@@ -47,10 +105,7 @@ def lanes_axpy(typingctx, destination, destination_row, destination_column, sour
         align = signature.args[0].dtype.bitwidth // 8
         dst_pointer = _vector_pointer(builder, dst, args[1], args[2], vector)
         src_pointer = _vector_pointer(builder, src, args[4], args[5], vector)
-        splat = builder.insert_element(ir.Constant(vector, ir.Undefined), args[6], _I32(0))
-        splat = builder.shuffle_vector(splat, ir.Constant(vector, ir.Undefined),
-                                       ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-        product = builder.fmul(builder.load(src_pointer, align=align), splat)
+        product = builder.fmul(builder.load(src_pointer, align=align), _splat(builder, vector, args[6]))
         builder.store(builder.fadd(builder.load(dst_pointer, align=align), product), dst_pointer, align=align)
         return context.get_dummy_value()
 
@@ -62,8 +117,7 @@ def transpose_lanes(typingctx, destination, destination_row, destination_column,
                     source_column):
     """``destination[dr + j, dc + i] = source[sr + i, sc + j]`` for ``i, j < LANES``.
 
-    Sixteen vector loads, the four-stage shuffle network (stage ``d`` swaps the off-diagonal
-    ``d x d`` blocks of every ``2d x 2d`` block: d = 8, 4, 2, 1), sixteen vector stores.
+    Sixteen vector loads, the register transpose, sixteen vector stores.
     """
     sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp)
 
@@ -71,23 +125,85 @@ def transpose_lanes(typingctx, destination, destination_row, destination_column,
         dst = context.make_array(signature.args[0])(context, builder, args[0])
         src = context.make_array(signature.args[3])(context, builder, args[3])
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        mask_type = ir.VectorType(_I32, LANES)
         align = signature.args[0].dtype.bitwidth // 8
         rows = [builder.load(_vector_pointer(builder, src, builder.add(args[4], _I64(i)), args[5], vector),
                              align=align) for i in range(LANES)]
-        distance = LANES // 2
-        while distance >= 1:
-            low = [j if j & distance == 0 else LANES + j - distance for j in range(LANES)]
-            high = [j + distance if j & distance == 0 else LANES + j for j in range(LANES)]
-            for i in range(LANES):
-                if i & distance == 0:
-                    a, b = rows[i], rows[i + distance]
-                    rows[i] = builder.shuffle_vector(a, b, ir.Constant(mask_type, low))
-                    rows[i + distance] = builder.shuffle_vector(a, b, ir.Constant(mask_type, high))
-            distance //= 2
+        rows = _transpose_registers(builder, rows)
         for j in range(LANES):
             pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
             builder.store(rows[j], pointer, align=align)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def lanes_gather_sum(typingctx, destination, destination_row, destination_column, source, index, weights, start,
+                     stop, source_column, fmt):
+    """``destination[dr, dc:dc + LANES] = sum over s in [start, stop) of weights[s] *
+    decode(source[index[s], sc:sc + LANES])``, from +0.0 in ascending ``s``, in a register.
+
+    ``source`` holds elements in StorageFormat ``fmt``; ``destination`` and ``weights`` are of
+    the compute type; ``index`` is int64.
+    """
+    sig = types.void(destination, types.intp, types.intp, source, index, weights, types.intp, types.intp,
+                     types.intp, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst = context.make_array(signature.args[0])(context, builder, args[0])
+        src = context.make_array(signature.args[3])(context, builder, args[3])
+        idx = context.make_array(signature.args[4])(context, builder, args[4])
+        wts = context.make_array(signature.args[5])(context, builder, args[5])
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        total = _gathered_sum(context, builder, src, signature.args[3], idx, wts, args[6], args[7], args[8],
+                              format_name, vector)
+        builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
+                      align=signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def gather_transpose_lanes(typingctx, destination, destination_row, destination_column, source, index, weights,
+                           starts, first, count, source_column, fmt):
+    """LANES gathered sums stored transposed, in registers all the way.
+
+    For lane ``r < count``, ``v_r`` is the :func:`lanes_gather_sum` of the CSR list ``r`` (``s``
+    in ``[starts[first + r], starts[first + r + 1])``); ``v_r = 0`` for ``r >= count``. Then
+    ``destination[dr + j, dc + r] = v_r[j]`` for ``j, r < LANES``.
+    """
+    sig = types.void(destination, types.intp, types.intp, source, index, weights, starts, types.intp,
+                     types.intp, types.intp, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst = context.make_array(signature.args[0])(context, builder, args[0])
+        src = context.make_array(signature.args[3])(context, builder, args[3])
+        idx = context.make_array(signature.args[4])(context, builder, args[4])
+        wts = context.make_array(signature.args[5])(context, builder, args[5])
+        sts = context.make_array(signature.args[6])(context, builder, args[6])
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        first, count = args[7], args[8]
+        sums = []
+        for r in range(LANES):
+            list_index = builder.add(first, _I64(r))
+            # an unused lane sums the empty range [0, 0) and reads nothing of ``starts``
+            start = cgutils.alloca_once_value(builder, _I64(0))
+            stop = cgutils.alloca_once_value(builder, _I64(0))
+            builder.store(_I64(0), start)
+            builder.store(_I64(0), stop)
+            with builder.if_then(builder.icmp_signed("<", _I64(r), count)):
+                builder.store(builder.load(builder.gep(sts.data, [list_index])), start)
+                builder.store(builder.load(builder.gep(sts.data, [builder.add(list_index, _I64(1))])), stop)
+            start, stop = builder.load(start), builder.load(stop)
+            sums.append(_gathered_sum(context, builder, src, signature.args[3], idx, wts, start, stop, args[9],
+                                      format_name, vector))
+        align = signature.args[0].dtype.bitwidth // 8
+        for j, column in enumerate(_transpose_registers(builder, sums)):
+            pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
+            builder.store(column, pointer, align=align)
         return context.get_dummy_value()
 
     return sig, codegen
