@@ -49,8 +49,10 @@ from ._jit import helper, parallel_kernel
 from ._simd import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
 
 #: NCHW planes whose grad_output, height-pass and result planes together hold at most this many
-#: elements (x LANES planes: 512 KiB of float32, inside L2) run LANES planes at a time...
-PLANE_LANES_SCRATCH = 8192
+#: elements run LANES planes at a time (x LANES planes: 96 KiB of float32, inside L2)... Measured
+#: crossover: planes of 7 to 28 pixels a side ran 1.1-1.6x faster that way than as row blocks
+#: (which pad rows and columns to 16), 40 and 56 a side 1.2x slower.
+PLANE_LANES_SCRATCH = 1536
 #: ... when there are enough planes to keep every thread busy that way.
 PLANE_LANES_MIN_PLANES = 8 * LANES
 #: The (plane, row block) tasks of large NCHW planes run in this many fixed groups (fewer when
