@@ -37,21 +37,40 @@ def _vector_pointer(builder, array, row, column, vector_type):
     return builder.bitcast(_element_pointer(builder, array, row, column), vector_type.as_pointer())
 
 
-def _splat(builder, vector_type, value):
+# ---- IR building blocks (also used by other kernels' intrinsics) ------------------------------
+
+def splat(builder, vector_type, value):
     """``value`` in every lane."""
     one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, _I32(0))
     return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
                                   ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
 
 
-def _load_decoded(builder, array, row, column, element_type, format_name, vector_type):
-    """``array[row, column:column + LANES]`` decoded to ``vector_type`` (see kernels._halfbits:
-    float16 widens exactly, bfloat16 bits move to the top half of a float32)."""
-    if format_name == "native":
-        pointer = _vector_pointer(builder, array, row, column, vector_type)
-        return builder.load(pointer, align=element_type.bitwidth // 8)
-    bits = builder.load(_vector_pointer(builder, array, row, column, ir.VectorType(ir.IntType(16), LANES)),
-                        align=2)
+def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
+    """The LANES elements from element ``pointer`` on, decoded to ``vector_type`` (see
+    kernels._halfbits: float16 widens exactly, bfloat16 bits move to the top half of a float32).
+
+    With a ``mask`` (``<LANES x i1>``) only the lanes it selects are read (``llvm.masked.load``:
+    nothing else is touched) and the others are 0.
+    """
+    native = format_name == "native"
+    stored = vector_type if native else ir.VectorType(ir.IntType(16), LANES)
+    pointer = builder.bitcast(pointer, stored.as_pointer())
+    if native:
+        single = isinstance(vector_type.element, ir.FloatType)
+        align, suffix = (4, "f32") if single else (8, "f64")
+    else:
+        align, suffix = 2, "i16"
+    if mask is None:
+        bits = builder.load(pointer, align=align)
+    else:
+        function = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(stored, [stored.as_pointer(), _I32, ir.VectorType(ir.IntType(1), LANES), stored]),
+            f"llvm.masked.load.v{LANES}{suffix}.p0v{LANES}{suffix}")
+        bits = builder.call(function, [pointer, _I32(align), mask, ir.Constant(stored, None)])
+    if native:
+        return bits
     if format_name == "float16":
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), vector_type)
     words = builder.zext(bits, ir.VectorType(_I32, LANES))
@@ -59,7 +78,19 @@ def _load_decoded(builder, array, row, column, element_type, format_name, vector
                            vector_type)
 
 
-def _gathered_sum(context, builder, source, source_type, index, weights, start, stop, column, format_name,
+def fold_lanes_by_halving(builder, vector):
+    """Lane 0 after adding lane ``j + h`` into lane ``j`` for h = LANES/2, ..., 2, 1."""
+    half = LANES // 2
+    while half >= 1:
+        shifted = builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined),
+                                         ir.Constant(ir.VectorType(_I32, LANES),
+                                                     [min(j + half, LANES - 1) for j in range(LANES)]))
+        vector = builder.fadd(vector, shifted)
+        half //= 2
+    return builder.extract_element(vector, _I32(0))
+
+
+def _gathered_sum(builder, source, index, weights, start, stop, column, format_name,
                   vector_type):
     """The 16-lane register sum ``sum over s in [start, stop) of weights[s] *
     source[index[s], column:column + LANES]``, from +0.0, in ascending ``s``."""
@@ -68,8 +99,8 @@ def _gathered_sum(context, builder, source, source_type, index, weights, start, 
     with cgutils.for_range_slice(builder, start, stop, _I64(1), inc=True) as (s, _):
         row = builder.load(builder.gep(index.data, [s]))
         weight = builder.load(builder.gep(weights.data, [s]))
-        values = _load_decoded(builder, source, row, column, source_type.dtype, format_name, vector_type)
-        product = builder.fmul(values, _splat(builder, vector_type, weight))
+        values = decode_lanes(builder, _element_pointer(builder, source, row, column), format_name, vector_type)
+        product = builder.fmul(values, splat(builder, vector_type, weight))
         builder.store(builder.fadd(builder.load(accumulator), product), accumulator)
     return builder.load(accumulator)
 
@@ -105,7 +136,7 @@ def lanes_axpy(typingctx, destination, destination_row, destination_column, sour
         align = signature.args[0].dtype.bitwidth // 8
         dst_pointer = _vector_pointer(builder, dst, args[1], args[2], vector)
         src_pointer = _vector_pointer(builder, src, args[4], args[5], vector)
-        product = builder.fmul(builder.load(src_pointer, align=align), _splat(builder, vector, args[6]))
+        product = builder.fmul(builder.load(src_pointer, align=align), splat(builder, vector, args[6]))
         builder.store(builder.fadd(builder.load(dst_pointer, align=align), product), dst_pointer, align=align)
         return context.get_dummy_value()
 
@@ -156,7 +187,7 @@ def lanes_gather_sum(typingctx, destination, destination_row, destination_column
         idx = context.make_array(signature.args[4])(context, builder, args[4])
         wts = context.make_array(signature.args[5])(context, builder, args[5])
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        total = _gathered_sum(context, builder, src, signature.args[3], idx, wts, args[6], args[7], args[8],
+        total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8],
                               format_name, vector)
         builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
                       align=signature.args[0].dtype.bitwidth // 8)
@@ -198,7 +229,7 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
                 builder.store(builder.load(builder.gep(sts.data, [list_index])), start)
                 builder.store(builder.load(builder.gep(sts.data, [builder.add(list_index, _I64(1))])), stop)
             start, stop = builder.load(start), builder.load(stop)
-            sums.append(_gathered_sum(context, builder, src, signature.args[3], idx, wts, start, stop, args[9],
+            sums.append(_gathered_sum(builder, src, idx, wts, start, stop, args[9],
                                       format_name, vector))
         align = signature.args[0].dtype.bitwidth // 8
         for j, column in enumerate(_transpose_registers(builder, sums)):
@@ -207,3 +238,4 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
         return context.get_dummy_value()
 
     return sig, codegen
+

@@ -11,10 +11,11 @@ Every per-(n, c) sum has the same fixed order in both layouts, so NCHW and NHWC 
 and no thread count changes a bit: spatial positions are cut into blocks of :data:`BLOCK`;
 inside a block position ``i`` is added (in order) to lane ``i % PARTIAL_SUMS``, the lanes are folded
 by halving (:func:`_fold_lanes`), and the block sums are added to the total in block order.
-The lanes let the NCHW loop vectorise along space without fastmath (each lane is its own
-sequential sum), while the NHWC loop vectorises along channels with one row of lanes per
-channel. dgamma and dbeta then add the per-(n, c) sums over n in order
-(:func:`group_norm_swish_param_grads`).
+The lanes make the sums vectorise without fastmath (each lane is its own sequential sum): the
+NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
+(:func:`_block_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
+the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
+then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
 float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
@@ -25,17 +26,20 @@ made the kernel ~14% faster than scaling into the subnormal range). float64 data
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel
+from ._simd import LANES, decode_lanes, fold_lanes_by_halving, splat
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
-#: Interleaved partial sums inside a block: long enough rounds for the NCHW loop to vectorise
-#: with its per-round overhead amortised; a power of two (the lanes are folded by halving).
-PARTIAL_SUMS = 256
+#: Interleaved partial sums inside a block: one vector register of float32 lanes
+#: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
+PARTIAL_SUMS = LANES
 
 # ---- exp(a) for a <= 0 in float32 (Cephes expf: exp(a) = 2^k * p(r), |r| <= ln2/2) -----------
 _LOG2E = np.float32(1.44269504088896341)
@@ -182,6 +186,66 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 
 # ---- the fixed-order reduction ----------------------------------------------------------------
 
+@intrinsic
+def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
+    """``(sum of gnew, sum of gnew * xhat)`` over positions ``[start, stop)`` of one block, in
+    the fixed order of the module doc: position ``start + i`` goes to lane ``i % LANES``
+    (vectors of LANES consecutive positions added in order, each lane from +0.0), then the
+    lanes are folded by halving. ``xhat = (decode(x) - mean) * rstd`` as in
+    :func:`_gnew_xhat`. Both rows are 1-D and C-contiguous; a last partial vector loads only
+    its positions (masked loads) and leaves the other lanes untouched.
+    """
+    sig = types.UniTuple(mean, 2)(gnew_row, x_row, types.intp, types.intp, mean, rstd, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        gnew = context.make_array(signature.args[0])(context, builder, args[0])
+        x = context.make_array(signature.args[1])(context, builder, args[1])
+        start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
+        element = context.get_data_type(signature.args[4])
+        vector = ir.VectorType(element, LANES)
+        i64 = ir.IntType(64)
+        lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+        mean_lanes = splat(builder, vector, mean_value)
+        rstd_lanes = splat(builder, vector, rstd_value)
+        sum_g = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+        sum_gx = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+        builder.store(ir.Constant(vector, None), sum_g)
+        builder.store(ir.Constant(vector, None), sum_gx)
+
+        def add(position, used):
+            g = decode_lanes(builder, builder.gep(gnew.data, [position]), "native", vector, used)
+            x_value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
+            gx = builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
+            old_g, old_gx = builder.load(sum_g), builder.load(sum_gx)
+            new_g, new_gx = builder.fadd(old_g, g), builder.fadd(old_gx, gx)
+            if used is not None:  # lanes past the end keep their sums (0 * inf would be NaN)
+                new_g, new_gx = builder.select(used, new_g, old_g), builder.select(used, new_gx, old_gx)
+            builder.store(new_g, sum_g)
+            builder.store(new_gx, sum_gx)
+
+        count = builder.sub(stop, start)
+        whole = builder.sdiv(count, i64(LANES))
+        with cgutils.for_range(builder, whole) as loop:
+            add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
+        tail = builder.add(start, builder.mul(whole, i64(LANES)))
+        remaining = builder.sub(stop, tail)
+        with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
+            add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
+        total_g = fold_lanes_by_halving(builder, builder.load(sum_g))
+        total_gx = fold_lanes_by_halving(builder, builder.load(sum_gx))
+        return context.make_tuple(builder, signature.return_type, [total_g, total_gx])
+
+    return sig, codegen
+
+
+def splat(builder, vector_type, value):
+    one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.IntType(32)(0))
+    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+
+
 @helper
 def _fold_lanes(lanes, width, used):
     """Add lanes ``[0, used)`` into lane 0 by halving; ``lanes`` is the flat C-order view of a
@@ -225,8 +289,6 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         group_mean = mean[n, g]
         group_rstd = rstd[n, g]
         gnew_group = np.empty((group_size, hw), sum_g.dtype)
-        lanes_g = np.empty(PARTIAL_SUMS, sum_g.dtype)
-        lanes_gx = np.empty(PARTIAL_SUMS, sum_g.dtype)
         for k in range(group_size):
             c = start + k
             dy_row = dy[n, c]
@@ -238,25 +300,17 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
             total_gx = total_g
             for block_start in range(0, hw, BLOCK):
                 block_stop = min(block_start + BLOCK, hw)
-                used = min(block_stop - block_start, PARTIAL_SUMS)
-                lanes_g[:used] = 0
-                lanes_gx[:used] = 0
-                # position i of the block goes to lane i % PARTIAL_SUMS: rounds of PARTIAL_SUMS positions
-                for round_start in range(block_start, block_stop, PARTIAL_SUMS):
-                    size = min(PARTIAL_SUMS, block_stop - round_start)
-                    round_dy = dy_row[round_start:round_start + size]
-                    round_x = x_row[round_start:round_start + size]
-                    round_gnew = gnew_row[round_start:round_start + size]
-                    for j in range(size):
-                        gnew, xhat = _gnew_xhat(load(round_dy[j], fmt), load(round_x[j], fmt), group_mean,
-                                                group_rstd, channel_gamma, channel_beta, swish_scale)
-                        round_gnew[j] = gnew
-                        lanes_g[j] += gnew
-                        lanes_gx[j] += gnew * xhat
-                _fold_lanes(lanes_g, 1, used)
-                _fold_lanes(lanes_gx, 1, used)
-                total_g += lanes_g[0]
-                total_gx += lanes_gx[0]
+                # sliced so that the loop runs from 0 (a runtime start blocks vectorisation)
+                block_dy = dy_row[block_start:block_stop]
+                block_x = x_row[block_start:block_stop]
+                block_gnew = gnew_row[block_start:block_stop]
+                for i in range(block_stop - block_start):
+                    block_gnew[i] = _gnew_xhat(load(block_dy[i], fmt), load(block_x[i], fmt), group_mean,
+                                               group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd,
+                                                fmt)
+                total_g += block_g
+                total_gx += block_gx
             sum_g[n, c] = total_g
             sum_gx[n, c] = total_gx
         c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
