@@ -199,7 +199,7 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
 
 
 @helper
-def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, gvals,
+def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
                   width, fmt, y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                   x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
@@ -207,14 +207,18 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
     ``((row_end - row_begin) * W, nc)``. Corners on other rows are left to their band's task.
 
     Channels innermost: every sample's offsets and weights are computed once for the block and
-    the channel loops are contiguous (vectorised). Per element the order is that of the SPEC
+    the channel loops are contiguous (vectorised). The gradient of a row of bins that reaches the
+    band is first copied (decoded) into ``row_grad`` ``(PW, nc)``, reading grad_output along its
+    rows: gathered per bin, its channels were ``PH * PW`` elements apart, one cache miss each
+    (that gather was the kernel's hottest loop). Per element the order is that of the SPEC
     loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
     """
     pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
-    channels = gvals.shape[0]
+    channels = row_grad.shape[1]
     for j in range(box_begin, box_end):
         if box_rows[j, 1] < row_begin or box_rows[j, 0] >= row_end:
             continue
+        box = grad_output[box_order[j]]
         for ph in range(pooled_height):
             ys = y_start[j * pooled_height + ph]
             ye = ys + y_used[j * pooled_height + ph]
@@ -225,13 +229,16 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
             last_row = max(y_low[ys] + y_step[ys], y_low[ye - 1] + y_step[ye - 1])
             if last_row < row_begin or first_row >= row_end:
                 continue
+            for c in range(channels):
+                source = box[c0 + c, ph]
+                for pw in range(pooled_width):
+                    row_grad[pw, c] = load(source[pw], fmt)
             for pw in range(pooled_width):
                 xs = x_start[j * pooled_width + pw]
                 xe = xs + x_used[j * pooled_width + pw]
                 if xe == xs:
                     continue
-                for c in range(channels):
-                    gvals[c] = load(grad_output[box_order[j], c0 + c, ph, pw], fmt)
+                gvals = row_grad[pw]
                 for ey in range(ys, ye):
                     row_low = y_low[ey]
                     row_high = row_low + y_step[ey]
@@ -300,10 +307,10 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
             for c in range(c0, c1):
                 grad_input[b, c, row_begin * width:row_end * width] = 0
             continue
-        gvals = np.empty(c1 - c0, y_low_weight.dtype)
+        row_grad = np.empty((grad_output.shape[3], c1 - c0), y_low_weight.dtype)
         target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_low_weight.dtype)
         _scatter_band(grad_output, box_order, image_start[b], image_start[b + 1], box_rows, c0,
-                      row_begin, row_end, target, gvals, width, fmt,
+                      row_begin, row_end, target, row_grad, width, fmt,
                       y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                       x_start, x_used, x_low, x_step, x_low_weight, x_high_weight)
         for c in range(c1 - c0):
