@@ -45,7 +45,7 @@ def assert_all_match(results, references, **tolerance):
         assert_matches_reference(result, reference, **tolerance)
 
 
-# Random non-square cases (shape, G, swish_scale): ranks 2 to 5, tails of the 256 lanes, one
+# Random non-square cases (shape, G, swish_scale): ranks 2 to 5, tails of the 16 lanes, one
 # multi-block spatial size (4550 > BLOCK = 4096), scales of both signs and 0 (all exact in float32).
 CASES = [
     ((3, 12, 7, 5), 4, 1.0),
@@ -102,7 +102,7 @@ def test_half_formats_round_once(dtype):
     """float16/bfloat16 within 1 ulp of the reference from the same inputs, rounded once.
 
     dgamma and dbeta sum 2 * 4550 products here; 1 ulp still holds for them: the float32 sums
-    (fixed blocks of 256 lanes) carry a relative error of about 1e-6 of the summed magnitudes,
+    (fixed blocks of 16 lanes) carry a relative error of about 1e-6 of the summed magnitudes,
     far below half an ulp of the half formats (2^-9 for bfloat16, 2^-12 for float16), and the
     test's small-value clause (1e-6 of the largest value) covers results that cancel to ~0.
     """

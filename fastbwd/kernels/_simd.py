@@ -90,8 +90,7 @@ def fold_lanes_by_halving(builder, vector):
     return builder.extract_element(vector, _I32(0))
 
 
-def _gathered_sum(builder, source, index, weights, start, stop, column, format_name,
-                  vector_type):
+def _gathered_sum(builder, source, index, weights, start, stop, column, format_name, vector_type):
     """The 16-lane register sum ``sum over s in [start, stop) of weights[s] *
     source[index[s], column:column + LANES]``, from +0.0, in ascending ``s``."""
     accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
@@ -187,8 +186,7 @@ def lanes_gather_sum(typingctx, destination, destination_row, destination_column
         idx = context.make_array(signature.args[4])(context, builder, args[4])
         wts = context.make_array(signature.args[5])(context, builder, args[5])
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8],
-                              format_name, vector)
+        total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8], format_name, vector)
         builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
                       align=signature.args[0].dtype.bitwidth // 8)
         return context.get_dummy_value()
@@ -229,8 +227,7 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
                 builder.store(builder.load(builder.gep(sts.data, [list_index])), start)
                 builder.store(builder.load(builder.gep(sts.data, [builder.add(list_index, _I64(1))])), stop)
             start, stop = builder.load(start), builder.load(stop)
-            sums.append(_gathered_sum(builder, src, idx, wts, start, stop, args[9],
-                                      format_name, vector))
+            sums.append(_gathered_sum(builder, src, idx, wts, start, stop, args[9], format_name, vector))
         align = signature.args[0].dtype.bitwidth // 8
         for j, column in enumerate(_transpose_registers(builder, sums)):
             pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
