@@ -45,9 +45,10 @@ def run(grad_nchw, tables, layout, dtype):
 
 # (H, W, OH, OW, C): widths below, at and between multiples of the 16 lanes (tiles that
 # overlap their neighbour, scratch wider than the plane), partial row blocks, NHWC rows and
-# channel counts shorter than 16.
+# channel counts shorter than 16, and grad rows long enough for the row-block kernel to
+# prefetch the next task's rows (S.PREFETCH_MIN_ROW_BYTES).
 ENGINE_SHAPES = [(9, 13, 7, 11, 3), (37, 21, 50, 45, 19), (33, 16, 16, 48, 16), (5, 3, 2, 7, 1),
-                 (20, 33, 17, 16, 35)]
+                 (20, 33, 17, 16, 35), (40, 70, 45, 130, 2)]
 
 
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda shape: "x".join(map(str, shape)))

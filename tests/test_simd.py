@@ -6,7 +6,8 @@ import pytest
 from numba import njit
 
 from fastbwd import _dtypes as d
-from fastbwd.kernels._simd import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
+from fastbwd.kernels._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch,
+                                   transpose_lanes)
 
 
 @njit
@@ -106,3 +107,18 @@ def test_gather_transpose_is_the_transposed_scalar_sums(dtype, count):
         else:
             expected[1:1 + LANES, 2 + r] = 0
     assert destination.tobytes() == expected.tobytes()
+
+
+@njit
+def _prefetch_all(array):
+    flat = array.reshape(array.size)
+    for i in range(flat.size):
+        prefetch(flat, i)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16])
+def test_prefetch_is_only_a_hint(dtype):
+    array = np.arange(1000).astype(dtype).reshape(10, 100)
+    before = array.copy()
+    _prefetch_all(array)
+    assert array.tobytes() == before.tobytes()
