@@ -40,7 +40,7 @@ with 16-lane register sums (``_simd`` intrinsics; LLVM keeps neither a runtime-l
 * NCHW, small planes: LANES planes at a time as the vector lanes (:func:`_separable_bwd_planes`).
 * NHWC: a task is one input row; its height-pass sum ``U`` (OW x C) adds whole source rows one
   after the other (one sequential stream), then each ``w`` sums its ``U`` columns as 16-channel
-  vectors.
+  vectors while the source rows new to the next task are prefetched.
 """
 
 import functools
