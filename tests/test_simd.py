@@ -7,7 +7,7 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch,
-                                   transpose_lanes)
+                                   prefetch_for_write, transpose_lanes)
 
 
 @njit
@@ -114,6 +114,7 @@ def _prefetch_all(array):
     flat = array.reshape(array.size)
     for i in range(flat.size):
         prefetch(flat, i)
+        prefetch_for_write(flat, i)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16])

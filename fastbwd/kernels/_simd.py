@@ -238,23 +238,33 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
 
 
 
-@intrinsic
-def prefetch(typingctx, array, index):
-    """Ask for the cache line holding ``array.ravel()[index]`` (C-contiguous ``array``) to be
-    loaded into the cache ahead of use (``llvm.prefetch``: a hint that never faults and changes
-    no value)."""
-    if not isinstance(array, types.Array):
-        return None
-    sig = types.void(array, types.intp)
-
+def _prefetch_codegen(for_write):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         byte_pointer = ir.IntType(8).as_pointer()
         function = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-        # read access, highest temporal locality (all cache levels), data cache
-        builder.call(function, [builder.bitcast(builder.gep(data, [args[1]]), byte_pointer), _I32(0), _I32(3),
-                                _I32(1)])
+        # read or write access, highest temporal locality (all cache levels), data cache
+        builder.call(function, [builder.bitcast(builder.gep(data, [args[1]]), byte_pointer), _I32(int(for_write)),
+                                _I32(3), _I32(1)])
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask for the cache line holding ``array.ravel()[index]`` (C-contiguous ``array``) to be
+    loaded into the cache ahead of a read (``llvm.prefetch``: a hint that never faults and
+    changes no value)."""
+    if not isinstance(array, types.Array):
+        return None
+    return types.void(array, types.intp), _prefetch_codegen(False)
+
+
+@intrinsic
+def prefetch_for_write(typingctx, array, index):
+    """:func:`prefetch` ahead of a write: the line arrives ready to be modified."""
+    if not isinstance(array, types.Array):
+        return None
+    return types.void(array, types.intp), _prefetch_codegen(True)
