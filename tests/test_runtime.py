@@ -159,3 +159,66 @@ def test_import_compiles_nothing_and_never_imports_torch():
     print("clean import", len(kernels))
     """
     assert "clean import" in run_script(body)
+
+
+_EVERY_KERNEL_PATH = """
+from fastbwd.testing import reference as ref
+from fastbwd.testing.cases import roi_boxes
+rng = np.random.default_rng(0)
+
+def close(actual, want):
+    actual = np.asarray(actual, np.float64)
+    assert np.allclose(actual, want, rtol=1e-4, atol=1e-4), np.abs(actual - want).max()
+
+# upsample: row blocks reading in place (OW >= 16, prefetching), staged narrow rows, NHWC with
+# 16+ and fewer channels, 16 planes at a time (>= 128 small planes)
+for n, c, h, w, oh, ow in [(1, 3, 20, 70, 45, 130), (2, 3, 9, 13, 7, 11), (1, 130, 5, 6, 9, 11)]:
+    g = rng.standard_normal((n, c, oh, ow)).astype(np.float32)
+    want = ref.upsample_bilinear2d_backward(g, (oh, ow), (n, c, h, w), False)
+    close(fastbwd.upsample_bilinear2d_backward(g, (oh, ow), (n, c, h, w)), want)
+    for channels in (c, 19):
+        g = rng.standard_normal((n, channels, oh, ow)).astype(np.float32)
+        want = ref.upsample_bilinear2d_backward(g, (oh, ow), (n, channels, h, w), True)
+        nhwc = fastbwd.upsample_bilinear2d_backward(np.ascontiguousarray(g.transpose(0, 2, 3, 1)), (oh, ow),
+                                                    (n, channels, h, w), True, layout="NHWC")
+        close(nhwc.transpose(0, 3, 1, 2), want)
+# avg_pool: row blocks, and the global kernel
+g = rng.standard_normal((2, 3, 18, 20)).astype(np.float32)
+close(fastbwd.avg_pool2d_backward(g, (2, 3, 36, 40), 3, 2, 1, False, False),
+      ref.avg_pool2d_backward(g, (2, 3, 36, 40), (3, 3), (2, 2), (1, 1), False, False))
+g = rng.standard_normal((2, 5, 1, 1)).astype(np.float32)
+close(fastbwd.avg_pool2d_backward(g, (2, 5, 7, 7), 7, 1, 0, False, True),
+      ref.avg_pool2d_backward(g, (2, 5, 7, 7), (7, 7), (1, 1), (0, 0), False, True))
+# pad
+grad_output, shape, padding = case(1)
+close(fastbwd.replication_pad2d_backward(grad_output, shape, padding), expected(1))
+# group_norm_swish, both layouts, a spatial size that is no multiple of 16
+x = rng.standard_normal((2, 8, 7, 9)).astype(np.float32)
+dy = rng.standard_normal(x.shape).astype(np.float32)
+gamma, beta = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+mean = rng.standard_normal((2, 4)).astype(np.float32) * 0.1
+rstd = (1 + rng.random((2, 4))).astype(np.float32)
+expected_gns = ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 4)
+for result, want in zip(fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 4), expected_gns):
+    close(result, want)
+nhwc = fastbwd.group_norm_swish_backward(np.ascontiguousarray(dy.transpose(0, 2, 3, 1)), mean, rstd,
+                                         np.ascontiguousarray(x.transpose(0, 2, 3, 1)), gamma, beta, 4,
+                                         data_format="NHWC")
+close(nhwc[0].transpose(0, 3, 1, 2), expected_gns[0])
+# roi_align, fixed and adaptive sampling
+shape = (2, 5, 20, 24)
+boxes = roi_boxes(12, shape, 0.5)
+g = rng.standard_normal((12, 5, 3, 3)).astype(np.float32)
+for ratio in (2, 0):
+    close(fastbwd.roi_align_backward(g, boxes, shape, 3, 3, 0.5, ratio, True),
+          ref.roi_align_backward(g, boxes, shape, 3, 3, 0.5, ratio, True))
+print("ok")
+"""
+
+
+def test_every_kernel_path_within_bounds():
+    # Compiled afresh with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
+    # raises instead of corrupting memory. (It caught a scratch size that Numba's allocation
+    # hoisting got wrong; the intrinsics of kernels._simd are not checked.)
+    assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "FASTBWD_CACHE": "0"},
+                              timeout=900)

@@ -27,17 +27,19 @@ form* (tables from :func:`gather_table`: each input index adds its sources, in t
 with 16-lane register sums (``_simd`` intrinsics; LLVM keeps neither a runtime-length sum nor a
 16 x 16 tile in registers by itself):
 
-* NCHW, large planes: a task is one block of LANES input rows of one plane. Its source rows are
-  first copied (decoded) into a contiguous scratch, one sequential read that the hardware
-  prefetcher follows; the height pass then sums them 16 columns at a time for the block's 16
-  rows and transposes each 16 x 16 tile in registers (``U_t``: OW x LANES), prefetching the next
-  task's source rows a few cache lines per tile (so memory works while the core computes:
-  1.3-1.5x faster on a busy machine; all at once at the task's start did nothing); the width
-  pass sums ``U_t`` rows into 16 columns of the block's rows and transposes back, prefetching
-  the next task's destination rows for writing (another 1.1-1.15x); the rows are stored,
-  rounded once. Tasks run in TASK_GROUPS fixed groups, each allocating its scratch once. A
-  last partial tile starts LANES columns before the end and recomputes the columns it shares
-  with its neighbour (the same operations, so the same bits).
+* NCHW, large planes: a task is one block of LANES input rows of one plane. The height pass sums
+  the block's source rows 16 columns at a time for its 16 rows, read in place, and transposes
+  each 16 x 16 tile in registers (``U_t``: OW x LANES); the width pass sums ``U_t`` rows into 16
+  columns of the block's rows and transposes back; the rows are stored, rounded once. Memory
+  works while the core computes: after each tile a few cache lines of the next task's source
+  rows are prefetched (height pass) or of its destination rows, for writing (width pass).
+  Without the prefetches, reading the rows in place was 1.5x slower than first copying them
+  in one sequential read (16-column chunks of many rows defeat the hardware prefetcher); with
+  them it is 1.3x faster than that copy, and all the prefetches at once at a task's start did
+  nothing. Tasks run in TASK_GROUPS fixed groups, each allocating its scratch once. A last
+  partial tile starts LANES columns before the end and recomputes the columns it shares with
+  its neighbour (the same operations, so the same bits); rows narrower than LANES are staged
+  into zero-padded rows instead.
 * NCHW, small planes: LANES planes at a time as the vector lanes (:func:`_separable_bwd_planes`).
 * NHWC: a task is one input row; its height-pass sum ``U`` (OW x C) adds whole source rows one
   after the other (one sequential stream), then each ``w`` sums its ``U`` columns as 16-channel
@@ -165,6 +167,22 @@ def _next_source_elements(start_h, source_h, task, tasks, blocks, height, out_he
 
 
 @helper
+def _narrow_height_pass(source, block_t, staged, staged_index, start_h, source_h, weight_h, row_start, rows, fmt):
+    """The height pass of one row block when grad_output rows are narrower than LANES: the
+    block's source rows are staged (decoded) into rows of LANES columns, zero beyond OW, so that
+    the tile reads no further than a row."""
+    lo, hi = _source_rows(start_h, source_h, row_start, row_start + rows)
+    for i in range(hi - lo):
+        source_row = source[lo + i]
+        target = staged[i]
+        for k in range(source.shape[1]):
+            target[k] = load(source_row[k], fmt)
+    for s in range(start_h[row_start], start_h[row_start + rows]):
+        staged_index[s] = source_h[s] - lo
+    gather_transpose_lanes(block_t, 0, 0, staged, staged_index, weight_h, start_h, row_start, rows, 0, NATIVE)
+
+
+@helper
 def _destination_elements(task, blocks, height, width):
     """``[first, stop)``: the flat grad_input elements that task ``task`` of the row-block kernel
     writes."""
@@ -183,51 +201,51 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
     blocks = (height + LANES - 1) // LANES
     tasks = planes * blocks
     groups = min(tasks, TASK_GROUPS)
-    span = 0  # the most source rows a block reads
+    # grad_output rows narrower than LANES are staged (decoded) into rows of LANES columns, zero
+    # beyond OW, so that no tile reads past a row; wider rows are read in place
+    narrow = out_width < LANES
+    # the most source rows a block reads; computed unconditionally: Numba hoists the scratch
+    # allocations below out of the parallel loop, and a size computed under an ``if`` here
+    # reached them wrong (out-of-bounds writes, caught by NUMBA_BOUNDSCHECK=1)
+    span = 0
     for block in range(blocks):
-        lo, hi = _source_rows(start_h, source_h, block * LANES, min(block * LANES + LANES, height))
-        span = max(span, hi - lo)
-    # scratch widths of at least LANES: a tile never reaches past them (columns beyond OW
-    # stay 0 and are never read back; columns beyond W are never stored)
-    staged_width, result_width = max(out_width, LANES), max(width, LANES)
+        first_row, stop_row = _source_rows(start_h, source_h, block * LANES, min(block * LANES + LANES, height))
+        span = max(span, stop_row - first_row)
+    tile_rows, result_width = max(out_width, LANES), max(width, LANES)
     flat_source = grad_output.reshape(grad_output.size)
     flat_result = grad_input.reshape(grad_input.size)
     prefetching = out_width * grad_output.itemsize >= PREFETCH_MIN_ROW_BYTES
     for group in prange(groups):
-        staged = np.zeros((span, staged_width), weight_h.dtype)  # decoded source rows
-        staged_index = np.empty(source_h.shape[0], np.int64)  # source_h, relative to the block
-        block_t = np.empty((staged_width, LANES), weight_h.dtype)  # U_t: OW x the block's rows
+        staged = np.zeros((span if narrow else 0, LANES), weight_h.dtype)
+        staged_index = np.empty(source_h.shape[0] if narrow else 0, np.int64)  # source_h, block-relative
+        block_t = np.empty((tile_rows, LANES), weight_h.dtype)  # U_t: OW x the block's rows
         result = np.empty((LANES, result_width), weight_h.dtype)
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
             plane = task // blocks
             row_start = (task - plane * blocks) * LANES
             rows = min(LANES, height - row_start)
-            # 1. stage the block's source rows (one sequential read), decoded
-            lo, hi = _source_rows(start_h, source_h, row_start, row_start + rows)
-            for i in range(hi - lo):
-                source = grad_output[plane, lo + i]
-                target = staged[i]
-                for k in range(out_width):
-                    target[k] = load(source[k], fmt)
-            for s in range(start_h[row_start], start_h[row_start + rows]):
-                staged_index[s] = source_h[s] - lo
-            # 2. height pass, 16 columns at a time, transposed into U_t; meanwhile the next task's
-            #    source rows are prefetched, a few lines after each tile
-            ahead, ahead_stop = 0, 0
-            if prefetching:
-                ahead, ahead_stop = _next_source_elements(start_h, source_h, task + 1, tasks, blocks, height,
-                                                          grad_output.shape[1], out_width)
-            line = 64 // grad_output.itemsize
-            per_tile = (ahead_stop - ahead + line - 1) // line // ((staged_width + LANES - 1) // LANES) + 1
-            for k in range(0, staged_width, LANES):
-                column = min(k, staged_width - LANES)
-                gather_transpose_lanes(block_t, column, 0, staged, staged_index, weight_h, start_h, row_start,
-                                       rows, column, NATIVE)
-                for _ in range(per_tile):
-                    if ahead < ahead_stop:
-                        prefetch(flat_source, ahead)
-                    ahead += line
-            # 3. width pass, 16 input columns at a time, transposed back to rows; meanwhile the
+            # 1. height pass, 16 columns at a time, transposed into U_t
+            if narrow:
+                _narrow_height_pass(grad_output[plane], block_t, staged, staged_index, start_h, source_h, weight_h,
+                                    row_start, rows, fmt)
+            else:
+                # meanwhile the next task's source rows are prefetched, a few lines after each tile
+                ahead, ahead_stop = 0, 0
+                if prefetching:
+                    ahead, ahead_stop = _next_source_elements(start_h, source_h, task + 1, tasks, blocks, height,
+                                                              grad_output.shape[1], out_width)
+                line = 64 // grad_output.itemsize
+                per_tile = (ahead_stop - ahead + line - 1) // line // ((out_width + LANES - 1) // LANES) + 1
+                source = grad_output[plane]
+                for k in range(0, out_width, LANES):
+                    column = min(k, out_width - LANES)
+                    gather_transpose_lanes(block_t, column, 0, source, source_h, weight_h, start_h, row_start, rows,
+                                           column, fmt)
+                    for _ in range(per_tile):
+                        if ahead < ahead_stop:
+                            prefetch(flat_source, ahead)
+                        ahead += line
+            # 2. width pass, 16 input columns at a time, transposed back to rows; meanwhile the
             #    next task's destination rows are prefetched for writing
             ahead, ahead_stop = 0, 0
             if prefetching and task + 1 < tasks:
@@ -242,7 +260,7 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
                     if ahead < ahead_stop:
                         prefetch_for_write(flat_result, ahead)
                     ahead += line
-            # 4. store the block's rows, rounding once
+            # 3. store the block's rows, rounding once
             for r in range(rows):
                 destination = grad_input[plane, row_start + r]
                 values = result[r]
