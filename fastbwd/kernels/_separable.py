@@ -40,7 +40,8 @@ with 16-lane register sums (``_simd`` intrinsics; LLVM keeps neither a runtime-l
   partial tile starts LANES columns before the end and recomputes the columns it shares with
   its neighbour (the same operations, so the same bits); rows narrower than LANES are staged
   into zero-padded rows instead.
-* NCHW, small planes: LANES planes at a time as the vector lanes (:func:`_separable_bwd_planes`).
+* NCHW, small planes with grad rows narrower than LANES: LANES planes at a time as the vector
+  lanes (:func:`_separable_bwd_planes`).
 * NHWC: a task is one input row; its height-pass sum ``U`` (OW x C) adds whole source rows one
   after the other (one sequential stream), then each ``w`` sums its ``U`` columns as 16-channel
   vectors while the next task's new source rows and its destination row are prefetched.
@@ -56,11 +57,12 @@ from ._jit import helper, parallel_kernel
 from ._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch, prefetch_for_write,
                     transpose_lanes)
 
-#: NCHW planes whose grad_output, height-pass and result planes together hold at most this many
-#: elements run LANES planes at a time (x LANES planes: 96 KiB of float32, inside L2)... Measured
-#: crossover: planes of 7 to 28 pixels a side ran 1.1-1.6x faster that way than as row blocks
-#: (which pad rows and columns to 16), 40 and 56 a side 1.2x slower.
-PLANE_LANES_SCRATCH = 1536
+#: NCHW planes with grad_output rows narrower than LANES, whose grad_output, height-pass and
+#: result planes together hold at most this many elements (x LANES planes: 512 KiB of float32,
+#: inside L2), run LANES planes at a time... Measured: avg-pool planes of 7 to 28 pixels a side
+#: (grad rows of 4 to 14) ran 1.1-1.4x faster that way than as row blocks, which stage such
+#: rows; from 16-wide grad rows on, row blocks read in place and win (upsample 8 -> 16: 1.6x).
+PLANE_LANES_SCRATCH = 8192
 #: ... when there are enough planes to keep every thread busy that way.
 PLANE_LANES_MIN_PLANES = 8 * LANES
 #: The (plane, row block) tasks of large NCHW planes run in this many fixed groups (fewer when
@@ -85,14 +87,14 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
 
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
-    Small planes run LANES planes at a time (:func:`_separable_bwd_planes`), large ones LANES
-    rows at a time (:func:`_separable_bwd_nchw`); both compute every element with the same
-    operations in the same order.
+    Small planes with narrow grad rows run LANES planes at a time (:func:`_separable_bwd_planes`),
+    the others LANES rows at a time (:func:`_separable_bwd_nchw`); both compute every element
+    with the same operations in the same order.
     """
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     scratch = out_height * out_width + height * out_width + height * width
-    if scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
+    if out_width < LANES and scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
         _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
     else:
         _separable_bwd_nchw(grad_output, grad_input, *_gather_tables(index_h, weight_h, height),
