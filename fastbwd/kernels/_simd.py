@@ -33,6 +33,11 @@ def _element_pointer(builder, array, row, column):
     return builder.gep(array.data, [builder.add(builder.mul(row, columns), column)])
 
 
+def _array_structs(context, builder, signature, args, *positions):
+    """The array structs (data pointer, shape, ...) of the intrinsic arguments at ``positions``."""
+    return [context.make_array(signature.args[i])(context, builder, args[i]) for i in positions]
+
+
 def _vector_pointer(builder, array, row, column, vector_type):
     return builder.bitcast(_element_pointer(builder, array, row, column), vector_type.as_pointer())
 
@@ -181,10 +186,7 @@ def lanes_gather_sum(typingctx, destination, destination_row, destination_column
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst = context.make_array(signature.args[0])(context, builder, args[0])
-        src = context.make_array(signature.args[3])(context, builder, args[3])
-        idx = context.make_array(signature.args[4])(context, builder, args[4])
-        wts = context.make_array(signature.args[5])(context, builder, args[5])
+        dst, src, idx, wts = _array_structs(context, builder, signature, args, 0, 3, 4, 5)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8], format_name, vector)
         builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
@@ -208,11 +210,7 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst = context.make_array(signature.args[0])(context, builder, args[0])
-        src = context.make_array(signature.args[3])(context, builder, args[3])
-        idx = context.make_array(signature.args[4])(context, builder, args[4])
-        wts = context.make_array(signature.args[5])(context, builder, args[5])
-        sts = context.make_array(signature.args[6])(context, builder, args[6])
+        dst, src, idx, wts, sts = _array_structs(context, builder, signature, args, 0, 3, 4, 5, 6)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         first, count = args[7], args[8]
         sums = []
