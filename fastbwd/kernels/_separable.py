@@ -350,11 +350,11 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
 
     In gather form (tables from :func:`gather_table`): the row's height-pass sum ``U`` (OW x C)
     adds its source rows one after the other, then each ``w`` sums its ``U`` columns as
-    16-channel vectors in a register, while the source rows new to the next task are prefetched,
-    and its destination row for writing (U3 1.2-1.3x faster together). Same operations, same
-    order as the NCHW kernels. A last
-    partial vector starts LANES channels before the end (recomputing the shared ones, bit for
-    bit); fewer than LANES channels run as scalar loops.
+    16-channel vectors in a register, while the source rows new to the next task are
+    prefetched, and its destination row for writing (U3 1.2-1.3x faster together). Same
+    operations, same order as the NCHW kernels. A last partial vector starts LANES channels
+    before the end (recomputing the shared ones, bit for bit); fewer than LANES channels run as
+    scalar loops.
     """
     batch, height, width, channels = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
@@ -367,7 +367,7 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
         h = task - n * height
         # 1. height pass: U = sum of the source rows, ascending, one whole row after the other
         #    (a single sequential stream; summing 16 elements of all of them at a time in a
-        #    register measured 35% slower from DRAM, though faster in cache)
+        #    register measured 35% slower from DRAM, and no faster once prefetched)
         partial = np.full(row_length, zero)
         for j in range(start_h[h], start_h[h + 1]):
             c = weight_h[j]

@@ -33,7 +33,7 @@ def _element_pointer(builder, array, row, column):
     return builder.gep(array.data, [builder.add(builder.mul(row, columns), column)])
 
 
-def _array_structs(context, builder, signature, args, *positions):
+def array_structs(context, builder, signature, args, *positions):
     """The array structs (data pointer, shape, ...) of the intrinsic arguments at ``positions``."""
     return [context.make_array(signature.args[i])(context, builder, args[i]) for i in positions]
 
@@ -186,7 +186,7 @@ def lanes_gather_sum(typingctx, destination, destination_row, destination_column
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst, src, idx, wts = _array_structs(context, builder, signature, args, 0, 3, 4, 5)
+        dst, src, idx, wts = array_structs(context, builder, signature, args, 0, 3, 4, 5)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8], format_name, vector)
         builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
@@ -210,7 +210,7 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst, src, idx, wts, sts = _array_structs(context, builder, signature, args, 0, 3, 4, 5, 6)
+        dst, src, idx, wts, sts = array_structs(context, builder, signature, args, 0, 3, 4, 5, 6)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         first, count = args[7], args[8]
         sums = []

@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, decode_lanes, fold_lanes_by_halving, splat
+from ._simd import LANES, array_structs, decode_lanes, fold_lanes_by_halving, splat
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
@@ -199,8 +199,7 @@ def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        gnew = context.make_array(signature.args[0])(context, builder, args[0])
-        x = context.make_array(signature.args[1])(context, builder, args[1])
+        gnew, x = array_structs(context, builder, signature, args, 0, 1)
         start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
         element = context.get_data_type(signature.args[4])
         vector = ir.VectorType(element, LANES)
@@ -237,13 +236,6 @@ def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
         return context.make_tuple(builder, signature.return_type, [total_g, total_gx])
 
     return sig, codegen
-
-
-def splat(builder, vector_type, value):
-    one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.IntType(32)(0))
-    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
-
 
 
 @helper
