@@ -157,7 +157,7 @@ def _source_rows(start_h, source_h, row_start, row_stop):
 @helper
 def _next_source_elements(start_h, source_h, task, tasks, blocks, height, out_height, out_width):
     """``[first, stop)``: the flat grad_output elements that task ``task`` of the row-block kernel
-    stages (empty past the last task)."""
+    reads (empty past the last task)."""
     if task >= tasks:
         return 0, 0
     plane = task // blocks
