@@ -33,10 +33,13 @@ from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, array_structs, decode_lanes, fold_lanes_by_halving, splat
+from ._simd import LANES, array_structs, decode_lanes, fold_lanes_by_halving, prefetch_for_write, splat
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
+#: The NCHW first pass prefetches the dx lines of every round of this many positions for
+#: writing, right after computing them: G1 and G3 in float32 ran 1.15-1.2x faster.
+PREFETCH_ROUND = 256
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
 PARTIAL_SUMS = LANES
@@ -274,6 +277,9 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     groups = mean.shape[1]
     group_size = channels // groups
     count = sum_g.dtype.type(group_size * hw)
+    flat_dx = dx.reshape(dx.size)
+    prefetching = dx.itemsize >= 4
+    line = 64 // dx.itemsize
     for task in prange(batch * groups):
         n = task // groups
         g = task - n * groups
@@ -296,9 +302,25 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                 block_dy = dy_row[block_start:block_stop]
                 block_x = x_row[block_start:block_stop]
                 block_gnew = gnew_row[block_start:block_stop]
-                for i in range(block_stop - block_start):
-                    block_gnew[i] = _gnew_xhat(load(block_dy[i], fmt), load(block_x[i], fmt), group_mean,
-                                               group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                if not prefetching:
+                    for i in range(block_stop - block_start):
+                        block_gnew[i] = _gnew_xhat(load(block_dy[i], fmt), load(block_x[i], fmt), group_mean,
+                                                   group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                else:
+                    # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
+                    # lines are prefetched for writing (not for the half formats: bound by the
+                    # arithmetic, they lost a little)
+                    dx_start = (n * channels + c) * hw + block_start
+                    for round_start in range(0, block_stop - block_start, PREFETCH_ROUND):
+                        round_stop = min(round_start + PREFETCH_ROUND, block_stop - block_start)
+                        round_dy = block_dy[round_start:round_stop]
+                        round_x = block_x[round_start:round_stop]
+                        round_gnew = block_gnew[round_start:round_stop]
+                        for i in range(round_stop - round_start):
+                            round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
+                                                       group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                        for e in range(dx_start + round_start, dx_start + round_stop, line):
+                            prefetch_for_write(flat_dx, e)
                 block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd,
                                                 fmt)
                 total_g += block_g
