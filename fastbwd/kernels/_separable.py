@@ -155,6 +155,30 @@ def _source_rows(start_h, source_h, row_start, row_stop):
 
 
 @helper
+def _lines_per_step(flat, first, stop, steps):
+    """How many cache lines of ``flat[first:stop]`` each of ``steps`` steps prefetches so that
+    together they cover it (at least one)."""
+    line = 64 // flat.itemsize
+    return (stop - first + line - 1) // line // steps + 1
+
+
+@helper
+def _prefetch_share(flat, ahead, stop, lines, for_write):
+    """Prefetch the next ``lines`` cache lines of ``flat[ahead:stop]`` (for writing when
+    ``for_write``) and return where the next share starts: a kernel spreads a region's
+    prefetches over its compute steps, so that memory works while the core computes."""
+    line = 64 // flat.itemsize
+    for _ in range(lines):
+        if ahead < stop:
+            if for_write:
+                prefetch_for_write(flat, ahead)
+            else:
+                prefetch(flat, ahead)
+        ahead += line
+    return ahead
+
+
+@helper
 def _next_source_elements(start_h, source_h, task, tasks, blocks, height, out_height, out_width):
     """``[first, stop)``: the flat grad_output elements that task ``task`` of the row-block kernel
     reads (empty past the last task)."""
@@ -236,32 +260,24 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
                 if prefetching:
                     ahead, ahead_stop = _next_source_elements(start_h, source_h, task + 1, tasks, blocks, height,
                                                               grad_output.shape[1], out_width)
-                line = 64 // grad_output.itemsize
-                per_tile = (ahead_stop - ahead + line - 1) // line // ((out_width + LANES - 1) // LANES) + 1
+                per_tile = _lines_per_step(flat_source, ahead, ahead_stop, (out_width + LANES - 1) // LANES)
                 source = grad_output[plane]
                 for k in range(0, out_width, LANES):
                     column = min(k, out_width - LANES)
                     gather_transpose_lanes(block_t, column, 0, source, source_h, weight_h, start_h, row_start, rows,
                                            column, fmt)
-                    for _ in range(per_tile):
-                        if ahead < ahead_stop:
-                            prefetch(flat_source, ahead)
-                        ahead += line
+                    ahead = _prefetch_share(flat_source, ahead, ahead_stop, per_tile, False)
             # 2. width pass, 16 input columns at a time, transposed back to rows; meanwhile the
             #    next task's destination rows are prefetched for writing
             ahead, ahead_stop = 0, 0
             if prefetching and task + 1 < tasks:
                 ahead, ahead_stop = _destination_elements(task + 1, blocks, height, width)
-            line = 64 // grad_input.itemsize
-            per_tile = (ahead_stop - ahead + line - 1) // line // ((result_width + LANES - 1) // LANES) + 1
+            per_tile = _lines_per_step(flat_result, ahead, ahead_stop, (result_width + LANES - 1) // LANES)
             for w in range(0, result_width, LANES):
                 column = min(w, result_width - LANES)
                 gather_transpose_lanes(result, 0, column, block_t, source_w, weight_w, start_w, column,
                                        min(LANES, width - column), 0, NATIVE)
-                for _ in range(per_tile):
-                    if ahead < ahead_stop:
-                        prefetch_for_write(flat_result, ahead)
-                    ahead += line
+                ahead = _prefetch_share(flat_result, ahead, ahead_stop, per_tile, True)
             # 3. store the block's rows, rounding once
             for r in range(rows):
                 destination = grad_input[plane, row_start + r]
@@ -379,23 +395,15 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
         # and so is, for writing, the next task's destination row
         ahead, ahead_stop = _next_new_rows(start_h, source_h, task, batch * height, height, out_height)
         ahead, ahead_stop = ahead * row_length, ahead_stop * row_length
-        line = 64 // grad_output.itemsize
-        per_w = (ahead_stop - ahead + line - 1) // line // width + 1
+        per_w = _lines_per_step(flat_source, ahead, ahead_stop, width)
         out_ahead = (task + 1) * width * channels
         out_stop = min(out_ahead + width * channels, grad_input.size)
-        out_line = 64 // grad_input.itemsize
-        out_per_w = (width * channels + out_line - 1) // out_line // width + 1
+        out_per_w = _lines_per_step(flat_result, out_ahead, out_stop, width)
         # 2. width pass: each w sums its source columns, ascending, as channel vectors
         result = np.empty((width, channels), weight_h.dtype)
         for w in range(width):
-            for _ in range(per_w):
-                if ahead < ahead_stop:
-                    prefetch(flat_source, ahead)
-                ahead += line
-            for _ in range(out_per_w):
-                if out_ahead < out_stop:
-                    prefetch_for_write(flat_result, out_ahead)
-                out_ahead += out_line
+            ahead = _prefetch_share(flat_source, ahead, ahead_stop, per_w, False)
+            out_ahead = _prefetch_share(flat_result, out_ahead, out_stop, out_per_w, True)
             if channels >= LANES:
                 for k in range(0, channels, LANES):
                     channel = min(k, channels - LANES)
