@@ -6,13 +6,21 @@ import pytest
 from numba import njit
 
 from fastbwd import _dtypes as d
+from fastbwd.kernels._halfbits import store
 from fastbwd.kernels._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch,
                                    prefetch_for_write, transpose_lanes)
 
 
 @njit
-def _transpose(destination, source, dr, dc, sr, sc):
-    transpose_lanes(destination, dr, dc, source, sr, sc)
+def _transpose(destination, source, dr, dc, sr, sc, fmt):
+    transpose_lanes(destination, dr, dc, source, sr, sc, fmt)
+
+
+@njit
+def _store_each(out, values, fmt):
+    """``out[i] = store(values[i])``: the scalar encoding (``out`` holds kernel_view elements)."""
+    for i in range(values.size):
+        out[i] = store(values[i], fmt)
 
 
 @njit
@@ -20,15 +28,23 @@ def _axpy(destination, row, column, source, source_row, source_column, scale):
     lanes_axpy(destination, row, column, source, source_row, source_column, scale)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_transpose_moves_exactly_one_tile(dtype):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+def test_transpose_moves_exactly_one_tile_and_encodes_like_store(dtype):
     rng = np.random.default_rng(0)
-    source = rng.standard_normal((LANES + 5, LANES + 9)).astype(dtype)
-    source[3, 4] = np.nan
-    destination = np.zeros((LANES + 7, LANES + 4), dtype)
-    _transpose(destination, source, 2, 3, 1, 5)
-    tile = source[1:1 + LANES, 5:5 + LANES].T
-    assert np.array_equal(destination[2:2 + LANES, 3:3 + LANES], tile, equal_nan=True)
+    compute = d.compute_dtype(dtype)
+    source = (rng.standard_normal((LANES + 5, LANES + 9)) * 1e3).astype(compute)
+    # NaN, infinities, overflow past the half formats, rounding ties and subnormals
+    source[3, 4], source[5, 6], source[6, 7], source[7, 8] = np.nan, np.inf, -np.inf, 1e6
+    source[8, 9] = 1.0 + 2.0 ** -8  # a bfloat16 tie: rounds to even
+    source[9, 10] = 1e-7
+    fmt = d.storage_format(dtype)
+    destination = d.kernel_view(np.zeros((LANES + 7, LANES + 4), dtype))
+    _transpose(destination, source, 2, 3, 1, 5, fmt)
+    tile = np.ascontiguousarray(source[1:1 + LANES, 5:5 + LANES].T)
+    expected = np.empty(LANES * LANES, destination.dtype)
+    _store_each(expected, tile.ravel(), fmt)
+    expected = expected.reshape(LANES, LANES)
+    assert destination[2:2 + LANES, 3:3 + LANES].tobytes() == expected.tobytes()
     destination[2:2 + LANES, 3:3 + LANES] = 0
     assert not destination.any(), "wrote outside the tile"
 

@@ -315,7 +315,7 @@ def _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, w
                 target[k] = load(source[k], fmt)
         lanes_out = np.empty((padded_out, LANES), staged.dtype)
         for k in range(0, padded_out, LANES):
-            transpose_lanes(lanes_out, k, 0, staged, 0, k)
+            transpose_lanes(lanes_out, k, 0, staged, 0, k, NATIVE)
         # height pass: (H*OW, LANES)
         partial = np.full((height * out_width, LANES), zero)
         for oh in range(out_height):
@@ -336,7 +336,7 @@ def _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, w
         # transpose back and store (rounding once)
         planes_in = np.empty((LANES, padded_in), staged.dtype)
         for k in range(0, padded_in, LANES):
-            transpose_lanes(planes_in, 0, k, result, k, 0)
+            transpose_lanes(planes_in, 0, k, result, k, 0, NATIVE)
         for lane in range(used):
             destination = grad_input[first + lane].reshape(in_size)
             values = planes_in[lane]

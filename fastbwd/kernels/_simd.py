@@ -83,6 +83,29 @@ def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
                            vector_type)
 
 
+def encode_lanes(builder, vector, format_name):
+    """``vector`` (compute type) in its storage form, lane by lane as kernels._halfbits' ``store``:
+    float16 by IEEE round to nearest even, bfloat16 by round to nearest even on the bits (NaN
+    kept quiet), native unchanged. The inverse of :func:`decode_lanes`."""
+    if format_name == "native":
+        return vector
+    half_words = ir.VectorType(ir.IntType(16), LANES)
+    if format_name == "float16":
+        return builder.bitcast(builder.fptrunc(vector, ir.VectorType(ir.HalfType(), LANES)), half_words)
+    words = ir.VectorType(_I32, LANES)
+
+    def constant(value):
+        return ir.Constant(words, [value] * LANES)
+
+    bits = builder.bitcast(vector, words)
+    top = builder.lshr(bits, constant(16))
+    rounded = builder.lshr(builder.add(builder.add(bits, constant(0x7FFF)), builder.and_(top, constant(1))),
+                           constant(16))
+    quiet_nan = builder.or_(top, constant(0x0040))
+    result = builder.select(builder.fcmp_unordered("uno", vector, vector), quiet_nan, rounded)
+    return builder.trunc(result, half_words)
+
+
 def fold_lanes_by_halving(builder, vector):
     """Lane 0 after adding lane ``j + h`` into lane ``j`` for h = LANES/2, ..., 2, 1."""
     half = LANES // 2
@@ -149,24 +172,27 @@ def lanes_axpy(typingctx, destination, destination_row, destination_column, sour
 
 @intrinsic
 def transpose_lanes(typingctx, destination, destination_row, destination_column, source, source_row,
-                    source_column):
-    """``destination[dr + j, dc + i] = source[sr + i, sc + j]`` for ``i, j < LANES``.
+                    source_column, fmt):
+    """``destination[dr + j, dc + i] = encode(source[sr + i, sc + j])`` for ``i, j < LANES``.
 
-    Sixteen vector loads, the register transpose, sixteen vector stores.
+    ``source`` holds compute-type values; ``destination`` holds StorageFormat ``fmt`` (each value
+    rounded once, as ``store``; NATIVE: the source dtype). Sixteen vector loads, the register
+    transpose, sixteen (encoded) vector stores.
     """
-    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp)
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, fmt)
+    format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst = context.make_array(signature.args[0])(context, builder, args[0])
-        src = context.make_array(signature.args[3])(context, builder, args[3])
-        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        align = signature.args[0].dtype.bitwidth // 8
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
+        stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         rows = [builder.load(_vector_pointer(builder, src, builder.add(args[4], _I64(i)), args[5], vector),
-                             align=align) for i in range(LANES)]
+                             align=signature.args[3].dtype.bitwidth // 8) for i in range(LANES)]
         rows = _transpose_registers(builder, rows)
         for j in range(LANES):
-            pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
-            builder.store(rows[j], pointer, align=align)
+            pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], stored)
+            builder.store(encode_lanes(builder, rows[j], format_name), pointer,
+                          align=signature.args[0].dtype.bitwidth // 8)
         return context.get_dummy_value()
 
     return sig, codegen

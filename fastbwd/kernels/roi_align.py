@@ -30,6 +30,7 @@ from numba.extending import overload
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
+from ._simd import LANES, transpose_lanes
 
 
 def like(value, template):
@@ -313,7 +314,26 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
                       row_begin, row_end, target, row_grad, width, fmt,
                       y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                       x_start, x_used, x_low, x_step, x_low_weight, x_high_weight)
-        for c in range(c1 - c0):
-            destination = grad_input[b, c0 + c, row_begin * width:row_end * width]
-            for i in range(destination.shape[0]):
-                destination[i] = store(target[i, c], fmt)
+        _store_band(target, grad_input[b], c0, row_begin * width, fmt)
+
+
+@helper
+def _store_band(target, plane, c0, first, fmt):
+    """``plane[c0 + c, first + i] = store(target[i, c])``: the channels-last scratch back to the
+    channel-major result, each element rounded once.
+
+    Whole 16-channel blocks go by 16 x 16 register transposes (``transpose_lanes``), a block's
+    pixel tiles in order, the last tile overlapping its neighbour: reading the scratch one channel
+    at a time (a 4-byte load per cache line) had cost about as much as the scatter's output
+    stream itself (R1 1.25x faster). Leftover channels, and bands under 16 pixels, go one by one.
+    """
+    pixels, channels = target.shape
+    tiled = channels // LANES * LANES if pixels >= LANES else 0
+    for cc in range(0, tiled, LANES):
+        for p in range(0, pixels, LANES):
+            tile = min(p, pixels - LANES)
+            transpose_lanes(plane, c0 + cc, first + tile, target, tile, cc, fmt)
+    for c in range(tiled, channels):
+        destination = plane[c0 + c, first:first + pixels]
+        for i in range(pixels):
+            destination[i] = store(target[i, c], fmt)
