@@ -256,6 +256,20 @@ def test_task_partition_does_not_change_bits(monkeypatch):
         assert bitwise_equal(roi_bwd(*args), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
+    # 37 channels: two 16-channel register tiles and 5 leftover channels; PW 18: a full and a
+    # 2-column bin-row tile; bands of one 3-pixel row (under a tile) and of many rows.
+    check_against_reference(big_case(dtype))
+    rng = np.random.default_rng(9)
+    boxes = random_boxes(rng, 9, 2, 9, 3, 1.0).astype(dtype)
+    grad_output = rng.standard_normal((9, 37, 2, 18)).astype(dtype)
+    args = (grad_output, boxes, (2, 37, 9, 3), 2, 18, 1.0, 2, False)
+    expected = check_against_reference(args)
+    monkeypatch.setattr(api, "_SCRATCH_BYTES", 1)
+    assert bitwise_equal(roi_bwd(*args), expected)
+
+
 def test_serial_twin_equals_parallel(monkeypatch):
     from fastbwd.kernels import _jit
 

@@ -212,6 +212,12 @@ g = rng.standard_normal((12, 5, 3, 3)).astype(np.float32)
 for ratio in (2, 0):
     close(fastbwd.roi_align_backward(g, boxes, shape, 3, 3, 0.5, ratio, True),
           ref.roi_align_backward(g, boxes, shape, 3, 3, 0.5, ratio, True))
+# roi_align register tiles: 37 channels (two tiles and a rest), bin rows of 18 (a full and a
+# partial tile)
+shape = (2, 37, 20, 24)
+g = rng.standard_normal((12, 37, 2, 18)).astype(np.float32)
+close(fastbwd.roi_align_backward(g, boxes, shape, 2, 18, 0.5, 2, True),
+      ref.roi_align_backward(g, boxes, shape, 2, 18, 0.5, 2, True))
 print("ok")
 """
 

@@ -7,8 +7,8 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._halfbits import store
-from fastbwd.kernels._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch,
-                                   prefetch_for_write, transpose_lanes)
+from fastbwd.kernels._simd import (LANES, decode_transpose_lanes, gather_transpose_lanes, lanes_axpy,
+                                   lanes_gather_sum, prefetch, prefetch_for_write, transpose_lanes)
 
 
 @njit
@@ -47,6 +47,29 @@ def test_transpose_moves_exactly_one_tile_and_encodes_like_store(dtype):
     assert destination[2:2 + LANES, 3:3 + LANES].tobytes() == expected.tobytes()
     destination[2:2 + LANES, 3:3 + LANES] = 0
     assert not destination.any(), "wrote outside the tile"
+
+
+@njit
+def _decode_transpose(destination, dr, dc, source, sr, sc, count, fmt):
+    decode_transpose_lanes(destination, dr, dc, source, sr, sc, count, fmt)
+
+
+@pytest.mark.parametrize("count", [LANES, 7, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+def test_decode_transpose_moves_count_columns_and_reads_no_further(dtype, count):
+    rng = np.random.default_rng(4)
+    compute = d.compute_dtype(dtype)
+    source = rng.standard_normal((LANES + 3, LANES + 6)).astype(dtype)
+    source[4, 5] = np.nan
+    # the tile ends at the last element of the array: a read past `count` columns of its last
+    # row would leave the array (the masked loads read nothing there)
+    sc = source.shape[1] - count
+    tile_rows = source[3:3 + LANES]
+    destination = np.full((LANES + 2, LANES + 5), 7, compute)
+    _decode_transpose(destination, 1, 4, d.kernel_view(tile_rows), 0, sc, count, d.storage_format(dtype))
+    expected = np.full((LANES + 2, LANES + 5), 7, compute)
+    expected[1:1 + count, 4:4 + LANES] = tile_rows[:, sc:sc + count].astype(compute).T
+    assert destination.tobytes() == expected.tobytes()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

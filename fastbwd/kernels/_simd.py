@@ -199,6 +199,36 @@ def transpose_lanes(typingctx, destination, destination_row, destination_column,
 
 
 @intrinsic
+def decode_transpose_lanes(typingctx, destination, destination_row, destination_column, source, source_row,
+                           source_column, count, fmt):
+    """``destination[dr + j, dc + i] = decode(source[sr + i, sc + j])`` for ``i < LANES``,
+    ``j < count`` (``count <= LANES``): LANES rows of ``count`` stored elements each (masked loads:
+    nothing past them is read), the register transpose, ``count`` compute-type vector stores.
+
+    ``source`` holds StorageFormat ``fmt``; ``destination`` the compute type.
+    """
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        count = args[6]
+        lane_numbers = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
+        used = builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(_I64, LANES), count))
+        rows = [decode_lanes(builder, _element_pointer(builder, src, builder.add(args[4], _I64(i)), args[5]),
+                             format_name, vector, used) for i in range(LANES)]
+        align = signature.args[0].dtype.bitwidth // 8
+        for j, column in enumerate(_transpose_registers(builder, rows)):
+            with builder.if_then(builder.icmp_signed("<", _I64(j), count), likely=True):
+                pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
+                builder.store(column, pointer, align=align)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def lanes_gather_sum(typingctx, destination, destination_row, destination_column, source, index, weights, start,
                      stop, source_column, fmt):
     """``destination[dr, dc:dc + LANES] = sum over s in [start, stop) of weights[s] *

@@ -30,7 +30,7 @@ from numba.extending import overload
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, transpose_lanes
+from ._simd import LANES, decode_transpose_lanes, transpose_lanes
 
 
 def like(value, template):
@@ -200,6 +200,23 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
 
 
 @helper
+def _decode_bin_row(box, c0, first, row_grad, fmt):
+    """``row_grad[pw, c] = load(box[c0 + c, first + pw])`` for the ``(PW, nc)`` ``row_grad``:
+    whole 16-channel blocks by 16 x 16 register transposes (``decode_transpose_lanes``; a scalar
+    loop storing ``PW`` elements ``nc`` apart made this copy the kernel's hottest loop), leftover
+    channels one by one."""
+    pooled_width, channels = row_grad.shape
+    tiled = channels // LANES * LANES
+    for cc in range(0, tiled, LANES):
+        for pw in range(0, pooled_width, LANES):
+            decode_transpose_lanes(row_grad, pw, cc, box, c0 + cc, first + pw, min(LANES, pooled_width - pw), fmt)
+    for c in range(tiled, channels):
+        source = box[c0 + c]
+        for pw in range(pooled_width):
+            row_grad[pw, c] = load(source[first + pw], fmt)
+
+
+@helper
 def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
                   width, fmt, y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                   x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
@@ -209,9 +226,9 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
 
     Channels innermost: every sample's offsets and weights are computed once for the block and
     the channel loops are contiguous (vectorised). The gradient of a row of bins that reaches the
-    band is first copied (decoded) into ``row_grad`` ``(PW, nc)``, reading grad_output along its
-    rows: gathered per bin, its channels were ``PH * PW`` elements apart, one cache miss each
-    (that gather was the kernel's hottest loop). Per element the order is that of the SPEC
+    band is first copied (decoded) into ``row_grad`` ``(PW, nc)`` by :func:`_decode_bin_row`,
+    reading grad_output along its rows: gathered per bin, its channels were ``PH * PW`` elements
+    apart, one cache miss each (that gather was the kernel's hottest loop). Per element the order is that of the SPEC
     loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
     """
     pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
@@ -219,7 +236,8 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
     for j in range(box_begin, box_end):
         if box_rows[j, 1] < row_begin or box_rows[j, 0] >= row_end:
             continue
-        box = grad_output[box_order[j]]
+        # (C, PH * PW): bin row ph of channel c is box[c, ph * PW:(ph + 1) * PW]
+        box = grad_output[box_order[j]].reshape(grad_output.shape[1], pooled_height * pooled_width)
         for ph in range(pooled_height):
             ys = y_start[j * pooled_height + ph]
             ye = ys + y_used[j * pooled_height + ph]
@@ -230,10 +248,7 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
             last_row = max(y_low[ys] + y_step[ys], y_low[ye - 1] + y_step[ye - 1])
             if last_row < row_begin or first_row >= row_end:
                 continue
-            for c in range(channels):
-                source = box[c0 + c, ph]
-                for pw in range(pooled_width):
-                    row_grad[pw, c] = load(source[pw], fmt)
+            _decode_bin_row(box, c0, ph * pooled_width, row_grad, fmt)
             for pw in range(pooled_width):
                 xs = x_start[j * pooled_width + pw]
                 xe = xs + x_used[j * pooled_width + pw]
