@@ -72,6 +72,17 @@ def test_decode_transpose_moves_count_columns_and_reads_no_further(dtype, count)
     assert destination.tobytes() == expected.tobytes()
 
 
+def test_tile_intrinsics_refuse_non_contiguous_arrays():
+    # their addressing assumes 2-D C-contiguous arrays: anything else must not compile
+    from numba.core.errors import TypingError
+
+    matrix = np.zeros((LANES, LANES), np.float32)
+    with pytest.raises(TypingError):
+        _transpose(matrix, matrix.T, 0, 0, 0, 0, d.storage_format(np.float32))
+    with pytest.raises(TypingError):
+        _decode_transpose(matrix[:, ::2], 0, 0, matrix, 0, 0, 4, d.storage_format(np.float32))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_axpy_is_bitwise_the_scalar_loop(dtype):
     rng = np.random.default_rng(1)

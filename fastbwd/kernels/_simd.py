@@ -38,6 +38,12 @@ def array_structs(context, builder, signature, args, *positions):
     return [context.make_array(signature.args[i])(context, builder, args[i]) for i in positions]
 
 
+def _both_c_matrices(*arrays):
+    """Typing guard of the tile intrinsics: their addressing assumes 2-D C-contiguous arrays (any
+    other layout is a typing error, never a wrong address)."""
+    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+
+
 def _vector_pointer(builder, array, row, column, vector_type):
     return builder.bitcast(_element_pointer(builder, array, row, column), vector_type.as_pointer())
 
@@ -179,6 +185,8 @@ def transpose_lanes(typingctx, destination, destination_row, destination_column,
     rounded once, as ``store``; NATIVE: the source dtype). Sixteen vector loads, the register
     transpose, sixteen (encoded) vector stores.
     """
+    if not _both_c_matrices(destination, source):
+        return None
     sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, fmt)
     format_name = fmt.format_name
 
@@ -207,6 +215,8 @@ def decode_transpose_lanes(typingctx, destination, destination_row, destination_
 
     ``source`` holds StorageFormat ``fmt``; ``destination`` the compute type.
     """
+    if not _both_c_matrices(destination, source):
+        return None
     sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp, fmt)
     format_name = fmt.format_name
 

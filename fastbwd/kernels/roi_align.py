@@ -227,9 +227,9 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
     Channels innermost: every sample's offsets and weights are computed once for the block and
     the channel loops are contiguous (vectorised). The gradient of a row of bins that reaches the
     band is first copied (decoded) into ``row_grad`` ``(PW, nc)`` by :func:`_decode_bin_row`,
-    reading grad_output along its rows: gathered per bin, its channels were ``PH * PW`` elements
-    apart, one cache miss each (that gather was the kernel's hottest loop). Per element the order is that of the SPEC
-    loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
+    reading grad_output along its rows: gathered per bin, its channels were ``PH * PW``
+    elements apart, one cache miss each (that gather was the kernel's hottest loop). Per element
+    the order is that of the SPEC loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
     """
     pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
     channels = row_grad.shape[1]
