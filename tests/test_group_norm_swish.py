@@ -253,6 +253,20 @@ def test_thread_count_does_not_change_bits(dtype, data_format):
     assert_thread_invariant(lambda: gns_bwd(dy, mean, rstd, x, gamma, beta, groups, data_format))
 
 
+def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
+    from fastbwd.api import group_norm_swish as api
+
+    shape, groups = (3, 24, 17, 9), 6
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=18)
+    dy, x = to_channels_last(dy), to_channels_last(x)
+    expected = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
+    for channels, per_thread in ((1, 1), (4, 8), (8, 2), (512, 1), (512, 64)):
+        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
+        monkeypatch.setattr(api, "_NHWC_TASKS_PER_THREAD", per_thread)
+        result = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
+        assert all(bitwise_equal(a, b) for a, b in zip(result, expected)), (channels, per_thread)
+
+
 def test_serial_twin_equals_parallel():
     from fastbwd.kernels._halfbits import NATIVE
 

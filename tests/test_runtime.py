@@ -140,6 +140,13 @@ def test_serial_switch():
     grad_output, shape, padding = case(5)
     result = fastbwd.replication_pad2d_backward(grad_output, shape, padding)
     assert np.allclose(result, expected(5), rtol=1e-5, atol=1e-5)
+    # NHWC GroupNorm+Swish sizes its tasks by the thread count: serial mode counts one thread
+    from fastbwd.kernels._jit import thread_count
+    assert thread_count() == 1
+    x = np.ones((2, 3, 3, 4), np.float32)
+    dx = fastbwd.group_norm_swish_backward(x, np.zeros((2, 2), np.float32), np.ones((2, 2), np.float32), x,
+                                           np.ones(4, np.float32), np.zeros(4, np.float32), 2, "NHWC")[0]
+    assert np.isfinite(dx).all()
     assert not parallel._is_initialized, "FASTBWD_SERIAL=1 must never start the thread pool"
     print("serial ok")
     """

@@ -82,6 +82,16 @@ def threading_layer():
     return _launch_pool()
 
 
+def thread_count():
+    """How many threads a kernel called now runs on: 1 when kernels run serially (after a fork,
+    or ``FASTBWD_SERIAL``), else Numba's current count (launching the pool, as a kernel call
+    would). For sizing tasks only: no kernel's result depends on it."""
+    if _serial_only:
+        return 1
+    _launch_pool()
+    return numba.get_num_threads()
+
+
 # ---- kernels --------------------------------------------------------------------------------
 
 def _dispatcher(py_func, parallel):
