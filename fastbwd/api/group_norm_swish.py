@@ -15,10 +15,9 @@ CHANNELS_LAST_FORMAT = "NHWC"
 #: The documents' limit on channels per group.
 MAX_GROUP_SIZE = 4000
 MAX_RANK = 8
-#: Channels an NHWC task aims to span. Its inner loops run along them, once per position, and
-#: every entry into one pays fixed costs (row views, the vectoriser's overlap checks of its nine
-#: arrays), so narrow runs are slow: on x (2, 64, 128, 128), 8 groups, 64 channels per task ran
-#: 7.6x faster than the 8 channels a former 1 MB cache budget per task allowed, and G1 in NHWC
+#: Channels an NHWC task aims to span (its inner loops run along them, once per position).
+#: Narrow runs measured slow: on x (2, 64, 128, 128), 32 groups, 32-64 channels per task ran
+#: 7-9x faster than the 8 channels a former 1 MB cache budget per task allowed, and G1 in NHWC
 #: 1.3x faster with 512 channels than with 128 (keeping dy and x in cache mattered less).
 _NHWC_TASK_CHANNELS = 512
 #: Tasks per thread the NHWC runs are split into at least, when the batch alone gives fewer.
