@@ -163,8 +163,7 @@ def lanes_axpy(typingctx, destination, destination_row, destination_column, sour
     sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype)
 
     def codegen(context, builder, signature, args):
-        dst = context.make_array(signature.args[0])(context, builder, args[0])
-        src = context.make_array(signature.args[3])(context, builder, args[3])
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
         dst_pointer = _vector_pointer(builder, dst, args[1], args[2], vector)

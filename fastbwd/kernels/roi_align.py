@@ -217,12 +217,13 @@ def _decode_bin_row(box, c0, first, row_grad, fmt):
 
 
 @helper
-def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
+def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
                   width, fmt, y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                   x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
     ``[row_begin, row_end)`` of channels ``c0 : c0 + nc``: ``target`` is a channels-last scratch
-    ``((row_end - row_begin) * W, nc)``. Corners on other rows are left to their band's task.
+    ``((row_end - row_begin) * W, nc)``; ``grad_bins`` is grad_output as ``(K, C, PH * PW)``.
+    Corners on other rows are left to their band's task.
 
     Channels innermost: every sample's offsets and weights are computed once for the block and
     the channel loops are contiguous (vectorised). The gradient of a row of bins that reaches the
@@ -231,13 +232,12 @@ def _scatter_band(grad_output, box_order, box_begin, box_end, box_rows, c0, row_
     elements apart, one cache miss each (that gather was the kernel's hottest loop). Per element
     the order is that of the SPEC loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
     """
-    pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
-    channels = row_grad.shape[1]
+    pooled_width, channels = row_grad.shape
+    pooled_height = grad_bins.shape[2] // pooled_width
     for j in range(box_begin, box_end):
         if box_rows[j, 1] < row_begin or box_rows[j, 0] >= row_end:
             continue
-        # (C, PH * PW): bin row ph of channel c is box[c, ph * PW:(ph + 1) * PW]
-        box = grad_output[box_order[j]].reshape(grad_output.shape[1], pooled_height * pooled_width)
+        box = grad_bins[box_order[j]]
         for ph in range(pooled_height):
             ys = y_start[j * pooled_height + ph]
             ye = ys + y_used[j * pooled_height + ph]
@@ -308,6 +308,9 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
     height = plane_size // width
     blocks = (channels + channel_block - 1) // channel_block
     bands = (height + band_rows - 1) // band_rows
+    # (K, C, PH * PW), reshaped once: bin row ph of channel c of box k is [k, c, ph*PW:(ph+1)*PW]
+    pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
+    grad_bins = grad_output.reshape(grad_output.shape[0], channels, pooled_height * pooled_width)
     for t in prange(batch * blocks * bands):
         b = t // (blocks * bands)
         block = (t // bands) % blocks
@@ -323,9 +326,9 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
             for c in range(c0, c1):
                 grad_input[b, c, row_begin * width:row_end * width] = 0
             continue
-        row_grad = np.empty((grad_output.shape[3], c1 - c0), y_low_weight.dtype)
+        row_grad = np.empty((pooled_width, c1 - c0), y_low_weight.dtype)
         target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_low_weight.dtype)
-        _scatter_band(grad_output, box_order, image_start[b], image_start[b + 1], box_rows, c0,
+        _scatter_band(grad_bins, box_order, image_start[b], image_start[b + 1], box_rows, c0,
                       row_begin, row_end, target, row_grad, width, fmt,
                       y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
                       x_start, x_used, x_low, x_step, x_low_weight, x_high_weight)
