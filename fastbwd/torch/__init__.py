@@ -1,0 +1,36 @@
+"""fastbwd.torch: PyTorch models on fastbwd's backward kernels (docs/semantics.md §7).
+
+``pip install fastbwd[torch]``. ``import fastbwd`` never imports torch; this module does.
+
+* :func:`enable` / :func:`disable` / :func:`is_enabled` / :func:`enabled`: route PyTorch's own
+  CPU kernels of ``upsample_bilinear2d_backward``, ``avg_pool2d_backward`` and
+  ``replication_pad2d_backward`` to fastbwd, so ``F.interpolate(mode="bilinear")``,
+  ``F.avg_pool2d``, ``F.pad(mode="replicate")`` and their modules train on fastbwd unchanged.
+* :func:`group_norm_swish`, :class:`GroupNormSwish`, :func:`fuse_group_norm_swish`: GroupNorm
+  followed by Swish/SiLU with fastbwd's fused backward.
+* :func:`roi_align`, :class:`RoIAlign`: ``torchvision.ops.roi_align`` on fastbwd's forward and
+  backward kernels.
+"""
+
+try:
+    import torch  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "fastbwd.torch needs PyTorch, which is not installed: pip install fastbwd[torch]"
+    ) from error
+
+from ._group_norm_swish import GroupNormSwish, fuse_group_norm_swish, group_norm_swish
+from ._roi_align import RoIAlign, roi_align
+from ._routing import disable, enable, enabled, is_enabled
+
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "enabled",
+    "group_norm_swish",
+    "GroupNormSwish",
+    "fuse_group_norm_swish",
+    "roi_align",
+    "RoIAlign",
+]

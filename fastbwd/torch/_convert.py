@@ -1,0 +1,82 @@
+"""Tensors in, arrays out, and back: the bridge's zero-copy conversions (no kernels here).
+
+A CPU tensor becomes a NumPy array over the same memory (``Tensor.numpy``), bfloat16 through an
+``int16`` view reinterpreted as ``ml_dtypes.bfloat16`` (the way ``fastbwd._dtypes`` hands half
+formats to kernels). Results are written by the public functions into tensors allocated here with
+PyTorch's allocator (``out=``), so nothing is copied on the way back either.
+"""
+
+import ml_dtypes
+import numpy as np
+import torch
+
+#: The tensor dtypes the bridge can hand to fastbwd as arrays (complex for the pad only).
+ARRAY_DTYPES = {
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
+
+
+def can_view(tensor):
+    """True when ``tensor`` can be read as a NumPy array without a copy: a dense strided CPU tensor
+    of a dtype fastbwd takes, with no lazy conjugate or negative bit."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.dtype in ARRAY_DTYPES
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+def as_array(tensor):
+    """A NumPy array sharing ``tensor``'s memory (detached from autograd)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def as_tensor(array):
+    """A tensor sharing ``array``'s memory (``torch.from_numpy``, bfloat16 included)."""
+    if array.dtype == ARRAY_DTYPES[torch.bfloat16]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def is_channels_last(tensor):
+    """PyTorch's rule for a 4-D tensor suggesting ``torch.channels_last`` (as
+    ``Tensor.suggest_memory_format`` decides it from the strides): channels innermost, then width,
+    height and batch, with the ambiguous cases (sizes 1, zero channel stride) left NCHW."""
+    if tensor.dim() != 4 or tensor.layout != torch.strided:
+        return False
+    sizes, strides = tensor.shape, tensor.stride()
+    if strides[1] == 0:
+        return False
+    smallest = 0
+    for axis in (1, 3, 2, 0):
+        if sizes[axis] == 0 or strides[axis] < smallest:
+            return False
+        if axis == 0 and smallest == strides[1]:
+            return False
+        smallest = strides[axis] * (sizes[axis] if sizes[axis] > 1 else 1)
+    return True
+
+
+def memory_format(tensor):
+    """``torch.channels_last`` or ``torch.contiguous_format``, as PyTorch suggests for ``tensor``."""
+    return torch.channels_last if is_channels_last(tensor) else torch.contiguous_format
+
+
+def dense(tensor, memory_format):
+    """``tensor`` contiguous in ``memory_format``: itself when it already is (no copy)."""
+    return tensor.contiguous(memory_format=memory_format)
+
+
+def empty(shape, dtype, memory_format=torch.contiguous_format):
+    """A new CPU tensor for fastbwd to write into (PyTorch's allocator)."""
+    return torch.empty(shape, dtype=dtype, memory_format=memory_format)

@@ -1,0 +1,452 @@
+"""fastbwd.torch (docs/semantics.md §7): routing PyTorch's own backward kernels, GroupNormSwish,
+the RoIAlign drop-in. Everything here skips cleanly without torch."""
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import fastbwd  # noqa: E402
+import fastbwd.torch as ft  # noqa: E402
+from fastbwd.testing import reference as ref  # noqa: E402
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
+from fastbwd.torch import _convert  # noqa: E402
+from fastbwd.torch import _routing  # noqa: E402
+
+A = torch.ops.aten
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+FORMATS = [torch.contiguous_format, torch.channels_last]
+#: Tolerance against PyTorch's own kernel per dtype (different summation orders).
+TORCH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _bridge_off():
+    ft.disable()
+    yield
+    ft.disable()
+
+
+def _randn(shape, dtype, seed, memory_format=torch.contiguous_format):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(
+        memory_format=memory_format)
+
+
+def _arrays(*tensors):
+    return [_convert.as_array(t) for t in tensors]
+
+
+def _assert_close_to_torch(actual, expected):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.numel() == 0:
+        return
+    tol = TORCH_TOL[actual.dtype]
+    scale = max(float(expected.double().abs().max()), 1e-30)
+    error = float((actual.double() - expected.double()).abs().max())
+    assert error <= tol * scale, f"max error {error:.3g} (scale {scale:.3g}, {actual.dtype})"
+
+
+def _same_layout(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} != PyTorch's {expected.stride()}"
+
+
+# ---- routed operators: one case table ---------------------------------------------------------
+
+def _upsample_case(dtype, memory_format, align_corners=False, scales=(None, None), sizes=((2, 3, 5, 7), (9, 12))):
+    input_size, output_size = sizes
+    grad = _randn((input_size[0], input_size[1], *output_size), dtype, 1, memory_format)
+    aten_args = (grad, list(output_size), list(input_size), align_corners, *scales)
+    direct = lambda: fastbwd.upsample_bilinear2d_backward(  # noqa: E731
+        _convert.as_array(grad), output_size, input_size, align_corners, *scales)
+    return A.upsample_bilinear2d_backward, aten_args, direct
+
+
+def _avg_pool_case(dtype, memory_format, kernel=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True,
+                   count_include_pad=False, divisor_override=None):
+    x = _randn((2, 3, 9, 8), dtype, 2, memory_format)
+    out_shape = A.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override).shape
+    grad = _randn(tuple(out_shape), dtype, 3, memory_format)
+    aten_args = (grad, x, list(kernel), list(stride), list(padding), ceil_mode, count_include_pad, divisor_override)
+    direct = lambda: fastbwd.avg_pool2d_backward(  # noqa: E731
+        *_arrays(grad, x), kernel, stride, padding, ceil_mode, count_include_pad, divisor_override or 0)
+    return A.avg_pool2d_backward, aten_args, direct
+
+
+def _pad_case(dtype, memory_format, padding=(2, 1, 0, 3), shape=(2, 3, 6, 5)):
+    x = _randn(shape, dtype, 4, memory_format)
+    left, right, top, bottom = padding
+    grad = _randn((*shape[:-2], shape[-2] + top + bottom, shape[-1] + left + right), dtype, 5,
+                  memory_format)
+    direct = lambda: fastbwd.replication_pad2d_backward(*_arrays(grad, x), padding)  # noqa: E731
+    return A.replication_pad2d_backward, (grad, x, list(padding)), direct
+
+
+CASES = {
+    "upsample": _upsample_case,
+    "upsample-aligned": lambda d, m: _upsample_case(d, m, align_corners=True),
+    "upsample-scales": lambda d, m: _upsample_case(d, m, scales=(1.7, 2.5)),
+    "upsample-same-height": lambda d, m: _upsample_case(d, m, sizes=((2, 3, 9, 7), (9, 12))),
+    "avg_pool": _avg_pool_case,
+    "avg_pool-count-pad-divisor": lambda d, m: _avg_pool_case(d, m, count_include_pad=True, divisor_override=5),
+    "avg_pool-global": lambda d, m: _avg_pool_case(d, m, kernel=(9, 8), stride=(9, 8), padding=(0, 0), ceil_mode=False),
+    "pad": _pad_case,
+    "pad-crop": lambda d, m: _pad_case(d, m, padding=(-1, 2, 1, -2)),
+}
+
+
+@pytest.mark.parametrize("memory_format", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_routed_result_is_fastbwd_in_pytorch_layout(case, dtype, memory_format):
+    """Enabled: bitwise the direct fastbwd call, in PyTorch's dtype and memory format, close to
+    PyTorch's own kernel; disabled again: PyTorch's own bits."""
+    op, aten_args, direct = CASES[case](dtype, memory_format)
+    before = op(*aten_args)
+    with ft.enabled():
+        served = _routing.SERVED.copy()
+        routed = op(*aten_args)
+        assert _routing.SERVED - served, "the call was not served by fastbwd"
+    after = op(*aten_args)
+    _same_layout(routed, before)
+    assert bitwise_equal(_convert.as_array(routed), direct())
+    _assert_close_to_torch(routed, before)
+    assert bitwise_equal(_convert.as_array(before), _convert.as_array(after))
+
+
+@pytest.mark.parametrize("layout", ["same", "empty", "channels_last", "wrong-shape"])
+@pytest.mark.parametrize("case", ["upsample", "avg_pool", "pad"])
+def test_grad_input_overload(case, layout):
+    op, aten_args, direct = CASES[case](torch.float32, torch.contiguous_format)
+    expected = op(*aten_args)
+    grad_input = {
+        "same": lambda: torch.empty_like(expected),
+        "empty": lambda: torch.empty(0),
+        "channels_last": lambda: torch.empty_like(expected, memory_format=torch.channels_last),
+        "wrong-shape": lambda: torch.empty(3, 4),
+    }[layout]()
+    reference_out = torch.empty_like(grad_input)
+    op.grad_input(*aten_args, grad_input=reference_out)
+    with ft.enabled():
+        result = op.grad_input(*aten_args, grad_input=grad_input)
+    assert result is grad_input
+    assert result.shape == expected.shape
+    assert bitwise_equal(_convert.as_array(result.contiguous()), direct())
+    _assert_close_to_torch(result, reference_out)
+
+
+def test_models_train_through_the_bridge_unchanged():
+    """nn.Upsample, F.interpolate, nn.AvgPool2d, F.avg_pool2d, nn.ReplicationPad2d, F.pad."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Upsample(scale_factor=2, mode="bilinear"),
+        torch.nn.ReplicationPad2d((1, 2, 0, 1)), torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+        torch.nn.Conv2d(4, 2, 1)).double()
+    x = _randn((2, 3, 10, 7), torch.float64, 6).requires_grad_()
+
+    def gradients():
+        model.zero_grad()
+        x.grad = None
+        y = model(x)
+        y = F.interpolate(y, size=(5, 9), mode="bilinear", align_corners=True)
+        y = F.avg_pool2d(F.pad(y, (1, 1, 2, 0), mode="replicate"), 2)
+        (y * y).sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+    plain = gradients()
+    with ft.enabled():
+        served = _routing.SERVED.copy()
+        routed = gradients()
+        counts = _routing.SERVED - served
+    assert set(counts) == set(_routing.ROUTES), counts
+    for a, b in zip(routed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: F.interpolate(x, size=(7, 4), mode="bilinear"),
+    lambda x: F.interpolate(x, scale_factor=(1.5, 2.0), mode="bilinear", align_corners=True),
+    lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 0), ceil_mode=True, count_include_pad=False),
+    lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+    lambda x: F.pad(x, (1, 2, 2, 0), mode="replicate"),
+], ids=["upsample", "upsample-scales-aligned", "avg_pool", "avg_pool-divisor", "pad"])
+def test_gradcheck_and_double_backward_enabled(function):
+    x = _randn((2, 3, 5, 4), torch.float64, 7).requires_grad_()
+    with ft.enabled():
+        assert torch.autograd.gradcheck(function, (x,))
+        assert torch.autograd.gradgradcheck(function, (x,))
+
+
+def test_fallback_to_pytorch_where_fastbwd_refuses():
+    """A replicate pad wider than the input (PyTorch allows it, the documents' limit does not):
+    PyTorch's own kernel answers, bit for bit; PyTorch's errors stay PyTorch's."""
+    x = _randn((1, 2, 3, 2), torch.float32, 8).requires_grad_()
+    with pytest.raises(fastbwd.ParamError):
+        fastbwd.replication_pad2d_backward(np.ones((1, 2, 3, 8), np.float32), (1, 2, 3, 2), (3, 3, 0, 0))
+    F.pad(x, (3, 3, 0, 2), mode="replicate").pow(2).sum().backward()
+    expected, x.grad = x.grad, None
+    with ft.enabled():
+        fallbacks = _routing.FALLBACK.copy()
+        F.pad(x, (3, 3, 0, 2), mode="replicate").pow(2).sum().backward()
+        assert _routing.FALLBACK - fallbacks
+        # PyTorch's own argument errors are unchanged (here: a zero divisor, a wrong grad shape).
+        g = torch.ones(1, 2, 1, 1)
+        for args in [(g, x.detach(), [2, 2], [2, 2], [0, 0], False, True, 0),
+                     (torch.ones(1, 2, 5, 5), x.detach(), [2, 2], [2, 2], [0, 0], False, True, None)]:
+            with ft.enabled():
+                with pytest.raises(RuntimeError) as routed_error:
+                    A.avg_pool2d_backward(*args)
+            ft.disable()
+            with pytest.raises(RuntimeError) as plain_error:
+                A.avg_pool2d_backward(*args)
+            assert str(routed_error.value) == str(plain_error.value)
+            ft.enable()
+    assert torch.equal(x.grad, expected)
+
+
+def test_other_devices_and_lazy_conjugates():
+    """Only the CPU key is overridden (a meta tensor still gets PyTorch's meta kernel); a
+    conjugate-bit complex gradient is resolved by PyTorch before the CPU kernel sees it."""
+    x = torch.randn(1, 1, 3, 3, dtype=torch.complex64)
+    g = torch.randn(1, 1, 5, 5, dtype=torch.complex64).conj()
+    expected = A.replication_pad2d_backward(g, x, [1, 1, 1, 1])
+    with ft.enabled():
+        routed = A.replication_pad2d_backward(g, x, [1, 1, 1, 1])
+        meta = A.upsample_bilinear2d_backward(torch.empty(1, 1, 4, 4, device="meta"), [4, 4],
+                                              [1, 1, 2, 2], False)
+    torch.testing.assert_close(routed, expected)
+    assert meta.device.type == "meta" and meta.shape == (1, 1, 2, 2)
+
+
+def test_enable_disable_idempotent_and_thread_safe():
+    assert not ft.is_enabled()
+    ft.enable()
+    ft.enable()
+    assert ft.is_enabled()
+    with ft.enabled():
+        assert ft.is_enabled()
+    assert ft.is_enabled()  # an enabled() block inside an enabled region leaves it enabled
+    ft.disable()
+    ft.disable()
+    assert not ft.is_enabled()
+    errors = []
+
+    def toggle(seed):
+        try:
+            for i in range(20):
+                (ft.enable if (i + seed) % 2 else ft.disable)()
+                op, args, _ = CASES["pad"](torch.float32, torch.contiguous_format)
+                op(*args)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=toggle, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    ft.disable()
+    op, args, _ = CASES["upsample"](torch.float32, torch.contiguous_format)
+    served = _routing.SERVED.copy()
+    op(*args)
+    assert _routing.SERVED == served  # disabled: nothing reaches fastbwd
+
+
+def _opinfo_samples(name, variant):
+    pytest.importorskip("expecttest")
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    (opinfo,) = [op for op in op_db if op.name == name and op.variant_test_name == variant]
+    return opinfo
+
+
+@pytest.mark.parametrize("name, variant", [
+    ("nn.functional.interpolate", "bilinear"),
+    ("nn.functional.avg_pool2d", ""),
+    ("nn.functional.pad", "replicate"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_pytorch_opinfo_samples(name, variant, dtype):
+    """PyTorch's own OpInfo sample inputs for these ops: with the bridge enabled every gradient
+    is PyTorch's (to the SPEC tolerance), and at least some are served by fastbwd."""
+    opinfo = _opinfo_samples(name, variant)
+    if dtype not in opinfo.supported_backward_dtypes("cpu"):
+        pytest.skip(f"PyTorch does not differentiate {name} in {dtype}")
+    served_before = _routing.SERVED.copy()
+    checked = 0
+    for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=True):
+        def gradient():
+            for t in [sample.input, *sample.args]:
+                if isinstance(t, torch.Tensor):
+                    t.grad = None
+            out = opinfo(sample.input, *sample.args, **sample.kwargs)
+            weights = _randn(out.shape, torch.float64, 9).to(out.dtype)
+            (out * weights).sum().backward()
+            return sample.input.grad.clone()
+
+        expected = gradient()
+        with ft.enabled():
+            routed = gradient()
+        _assert_close_to_torch(routed, expected)
+        checked += 1
+    assert checked > 0
+    assert _routing.SERVED - served_before, "no sample was served by fastbwd"
+
+
+def test_torch_compile_gradients_with_bridge_enabled():
+    def loss(x):
+        y = F.interpolate(x, scale_factor=2, mode="bilinear")
+        y = F.avg_pool2d(F.pad(y, (1, 1, 1, 1), mode="replicate"), 3, 2, 1)
+        return (y * y).sum()
+
+    x = _randn((2, 3, 6, 5), torch.float32, 10).requires_grad_()
+    loss(x).backward()
+    expected, x.grad = x.grad.clone(), None
+    compiled = torch.compile(loss, backend="aot_eager")
+    with ft.enabled():
+        served = _routing.SERVED.copy()
+        compiled(x).backward()
+        assert _routing.SERVED - served  # aot_eager runs the aten backward ops eagerly
+    torch.testing.assert_close(x.grad, expected, rtol=2e-5, atol=1e-6)
+
+
+def test_import_fastbwd_does_not_import_torch_and_bridge_says_how_to_install():
+    code = ("import sys, fastbwd; assert 'torch' not in sys.modules\n"
+            "sys.modules['torch'] = None\n"
+            "try:\n    import fastbwd.torch\nexcept ImportError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install fastbwd[torch]" in result.stdout
+
+
+def test_numba_threads_follow_torch():
+    import numba
+
+    previous_torch, previous_numba = torch.get_num_threads(), numba.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with ft.enabled():
+            op, args, _ = CASES["upsample"](torch.float32, torch.contiguous_format)
+            op(*args)
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous_torch)
+        numba.set_num_threads(previous_numba)
+
+
+# ---- GroupNormSwish -------------------------------------------------------------------------
+
+def _group_norm_silu(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    return y * torch.sigmoid(swish_scale * y)
+
+
+@pytest.mark.parametrize("swish_scale", [1.0, -0.7, 2.5])
+@pytest.mark.parametrize("shape, groups", [((2, 6, 5, 7), 3), ((3, 8, 9), 2), ((4, 6), 6)])
+def test_group_norm_swish_gradcheck(shape, groups, swish_scale):
+    x = _randn(shape, torch.float64, 11).requires_grad_()
+    weight = _randn(shape[1:2], torch.float64, 12).requires_grad_()  # both signs
+    bias = _randn(shape[1:2], torch.float64, 13).requires_grad_()
+    function = lambda x, w, b: ft.group_norm_swish(x, groups, w, b, 1e-5, swish_scale)  # noqa: E731
+    assert torch.autograd.gradcheck(function, (x, weight, bias))
+
+
+@pytest.mark.parametrize("memory_format", FORMATS, ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
+    """Forward equal to nn.GroupNorm + SiLU; every gradient close to PyTorch's autograd; the
+    gradient bitwise equal to a direct fastbwd call (NHWC for channels_last input), in
+    PyTorch's memory format."""
+    x = _randn((2, 8, 6, 5), dtype, 14, memory_format).requires_grad_()
+    weight = _randn((8,), dtype, 15).requires_grad_()
+    bias = _randn((8,), dtype, 16).requires_grad_()
+    dy = _randn((2, 8, 6, 5), dtype, 17, memory_format)
+    expected_y = _group_norm_silu(x, 4, weight, bias, 1e-5, 0.8)
+    expected = torch.autograd.grad(expected_y, (x, weight, bias), dy)
+    y = ft.group_norm_swish(x, 4, weight, bias, 1e-5, 0.8)
+    torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
+    actual = torch.autograd.grad(y, (x, weight, bias), dy)
+    for a, e in zip(actual, expected):
+        _assert_close_to_torch(a, e)
+    _same_layout(actual[0], expected[0])
+    mean, rstd = torch.native_group_norm(x, weight, bias, 2, 8, 30, 4, 1e-5)[1:]
+    layout = "NHWC" if memory_format == torch.channels_last else "NCHW"
+    nhwc = (lambda t: t.permute(0, 2, 3, 1)) if layout == "NHWC" else (lambda t: t)
+    direct = fastbwd.group_norm_swish_backward(
+        *_arrays(nhwc(dy), mean, rstd, nhwc(x.detach()), weight, bias), 4, layout, 0.8)
+    for a, d in zip(actual, direct):
+        a = nhwc(a) if a.dim() == 4 else a
+        assert bitwise_equal(_convert.as_array(a.contiguous()), d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_group_norm_swish_half_input_with_float32_parameters(dtype):
+    x = _randn((2, 8, 7, 6), dtype, 18).requires_grad_()
+    weight = _randn((8,), torch.float32, 19).requires_grad_()
+    bias = _randn((8,), torch.float32, 20).requires_grad_()
+    dy = _randn(x.shape, dtype, 21)
+    y = ft.group_norm_swish(x, 2, weight, bias)
+    grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    assert [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
+    # The float64 oracle of the same fused backward, from the same (rounded) inputs.
+    mean, rstd = torch.native_group_norm(x, weight, bias, 2, 8, 42, 2, 1e-5)[1:]
+    expected = ref.group_norm_swish_backward(
+        *[_convert.as_array(t.detach().double()) for t in (dy, mean, rstd, x, weight, bias)], 2)
+    assert_matches_reference(_convert.as_array(grads[0]), expected[0])
+    for g, e in zip(grads[1:], expected[1:]):
+        assert_matches_reference(_convert.as_array(g), e, rtol=1e-4, atol=1e-5)
+
+
+def test_group_norm_swish_gradients_only_where_required():
+    x = _randn((2, 4, 3, 3), torch.float32, 22).requires_grad_()
+    module = ft.GroupNormSwish(2, 4)
+    module.weight.requires_grad_(False)
+    module(x).sum().backward()
+    assert x.grad is not None and module.bias.grad is not None and module.weight.grad is None
+    plain = ft.GroupNormSwish(2, 4, affine=False)
+    x.grad = None
+    plain(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(_group_norm_silu(x, 2, None, None).sum(), x)[0])
+    with torch.no_grad():
+        assert not module(x).requires_grad
+
+
+def test_group_norm_swish_module_loads_a_group_norm_checkpoint():
+    norm = torch.nn.GroupNorm(4, 8)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    fused = ft.GroupNormSwish(4, 8, swish_scale=1.0)
+    fused.load_state_dict(norm.state_dict())
+    assert fused.state_dict().keys() == norm.state_dict().keys()
+    x = _randn((2, 8, 5, 5), torch.float32, 23)
+    torch.testing.assert_close(fused(x), F.silu(norm(x)), rtol=1e-6, atol=1e-6)
+    assert "swish_scale=1.0" in repr(fused)
+
+
+def test_fuse_group_norm_swish():
+    block = lambda channels: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(channels, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.SiLU(),
+        torch.nn.GroupNorm(4, 8), torch.nn.ReLU())
+    model, reference = (
+        torch.nn.Sequential(block(4), torch.nn.Sequential(block(8), torch.nn.GroupNorm(2, 8), torch.nn.SiLU())).double()
+        for _ in range(2))
+    reference.load_state_dict(model.state_dict())
+    keys = model.state_dict().keys()
+    weights = [p for p in model.parameters()]
+    assert ft.fuse_group_norm_swish(model) == 3
+    assert ft.fuse_group_norm_swish(model) == 0  # idempotent
+    assert model.state_dict().keys() == keys
+    assert [p for p in model.parameters()] == weights  # the same Parameter objects
+    assert sum(isinstance(m, ft.GroupNormSwish) for m in model.modules()) == 3
+    assert sum(type(m) is torch.nn.GroupNorm for m in model.modules()) == 2  # followed by ReLU
+    x = _randn((2, 4, 6, 6), torch.float64, 24).requires_grad_()
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
