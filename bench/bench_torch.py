@@ -1,0 +1,69 @@
+"""PyTorch-bridge benchmarks T1-T5 (fastbwd.torch against plain PyTorch, same thread count)."""
+
+import numba
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fastbwd.testing.torch_cases import cases  # noqa: E402
+
+CASES = {case.id: case for case in cases()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _same_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(numba.get_num_threads())
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("variant", ["fastbwd", "torch"])
+@pytest.mark.parametrize("case_id", list(CASES))
+def bench_torch_bridge(case_id, variant, benchmark):
+    case = CASES[case_id]
+    if variant == "fastbwd":
+        case.check()  # gradients agree with plain PyTorch before anything is timed
+    function = getattr(case, variant)
+    function()  # warm-up (compiles)
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target,
+                                threads=numba.get_num_threads())
+    benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
+
+
+# ---- two thread pools on one machine ----------------------------------------------------------
+# A training step alternates PyTorch ops (its intra-op pool) and fastbwd kernels (Numba's pool).
+# "alternating" runs one conv and one fastbwd backward back to back; compared with the two run
+# apart ("torch op", "fastbwd op"), it shows whether either pool slows the other.
+
+def _pool_workloads():
+    import numpy as np
+    from torch.nn import functional as F
+
+    import fastbwd
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, 64, 64, generator=generator)
+    weight = torch.randn(64, 64, 3, 3, generator=generator)
+    grad = np.random.default_rng(0).standard_normal((8, 64, 128, 128)).astype(np.float32)
+    out = np.empty((8, 64, 64, 64), np.float32)
+
+    def torch_op():
+        return F.conv2d(x, weight, padding=1)
+
+    def fastbwd_op():
+        return fastbwd.upsample_bilinear2d_backward(grad, (128, 128), (8, 64, 64, 64), False, out=out)
+
+    return {"torch op": torch_op, "fastbwd op": fastbwd_op,
+            "alternating": lambda: (torch_op(), fastbwd_op())}
+
+
+@pytest.mark.parametrize("variant", ["torch op", "fastbwd op", "alternating"])
+def bench_two_pools(variant, benchmark):
+    function = _pool_workloads()[variant]
+    function()
+    benchmark.group = "two thread pools: conv (8,64,64,64) and upsample backward U1"
+    benchmark.extra_info.update(variant=variant, threads=numba.get_num_threads(),
+                                torch_threads=torch.get_num_threads())
+    benchmark.pedantic(function, rounds=15, warmup_rounds=1, iterations=1)
