@@ -233,6 +233,52 @@ def test_global_pooling_every_dtype_and_layout(dtype, layout):
     assert_matches_reference(result, reference(grad_output, x.shape, 7, 1, 0, False, True))
 
 
+# 1x1 outputs whose single window misses rows or columns (or both): not global pooling. The
+# uncovered cells get no gradient. (input (H, W), kernel, stride, padding, ceil_mode)
+PARTIAL_1X1 = [
+    ((5, 3), (3, 3), (3, 3), (0, 0), False),   # misses rows 3-4
+    ((3, 5), (3, 3), (3, 3), (0, 0), False),   # misses columns 3-4
+    ((4, 4), (3, 3), (5, 5), (1, 1), False),   # padded window [-1, 2): misses rows and columns 2-3
+    ((3, 6), (4, 2), (9, 9), (1, 1), True),    # rows covered with padding, columns 1-5 missed
+    ((6, 3), (2, 4), (9, 9), (1, 1), True),    # columns covered with padding, rows 1-5 missed
+]
+
+
+@pytest.mark.parametrize("size, kernel, stride, padding, ceil_mode", PARTIAL_1X1)
+@pytest.mark.parametrize("count_include_pad, divisor_override", [(True, 0), (False, 0), (True, -3)])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_1x1_output_with_partial_coverage_is_not_global(size, kernel, stride, padding, ceil_mode,
+                                                       count_include_pad, divisor_override, dtype, layout):
+    input_shape = (2, 3) + size
+    assert pooled_shape(input_shape, kernel, stride, padding, ceil_mode)[-2:] == (1, 1)
+    grad_output = random((2, 3, 1, 1), dtype, 21)
+    x = np.zeros(input_shape, dtype)
+    if layout == "NHWC":
+        x = channels_last(x)  # a 1x1 grad_output takes the input's layout
+    args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    result = pool_bwd(grad_output, x, *args)
+    expected = reference(grad_output, input_shape, *args)
+    assert_matches_reference(result, expected)
+    uncovered = expected == 0
+    assert uncovered.any() and np.all(np.asarray(result, np.float64)[uncovered] == 0)
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_global_pooling_with_padding_divisor(count_include_pad, layout):
+    # A 4 x 7 kernel padded by (1, 2) on a 3 x 5 input: one window covers everything; its
+    # divisor counts the padding (4 * 7 = 28) or not (3 * 5 = 15).
+    grad_output = random((2, 4, 1, 1), np.float32, 22)
+    x = np.zeros((2, 4, 3, 5), np.float32)
+    if layout == "NHWC":
+        x = channels_last(x)
+    result = pool_bwd(grad_output, x, (4, 7), 9, (1, 2), False, count_include_pad)
+    divisor = np.float32(28 if count_include_pad else 15)
+    assert bitwise_equal(np.ascontiguousarray(result),
+                         np.broadcast_to(grad_output / divisor, (2, 4, 3, 5)).copy())
+
+
 @pytest.mark.parametrize("dtype, half_ulp", [(np.float16, 2.0**-11), (BF16, 2.0**-8)], ids=str)
 def test_half_formats_round_once(dtype, half_ulp):
     # Input cell 2 sums 1 + half_ulp + half_ulp (divisor override 1, stride 1, kernel 1x3):

@@ -123,6 +123,8 @@ UP_CASES = [
     ((1, 2, 4, 6), (9, 3), 1.7, 0.6),          # user scales (inconsistent with sizes)
     ((1, 2, 4, 6), (4, 6), 3.0, 0.5),          # identity shortcut wins over scales
     ((2, 1, 1, 3), (3, 1), 0.0, 0.0),
+    ((1, 2, 4, 6), (9, 3), -2.0, float("nan")),   # negative and NaN scales mean unset
+    ((2, 1, 5, 3), (7, 8), -0.5, 1.5),
 ]
 
 
@@ -177,6 +179,11 @@ POOL_GEOMS = [
     ((3, 6, 5), (2, 2), (3, 2), (1, 0)),       # unbatched (C, H, W)
     ((1, 1, 5, 5), (5, 5), (1, 1), (2, 2)),
     ((1, 2, 6, 4), (1, 1), (1, 1), (0, 0)),
+    # ceil_mode's last window overhangs the padding (its divisor excludes the overhang):
+    ((1, 2, 6, 6), (3, 3), (2, 2), (1, 1)),    # on both axes
+    ((2, 1, 7, 6), (4, 3), (3, 2), (1, 1)),    # on both axes, non-square
+    ((1, 1, 7, 4), (4, 2), (3, 3), (1, 1)),    # on the H axis only
+    ((1, 1, 4, 7), (2, 4), (3, 3), (1, 1)),    # on the W axis only
 ]
 
 
@@ -202,6 +209,31 @@ def test_avg_pool_ceil_mode_example():
     g = np.ones((1, 1, 1, 3))
     out = ref.avg_pool2d_backward(g, (1, 1, 1, 5), (1, 2), (1, 2), (0, 0), True, True, 0)
     np.testing.assert_array_equal(out, [[[[0.5, 0.5, 0.5, 0.5, 1.0]]]])
+
+
+@pytest.mark.parametrize("axis", ["h", "w"])
+def test_avg_pool_ceil_mode_overhang_hand_values(axis):
+    # 6 cells, k 3, s 2, p 1, ceil_mode: windows [-1, 2), [1, 4), [3, 6), [5, 8), the last one
+    # overhanging the padded input [-1, 7) by one: it holds cell 5 and one pad cell, divisor 2
+    # with count_include_pad (3 for the others); without it, 2, 3, 3 and 1.
+    def along(values):
+        values = np.asarray(values, np.float64)
+        return values.reshape(1, 1, -1, 1) if axis == "h" else values.reshape(1, 1, 1, -1)
+
+    def geometry(a, b):
+        return (a, b) if axis == "h" else (b, a)
+
+    k, s, p = geometry(3, 1), geometry(2, 1), geometry(1, 0)
+    x = along(np.ones(6))
+    include = ref.avg_pool2d_forward(x, k, s, p, True, True, 0)
+    np.testing.assert_allclose(include, along([2 / 3, 1, 1, 1 / 2]), rtol=1e-15)
+    np.testing.assert_allclose(ref.avg_pool2d_forward(x, k, s, p, True, False, 0), along([1, 1, 1, 1]),
+                               rtol=1e-15)
+    g = along(np.ones(4))
+    np.testing.assert_allclose(ref.avg_pool2d_backward(g, x.shape, k, s, p, True, True, 0),
+                               along([1 / 3, 2 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1 / 2]), rtol=1e-15)
+    np.testing.assert_allclose(ref.avg_pool2d_backward(g, x.shape, k, s, p, True, False, 0),
+                               along([1 / 2, 1 / 2 + 1 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1]), rtol=1e-15)
 
 
 def test_avg_pool_output_size_values():

@@ -55,6 +55,44 @@ def test_scales_per_axis_and_identity_with_scale():
     assert bitwise_equal(result, F(grad, (8, 10), (1, 2, 8, 5), False, 0.0, 3.0))
 
 
+@pytest.mark.parametrize("unset", [-2.0, -0.5, -1e-30, float("nan"), float("-inf")], ids=repr)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
+def test_negative_and_nan_scales_mean_unset(unset, dtype):
+    # SPEC §1: "scale = 1 / scales_h if scales_h > 0 else H / OH": a negative or NaN scale is
+    # unset (NaN > 0 is False), exactly like 0 or None, on each axis independently. Sizes that
+    # differ on both axes, so that a scale that were used would move the weights.
+    rng = np.random.default_rng(11)
+    input_size, output_size = (2, 3, 6, 9), (13, 5)
+    grad = grad_for(rng, input_size, output_size, dtype)
+    unset_both = F(grad, output_size, input_size, False, None, None)
+    expected = ref.upsample_bilinear2d_backward(grad, output_size, input_size, False, 0.0, 0.0)
+    assert_matches_reference(unset_both, expected)
+    assert bitwise_equal(F(grad, output_size, input_size, False, unset, unset), unset_both)
+    # one axis unset, the other set: the set one must still apply
+    h_unset = F(grad, output_size, input_size, False, unset, 1.7)
+    assert_matches_reference(h_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False,
+                                                                       0.0, 1.7))
+    w_unset = F(grad, output_size, input_size, False, 2.5, unset)
+    assert_matches_reference(w_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False,
+                                                                       2.5, 0.0))
+    assert not bitwise_equal(h_unset, unset_both) and not bitwise_equal(w_unset, unset_both)
+    # NHWC reads the same tables
+    nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, False, unset, unset,
+             layout="NHWC")
+    assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), unset_both)
+
+
+def test_negative_scale_matches_torch():
+    # ATen treats a scale that is not > 0 as absent too (area_pixel_compute_scale).
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    grad = grad_for(rng, (1, 2, 6, 9), (13, 5), np.float64)
+    expected = torch.ops.aten.upsample_bilinear2d_backward(
+        torch.from_numpy(grad), [13, 5], [1, 2, 6, 9], False, -2.0, -0.5).numpy()
+    np.testing.assert_allclose(F(grad, (13, 5), (1, 2, 6, 9), False, -2.0, -0.5), expected, rtol=1e-12,
+                               atol=1e-14)
+
+
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_size_one_axes(align_corners):
     rng = np.random.default_rng(2)

@@ -11,7 +11,10 @@ benchmarks compare against. It is written to read like the math of SPEC.md, not 
 - layout is always NCHW (channels at axis 1).
 
 For every backward there is the matching forward, so that the pair can be checked with the
-adjoint identity ``<forward(x), g> == <x, backward(g)>`` (see tests/test_reference.py).
+adjoint identity ``<forward(x), g> == <x, backward(g)>`` (see tests/test_reference.py). The
+forwards of the linear operators (pad, upsample, avg_pool) are separate transcriptions of the
+SPEC that share no index or window helper with their backwards: the identity then checks two
+independent readings of the SPEC against each other, not only that one is the other's transpose.
 
 Index and weight arithmetic is float64, except upsample's scale, source index and lambdas:
 SPEC §1 prescribes them in float32 for float32/float16/bfloat16 data, and in float64 they differ
@@ -65,12 +68,10 @@ def replication_pad2d_forward(x, padding):
     x = _as_float(x)
     left, right, top, bottom = (int(p) for p in padding)
     H, W = x.shape[-2], x.shape[-1]
-    OH, OW = H + top + bottom, W + left + right
-    out = np.zeros(x.shape[:-2] + (OH, OW), dtype=x.dtype)
-    for i in range(OH):
-        for j in range(OW):
-            out[..., i, j] = x[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)]
-    return out
+    # index arrays, not the backward's scalar loop: the adjoint test compares two transcriptions
+    rows = np.clip(np.arange(H + top + bottom) - top, 0, H - 1)
+    cols = np.clip(np.arange(W + left + right) - left, 0, W - 1)
+    return x[..., rows[:, None], cols[None, :]]
 
 
 def replication_pad2d_backward(grad_output, input_shape, padding):
@@ -134,15 +135,50 @@ def _upsample_opmath(array):
     return np.float64 if np.asarray(array).dtype == np.float64 else np.float32
 
 
+def _upsample_source(o, in_size, out_size, align_corners, scale, f):
+    """SPEC §1 for one output index of one axis, written out for the forward on its own (it
+    shares nothing with the backward's matrix): ``(i0, i1, l0, l1)``."""
+    if out_size == in_size:
+        return o, o, 1.0, 0.0
+    if align_corners:
+        step = f(in_size - 1) / f(out_size - 1) if out_size > 1 else f(0)
+        src = step * f(o)
+    else:
+        if scale is not None and scale > 0:
+            step = f(1.0 / scale)
+        else:
+            step = f(in_size) / f(out_size)
+        src = step * (f(o) + f(0.5)) - f(0.5)
+        if src < 0:
+            src = f(0)
+    i0 = min(int(math.floor(src)), in_size - 1)
+    l1 = src - f(i0)
+    l1 = f(0) if l1 < 0 else (f(1) if l1 > 1 else l1)
+    l0 = f(1) - l1
+    i1 = i0 + 1 if i0 < in_size - 1 else i0
+    return i0, i1, float(l0), float(l1)
+
+
 def upsample_bilinear2d_forward(x, output_size, align_corners, scales_h=0.0, scales_w=0.0):
-    """Bilinear upsampling forward (SPEC §1): x (N, C, H, W) -> Ah @ x @ Aw.T, (N, C, OH, OW)."""
-    opmath = _upsample_opmath(x)
+    """Bilinear upsampling forward (SPEC §1): x (N, C, H, W) -> (N, C, OH, OW).
+
+    A plain loop over output cells, each the weighted sum of its four source cells. It does not
+    use the backward's interpolation matrices, so the adjoint identity between the two checks
+    both (two independent transcriptions of SPEC §1), not merely that one is the other's
+    transpose. Index and lambda arithmetic in the opmath type of x's dtype.
+    """
+    f = np.dtype(_upsample_opmath(x)).type
     x = np.asarray(x, dtype=np.float64)
     OH, OW = (int(s) for s in output_size)
     H, W = x.shape[2], x.shape[3]
-    Ah = upsample_bilinear2d_interp_matrix(H, OH, align_corners, scales_h, opmath)
-    Aw = upsample_bilinear2d_interp_matrix(W, OW, align_corners, scales_w, opmath)
-    return np.einsum("oh,nchw,pw->ncop", Ah, x, Aw)
+    out = np.zeros(x.shape[:2] + (OH, OW), dtype=np.float64)
+    for oh in range(OH):
+        h0, h1, lh0, lh1 = _upsample_source(oh, H, OH, align_corners, scales_h, f)
+        for ow in range(OW):
+            w0, w1, lw0, lw1 = _upsample_source(ow, W, OW, align_corners, scales_w, f)
+            out[:, :, oh, ow] = (lh0 * lw0 * x[:, :, h0, w0] + lh0 * lw1 * x[:, :, h0, w1]
+                                 + lh1 * lw0 * x[:, :, h1, w0] + lh1 * lw1 * x[:, :, h1, w1])
+    return out
 
 
 def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners,
@@ -202,29 +238,44 @@ def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_inc
 
 def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
                        divisor_override=0):
-    """Average pooling forward with the explicit windows of SPEC §2.
+    """Average pooling forward, SPEC §2 written out per output cell.
 
     x: (C, H, W) or (N, C, H, W); kernel_size, stride, padding: (h, w) tuples;
-    divisor_override: 0 = unset. A window that holds no input element gives 0 (as PyTorch;
-    it cannot happen for valid parameters).
+    divisor_override: 0 = unset. It does not use the backward's window helper: each window is
+    the padded input's cells ``[oh*sH, oh*sH + kH)`` (in padded coordinates) that lie inside the
+    padded input, its input cells summed, divided by the divisor. So the adjoint identity checks
+    two independent transcriptions of the windows and divisors.
     """
     x = np.asarray(x, dtype=np.float64)
     unbatched = x.ndim == 3
     if unbatched:
         x = x[None]
     N, C, H, W = x.shape
-    kH, kW = kernel_size
-    sH, sW = stride
-    pH, pW = padding
+    kH, kW = (int(v) for v in kernel_size)
+    sH, sW = (int(v) for v in stride)
+    pH, pW = (int(v) for v in padding)
     OH = avg_pool2d_output_size(H, kH, sH, pH, ceil_mode)
     OW = avg_pool2d_output_size(W, kW, sW, pW, ceil_mode)
     out = np.zeros((N, C, OH, OW), dtype=np.float64)
-    for oh, ow, hs, he, ws, we, div in _avg_pool2d_windows(
-            H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
-            int(divisor_override)):
-        if he <= hs or we <= ws:
-            continue
-        out[:, :, oh, ow] = x[:, :, hs:he, ws:we].sum(axis=(2, 3)) / div
+    for oh in range(OH):
+        # rows of the padded input (0 .. H + 2*pH - 1) this window covers
+        padded_rows = [r for r in range(oh * sH, oh * sH + kH) if r < H + 2 * pH]
+        rows = [r - pH for r in padded_rows if pH <= r < H + pH]
+        for ow in range(OW):
+            padded_cols = [c for c in range(ow * sW, ow * sW + kW) if c < W + 2 * pW]
+            cols = [c - pW for c in padded_cols if pW <= c < W + pW]
+            if divisor_override != 0:
+                div = int(divisor_override)
+            elif count_include_pad:
+                div = len(padded_rows) * len(padded_cols)
+            else:
+                div = len(rows) * len(cols)
+            total = np.zeros((N, C), dtype=np.float64)
+            for r in rows:
+                for c in cols:
+                    total += x[:, :, r, c]
+            if rows and cols:
+                out[:, :, oh, ow] = total / div
     return out[0] if unbatched else out
 
 

@@ -1,0 +1,540 @@
+#!/usr/bin/env python3
+"""Mutation check: do the tests catch one-line semantic changes?
+
+Each mutant is an exact-string replacement in one file of the package (a kernel, the api layer
+or the oracle) that changes results, paired with the test file that must catch it. For each
+mutant this script copies the working tree (tracked and untracked-but-not-ignored files, so
+uncommitted edits are included) into a temporary directory, applies the replacement THERE (the
+real tree is never written), and runs the test file with ``FASTBWD_CACHE=0`` and
+``-x -q -p no:cacheprovider``. Outcomes:
+
+* killed        the test run failed (the mutant was caught);
+* killed (timeout)  the run exceeded ``--timeout``: a hang counts as caught, reported apart;
+* survived      the test run passed: the tests do not see the change;
+* stale         the snippet is not found exactly once in the file: the list needs refreshing
+                (counted as a failure of the mutant list, never as killed).
+
+The score is killed / (killed + survived + stale). Before the mutants, each test file involved
+runs once unmutated in a clean copy (``--no-baseline`` skips this): a file that fails there would
+"kill" every mutant and prove nothing, so its mutants are reported as "baseline-failed".
+
+Usage::
+
+    python tools/mutate.py --list                 # the mutants
+    python tools/mutate.py                        # all of them, one at a time (minutes to an hour)
+    python tools/mutate.py --only up- ap-global   # names starting with (or ops equal to) these
+    python tools/mutate.py -j 2 --timeout 900 --results mutants.jsonl
+
+Not run in CI. Run it before resolving any issue that touches a kernel (docs/testing.md).
+"""
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Mutant = collections.namedtuple("Mutant", "name op file original replacement test description")
+
+T_UP = "tests/test_upsample_bilinear2d.py"
+T_AP = "tests/test_avg_pool2d.py"
+T_PAD = "tests/test_replication_pad2d.py"
+T_ROI = "tests/test_roi_align.py"
+T_GN = "tests/test_group_norm_swish.py"
+T_REF = "tests/test_reference.py"
+T_HALF = "tests/test_halfbits.py"
+
+K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
+K_SEP = "fastbwd/kernels/_separable.py"
+K_AP = "fastbwd/kernels/avg_pool2d.py"
+K_PAD = "fastbwd/kernels/replication_pad2d.py"
+K_IDX = "fastbwd/kernels/_index.py"
+K_HALF = "fastbwd/kernels/_halfbits.py"
+K_ROI = "fastbwd/kernels/roi_align.py"
+K_GN = "fastbwd/kernels/group_norm_swish.py"
+A_UP = "fastbwd/api/upsample_bilinear2d.py"
+A_AP = "fastbwd/api/avg_pool2d.py"
+A_PAD = "fastbwd/api/replication_pad2d.py"
+A_ROI = "fastbwd/api/roi_align.py"
+A_GN = "fastbwd/api/group_norm_swish.py"
+V = "fastbwd/_validation.py"
+REF = "fastbwd/testing/reference.py"
+
+MUTANTS = [
+    # ---- upsample_bilinear2d: index/lambda tables (kernels) ------------------------------------
+    Mutant("up-negative-scale-set", "upsample", K_UP,
+           "    if scale > 0:\n        return opmath.type(1.0 / scale)",
+           "    if scale != 0:\n        return opmath.type(1.0 / scale)",
+           T_UP, "a negative scales_h/scales_w is used as a scale instead of meaning unset (issue 16)"),
+    Mutant("up-nan-scale-set", "upsample", K_UP,
+           "    if scale > 0:\n        return opmath.type(1.0 / scale)",
+           "    if not scale <= 0:\n        return opmath.type(1.0 / scale)",
+           T_UP, "a NaN scale is used (NaN steps) instead of meaning unset"),
+    Mutant("up-no-half-pixel", "upsample", K_UP,
+           "    source = scale * (output_index + opmath(0.5)) - opmath(0.5)",
+           "    source = scale * output_index",
+           T_UP, "half-pixel centres dropped when align_corners is False"),
+    Mutant("up-no-negative-clamp", "upsample", K_UP,
+           "    return np.where(source < 0, opmath(0), source)",
+           "    return np.where(source < -1, opmath(0), source)",
+           T_UP, "negative source positions in (-1, 0) not clamped to 0"),
+    Mutant("up-align-corners-ratio", "upsample", K_UP,
+           "            return opmath.type(input_size - 1) / opmath.type(output_size - 1)",
+           "            return opmath.type(input_size) / opmath.type(output_size)",
+           T_UP, "align_corners uses the in/out ratio"),
+    Mutant("up-no-identity-shortcut", "upsample", K_UP,
+           "    if output_size == input_size:",
+           "    if False:",
+           T_UP, "PyTorch's identity rule for equal sizes ignored (a user scale then applies)"),
+    Mutant("up-index1-early-edge", "upsample", K_UP,
+           "    index1 = index0 + (index0 < input_size - 1)",
+           "    index1 = index0 + (index0 < input_size - 2)",
+           T_UP, "the second tap stops one row early (its weight lands on index0)"),
+    Mutant("up-no-lambda-clamp", "upsample", K_UP,
+           "    lambda1 = np.minimum(np.maximum(real_index - index0.astype(opmath), opmath.type(0)), opmath.type(1))",
+           "    lambda1 = real_index - index0.astype(opmath)",
+           T_UP, "lambda1 not clamped to [0, 1] (positions beyond the last row with a user scale)"),
+    Mutant("up-lambda0", "upsample", K_UP,
+           "    lambda0 = opmath.type(1) - lambda1",
+           "    lambda0 = opmath.type(1) - lambda1 * opmath.type(0.5)",
+           T_UP, "wrong first weight"),
+    # ---- upsample_bilinear2d: api ----------------------------------------------------------------
+    Mutant("up-api-scales-swapped", "upsample", A_UP,
+           "*kernels.backward_table(height, output_height, align_corners, scales_h, opmath),",
+           "*kernels.backward_table(height, output_height, align_corners, scales_w, opmath),",
+           T_UP, "scales_w used for the H axis"),
+    Mutant("up-api-float64-opmath", "upsample", A_UP,
+           "    opmath = d.compute_dtype(dtype)",
+           "    opmath = np.dtype(np.float64)",
+           T_UP, "index/lambda arithmetic in float64 for float32 data (SPEC §1 says float32)"),
+    Mutant("up-api-output-size-zero", "upsample", A_UP,
+           "    for index, size in enumerate((output_height, output_width)):\n        if size <= 0:",
+           "    for index, size in enumerate((output_height, output_width)):\n        if size < 0:",
+           T_UP, "output_size 0 accepted by the size check"),
+    Mutant("up-api-channels-last-ignored", "upsample", A_UP,
+           "physical_layout = result_layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW",
+           "physical_layout = result_layout = d.NCHW",
+           T_UP, "a channels-last NCHW gradient gives a C-contiguous result (memory format lost)"),
+    # ---- separable engine (shared by upsample and avg_pool; run with upsample's tests) ---------
+    Mutant("sep-nhwc-height-weight", "upsample", K_SEP,
+           "                partial[k] += c * load(row[k], fmt)",
+           "                partial[k] += load(row[k], fmt)",
+           T_UP, "NHWC height pass ignores the tap weights"),
+    Mutant("sep-nhwc-few-channels", "upsample", K_SEP,
+           "                        acc += weight_w[j] * columns[source_w[j], k]",
+           "                        acc += weight_w[j] * columns[source_w[j], 0]",
+           T_UP, "NHWC with fewer than 16 channels reads channel 0 only in the width pass"),
+    Mutant("sep-block-last-row", "upsample", K_SEP,
+           "            rows = min(LANES, height - row_start)",
+           "            rows = min(LANES - 1, height - row_start)",
+           T_UP, "NCHW row blocks leave their 16th row unwritten"),
+    Mutant("sep-planes-width-tap", "upsample", K_SEP,
+           "lanes_axpy(result, h * width + w, 0, partial, h * out_width + ow, 0, weight_w[ow, t])",
+           "lanes_axpy(result, h * width + w, 0, partial, h * out_width + ow, 0, weight_w[ow, 0])",
+           T_UP, "16-planes path uses the first tap's width weight for every tap"),
+    Mutant("sep-narrow-staging", "upsample", K_SEP,
+           "            target[k] = load(source_row[k], fmt)",
+           "            target[k] = load(source_row[0], fmt)",
+           T_UP, "narrow rows staged with their first element repeated"),
+    # ---- avg_pool2d ----------------------------------------------------------------------------
+    Mutant("ap-global-width-coverage", "avg_pool", A_AP,
+           "and stop_h[0] == height and stop_w[0] == width:",
+           "and stop_h[0] == height:",
+           T_AP, "a 1x1 output whose window misses columns taken for global pooling (issue 16)"),
+    Mutant("ap-global-height-coverage", "avg_pool", A_AP,
+           "and stop_h[0] == height and stop_w[0] == width:",
+           "and stop_w[0] == width:",
+           T_AP, "a 1x1 output whose window misses rows taken for global pooling"),
+    Mutant("ap-global-include-pad-divisor", "avg_pool", A_AP,
+           "            divisor = int(extent_h[0]) * int(extent_w[0])",
+           "            divisor = height * width",
+           T_AP, "global pooling with padding divides by the input size, not the padded window"),
+    Mutant("ap-global-no-override", "avg_pool", A_AP,
+           "        if divisor_override != 0:\n            divisor = divisor_override",
+           "        if False:\n            divisor = divisor_override",
+           T_AP, "global pooling ignores divisor_override"),
+    Mutant("ap-global-nhwc-multiplies", "avg_pool", K_AP,
+           "            first[c] = store(load(src[c], fmt) / divisor, fmt)",
+           "            first[c] = store(load(src[c], fmt) * (1 / divisor), fmt)",
+           T_AP, "global NHWC kernel multiplies by a rounded reciprocal instead of dividing"),
+    Mutant("ap-global-nchw-first-cell", "avg_pool", K_AP,
+           "        for i in range(plane_size):\n            dst[i] = value",
+           "        for i in range(1, plane_size):\n            dst[i] = value",
+           T_AP, "global NCHW kernel leaves each plane's first cell unwritten"),
+    Mutant("ap-ceil-overhang-counted", "avg_pool", A_AP,
+           "    stop = np.minimum(start + kernel, size + pad)",
+           "    stop = start + kernel",
+           T_AP, "a ceil-mode window's overhang beyond the padding counted in the divisor"),
+    Mutant("ap-exclude-pad-divisor", "avg_pool", A_AP,
+           "        divisors = stop - start",
+           "        divisors = extent",
+           T_AP, "count_include_pad=False still counts the padding"),
+    Mutant("ap-override-both-axes", "avg_pool", A_AP,
+           "(divisor_override, 1) if divisor_override != 0 else (None, None)",
+           "(divisor_override, divisor_override) if divisor_override != 0 else (None, None)",
+           T_AP, "divisor_override applied on both axes (divides by d squared)"),
+    Mutant("ap-padding-half-kernel", "avg_pool", A_AP,
+           "        if 2 * pad > k:",
+           "        if 2 * pad > k + 1:",
+           T_AP, "padding just above half the kernel accepted"),
+    Mutant("ap-default-stride", "avg_pool", A_AP,
+           "    stride = stride or kernel",
+           "    stride = stride or (1, 1)",
+           T_AP, "stride None means 1 instead of the kernel size"),
+    Mutant("ap-1x1-channels-last-input", "avg_pool", A_AP,
+           "            out_height == out_width == 1 and isinstance(input, np.ndarray) and d.is_channels_last(input)):",
+           "            False):",
+           T_AP, "a channels-last input no longer decides the layout of a 1x1 grad_output"),
+    Mutant("ap-ceil-last-window-rule", "avg_pool", V,
+           "    if ceil_mode and (output_size - 1) * stride >= input_size + pad:",
+           "    if ceil_mode and (output_size - 1) * stride > input_size + pad:",
+           T_AP, "ceil_mode keeps a last window that starts in the right padding"),
+    # ---- replication_pad2d -----------------------------------------------------------------------
+    Mutant("pad-copy-offset", "pad", K_PAD,
+           "            copy_src = row[copy_start + pad_left:copy_stop + pad_left]",
+           "            copy_src = row[copy_start + pad_left - 1:copy_stop + pad_left - 1]",
+           T_PAD, "interior columns copied from one column to the left"),
+    Mutant("pad-first-strip", "pad", K_PAD,
+           "                for j in range(first_stop):",
+           "                for j in range(1, first_stop):",
+           T_PAD, "the left edge cell misses the first column of its strip"),
+    Mutant("pad-last-strip", "pad", K_PAD,
+           "                for j in range(last_start, out_width):",
+           "                for j in range(last_start, out_width - 1):",
+           T_PAD, "the right edge cell misses the last column of its strip"),
+    Mutant("pad-cropped-left-unwritten", "pad", K_PAD,
+           "            for w in range(1, copy_start):  # cropped away by a negative left pad",
+           "            for w in range(2, copy_start):  # cropped away by a negative left pad",
+           T_PAD, "a cell cropped away by a negative left pad is left unwritten (not zeroed)"),
+    Mutant("pad-gather-cell-last-column", "pad", K_PAD,
+           "        for j in range(col_start, col_stop):\n            acc += load(plane[i, j], fmt)",
+           "        for j in range(col_start, col_stop - 1):\n            acc += load(plane[i, j], fmt)",
+           T_PAD, "NCHW rows with several sources (top/bottom edges) drop a column of each rectangle"),
+    Mutant("pad-nhwc-acc-not-reset", "pad", K_PAD,
+           "            acc[:] = 0\n",
+           "            pass\n",
+           T_PAD, "NHWC accumulator carried over from the previous cell"),
+    Mutant("pad-last-index-no-border", "pad", K_IDX,
+           "    stop = padded_size if index == size - 1 else index + pad_before + 1",
+           "    stop = index + pad_before + 1",
+           T_PAD, "the last row/column no longer collects the right/bottom border"),
+    Mutant("pad-api-pad-equal-size", "pad", A_PAD,
+           "        if pad >= size:",
+           "        if pad > size:",
+           T_PAD, "a pad equal to the dimension accepted"),
+    Mutant("pad-api-channels-last-ignored", "pad", A_PAD,
+           "    layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW",
+           "    layout = d.NCHW",
+           T_PAD, "a channels-last gradient gives a C-contiguous result"),
+    # ---- half formats (every operator's storage) ---------------------------------------------------
+    Mutant("half-bf16-round-toward-zero", "halfbits", K_HALF,
+           "    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
+           "    rounded = bits >> np.uint32(16)",
+           T_HALF, "bfloat16 encoding truncates instead of rounding to nearest even"),
+    Mutant("half-bf16-ties-away", "halfbits", K_HALF,
+           "    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
+           "    rounded = (bits + np.uint32(0x8000)) >> np.uint32(16)",
+           T_HALF, "bfloat16 ties rounded away from zero instead of to even"),
+    # ---- the oracle (fastbwd/testing/reference.py), caught by its own tests ------------------------
+    Mutant("ref-pad-backward-clamp", "oracle", REF,
+           "            grad_input[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)] += g[..., i, j]",
+           "            grad_input[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)] += g[..., i, min(j, g.shape[-1] - 2)]",
+           T_REF, "pad backward reads the wrong last column"),
+    Mutant("ref-pad-forward-top", "oracle", REF,
+           "            out[..., i, j] = x[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)]",
+           "            out[..., i, j] = x[..., _clamp(i - bottom, 0, H - 1), _clamp(j - left, 0, W - 1)]",
+           T_REF, "pad forward shifts rows by the bottom pad"),
+    Mutant("ref-up-no-negative-clamp", "oracle", REF,
+           "                src = max(f(0), ratio * (f(oh) + f(0.5)) - f(0.5))",
+           "                src = max(f(-1), ratio * (f(oh) + f(0.5)) - f(0.5))",
+           T_REF, "upsample oracle does not clamp negative source positions"),
+    Mutant("ref-up-negative-scale-set", "oracle", REF,
+           "        ratio = f(1.0 / user_scale) if user_scale > 0 else f(H) / f(OH)",
+           "        ratio = f(1.0 / user_scale) if user_scale != 0 else f(H) / f(OH)",
+           T_REF, "upsample oracle uses a negative scale"),
+    Mutant("ref-up-no-identity", "oracle", REF,
+           "        if OH == H:\n            h0 = h1 = oh",
+           "        if False:\n            h0 = h1 = oh",
+           T_REF, "upsample oracle ignores PyTorch's identity rule"),
+    Mutant("ref-up-h1-edge", "oracle", REF,
+           "            h1 = h0 + (1 if h0 < H - 1 else 0)",
+           "            h1 = h0 + (1 if h0 < H - 2 else 0)",
+           T_REF, "upsample oracle's second tap stops a row early"),
+    Mutant("ref-up-backward-transposed-axes", "oracle", REF,
+           '    out = np.einsum("oh,ncop,pw->nchw", Ah, g, Aw)',
+           '    out = np.einsum("oh,ncop,pw->nchw", Ah, g, Aw) * (1 + 1e-6)',
+           T_REF, "upsample oracle backward scaled by 1 + 1e-6 (caught only by an independent forward/torch)"),
+    Mutant("ref-ap-ceil-rule", "oracle", REF,
+           "    if ceil_mode and (out - 1) * s >= H + p:",
+           "    if ceil_mode and (out - 1) * s > H + p:",
+           T_REF, "pool oracle keeps a last window starting in the right padding"),
+    Mutant("ref-ap-ceil-overhang-h", "oracle", REF,
+           "            he = min(hs + kH, H + pH)",
+           "            he = hs + kH",
+           T_REF, "pool oracle counts a ceil-mode overhang on the H axis (issue 16)"),
+    Mutant("ref-ap-ceil-overhang-w", "oracle", REF,
+           "            we = min(ws + kW, W + pW)",
+           "            we = ws + kW",
+           T_REF, "pool oracle counts a ceil-mode overhang on the W axis"),
+    Mutant("ref-ap-exclude-pad", "oracle", REF,
+           "                div = (he - hs) * (we - ws)",
+           "                div = pool_size",
+           T_REF, "pool oracle's count_include_pad=False counts the padding"),
+    Mutant("ref-ap-backward-divisor", "oracle", REF,
+           "        grad_input[:, :, hs:he, ws:we] += (g[:, :, oh, ow] / div)[:, :, None, None]",
+           "        grad_input[:, :, hs:he, ws:we] += (g[:, :, oh, ow] / abs(div))[:, :, None, None]",
+           T_REF, "pool oracle's backward ignores the sign of a negative divisor_override"),
+    Mutant("ref-gn-swish-scale", "oracle", REF,
+           "    dsw = sig * (1.0 + s * y * (1.0 - sig))",
+           "    dsw = sig * (1.0 + y * (1.0 - sig))",
+           T_REF, "GroupNorm+Swish oracle's Swish derivative ignores swish_scale in the second term"),
+    Mutant("ref-gn-c1", "oracle", REF,
+           "    c1 = (gam[..., 0] * sum_g).sum(axis=2) / M     # (N, G)",
+           "    c1 = (gam[..., 0] * sum_g).sum(axis=2) / (M + 1)     # (N, G)",
+           T_REF, "GroupNorm+Swish oracle's c1 divided by M + 1"),
+
+    # ==== RoIAlign and GroupNorm+Swish: written against the code of 2026-11-23 08:00 UTC ==========
+    # Other helpers are rewriting kernels/roi_align.py and kernels/group_norm_swish.py: the lead
+    # refreshes these snippets after merging (a stale one is reported as such, never as killed).
+    Mutant("roi-aligned-offset", "roi_align", K_ROI,
+           "    offset = like(0.5, zero) if aligned else zero",
+           "    offset = zero",
+           T_ROI, "aligned=True no longer shifts by half a pixel"),
+    Mutant("roi-min-size", "roi_align", K_ROI,
+           "        roi_w = max(roi_w, like(1.0, zero))",
+           "        roi_w = roi_w",
+           T_ROI, "unaligned malformed boxes not forced to at least 1 pixel wide"),
+    Mutant("roi-adaptive-floor", "roi_align", K_ROI,
+           "        grid_h = like(np.ceil(roi_h / like(pooled_height, zero)), zero)",
+           "        grid_h = like(np.floor(roi_h / like(pooled_height, zero)), zero)",
+           T_ROI, "adaptive sampling grid rounded down"),
+    Mutant("roi-sample-test-low", "roi_align", K_ROI,
+           "            if not (position >= -one and position <= like(size, origin)):",
+           "            if not (position >= like(0.0, origin) and position <= like(size, origin)):",
+           T_ROI, "samples in [-1, 0) skipped instead of clamped to 0"),
+    Mutant("roi-weight-no-count", "roi_align", K_ROI,
+           "            low_weight[slot + used] = (one - lam) / divisor",
+           "            low_weight[slot + used] = (one - lam)",
+           T_ROI, "low-corner weights not divided by the sample count"),
+    Mutant("roi-corner-hh-weight", "roi_align", K_ROI,
+           "                            w = ly * lx\n",
+           "                            w = ly * hx\n",
+           T_ROI, "the high-high corner gets the high-low weight"),
+    Mutant("roi-api-batch-trunc", "roi_align", A_ROI,
+           "    image = np.floor(boxes[:, 0])",
+           "    image = np.trunc(boxes[:, 0])",
+           T_ROI, "batch index truncated instead of floored (SPEC: floor)"),
+    Mutant("roi-api-nan-scale", "roi_align", A_ROI,
+           "    if not spatial_scale > FLT_MIN:  # NaN fails too",
+           "    if spatial_scale <= FLT_MIN:",
+           T_ROI, "a NaN spatial_scale accepted"),
+    Mutant("gn-abs-gamma", "group_norm_swish", K_GN,
+           "    y = fma(xhat, gamma, beta)",
+           "    y = fma(xhat, abs(gamma), beta)",
+           T_GN, "|gamma| used in y (issue 16)"),
+    Mutant("gn-clamp64", "group_norm_swish", K_GN,
+           "SWISH_CLAMP64 = np.float64(750.0)",
+           "SWISH_CLAMP64 = np.float64(10.0)",
+           T_GN, "float64 Swish derivative clamped at |s*y| = 10 (issue 16)"),
+    Mutant("gn-dx-c1-sign", "group_norm_swish", K_GN,
+           "    return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))",
+           "    return rstd * fma(gnew, gamma, -fma(xhat, c2, -c1))",
+           T_GN, "dx adds c1 instead of subtracting it"),
+    Mutant("gn-c2-count", "group_norm_swish", K_GN,
+           "    return c1 / count, c2 / count",
+           "    return c1 / count, c2 / (count + 1)",
+           T_GN, "c2 divided by D*HxW + 1"),
+    Mutant("gn-sigmoid-sign", "group_norm_swish", K_GN,
+           "    sig = inv if z >= 0 else other",
+           "    sig = other if z >= 0 else inv",
+           T_GN, "sigmoid of the wrong sign"),
+    Mutant("gn-dgamma-first-n", "group_norm_swish", K_GN,
+           "            acc = sum_gx[0, c]",
+           "            acc = sum_g[0, c]",
+           T_GN, "dgamma starts from sample 0's dbeta sum"),
+    Mutant("gn-nhwc-gx-sum", "group_norm_swish", K_GN,
+           "                    lane_gx[k] += gnew * xhat",
+           "                    lane_gx[k] += gnew",
+           T_GN, "NHWC sum of gnew * xhat drops xhat"),
+    Mutant("gn-exp-coefficient", "group_norm_swish", K_GN,
+           "_P5 = np.float32(5.0000001201e-1)",
+           "_P5 = np.float32(4.9e-1)",
+           T_GN, "float32 exp polynomial off by 1% in its r^2 term"),
+    Mutant("gn-api-dbeta-not-zeroed", "group_norm_swish", A_GN,
+           "        dbeta_phys.fill(0)\n",
+           "        pass\n",
+           T_GN, "an out= dbeta given for an unrequired gradient is not zero-filled"),
+]
+
+#: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
+REWRITTEN_OPS = ("roi_align", "group_norm_swish")
+
+
+def tree_files(root):
+    """The files of the working tree: tracked (as they are on disk, uncommitted edits included)
+    plus untracked ones that are not ignored; deleted files are skipped."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=root, check=True, capture_output=True).stdout.decode().split("\0")
+    return sorted({name for name in listed if name and os.path.isfile(os.path.join(root, name))})
+
+
+def copy_tree(root, files, destination):
+    for name in files:
+        target = os.path.join(destination, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(root, name), target)
+
+
+def apply(mutant, tree):
+    """Apply ``mutant`` to the copy at ``tree``; None on success, else why it is stale."""
+    path = os.path.join(tree, mutant.file)
+    if not os.path.isfile(path):
+        return f"{mutant.file} does not exist"
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    count = text.count(mutant.original)
+    if count != 1:
+        return f"snippet found {count} times in {mutant.file}"
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text.replace(mutant.original, mutant.replacement))
+    return None
+
+
+def run_tests(tree, test, timeout):
+    """Run ``test`` in ``tree``: ``(passed, timed_out, seconds, tail of the output)``."""
+    env = dict(os.environ, FASTBWD_CACHE="0", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)
+    start = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],
+                               cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the test run and any subprocess it started
+        output, _ = process.communicate()
+        timed_out = True
+    seconds = time.monotonic() - start
+    lines = [line for line in (output or "").splitlines() if line.strip()]
+    return process.returncode == 0 and not timed_out, timed_out, seconds, "\n".join(lines[-3:])
+
+
+def evaluate(mutant, snapshot, files, timeout, baseline_failed):
+    if mutant.test in baseline_failed:
+        return {"outcome": "baseline-failed", "seconds": 0.0, "detail": f"{mutant.test} fails unmutated"}
+    with tempfile.TemporaryDirectory(prefix="fastbwd-mutant-") as tree:
+        copy_tree(snapshot, files, tree)
+        stale = apply(mutant, tree)
+        if stale:
+            return {"outcome": "stale", "seconds": 0.0, "detail": stale}
+        passed, timed_out, seconds, tail = run_tests(tree, mutant.test, timeout)
+    if timed_out:
+        outcome = "killed (timeout)"
+    else:
+        outcome = "survived" if passed else "killed"
+    return {"outcome": outcome, "seconds": round(seconds, 1), "detail": tail.splitlines()[-1] if tail else ""}
+
+
+def baseline(tests, snapshot, files, timeout, jobs):
+    """Each test file once, unmutated: the set of files that fail."""
+    def one(test):
+        with tempfile.TemporaryDirectory(prefix="fastbwd-baseline-") as tree:
+            copy_tree(snapshot, files, tree)
+            passed, timed_out, seconds, tail = run_tests(tree, test, timeout)
+        print(f"baseline {test}: {'ok' if passed else 'FAILED'} ({seconds:.0f} s)"
+              + ("" if passed else f"\n    {tail}"), flush=True)
+        return test, passed
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        return {test for test, passed in pool.map(one, sorted(tests)) if not passed}
+
+
+def selected(names):
+    if not names:
+        return list(MUTANTS)
+    chosen = [m for m in MUTANTS if any(m.name.startswith(n) or m.op == n for n in names)]
+    if not chosen:
+        sys.exit(f"no mutant matches {names}")
+    return chosen
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="mutant name prefixes or op names")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per test run (default 1200)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    parser.add_argument("--results", metavar="FILE", help="append one JSON line per mutant to FILE")
+    args = parser.parse_args(argv)
+
+    mutants = selected(args.only)
+    names = [m.name for m in MUTANTS]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        sys.exit(f"duplicate mutant names: {sorted(duplicates)}")
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:34} {m.op:17} {m.file:40} {m.test:36} {m.description}")
+        print(f"{len(mutants)} mutants")
+        return 0
+
+    # One snapshot of the working tree for the whole run: edits made while it runs do not leak in.
+    snapshot = tempfile.mkdtemp(prefix="fastbwd-snapshot-")
+    try:
+        copy_tree(ROOT, tree_files(ROOT), snapshot)
+        return _run(args, mutants, snapshot, _listed(snapshot))
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _listed(tree):
+    return sorted(os.path.relpath(os.path.join(folder, name), tree)
+                  for folder, _, names in os.walk(tree) for name in names)
+
+
+def _run(args, mutants, snapshot, files):
+    baseline_failed = set() if args.no_baseline else baseline({m.test for m in mutants}, snapshot, files, args.timeout,
+                                                               args.jobs)
+    results = {}
+    started = time.monotonic()
+
+    def one(mutant):
+        return mutant, evaluate(mutant, snapshot, files, args.timeout, baseline_failed)
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for mutant, result in pool.map(one, mutants):
+            results[mutant.name] = result
+            print(f"{result['outcome']:17} {mutant.name:34} {result['seconds']:7.1f} s  {mutant.description}"
+                  + (f"\n{'':19}{result['detail']}" if result["outcome"] in ("stale", "baseline-failed") else ""),
+                  flush=True)
+            if args.results:
+                with open(args.results, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"name": mutant.name, "op": mutant.op, "file": mutant.file,
+                                             "test": mutant.test, **result}) + "\n")
+
+    counts = collections.Counter(r["outcome"] for r in results.values())
+    killed = counts["killed"] + counts["killed (timeout)"]
+    scored = killed + counts["survived"] + counts["stale"]
+    print(f"\n{len(results)} mutants in {time.monotonic() - started:.0f} s: killed {counts['killed']}, "
+          f"killed by timeout {counts['killed (timeout)']}, survived {counts['survived']}, "
+          f"stale {counts['stale']}, baseline-failed {counts['baseline-failed']}")
+    if scored:
+        print(f"score {killed}/{scored} = {100 * killed / scored:.1f}%")
+    for outcome in ("survived", "stale", "baseline-failed"):
+        names = [name for name, r in results.items() if r["outcome"] == outcome]
+        if names:
+            print(f"{outcome}: {', '.join(names)}")
+    return 0 if killed == scored and not counts["baseline-failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
