@@ -136,12 +136,14 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     out_height, out_width = out_sizes
 
     dtype = grad_output.dtype
+    # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
     layout = d.NCHW
     if d.is_channels_last(grad_output) or (
-            out_height == out_width == 1 and isinstance(input, np.ndarray) and d.is_channels_last(input)):
+            out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)):
         layout = d.NHWC
     result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input)))
+                                  inputs=(("grad_output", grad_output), ("input", input_array)))
     if result.size == 0:
         return result
     if ndim == 3:

@@ -70,8 +70,9 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
 
     dtype = grad_output.dtype
     layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
     result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input)))
+                                  inputs=(("grad_output", grad_output), ("input", input_array)))
     if result.size == 0:
         return result
     fmt = d.storage_format(dtype)
