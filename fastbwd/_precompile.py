@@ -45,20 +45,29 @@ class Entry:
     layout: str  # "NCHW" or "NHWC" (channels-last memory, however the function is asked for it)
     path: str  # which kernel of the operator the call reaches
     call: Callable[[np.dtype], object]
+    #: a variant that may reach kernels other entries compile too: it runs after all the others
+    #: (then it finds them in the cache instead of compiling them a second time in parallel)
+    variant: bool = False
 
     @property
     def key(self):
         return f"{self.op} {self.dtype} {self.layout} {self.path}"
 
 
-#: Every (operator, dtype, layout, path), in the order they are compiled (the slowest first).
+#: Every (operator, dtype, layout, path); :func:`precompile` runs them in :data:`SLOWEST_FIRST`
+#: order, variants last.
 TABLE = []
 
 
-def add(op, dtypes, layout, path, call):
-    """Register ``call`` for each dtype name in ``dtypes``."""
+def add(op, dtypes, layout, path, call, *, variant=False):
+    """Register ``call`` for each dtype name in ``dtypes`` (see :class:`Entry`)."""
     for dtype in dtypes:
-        TABLE.append(Entry(op, dtype, layout, path, call))
+        TABLE.append(Entry(op, dtype, layout, path, call, variant))
+
+
+#: Operators in the order their entries start, the slowest to compile first (a short tail).
+SLOWEST_FIRST = ("roi_align_backward", "group_norm_swish_backward", "upsample_bilinear2d_backward",
+                 "avg_pool2d_backward", "replication_pad2d_backward")
 
 
 # ---- tiny inputs -----------------------------------------------------------------------------
@@ -110,10 +119,11 @@ def _avg_pool(shape, kernel, layout):
     def call(dtype):
         f = _fastbwd()
         out_shape = shape[:2] + tuple((size - kernel) // kernel + 1 for size in shape[2:])
-        g = _array(out_shape, dtype)
+        g, forward_input = _array(out_shape, dtype), shape
         if layout == "NHWC":
-            g = _channels_last(g)
-        return f.avg_pool2d_backward(g, shape, kernel)
+            # with a 1 x 1 output the input's memory format decides the layout
+            g, forward_input = _channels_last(g), _channels_last(np.zeros(shape, dtype))
+        return f.avg_pool2d_backward(g, forward_input, kernel)
 
     return call
 
@@ -181,7 +191,7 @@ for _layout in ("NCHW", "NHWC"):
     add("group_norm_swish_backward", HALVES_AND_FLOATS, _layout, "params in the data dtype",
         _group_norm_swish(_layout, "same"))
     add("group_norm_swish_backward", ("float16", "bfloat16", "float64"), _layout, "float32 params",
-        _group_norm_swish(_layout, "float32"))
+        _group_norm_swish(_layout, "float32"), variant=True)
 
 
 # ---- running the table -----------------------------------------------------------------------
@@ -287,7 +297,11 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
     if folder is None:
         say(f"fastbwd precompile: {reason}; nothing compiled")
         return dict(entries=0, compiled=0, seconds=0.0, cache=None, errors=[], skipped=reason)
-    indices = [TABLE.index(entry) for entry in entries]
+    def order(entry):
+        rank = SLOWEST_FIRST.index(entry.op) if entry.op in SLOWEST_FIRST else len(SLOWEST_FIRST)
+        return entry.variant, rank
+
+    indices = [TABLE.index(entry) for entry in sorted(entries, key=order)]
     runs = [(index, False) for index in indices] + ([(index, True) for index in indices] if serial else [])
     workers = max(1, min(workers or os.cpu_count() or 1, len(runs) or 1))
     say(f"fastbwd precompile: {len(runs)} kernel paths{' (parallel and serial twins)' if serial else ''} "

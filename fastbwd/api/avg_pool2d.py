@@ -148,7 +148,7 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
         return result
     if ndim == 3:
         grad_output = grad_output[None]
-    grad_output = d.kernel_view(d.physical(grad_output, layout))
+    grad_output = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
     grad_input = d.kernel_view(grad_input)
     fmt = d.storage_format(dtype)
     compute = d.compute_dtype(dtype)

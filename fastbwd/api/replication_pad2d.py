@@ -76,12 +76,12 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
     if result.size == 0:
         return result
     fmt = d.storage_format(dtype)
+    source = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
     if layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(
-            d.kernel_view(d.physical(grad_output, layout)), d.kernel_view(grad_input), top, left, fmt)
+        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, fmt)
     else:
         planes = int(np.prod(input_shape[:-2]))
         kernels.replication_pad2d_bwd_nchw(
-            d.kernel_view(d.physical(grad_output, layout)).reshape(planes, out_height, out_width),
+            source.reshape(planes, out_height, out_width),
             d.kernel_view(grad_input).reshape(planes, height, width), top, left, fmt)
     return result

@@ -108,11 +108,12 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
         *kernels.backward_table(width, output_width, align_corners, scales_w, opmath),
     )
     fmt = d.storage_format(dtype)
+    source = d.read_only(d.kernel_view(source))
     if physical_layout == d.NHWC:
-        kernels.separable_bwd_nhwc(d.kernel_view(source), d.kernel_view(grad_input), *tables, fmt)
+        kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *tables, fmt)
     else:
         planes = batch * channels
         kernels.separable_bwd_nchw(
-            d.kernel_view(source).reshape(planes, output_height, output_width),
+            source.reshape(planes, output_height, output_width),
             d.kernel_view(grad_input).reshape(planes, height, width), *tables, fmt)
     return result
