@@ -226,6 +226,9 @@ def cache_folder():
     path = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None)
     if path is None:
         return None, "no writable cache folder (set NUMBA_CACHE_DIR to a writable folder)"
+    requested = os.environ.get("NUMBA_CACHE_DIR")
+    if requested and not os.path.abspath(path).startswith(os.path.abspath(requested)):
+        print(f"fastbwd precompile: NUMBA_CACHE_DIR={requested} is not writable; Numba caches in {path} instead")
     return path, None
 
 
