@@ -1,7 +1,7 @@
 """The main job: ``python -m fastbwd [--quick] [--json FILE]``; ``--precompile`` fills the cache.
 
 For every operator implemented in this build it checks a small case against the float64
-reference, then runs the SPEC §6 cases (``--quick``: small versions) and prints, per case:
+reference, then runs the docs/semantics.md §6 cases (``--quick``: small versions) and prints, per case:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
 (measured on the spot with a large parallel copy) and the speed-up over each PyTorch baseline
 when torch is importable (the same thread count for both).

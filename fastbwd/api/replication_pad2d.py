@@ -1,4 +1,4 @@
-"""fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, SPEC §3)."""
+"""fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, docs/semantics.md §3)."""
 
 import numpy as np
 
@@ -13,7 +13,7 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
 
     Every grad_input cell receives the sum of the grad_output cells that replicate it: interior
-    cells copy, edge cells sum their strip, corners sum their rectangle (SPEC §3).
+    cells copy, edge cells sum their strip, corners sum their rectangle (docs/semantics.md §3).
 
     Parameters
     ----------
@@ -40,7 +40,7 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
     Raises
     ------
     ParamError
-        For every bad argument listed in SPEC §3 (status 161001 for a missing argument).
+        For every bad argument listed in docs/semantics.md §3 (status 161001 for a missing argument).
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)

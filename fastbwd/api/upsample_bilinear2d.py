@@ -1,4 +1,4 @@
-"""fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, SPEC §1)."""
+"""fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, docs/semantics.md §1)."""
 
 import numpy as np
 
@@ -15,7 +15,7 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
     """Gradient of ``torch.nn.functional.interpolate(input, output_size, mode="bilinear")``.
 
     Every grad_output cell ``(oh, ow)`` is spread over the (up to) four input cells it was
-    interpolated from, with PyTorch's index and lambda rules (SPEC §1): computed here as the
+    interpolated from, with PyTorch's index and lambda rules (docs/semantics.md §1): computed here as the
     separable map ``A_h^T . grad_output . A_w`` per plane, without atomics.
 
     Parameters
