@@ -1,4 +1,4 @@
-"""avg_pool2d_backward benchmarks (SPEC §6 A1-A3, A1 in bfloat16 and channels-last), with PyTorch
+"""avg_pool2d_backward benchmarks (docs/semantics.md §6 A1-A3, A1 in bfloat16 and channels-last), with PyTorch
 rows when torch is installed.
 
 Run: python -m pytest bench/bench_avg_pool2d.py --benchmark-enable --benchmark-only

@@ -1,4 +1,4 @@
-"""group_norm_swish_backward benchmarks (SPEC §6 G1, G3; G1 in bfloat16 and NHWC), with the
+"""group_norm_swish_backward benchmarks (docs/semantics.md §6 G1, G3; G1 in bfloat16 and NHWC), with the
 PyTorch autograd path (F.group_norm then silu, backward) as the baseline when torch is installed.
 
 Minimum bytes per call: read x and dy, write dx. Run:

@@ -1,4 +1,4 @@
-"""replication_pad2d_backward benchmarks (SPEC §6 P1), with PyTorch rows when torch is installed.
+"""replication_pad2d_backward benchmarks (docs/semantics.md §6 P1), with PyTorch rows when torch is installed.
 
 Run: python -m pytest bench/bench_replication_pad2d.py --benchmark-enable --benchmark-only
 """

@@ -1,4 +1,4 @@
-"""roi_align_backward benchmarks (SPEC §6 R1, R2, and one 1e7-pixel box with adaptive sampling),
+"""roi_align_backward benchmarks (docs/semantics.md §6 R1, R2, and one 1e7-pixel box with adaptive sampling),
 with the two baselines of ``fastbwd.testing.roi_baselines`` when torch is installed: the
 pure-PyTorch formulation (autograd through index_add) and the serial torchvision-style loop.
 

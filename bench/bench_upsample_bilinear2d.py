@@ -1,4 +1,4 @@
-"""upsample_bilinear2d_backward benchmarks (SPEC §6 U1-U6), with PyTorch rows when torch is installed.
+"""upsample_bilinear2d_backward benchmarks (docs/semantics.md §6 U1-U6), with PyTorch rows when torch is installed.
 
 Run: python -m pytest bench/bench_upsample_bilinear2d.py --benchmark-enable --benchmark-only
 """

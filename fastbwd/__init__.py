@@ -1,11 +1,14 @@
 """fastbwd: exact, fast, parallel, deterministic CPU kernels for five neural-network backward
-operators (the Huawei Ascend aclnn operators of ``SPEC.md``), written with Numba.
+operators (the Huawei Ascend aclnn operators described in ``docs/semantics.md``), written with
+Numba.
 
 Importing fastbwd compiles nothing and never imports torch; each kernel compiles on first use
-and is cached on disk.
+and is cached on disk (``fastbwd.precompile()`` or ``python -m fastbwd --precompile`` fills the
+cache ahead of time).
 """
 
 from ._errors import ParamError
+from ._precompile import precompile
 from ._version import __version__
 from .api.avg_pool2d import avg_pool2d_backward
 from .api.group_norm_swish import group_norm_swish_backward
@@ -21,4 +24,5 @@ __all__ = [
     "replication_pad2d_backward",
     "roi_align_backward",
     "group_norm_swish_backward",
+    "precompile",
 ]

@@ -1,10 +1,13 @@
-"""The main job: ``python -m fastbwd [--quick] [--json FILE]``.
+"""The main job: ``python -m fastbwd [--quick] [--json FILE]``; ``--precompile`` fills the cache.
 
 For every operator implemented in this build it checks a small case against the float64
-reference, then runs the SPEC §6 cases (``--quick``: small versions) and prints, per case:
+reference, then runs the docs/semantics.md §6 cases (``--quick``: small versions) and prints, per case:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
 (measured on the spot with a large parallel copy) and the speed-up over each PyTorch baseline
 when torch is importable (the same thread count for both).
+
+``python -m fastbwd --precompile [--ops ...] [--dtypes ...] [--layouts ...] [--serial]`` instead
+compiles every kernel into Numba's disk cache (``fastbwd.precompile``) and exits.
 """
 
 import argparse
@@ -205,7 +208,22 @@ def main(argv=None):
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum seconds per row (default 0.5)")
+    group = parser.add_argument_group("precompiling", "fill the disk cache instead of benchmarking")
+    group.add_argument("--precompile", action="store_true",
+                       help="compile every kernel (of --ops, --dtypes, --layouts) into the disk cache and exit")
+    group.add_argument("--dtypes", nargs="*", help="only these dtypes (float32 float16 bfloat16 float64 complex64 "
+                       "complex128)")
+    group.add_argument("--layouts", nargs="*", help="only these layouts (NCHW NHWC)")
+    group.add_argument("--serial", action="store_true", help="also the serial twins (used after fork)")
+    group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     args = parser.parse_args(argv)
+    if args.precompile:
+        try:
+            result = fastbwd.precompile(args.ops or None, args.dtypes or None, args.layouts or None,
+                                        serial=args.serial, workers=args.workers)
+        except ValueError as error:
+            parser.error(str(error))
+        return 1 if result["errors"] else 0
     if args.quick:
         args.repeats, args.seconds = min(args.repeats, 3), min(args.seconds, 0.05)
     return run(args)

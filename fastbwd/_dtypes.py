@@ -136,3 +136,12 @@ def _overlaps(a, b):
         return np.shares_memory(a, b, max_work=100_000)
     except np.exceptions.TooHardError:
         return True
+
+
+def read_only(array):
+    """A read-only view of ``array`` for a kernel input: kernels only read their inputs, and
+    passing them read-only whatever the caller's flags keeps one compiled signature per kernel
+    (Numba types read-only and writeable arrays apart), so a precompiled cache serves both."""
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -19,7 +19,7 @@ FUNCTIONS = [
 
 
 def test_public_names():
-    assert set(fastbwd.__all__) == set(FUNCTIONS) | {"ParamError", "__version__"}
+    assert set(fastbwd.__all__) == set(FUNCTIONS) | {"ParamError", "__version__", "precompile"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", fastbwd.__version__)
 
 

@@ -571,3 +571,45 @@ def test_param_error_is_value_and_type_error():
         call(padding=5)
     with pytest.raises(TypeError):
         call(padding=5)
+
+
+class _ArrayLike:
+    """Not an ndarray: NumPy reads it through ``__array__`` (strides kept)."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array
+
+
+def _channels_last_global_case():
+    """A channels-last forward input whose pooled output is 1 x 1 (where grad_output's own strides
+    cannot tell the layout): the result follows the input's memory format."""
+    x = np.zeros((2, 4, 3, 3), np.float32).transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2)
+    g = np.arange(8, dtype=np.float32).reshape(2, 4, 1, 1) + 1
+    return x, g
+
+
+def test_array_like_input_follows_the_memory_format_rule_of_arrays():
+    x, g = _channels_last_global_case()
+    from_array = fastbwd.avg_pool2d_backward(g, x, 3)
+    from_array_like = fastbwd.avg_pool2d_backward(g, _ArrayLike(x), 3)
+    assert not from_array.flags.c_contiguous and from_array.transpose(0, 2, 3, 1).flags.c_contiguous
+    assert from_array_like.strides == from_array.strides
+    np.testing.assert_array_equal(from_array_like, from_array)
+    # a shape carries no memory format: C-contiguous
+    assert fastbwd.avg_pool2d_backward(g, x.shape, 3).flags.c_contiguous
+
+
+def test_channels_last_torch_input_gives_a_channels_last_result():
+    torch = pytest.importorskip("torch")
+    x, g = _channels_last_global_case()
+    tensor = torch.zeros(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    expected = fastbwd.avg_pool2d_backward(g, x, 3)
+    result = fastbwd.avg_pool2d_backward(g, tensor, 3)
+    assert result.strides == expected.strides
+    np.testing.assert_array_equal(result, expected)
+    reference = torch.ops.aten.avg_pool2d_backward(torch.from_numpy(g), tensor, [3, 3], [3, 3], [0, 0], False, True,
+                                                   None)
+    assert reference.is_contiguous(memory_format=torch.channels_last)

@@ -1,4 +1,4 @@
-"""fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, SPEC §2)."""
+"""fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, docs/semantics.md §2)."""
 
 import functools
 
@@ -25,7 +25,7 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
 
     Every output cell ``(oh, ow)`` pools the window ``[oh*sH - pH, oh*sH - pH + kH)`` x
     ``[ow*sW - pW, ow*sW - pW + kW)``, and its gradient is spread evenly over the window's input
-    cells (SPEC §2, PyTorch semantics, modern ``ceil_mode`` rule): ``grad_input[..., h, w]`` is the
+    cells (docs/semantics.md §2, PyTorch semantics, modern ``ceil_mode`` rule): ``grad_input[..., h, w]`` is the
     sum over the windows covering ``(h, w)`` of ``grad_output[..., oh, ow] / divisor``.
 
     Parameters
@@ -80,7 +80,7 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     Raises
     ------
     ParamError
-        For every bad argument of SPEC §2 (status 161001 when a required argument is None):
+        For every bad argument of docs/semantics.md §2 (status 161001 when a required argument is None):
         ranks, dtypes, sizes, kernel/stride/padding values and lengths, ``2*p > k``, channels
         above 65535, an empty non-batch dimension, an output size below 1, a grad_output shape
         that does not match the pooled input, ``cube_math_type`` not in 0-3, a bad ``out``.
@@ -136,17 +136,19 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     out_height, out_width = out_sizes
 
     dtype = grad_output.dtype
+    # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
     layout = d.NCHW
     if d.is_channels_last(grad_output) or (
-            out_height == out_width == 1 and isinstance(input, np.ndarray) and d.is_channels_last(input)):
+            out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)):
         layout = d.NHWC
     result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input)))
+                                  inputs=(("grad_output", grad_output), ("input", input_array)))
     if result.size == 0:
         return result
     if ndim == 3:
         grad_output = grad_output[None]
-    grad_output = d.kernel_view(d.physical(grad_output, layout))
+    grad_output = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
     grad_input = d.kernel_view(grad_input)
     fmt = d.storage_format(dtype)
     compute = d.compute_dtype(dtype)
@@ -194,7 +196,7 @@ def _check_positive(param, values):
 
 
 def _axis_windows(size, kernel, stride, pad, out_size):
-    """The SPEC §2 windows of one axis, per output index: ``(start, stop, pool_extent)``.
+    """The docs/semantics.md §2 windows of one axis, per output index: ``(start, stop, pool_extent)``.
 
     ``[start, stop)`` is the window clipped to the input; ``pool_extent`` is its length
     counting the padding but not the part of a ceil-mode window beyond the padding (so a

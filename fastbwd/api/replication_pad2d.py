@@ -1,4 +1,4 @@
-"""fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, SPEC §3)."""
+"""fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, docs/semantics.md §3)."""
 
 import numpy as np
 
@@ -13,7 +13,7 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
 
     Every grad_input cell receives the sum of the grad_output cells that replicate it: interior
-    cells copy, edge cells sum their strip, corners sum their rectangle (SPEC §3).
+    cells copy, edge cells sum their strip, corners sum their rectangle (docs/semantics.md §3).
 
     Parameters
     ----------
@@ -40,7 +40,7 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
     Raises
     ------
     ParamError
-        For every bad argument listed in SPEC §3 (status 161001 for a missing argument).
+        For every bad argument listed in docs/semantics.md §3 (status 161001 for a missing argument).
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
@@ -70,17 +70,18 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
 
     dtype = grad_output.dtype
     layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
     result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input)))
+                                  inputs=(("grad_output", grad_output), ("input", input_array)))
     if result.size == 0:
         return result
     fmt = d.storage_format(dtype)
+    source = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
     if layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(
-            d.kernel_view(d.physical(grad_output, layout)), d.kernel_view(grad_input), top, left, fmt)
+        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, fmt)
     else:
         planes = int(np.prod(input_shape[:-2]))
         kernels.replication_pad2d_bwd_nchw(
-            d.kernel_view(d.physical(grad_output, layout)).reshape(planes, out_height, out_width),
+            source.reshape(planes, out_height, out_width),
             d.kernel_view(grad_input).reshape(planes, height, width), top, left, fmt)
     return result

@@ -1,4 +1,4 @@
-"""fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, SPEC §1)."""
+"""fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, docs/semantics.md §1)."""
 
 import numpy as np
 
@@ -15,7 +15,7 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
     """Gradient of ``torch.nn.functional.interpolate(input, output_size, mode="bilinear")``.
 
     Every grad_output cell ``(oh, ow)`` is spread over the (up to) four input cells it was
-    interpolated from, with PyTorch's index and lambda rules (SPEC §1): computed here as the
+    interpolated from, with PyTorch's index and lambda rules (docs/semantics.md §1): computed here as the
     separable map ``A_h^T . grad_output . A_w`` per plane, without atomics.
 
     Parameters
@@ -108,11 +108,12 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
         *kernels.backward_table(width, output_width, align_corners, scales_w, opmath),
     )
     fmt = d.storage_format(dtype)
+    source = d.read_only(d.kernel_view(source))
     if physical_layout == d.NHWC:
-        kernels.separable_bwd_nhwc(d.kernel_view(source), d.kernel_view(grad_input), *tables, fmt)
+        kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *tables, fmt)
     else:
         planes = batch * channels
         kernels.separable_bwd_nchw(
-            d.kernel_view(source).reshape(planes, output_height, output_width),
+            source.reshape(planes, output_height, output_width),
             d.kernel_view(grad_input).reshape(planes, height, width), *tables, fmt)
     return result

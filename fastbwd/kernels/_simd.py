@@ -278,27 +278,32 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
         dst, src, idx, wts, sts = array_structs(context, builder, signature, args, 0, 3, 4, 5, 6)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         first, count = args[7], args[8]
-        sums = []
-        for r in range(LANES):
-            list_index = builder.add(first, _I64(r))
+        # One loop over the LANES lists, not LANES unrolled copies of it: the sums go through a
+        # stack array (a few cycles per tile) and the kernels that use this compile several
+        # times faster (Numba optimises and emits a parallel kernel's body four times).
+        sums = cgutils.alloca_once(builder, ir.ArrayType(vector, LANES))
+        with cgutils.for_range(builder, _I64(LANES)) as loop:
+            r = loop.index
             # an unused lane sums the empty range [0, 0) and reads nothing of ``starts``
             start = cgutils.alloca_once_value(builder, _I64(0))
             stop = cgutils.alloca_once_value(builder, _I64(0))
             builder.store(_I64(0), start)
             builder.store(_I64(0), stop)
-            with builder.if_then(builder.icmp_signed("<", _I64(r), count)):
+            with builder.if_then(builder.icmp_signed("<", r, count)):
+                list_index = builder.add(first, r)
                 builder.store(builder.load(builder.gep(sts.data, [list_index])), start)
                 builder.store(builder.load(builder.gep(sts.data, [builder.add(list_index, _I64(1))])), stop)
-            start, stop = builder.load(start), builder.load(stop)
-            sums.append(_gathered_sum(builder, src, idx, wts, start, stop, args[9], format_name, vector))
+            total = _gathered_sum(builder, src, idx, wts, builder.load(start), builder.load(stop), args[9],
+                                  format_name, vector)
+            builder.store(total, builder.gep(sums, [_I32(0), r]))
+        rows = [builder.load(builder.gep(sums, [_I32(0), _I32(r)])) for r in range(LANES)]
         align = signature.args[0].dtype.bitwidth // 8
-        for j, column in enumerate(_transpose_registers(builder, sums)):
+        for j, column in enumerate(_transpose_registers(builder, rows)):
             pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], vector)
             builder.store(column, pointer, align=align)
         return context.get_dummy_value()
 
     return sig, codegen
-
 
 
 def _prefetch_codegen(for_write):

@@ -1,8 +1,8 @@
-"""avg_pool2d_backward loop nests (SPEC §2).
+"""avg_pool2d_backward loop nests (docs/semantics.md §2).
 
 The general case is separable and runs on the shared engine (``_separable``), each window
 given as the taps of its clipped cells with the window's per-axis weight. The global case
-(SPEC §6 A3: one window covering the whole input, a 1x1 grad_output) has its own kernels
+(docs/semantics.md §6 A3: one window covering the whole input, a 1x1 grad_output) has its own kernels
 here: every grad_input cell of a plane is the plane's single gradient divided by the integer
 divisor, exactly as PyTorch computes it.
 """

@@ -1,4 +1,4 @@
-"""replication_pad2d_backward loop nests (SPEC §3).
+"""replication_pad2d_backward loop nests (docs/semantics.md §3).
 
 A gather: every grad_input cell sums the rectangle of grad_output cells that replicate it
 (``replicate_source_range`` per axis), rows in ascending order, within a row columns ascending.

@@ -1,4 +1,4 @@
-"""upsample_bilinear2d_backward: per-axis index/weight tables (SPEC §1) for the separable engine.
+"""upsample_bilinear2d_backward: per-axis index/weight tables (docs/semantics.md §1) for the separable engine.
 
 The backward is ``grad_input[plane] = A_h^T . grad_output[plane] . A_w``, computed by the shared
 separable engine (``kernels._separable``) from one forward tap table per axis.
@@ -81,7 +81,7 @@ def backward_table(input_size, output_size, align_corners, scale, opmath):
     """The forward tap table ``(index, weight)`` of one axis for the separable engine.
 
     Output index ``o`` reads ``index0`` with ``lambda0`` and ``index1`` with ``lambda1``: both
-    taps are kept even when ``lambda1 == 0`` or ``index1 == index0`` (SPEC §1 scatter formula),
+    taps are kept even when ``lambda1 == 0`` or ``index1 == index0`` (docs/semantics.md §1 scatter formula),
     so a NaN or Inf gradient spreads exactly as in PyTorch. Memoised: a training loop calls
     with the same sizes every step (the tables are internal and never written).
     """

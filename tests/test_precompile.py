@@ -1,0 +1,98 @@
+"""fastbwd.precompile / python -m fastbwd --precompile fill the disk cache: a later process
+compiles nothing (Numba's compile events and cache statistics, not wall time)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fastbwd
+from fastbwd import _precompile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs every replication_pad2d_backward entry of the precompile table (and a read-only
+# grad_output) in a fresh process; prints the number of compiles and of cache hits.
+_CHILD = """
+import numpy as np
+from numba.core import event
+import fastbwd
+from fastbwd import _precompile
+from fastbwd.kernels import replication_pad2d as k
+
+compiles = []
+class Listener(event.Listener):
+    def on_start(self, ev):
+        pass
+    def on_end(self, ev):
+        compiles.append(ev.data["dispatcher"].py_func.__name__)
+event.register("numba:compile", Listener())
+for entry in _precompile.select(ops=["replication_pad2d_backward"], dtypes=["float32", "bfloat16"]):
+    entry.call(_precompile.DTYPES[entry.dtype])
+g = np.ones((1, 2, 7, 8), np.float32)
+g.flags.writeable = False
+fastbwd.replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
+hits = sum(sum(kernel.parallel.stats.cache_hits.values())
+           for kernel in (k.replication_pad2d_bwd_nchw, k.replication_pad2d_bwd_nhwc))
+print(len(compiles), hits)
+"""
+
+
+def _run(args, env, **kwargs):
+    environment = {k: v for k, v in os.environ.items() if k not in ("FASTBWD_CACHE", "FASTBWD_SERIAL")}
+    environment.update(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=environment, cwd=ROOT,
+                          timeout=600, **kwargs)
+
+
+def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path):
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    command = ["-m", "fastbwd", "--precompile", "--ops", "replication_pad2d_backward", "--dtypes", "float32",
+               "bfloat16"]
+    first = _run(command, env)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert sum(": compiled replication_pad2d_bwd_" in line for line in lines) == 4, first.stdout
+    assert "4 kernel paths, 4 kernels compiled, 0 errors" in lines[-1]
+    # idempotent: a second run finds every kernel in the cache
+    second = _run(command, env)
+    assert second.returncode == 0, second.stderr
+    assert "4 kernel paths, 0 kernels compiled, 0 errors" in second.stdout.splitlines()[-1], second.stdout
+    # a new process: every call is served from the cache
+    child = _run(["-c", _CHILD], env)
+    assert child.returncode == 0, child.stderr
+    compiles, hits = map(int, child.stdout.split())
+    assert compiles == 0 and hits == 4
+
+
+def test_precompile_without_a_cache_compiles_nothing():
+    child = _run(["-c", "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); "
+                        "print(r['compiled'], r['entries'])"], {"FASTBWD_CACHE": "0"})
+    assert child.returncode == 0, child.stderr
+    assert "disk cache is disabled" in child.stdout and child.stdout.split()[-2:] == ["0", "0"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes to read-only folders")
+def test_precompile_with_a_read_only_cache_folder_says_so(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        child = _run(["-c", "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); "
+                            "print(r['compiled'])"], {"NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+    finally:
+        tmp_path.chmod(0o700)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split()[-1] == "0"
+
+
+def test_table_covers_every_operator_dtype_and_layout():
+    ops = {entry.op for entry in _precompile.TABLE}
+    assert ops == {"upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward",
+                   "roi_align_backward", "group_norm_swish_backward"}
+    keys = [entry.key for entry in _precompile.TABLE]
+    assert len(keys) == len(set(keys))
+    pad = {(e.dtype, e.layout) for e in _precompile.select(ops="replication_pad2d_backward")}
+    assert pad == {(dtype, layout) for dtype in _precompile.DTYPES for layout in ("NCHW", "NHWC")}
+    with pytest.raises(ValueError, match="unknown dtype"):
+        _precompile.select(dtypes=["int8"])
+    assert fastbwd.precompile is _precompile.precompile
