@@ -459,3 +459,72 @@ def test_fuse_group_norm_swish():
     reference(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+
+
+# ---- RoIAlign drop-in -----------------------------------------------------------------------
+
+def _roi_boxes(dtype):
+    """(K, 5) boxes over two 11 x 13 images: inside, partly outside, tiny, and degenerate."""
+    return torch.tensor([
+        [0, 1.0, 2.0, 9.5, 7.0],
+        [1, -3.0, 4.0, 14.0, 12.5],
+        [1, 5.2, 5.1, 5.4, 5.3],
+        [0, 8.0, 3.0, 2.0, 1.0],
+        [0, 0.0, 0.0, 12.0, 10.0],
+    ], dtype=dtype)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [-1, 0, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roi_align_forward_and_backward(dtype, sampling_ratio, aligned):
+    """Forward against the float64 oracle; backward bitwise fastbwd.roi_align_backward."""
+    x = _randn((2, 3, 11, 13), dtype, 25).requires_grad_()
+    boxes = _roi_boxes(dtype)
+    y = ft.roi_align(x, boxes, (3, 4), 0.8, sampling_ratio, aligned)
+    assert y.shape == (5, 3, 3, 4) and y.dtype == dtype
+    ratio = max(sampling_ratio, 0)
+    expected = ref.roi_align_forward(_convert.as_array(x.detach().double()),
+                                     _convert.as_array(boxes.double()), 3, 4, 0.8, ratio, aligned)
+    assert_matches_reference(_convert.as_array(y.detach()), expected)
+    g = _randn(y.shape, dtype, 26)
+    (grad,) = torch.autograd.grad(y, x, g)
+    direct = fastbwd.roi_align_backward(*_arrays(g, boxes), (2, 3, 11, 13), 3, 4, 0.8, ratio, aligned)
+    assert bitwise_equal(_convert.as_array(grad), direct)
+
+
+def test_roi_align_gradcheck_boxes_forms_and_module():
+    x = _randn((2, 2, 7, 6), torch.float64, 27).requires_grad_()
+    boxes = _roi_boxes(torch.float64)[:3]
+    for aligned, ratio in [(True, 2), (False, 0)]:
+        assert torch.autograd.gradcheck(lambda x: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned), (x,))
+    per_image = [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
+    rows = torch.cat([boxes[boxes[:, 0] == i] for i in range(2)])
+    torch.testing.assert_close(ft.roi_align(x, per_image, (2, 3), 0.5, 2), ft.roi_align(x, rows, (2, 3), 0.5, 2),
+                               rtol=0, atol=0)
+    module = ft.RoIAlign((2, 3), 0.5, 2, aligned=True)
+    torch.testing.assert_close(module(x, rows), ft.roi_align(x, rows, (2, 3), 0.5, 2, True), rtol=0, atol=0)
+    assert "sampling_ratio=2" in repr(module)
+    assert ft.roi_align(x, [], 2).shape == (0, 2, 2, 2)
+    with torch.no_grad():
+        assert not ft.roi_align(x, rows, 2).requires_grad
+    with pytest.raises(fastbwd.ParamError, match="Tensor\\[L, 4\\]"):
+        ft.roi_align(x, [torch.zeros(2, 5, dtype=torch.float64)], 2)
+    with pytest.raises(fastbwd.ParamError, match="Tensor\\[K, 5\\]"):
+        ft.roi_align(x, torch.zeros(2, 4, dtype=torch.float64), 2)
+
+
+def test_roi_align_matches_pure_pytorch_formulation():
+    """An independent check: torchvision's semantics written with torch ops (no fastbwd code)."""
+    from fastbwd.testing import roi_baselines
+
+    x = _randn((2, 3, 11, 13), torch.float64, 28).requires_grad_()
+    boxes = _roi_boxes(torch.float64)
+    forward = roi_baselines.torch_roi_align
+    for aligned, ratio in [(True, 2), (False, 0), (False, 3)]:
+        y = ft.roi_align(x, boxes, (3, 4), 0.8, ratio, aligned)
+        expected = forward(x, boxes, (3, 4), 0.8, ratio, aligned)
+        torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
+        g = _randn(y.shape, torch.float64, 29)
+        torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0],
+                                   rtol=1e-10, atol=1e-12)
