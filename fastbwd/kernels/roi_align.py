@@ -354,9 +354,9 @@ def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_be
                     xs = x_start[j * pooled_width + pw]
                     for ex in range(xs, xs + x_used[j * pooled_width + pw]):
                         w = wy * x_weight[ex]
-                        destination = target[offset + x_pixel[ex]]
+                        pixel = offset + x_pixel[ex]
                         for c in range(channels):
-                            destination[c] += gvals[c] * w
+                            target[pixel, c] += gvals[c] * w
 
 
 @parallel_kernel
