@@ -369,7 +369,9 @@ def test_roi_align_hand_bilinear_and_edges():
     assert (ref.roi_align_backward(g, boxes, shape, 1, 1, 1.0, 0, True) == 0).all()
 
 
-def test_roi_align_narrowed_loop_equals_full_loop(monkeypatch):
+def test_roi_align_exact_axis_weights_equal_the_sample_loop(monkeypatch):
+    # The rational (grouped by pixel) evaluation of the per-axis weights against visiting every
+    # sample, and the product form against the per-sample 2-D SPEC loop.
     shape = (1, 2, 6, 7)
     rng = rng_for("narrow")
     boxes = np.array([
@@ -377,15 +379,37 @@ def test_roi_align_narrowed_loop_equals_full_loop(monkeypatch):
         [0, -3.0, 2.0, 9.0, 5.5],
         [0, 1.0, -50.0, 3.0, 2.0],
         [0, -1.7, -1.2, 7.9, 6.3],
+        [0, 5.0, 4.0, 2.0, 1.0],      # reversed: negative bins when aligned
     ])
-    g = rng.standard_normal((4, 2, 3, 2))
-    full = ref.roi_align_backward(g, boxes, shape, 3, 2, 1.0, 0, True)
-    monkeypatch.setattr(ref, "_ROI_FULL_LOOP_MAX", 1)
-    narrowed = ref.roi_align_backward(g, boxes, shape, 3, 2, 1.0, 0, True)
-    np.testing.assert_array_equal(narrowed, full)
-    x = rng.standard_normal(shape)
-    fx = ref.roi_align_forward(x, boxes, 3, 2, 1.0, 0, True)
-    assert_adjoint(fx, g, x, narrowed)
+    g = rng.standard_normal((5, 2, 3, 2))
+    for ratio, aligned in ((0, True), (7, True), (5, False), (40, True)):
+        full = ref.roi_align_backward(g, boxes, shape, 3, 2, 1.0, ratio, aligned)
+        by_samples = ref.roi_align_backward_by_samples(g, boxes, shape, 3, 2, 1.0, ratio, aligned)
+        np.testing.assert_allclose(full, by_samples, rtol=1e-12, atol=1e-14)
+        with monkeypatch.context() as m:
+            m.setattr(ref, "_ROI_FULL_LOOP_MAX", 0)
+            exact = ref.roi_align_backward(g, boxes, shape, 3, 2, 1.0, ratio, aligned)
+        np.testing.assert_allclose(exact, full, rtol=1e-12, atol=1e-14)
+        x = rng.standard_normal(shape)
+        fx = ref.roi_align_forward(x, boxes, 3, 2, 1.0, ratio, aligned)
+        assert_adjoint(fx, g, x, full)
+    # the touched masks agree too (a zero weight still touches its pixel)
+    for args in [(0.3, 2.5, 5, 4), (-1.7, 3.1, 7, 3), (-0.9, 10.0, 3, 1), (2.2, -1.5, 4, 5), (3.0, 0.0, 3, 5),
+                 (-2.5, 6.0, 11, 4), (1.0, 2.0, 2, 4)]:
+        w1, t1 = ref._roi_axis_by_samples(*args)
+        w2, t2 = ref._roi_axis_exact(*args)
+        np.testing.assert_allclose(w2, w1, rtol=0, atol=1e-14)
+        np.testing.assert_array_equal(t1, t2)
+
+
+def test_roi_align_axis_weights_huge_grid():
+    # 2^31 - 1 samples over pixels [1.5, 3.5): the sums approach the integral of the hat
+    # functions (per sample: 1/grid of the bin), total = grid; pixel 1 gets 1/16 of the weight.
+    grid = 2**31 - 1
+    weights, touched = ref.roi_align_axis_weights(1.5, 2.0, grid, 6)
+    assert touched.tolist() == [False, True, True, True, True, False]
+    np.testing.assert_allclose(weights / grid, [0, 0.0625, 0.4375, 0.4375, 0.0625, 0], rtol=1e-9, atol=1e-12)
+    assert weights.sum() == grid
 
 
 def test_roi_align_huge_box_is_fast_and_finite():

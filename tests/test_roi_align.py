@@ -211,21 +211,179 @@ def test_huge_adaptive_box_matches_reference(dtype, box, pooled):
         check_against_reference((grad_output, boxes, (1, 3, 9, 12), *pooled, 1.0, 0, aligned))
 
 
-def test_huge_square_box_returns():
-    # ~1e7 pixels with adaptive sampling (452 x 452 samples per bin): visited are only those in
-    # the image. float32 and float64 agree; 1e30 and float32-overflowing boxes return too.
-    boxes = np.array([[0, -1500.0, -1600.0, 1662.0, 1562.0],
-                      [0, -1e30, -1e30, 1e30, 1e30],
-                      [0, -3e38, -3e38, 3e38, 3e38],
-                      [0, 0.0, 0.0, 3e38, 3e38]])
-    grad_output = np.random.default_rng(6).standard_normal((4, 2, 7, 7))
+def test_huge_square_box_matches_reference():
+    # ~1e7 pixels with adaptive sampling (452 x 452 samples per bin): each pixel's weight is summed
+    # once, against the oracle (which visits every sample). float32 coordinates near -1600 carry
+    # rounding errors of 6e-5 pixel (half an ulp), hence the wider tolerance there.
+    box = np.array([[0, -1500.0, -1600.0, 1662.0, 1562.0]])
+    grad_output = np.random.default_rng(6).standard_normal((1, 2, 7, 7))
     for aligned in (False, True):
-        wide = roi_bwd(grad_output, boxes, (1, 2, 10, 14), 7, 7, 1.0, 0, aligned)
-        narrow = roi_bwd(grad_output.astype(np.float32), boxes.astype(np.float32), (1, 2, 10, 14), 7, 7, 1.0, 0, aligned)
-        assert np.isfinite(wide).all() and np.isfinite(narrow).all()
-        assert_matches_reference(narrow, wide, rtol=1e-4, atol=1e-5)
-        scaled = roi_bwd(grad_output, boxes, (1, 2, 10, 14), 7, 7, 8.0, 0, aligned)
-        assert np.isfinite(scaled).all()
+        args = (grad_output, box, (1, 2, 10, 14), 7, 7, 1.0, 0, aligned)
+        expected = ref.roi_align_backward(*args)
+        assert_matches_reference(roi_bwd(*args), expected)
+        narrow = roi_bwd(grad_output.astype(np.float32), box.astype(np.float32), *args[2:])
+        assert_matches_reference(narrow, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_absurd_boxes_return_and_add_next_to_nothing(dtype):
+    # Adaptive grids of ~1e29 and ~1e38 samples per bin: they return promptly, and since a pixel
+    # is worth about 1 / (box area) of a bin, their gradient is ~1e-60 (the oracle's exact
+    # rational sums), or 0 once the box overflows. Rounding of the coordinates in the compute
+    # type (spacing ~1e14 or more near the image) may cluster samples, but a bin's weight per
+    # axis stays a fraction of its samples: far below 1e-9.
+    boxes = np.array([[0, -1e30, -1e30, 1e30, 1e30],
+                      [0, -3e38, -3e38, 3e38, 3e38],
+                      [0, 0.0, 0.0, 3e38, 3e38]], dtype)
+    grad_output = np.random.default_rng(6).standard_normal((3, 2, 7, 7)).astype(dtype)
+    expected = ref.roi_align_backward(grad_output, boxes, (1, 2, 10, 14), 7, 7, 1.0, 0, True)
+    assert np.abs(expected).max() < 1e-50
+    for aligned in (False, True):
+        for scale in (1.0, 8.0):
+            result = roi_bwd(grad_output, boxes, (1, 2, 10, 14), 7, 7, scale, 0, aligned)
+            assert np.isfinite(result).all() and np.abs(result).max() < 1e-9
+            if dtype == np.float32 and scale == 8.0:
+                assert not result.any()  # 3e38 * 8 overflows float32: every box is skipped
+
+
+# --------------------------------------------------------------------------------------------
+# large sampling ratios (issue 12): per-pixel weights, bounded work, no lost digits
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling_ratio", [1000, 10000, 100000, 300000, 2**31 - 1])
+def test_huge_sampling_ratio_keeps_every_digit(sampling_ratio):
+    # A box inside an 8 x 8 map, 2 x 2 bins: every sample is valid, so the gradient's total is
+    # exactly the sum of grad_output (a float32 running sum of the tiny per-sample weights lost
+    # 18% of it at 10000; 100000 did not return).
+    grad_output = np.ones((1, 1, 2, 2), np.float32)
+    boxes = np.array([[0, 1.0, 1.0, 5.0, 5.0]], np.float32)
+    result = roi_bwd(grad_output, boxes, (1, 1, 8, 8), 2, 2, 1.0, sampling_ratio, False)
+    assert abs(result.sum(dtype=np.float64) - 4.0) < 4e-6
+
+
+def hat_integral(a, b, q):
+    """The integral over [a, b] of the hat function max(0, 1 - |p - q|) (pixel q's bilinear
+    weight at p), in closed form: the sampling limit of a bin's weight on pixel q."""
+    def antiderivative(p):  # of the hat around 0, clipped to [-1, 1]
+        p = min(max(p, -1.0), 1.0)
+        return p + p * abs(p) / -2.0 + 0.5
+    return antiderivative(b - q) - antiderivative(a - q)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_max_sampling_ratio_matches_the_integral(aligned):
+    # With 2^31 - 1 samples per axis, a bin's weights are its mean bilinear weights: the integral
+    # of each pixel's hat function over the bin, divided by the bin size (to ~1/ratio), for bins
+    # inside the image (the samples clamped at the border are checked against the oracle).
+    grad_output = np.array([[[[1.0, 0.0, 0.0], [0.0, 0.0, 0.5]]]], np.float32)
+    box = np.array([[0, 1.3, 0.7, 7.9, 6.1]], np.float32)
+    result = roi_bwd(grad_output, box, (1, 1, 9, 11), 2, 3, 1.0, 2**31 - 1, aligned)
+    offset = 0.5 if aligned else 0.0
+    x1, y1, x2, y2 = (float(v) - offset for v in box[0, 1:])
+    bin_h, bin_w = (y2 - y1) / 2, (x2 - x1) / 3
+    expected = np.zeros((9, 11))
+    for (ph, pw), g in (((0, 0), 1.0), ((1, 2), 0.5)):
+        ya, xa = y1 + ph * bin_h, x1 + pw * bin_w
+        wy = [hat_integral(ya, ya + bin_h, q) / bin_h for q in range(9)]
+        wx = [hat_integral(xa, xa + bin_w, q) / bin_w for q in range(11)]
+        expected += g * np.outer(wy, wx)
+    assert_matches_reference(result[0, 0], expected, rtol=0, atol=2e-5)
+
+
+def huge_ratio_case(rng, dtype, sampling_ratio, aligned):
+    """A random 3-channel case with boxes partly outside the image (clamped and skipped
+    samples at every border), non-square shapes."""
+    boxes = random_boxes(rng, 5, 2, 7, 9, 1.0).astype(dtype)
+    grad_output = rng.uniform(0.1, 1.1, (5, 3, 3, 2)).astype(dtype)
+    return grad_output, boxes, (2, 3, 7, 9), 3, 2, 1.0, sampling_ratio, aligned
+
+
+@pytest.mark.parametrize("sampling_ratio", [2, 1000, 300000])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_large_sampling_ratios_match_reference(sampling_ratio, aligned):
+    # float32 within 2e-5 of the float64 evaluation (relative to the max); the issue measured
+    # 1.6e-2 at 1000 for per-sample float32 sums. float64 much closer; half formats within 1 ulp.
+    rng = np.random.default_rng(sampling_ratio + aligned)
+    args = huge_ratio_case(rng, np.float64, sampling_ratio, aligned)
+    expected = ref.roi_align_backward(*args)
+    assert np.abs(expected).max() > 0.1
+    x = rng.standard_normal(args[2])
+    expected_forward = ref.roi_align_forward(x, *args[1:2], *args[3:])
+    for dtype in DTYPES:
+        grad_output, boxes = args[0].astype(dtype), args[1].astype(dtype)
+        result = roi_bwd(grad_output, boxes, *args[2:])
+        forward = api.roi_align_forward(x.astype(dtype), boxes, *args[3:])
+        if dtype == np.float64:
+            # Coordinates of the same float64 boxes: only the sums' rounding differs.
+            assert_matches_reference(result, expected, rtol=0, atol=1e-10)
+            assert_matches_reference(forward, expected_forward, rtol=0, atol=1e-10)
+        elif dtype == np.float32:
+            assert_matches_reference(result, ref.roi_align_backward(grad_output, boxes, *args[2:]), rtol=0, atol=2e-5)
+            assert_matches_reference(forward, ref.roi_align_forward(x.astype(dtype), boxes, *args[3:]),
+                                     rtol=0, atol=2e-5)
+        else:
+            assert_matches_reference(result, ref.roi_align_backward(grad_output, boxes, *args[2:]))
+            assert_matches_reference(forward, ref.roi_align_forward(x.astype(dtype), boxes, *args[3:]))
+
+
+def brute_force_backward(grad_output, boxes, input_shape, pooled, spatial_scale, sampling_ratio, aligned):
+    """The SPEC §4 loop in float64 with every (iy, ix) sample scattering its four corners
+    (np.add.at over all gh * gw samples of a bin; vectorised, not collapsed per pixel). Boxes
+    are valid and have a fixed sampling_ratio."""
+    batch, channels, height, width = input_shape
+    result = np.zeros(input_shape)
+    offset = 0.5 if aligned else 0.0
+    n = sampling_ratio
+
+    def corners(start, step, size):
+        p = start + (np.arange(n) + 0.5) * step
+        valid = (p >= -1) & (p <= size)
+        p = np.maximum(p[valid], 0.0)
+        low = p.astype(np.int64)
+        clamped = low >= size - 1
+        low[clamped] = size - 1
+        p[clamped] = size - 1
+        high = np.where(clamped, low, low + 1)
+        lam = p - low
+        return low, high, 1.0 - lam, lam
+
+    for k, (b, *coords) in enumerate(np.asarray(boxes, np.float64)):
+        x1, y1, x2, y2 = (c * spatial_scale - offset for c in coords)
+        roi_w, roi_h = x2 - x1, y2 - y1
+        if not aligned:
+            roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+        bin_h, bin_w = roi_h / pooled[0], roi_w / pooled[1]
+        for ph in range(pooled[0]):
+            yl, yh, hy, ly = corners(y1 + ph * bin_h, bin_h / n, height)
+            for pw in range(pooled[1]):
+                xl, xh, hx, lx = corners(x1 + pw * bin_w, bin_w / n, width)
+                plane = np.zeros((height, width))
+                for rows, wy in ((yl, hy), (yh, ly)):
+                    for cols, wx in ((xl, hx), (xh, lx)):
+                        np.add.at(plane, (rows[:, None], cols[None, :]), wy[:, None] * wx[None, :])
+                result[int(b)] += grad_output[k, :, ph, pw, None, None] * plane / (n * n)
+    return result
+
+
+def test_large_sampling_ratio_against_brute_force():
+    # ratio 1000 against a per-sample float64 evaluation (every one of the 10^6 samples of each
+    # bin scattering its four corners), independent of the oracle's per-axis sums.
+    rng = np.random.default_rng(12)
+    boxes = np.array([[0, -1.5, 0.5, 4.0, 3.5], [0, 2.25, -0.75, 6.5, 5.5]])
+    grad_output = rng.standard_normal((2, 3, 1, 2))
+    for aligned in (False, True):
+        expected = brute_force_backward(grad_output, boxes, (1, 3, 5, 6), (1, 2), 1.0, 1000, aligned)
+        assert_matches_reference(ref.roi_align_backward(grad_output, boxes, (1, 3, 5, 6), 1, 2, 1.0, 1000, aligned),
+                                 expected, rtol=0, atol=1e-12)
+        result = roi_bwd(grad_output.astype(np.float32), boxes.astype(np.float32), (1, 3, 5, 6), 1, 2, 1.0, 1000,
+                         aligned)
+        assert_matches_reference(result, expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_sampling_ratio_thread_count_does_not_change_bits(dtype):
+    args = huge_ratio_case(np.random.default_rng(3), dtype, 300000, True)
+    assert_thread_invariant(lambda: roi_bwd(*args))
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,3 +578,172 @@ def test_param_error_is_value_and_type_error():
     assert issubclass(fastbwd.ParamError, ValueError) and issubclass(fastbwd.ParamError, TypeError)
     with pytest.raises(ValueError):
         call(sampling_ratio=-3)
+
+
+# --------------------------------------------------------------------------------------------
+# the forward (roi_align_forward, for fastbwd.torch): the adjoint of the backward
+# --------------------------------------------------------------------------------------------
+
+roi_fwd = api.roi_align_forward
+
+
+def assert_forward_matches(result, expected):
+    """A forward result against the float64 oracle: a bin sums up to hundreds of products in the
+    compute type, with cancellation (random signs), so float32 gets 2e-5 of the largest value
+    rather than the backward's per-element rtol; half formats within 1 ulp, or that 2e-5 where a
+    value cancelled to near zero."""
+    if result.dtype == np.float32:
+        assert_matches_reference(result, expected, rtol=0, atol=2e-5)
+    else:
+        assert_matches_reference(result, expected, atol_scale=2e-5)
+
+
+def forward_case(rng, dtype):
+    """A random valid forward call (the parameters of :func:`random_case`) with bad boxes mixed in."""
+    grad_output, boxes, input_shape, ph, pw, scale, ratio, aligned = random_case(rng, dtype)
+    bad = np.array([[0, np.nan, 1, 3, 3], [0, 1, 1, np.inf, 3], [-1, 1, 1, 3, 3], [input_shape[0], 1, 1, 3, 3]])
+    boxes = np.concatenate([boxes, bad.astype(dtype)])
+    x = rng.standard_normal(input_shape).astype(dtype)
+    return x, boxes, ph, pw, scale, ratio, aligned
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_reference_random_cases(dtype):
+    rng = np.random.default_rng(21)
+    for _ in range(30):
+        args = forward_case(rng, dtype)
+        result = roi_fwd(*args)
+        assert result.dtype == dtype and result.flags.c_contiguous
+        assert result.shape == (args[1].shape[0], args[0].shape[1], args[2], args[3])
+        assert_forward_matches(result, ref.roi_align_forward(*args))
+        assert not result[-4:].astype(np.float64).any()  # NaN, Inf and out-of-range boxes give zeros
+
+
+@pytest.mark.parametrize("sampling_ratio", [0, 1, 2, 1000])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_forward_is_the_adjoint_of_the_backward(sampling_ratio, aligned):
+    # <forward(x), g> == <x, backward(g)> in float64: the forward and the backward read the same
+    # weights (the key test that they agree), whatever the boxes.
+    rng = np.random.default_rng(31 + sampling_ratio + aligned)
+    for _ in range(8):
+        x, boxes, ph, pw, scale, _, _ = forward_case(rng, np.float64)
+        g = rng.standard_normal((boxes.shape[0], x.shape[1], ph, pw))
+        lhs = np.sum(roi_fwd(x, boxes, ph, pw, scale, sampling_ratio, aligned) * g)
+        rhs = np.sum(x * roi_bwd(g, boxes, x.shape, ph, pw, scale, sampling_ratio, aligned))
+        assert np.isclose(lhs, rhs, rtol=1e-13, atol=1e-13), (lhs, rhs)
+
+
+def test_forward_by_hand():
+    # aligned=False, scale 1, box (0, 0, 2, 2): one sample at (1, 1), exactly on pixel (1, 1);
+    # aligned, box (0.5, 0.5, 1.5, 1.5) + 0.25: one sample at (0.75, 0.75) -> bilinear value.
+    x = np.arange(12.0).reshape(1, 1, 3, 4)
+    assert roi_fwd(x, [[0, 0, 0, 2, 2.0]], 1, 1, 1.0, 1, False)[0, 0, 0, 0] == 5.0
+    value = roi_fwd(x, [[0, 0.75, 0.75, 1.75, 1.75]], 1, 1, 1.0, 1, True)[0, 0, 0, 0]
+    assert value == 0.75 * 0.75 * 5 + 0.25 * 0.75 * 4 + 0.75 * 0.25 * 1 + 0.25 * 0.25 * 0
+
+
+def forward_big_case(dtype=np.float32):
+    """Several images and channel blocks (70 channels), some boxes skipped."""
+    rng = np.random.default_rng(18)
+    boxes = random_boxes(rng, 30, 3, 45, 61, 0.5)
+    boxes[[3, 17], 0] = [-1, 3]
+    x = rng.standard_normal((3, 70, 45, 61)).astype(dtype)
+    return x, boxes.astype(dtype), 5, 4, 0.5, 0, True
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
+    x, *rest = forward_big_case(dtype)
+    expected = roi_fwd(x, *rest)
+    assert_forward_matches(expected, ref.roi_align_forward(x, *rest))
+    assert_thread_invariant(lambda: roi_fwd(x, *rest))
+    channels_last = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    assert bitwise_equal(roi_fwd(channels_last, *rest), expected)
+    assert_thread_invariant(lambda: roi_fwd(channels_last, *rest))
+    for block in (1, 16, 128):
+        monkeypatch.setattr(api, "_FORWARD_CHANNEL_BLOCK", block)
+        assert bitwise_equal(roi_fwd(x, *rest), expected)
+        assert bitwise_equal(roi_fwd(channels_last, *rest), expected)
+
+
+def test_forward_serial_twin_strides_out_and_inputs():
+    from fastbwd.kernels import _jit
+
+    x, boxes, *rest = forward_big_case(np.float64)
+    snapshot = (x.copy(), boxes.copy())
+    expected = roi_fwd(x, boxes, *rest)
+    strided = np.asfortranarray(x)[:, ::-1][:, ::-1]
+    assert bitwise_equal(roi_fwd(strided, np.asfortranarray(boxes), *rest), expected)
+    out = np.full(expected.shape, np.nan)
+    assert roi_fwd(x, boxes, *rest, out=out) is out and bitwise_equal(out, expected)
+    assert bitwise_equal(x, snapshot[0]) and bitwise_equal(boxes, snapshot[1])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_jit, "_serial_only", True)
+        assert bitwise_equal(roi_fwd(x, boxes, *rest), expected)
+
+
+def test_forward_empty_cases():
+    boxes = np.array([[0, 1.0, 1.0, 3.0, 3.0], [1, 0.0, 0.0, 2.0, 2.0]], np.float32)
+    # K == 0, C == 0
+    assert roi_fwd(np.ones((2, 3, 4, 5), np.float32), np.zeros((0, 5), np.float32), 2, 2, 1.0, 0, True).shape == (0, 3, 2, 2)
+    assert roi_fwd(np.ones((2, 0, 4, 5), np.float32), boxes, 2, 3, 1.0, 0, True).shape == (2, 0, 2, 3)
+    # B == 0 (every box skipped), H == 0, W == 0: zeros, written into out too
+    for shape in ((0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
+        out = np.full((2, 3, 2, 2), np.nan, np.float32)
+        result = roi_fwd(np.ones(shape, np.float32), boxes, 2, 2, 1.0, 0, True, out=out)
+        assert result is out and not result.any()
+    result = roi_fwd(np.ones((1, 2, 4, 5), BF16), boxes.astype(BF16), 2, 2, 1.0, 2, False)
+    assert result.dtype == BF16 and result[0].astype(np.float32).all() and not result[1].astype(np.float32).any()
+
+
+def test_forward_matches_the_pure_pytorch_formulation():
+    # An independent formulation (torch gathers and index_add, roi_baselines) as a cross-check.
+    pytest.importorskip("torch")
+    from fastbwd.testing.roi_baselines import torch_forward
+
+    x, boxes, ph, pw, scale, _, aligned = forward_big_case()
+    boxes[:, 0] = np.clip(boxes[:, 0], 0, 2)  # torchvision truncates the batch index: keep it valid
+    for ratio in (0, 2):
+        expected = torch_forward(x, boxes, ph, pw, scale, ratio, aligned)
+        assert_matches_reference(roi_fwd(x, boxes, ph, pw, scale, ratio, aligned), expected.astype(np.float64),
+                                 rtol=1e-5, atol=1e-5)
+
+
+FORWARD_GOOD = dict(input=np.zeros((2, 3, 4, 5), np.float32), boxes=np.zeros((2, 5), np.float32),
+                    pooled_height=2, pooled_width=2, spatial_scale=0.5, sampling_ratio=0, aligned=True)
+
+
+@pytest.mark.parametrize("changes, message, param", [
+    (dict(input=np.zeros((3, 4, 5), np.float32)), r"input must be 4-D, but got 3-D", "input"),
+    (dict(input=np.zeros((2, 3, 4, 5), np.int64)),
+     r"input\.dtype must be one of float32, float16, bfloat16, float64, but got int64", "input"),
+    (dict(boxes=np.zeros((2, 4), np.float32)), r"boxes must have shape \(K, 5\), but got shape \(2, 4\)", "boxes"),
+    (dict(boxes=np.zeros((2, 5), np.float64)), r"boxes\.dtype must equal input\.dtype \(float32\), but got float64",
+     "boxes"),
+    (dict(pooled_height=0), r"pooled_height must be > 0, but got 0", "pooled_height"),
+    (dict(pooled_width=-2), r"pooled_width must be > 0, but got -2", "pooled_width"),
+    (dict(pooled_width=2.0), r"pooled_width must be an integer, but got 2.0 \(a float\)", "pooled_width"),
+    (dict(spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN \(1.17549435e-38\), but got 0.0",
+     "spatial_scale"),
+    (dict(sampling_ratio=-1), r"sampling_ratio must be >= 0 \(0 means adaptive\), but got -1", "sampling_ratio"),
+    (dict(aligned=0), r"aligned must be a bool, but got 0", "aligned"),
+    (dict(out=np.zeros((2, 3, 2, 3), np.float32)), r"out\.shape must be \(2, 3, 2, 2\), but got \(2, 3, 2, 3\)", "out"),
+    (dict(out=np.zeros((2, 3, 2, 2), np.float64)), r"out\.dtype must be float32, but got float64", "out"),
+])
+def test_forward_errors(changes, message, param):
+    with raises_param_error(r"^roi_align_forward: " + message, param=param):
+        roi_fwd(**dict(FORWARD_GOOD, **changes))
+
+
+@pytest.mark.parametrize("name", ["input", "boxes", "pooled_height", "pooled_width", "spatial_scale",
+                                  "sampling_ratio", "aligned"])
+def test_forward_none_is_nullptr(name):
+    with raises_param_error(rf"^roi_align_forward: {name} is required, but got None", status=161001, param=name):
+        roi_fwd(**dict(FORWARD_GOOD, **{name: None}))
+
+
+def test_forward_out_overlapping_input():
+    memory = np.zeros(200, np.float32)
+    x, out = memory[:120].reshape(2, 3, 4, 5), memory[100:124].reshape(2, 3, 2, 2)
+    with raises_param_error(r"roi_align_forward: out must not overlap input, but got overlapping memory"):
+        roi_fwd(**dict(FORWARD_GOOD, input=x, out=out))

@@ -1,25 +1,35 @@
-"""roi_align_backward loop nests (SPEC §4).
+"""roi_align loop nests (docs/semantics.md §4): per-axis weight tables, the backward scatter and
+the forward gather.
 
-Two passes, no atomics:
+The weight of pixel ``(row, col)`` in bin ``(ph, pw)`` of a box is ``wy[ph, row] * wx[pw, col] /
+count``: the sample positions are separable (``y`` depends on ``(ph, iy)`` only, ``x`` on
+``(pw, ix)`` only) and a sample's bilinear weight is ``(y weight) * (x weight)``. So each box gets
+one table per axis (torchvision's ``pre_calc``, factored and collapsed per pixel):
 
-1. Per-box sample tables (parallel over boxes; each box writes only its own slots). The sample
-   positions of a box are separable: ``y`` depends on ``(ph, iy)`` only and ``x`` on ``(pw, ix)``
-   only, and the bilinear weight of a corner is ``(y weight) * (x weight)``. So each box gets one
-   table per axis (torchvision's ``pre_calc``, factored): for every bin and every sample of that
-   bin that lands inside ``[-1, H]`` (resp. ``[-1, W]``), its low pixel index, the step to the high
-   pixel (0 or 1) and its two weights ``(1 - l, l)``; the y weights are already divided by the
-   bin's sample count. Only the sample indices that can land inside the image are visited
-   (:func:`visible_samples`), so a table holds at most the samples that can land in the image
-   (at most about ``2 (H + 1) + 6`` per bin along y for an adaptive grid), never the whole grid.
-   :func:`roi_align_sample_counts` sizes the slots, :func:`roi_align_sample_tables` fills them.
-2. The scatter (:func:`roi_align_bwd`), parallel over (image, channel block, band of rows): a
-   task owns that block and band of ``grad_input[b]``, accumulates in a small channels-last
-   scratch, and walks the boxes of image ``b`` in their given order, every bin, every sample
-   ``(iy, ix)``, then the four corners ``ll, lh, hl, hh`` (skipping corners on other rows): the
-   SPEC loop order for every output element, whatever the number of threads, block or band.
+1. Weight tables (:func:`roi_align_sample_counts` sizes the slots, :func:`roi_align_sample_tables`
+   fills them; parallel over boxes, each box writes only its own slots). For every bin and every
+   pixel its samples touch, one entry: the pixel index and the summed weight divided by the bin's
+   sample count along that axis (``wy / gh``, ``wx / gw``), summed in float64 and rounded once to
+   the compute type. The samples of a bin that share a pixel pair are a run of consecutive sample
+   indices (positions are monotonic in the index, rounding included), found by galloping and
+   bisection with the exact per-sample SPEC test (:func:`_sample_key`, evaluated in the compute
+   type like torchvision), so the work per bin is bounded by the pixels it touches times
+   ``log2(grid)``, never by the grid: any ``sampling_ratio`` up to 2^31 - 1 (and any adaptive grid)
+   returns promptly. A short run's weights are summed sample by sample in float64; a long run's by
+   the closed form of the arithmetic progression of its positions (its mean position times its
+   length), which a float32 running sum of a million tiny weights could not match.
+2. The backward scatter (:func:`roi_align_bwd`), parallel over (image, channel block, band of
+   rows): a task owns that block and band of ``grad_input[b]``, accumulates in a small
+   channels-last scratch, and walks the boxes of image ``b`` in their given order, every bin
+   ``(ph, pw)``, every (y entry, x entry) pair: each output element gets one update per
+   (box, bin), in that fixed order, whatever the number of threads, block or band.
+3. The forward gather (:func:`roi_align_fwd_nchw`, :func:`roi_align_fwd_nhwc`), parallel over
+   (image, channel block): the same entries in the same order, the same products ``wy * wx``,
+   summed per bin instead of scattered (the adjoint of 2).
 
-All coordinate and weight arithmetic is done in the boxes' dtype (float32 for float32, float16
-and bfloat16 data; float64 for float64), as torchvision does.
+Coordinates, sample tests and clamping are computed in the boxes' dtype (float32 for float32,
+float16 and bfloat16 data; float64 for float64), as torchvision does; the tables' weights and the
+accumulations are of that compute type.
 """
 
 import math
@@ -28,9 +38,13 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._halfbits import load, store
+from ._halfbits import NATIVE, load, store
 from ._jit import helper, parallel_kernel
 from ._simd import LANES, decode_transpose_lanes, transpose_lanes
+
+#: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
+#: longer runs use the closed form of their arithmetic progression.
+SHORT_RUN = 32
 
 
 def like(value, template):
@@ -50,10 +64,9 @@ def box_geometry(box, pooled_height, pooled_width, spatial_scale, sampling_ratio
     """SPEC §4 per-box setup in the boxes' dtype.
 
     ``box`` is a finite row ``(b, x1, y1, x2, y2)``; ``sampling_ratio`` is a float (0 = adaptive).
-    Returns ``(y1, x1, bin_h, bin_w, grid_h, grid_w, count)``, all floats of the box dtype;
-    ``grid_h <= 0`` or ``grid_w <= 0`` means the box has no samples. The grid sizes stay floats
-    (an adaptive grid of an absurd box does not fit any integer type) and so does the divisor
-    ``count = grid_h * grid_w``, which may round or overflow to +inf (its samples then add 0).
+    Returns ``(y1, x1, bin_h, bin_w, grid_h, grid_w)``, all floats of the box dtype;
+    ``grid_h < 1`` or ``grid_w < 1`` means the box has no samples. The grid sizes stay floats (an
+    adaptive grid of an absurd box does not fit any integer type).
     """
     zero = like(0.0, box[0])
     offset = like(0.5, zero) if aligned else zero
@@ -71,7 +84,7 @@ def box_geometry(box, pooled_height, pooled_width, spatial_scale, sampling_ratio
     # A finite box can still overflow after scaling: every sample coordinate would be NaN or
     # +-Inf and skipped, so the whole box is skipped here (also keeps the index math finite).
     if not (math.isfinite(x1) and math.isfinite(y1) and math.isfinite(bin_h) and math.isfinite(bin_w)):
-        return y1, x1, bin_h, bin_w, zero, zero, zero
+        return y1, x1, bin_h, bin_w, zero, zero
     if sampling_ratio > 0:
         grid_h = like(sampling_ratio, zero)
         grid_w = grid_h
@@ -79,35 +92,7 @@ def box_geometry(box, pooled_height, pooled_width, spatial_scale, sampling_ratio
         # np.ceil keeps the float type: math.ceil would convert to an int64 that can overflow.
         grid_h = like(np.ceil(roi_h / like(pooled_height, zero)), zero)
         grid_w = like(np.ceil(roi_w / like(pooled_width, zero)), zero)
-    return y1, x1, bin_h, bin_w, grid_h, grid_w, grid_h * grid_w
-
-
-@helper
-def visible_samples(start, bin_size, grid, size):
-    """The candidate sample indices ``[first, first + n)`` of one bin along one axis.
-
-    Sample ``i`` of the bin sits at ``start + (i + 0.5) * bin_size / grid``; only those in
-    ``[-1, size]`` contribute. The interval solved from that linear formula (in float64) is
-    widened by 2 on each side against rounding; the caller applies the exact SPEC test to every
-    candidate, so the result equals visiting all ``grid`` samples. ``first`` is a float (it may
-    exceed any integer type for an absurd box); ``n`` is at most ``(size + 1) / step + 6``.
-    """
-    if not (grid >= 1):
-        return 0.0, 0
-    grid64 = np.float64(grid)
-    step = np.float64(bin_size) / grid64
-    if not (step != 0.0):
-        # Every sample at the same coordinate (an empty bin with a fixed sampling_ratio).
-        return 0.0, np.int64(grid64)
-    low = (-1.0 - np.float64(start)) / step - 0.5
-    high = (np.float64(size) - np.float64(start)) / step - 0.5
-    if step < 0.0:
-        low, high = high, low
-    first = max(np.floor(low) - 2.0, 0.0)
-    last = min(np.ceil(high) + 2.0, grid64 - 1.0)
-    if not (last >= first):
-        return 0.0, 0
-    return first, np.int64(last - first + 1.0)
+    return y1, x1, bin_h, bin_w, grid_h, grid_w
 
 
 @helper
@@ -116,88 +101,204 @@ def _bin_start(origin, index, bin_size):
     return origin + like(index, origin) * bin_size
 
 
+@helper
+def _sample_position(bin_origin, bin_size, grid, index):
+    """Sample ``index`` (an integral float64) of a bin, in the box dtype.
+
+    torchvision: ``start + static_cast<T>(i + .5f) * bin_size / static_cast<T>(grid)``.
+    """
+    return bin_origin + (like(index, bin_origin) + like(0.5, bin_origin)) * bin_size / grid
+
+
+@helper
+def _sample_key(position, size):
+    """The SPEC sample test and clamping of one coordinate, as one ordered integer:
+
+    * ``-2``: skipped below (``position < -1``; NaN too);
+    * ``-1``: ``-1 <= position < 0``, clamped to 0: weight 1 on pixel 0, 0 on pixel 1;
+    * ``0 <= L <= size - 2``: between pixels ``L`` and ``L + 1``, ``lambda = position - L``;
+    * ``size - 1``: at or beyond the last pixel (``size - 1 <= position <= size``), clamped: weight
+      1 on pixel ``size - 1``;
+    * ``size``: skipped above (``position > size``).
+
+    Non-decreasing in ``position`` (for non-NaN positions), hence in the sample index.
+    """
+    if not (position >= -1):
+        return -2
+    if position > size:
+        return size
+    low = int(max(position, like(0.0, position)))
+    if low >= size - 1:
+        return size - 1
+    if position < 0:
+        return -1
+    return low
+
+
+@helper
+def _key_at(t, bin_origin, bin_size, grid, size):
+    """:func:`_sample_key` of the ``t``-th sample in increasing position order (``t >= grid``: past
+    the end). A bin of negative size (a reversed box with a fixed sampling_ratio) runs its samples
+    from the last index down, so that positions never decrease with ``t``."""
+    grid64 = np.float64(grid)
+    if not (t < grid64):
+        return size
+    index = grid64 - 1.0 - t if bin_size < 0 else t
+    return _sample_key(_sample_position(bin_origin, bin_size, grid, index), size)
+
+
+@helper
+def _end_of_run(key, t, bin_origin, bin_size, grid, size):
+    """The first ``t' > t`` whose key exceeds ``key``, given ``key(t) <= key`` (``grid`` if none):
+    gallop (steps 1, 2, 4, ...) then bisect; at most about 2 log2(grid) key evaluations."""
+    low = t
+    step = 1.0
+    high = low + step
+    while _key_at(high, bin_origin, bin_size, grid, size) <= key:
+        low = high
+        step *= 2.0
+        high = low + step
+    # key(low) <= key < key(high)
+    while high - low > 1.0:
+        middle = np.floor(low + (high - low) * 0.5)
+        if not (low < middle < high):
+            break  # indices beyond 2^53 are not all representable
+        if _key_at(middle, bin_origin, bin_size, grid, size) <= key:
+            low = middle
+        else:
+            high = middle
+    return min(high, np.float64(grid))
+
+
+@helper
+def _bin_weights(bin_origin, bin_size, grid, size, weight_sum, touched):
+    """Sum the weights of every valid sample of one bin along one axis, per pixel, in float64.
+
+    Adds ``sum of (1 - lambda)`` to ``weight_sum[low]`` and ``sum of lambda`` to
+    ``weight_sum[high]`` over every valid sample, and marks both pixels in ``touched`` (SPEC
+    §4: a sample adds its corner weights to ``low`` and ``high`` even when one of them is 0).
+    Returns the lowest and highest touched pixel (``size, -1`` if none).
+    """
+    lowest, highest = size, -1
+    grid64 = np.float64(grid)
+    if not (grid64 >= 1.0):
+        return lowest, highest
+    step64 = np.float64(bin_size) / grid64
+    t = 0.0
+    if _key_at(t, bin_origin, bin_size, grid, size) < -1:
+        t = _end_of_run(-2, t, bin_origin, bin_size, grid, size)
+    while t < grid64:
+        key = _key_at(t, bin_origin, bin_size, grid, size)
+        if key >= size:
+            break
+        end = _end_of_run(key, t, bin_origin, bin_size, grid, size)
+        n = end - t
+        lam_sum = 0.0
+        if 0 <= key < size - 1:
+            if n <= SHORT_RUN:
+                for s in range(int(n)):
+                    u = t + s
+                    index = grid64 - 1.0 - u if bin_size < 0 else u
+                    lam_sum += np.float64(_sample_position(bin_origin, bin_size, grid, index)) - key
+            else:
+                # Closed form: n times the run's mean position (an arithmetic progression).
+                first = grid64 - 1.0 - t if bin_size < 0 else t
+                last = grid64 - end if bin_size < 0 else end - 1.0
+                mean = np.float64(bin_origin) + (0.5 * (first + last) + 0.5) * step64
+                lam_sum = n * min(max(mean - key, 0.0), 1.0)
+        low = max(key, 0)
+        high = low if key == size - 1 else low + 1
+        weight_sum[low] += n - lam_sum
+        weight_sum[high] += lam_sum
+        touched[low] = True
+        touched[high] = True
+        lowest, highest = min(lowest, low), max(highest, high)
+        t = end
+    return lowest, highest
+
+
+@helper
+def slot_bound(grid, size):
+    """Entries one bin can need along an axis: each sample touches at most 2 pixels."""
+    if not (grid >= 1):
+        return 0
+    return int(min(np.float64(size), 2.0 * np.float64(grid)))
+
+
 @parallel_kernel
 def roi_align_sample_counts(boxes, box_order, pooled_height, pooled_width, spatial_scale,
                             sampling_ratio, aligned, height, width, y_slots, x_slots):
-    """Slot counts of the sample tables: ``y_slots[j, ph]`` / ``x_slots[j, pw]`` for box ``j``.
+    """Slot counts of the weight tables: ``y_slots[j, ph]`` / ``x_slots[j, pw]`` for box ``j``.
 
     Parallel over the boxes of ``box_order``; iteration ``j`` writes only row ``j``.
     """
     for j in prange(box_order.shape[0]):
-        y1, x1, bin_h, bin_w, grid_h, grid_w, count = box_geometry(
+        y1, x1, bin_h, bin_w, grid_h, grid_w = box_geometry(
             boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
+        both = grid_h >= 1 and grid_w >= 1
         for ph in range(pooled_height):
-            first, n = visible_samples(_bin_start(y1, ph, bin_h), bin_h, grid_h, height)
-            y_slots[j, ph] = n if grid_w >= 1 else 0
+            y_slots[j, ph] = slot_bound(grid_h, height) if both else 0
         for pw in range(pooled_width):
-            first, n = visible_samples(_bin_start(x1, pw, bin_w), bin_w, grid_w, width)
-            x_slots[j, pw] = n if grid_h >= 1 else 0
+            x_slots[j, pw] = slot_bound(grid_w, width) if both else 0
 
 
 @helper
-def _fill_axis(table_start, table_used, row, bins, origin, bin_size, grid, size, divisor,
-               low_index, high_step, low_weight, high_weight):
-    """Fill one box's table along one axis (see the module docstring); weights / ``divisor``.
+def _fill_axis(table_start, table_slots, table_used, row, bins, origin, bin_size, grid, size,
+               pixel, weight, weight_sum, touched):
+    """Fill one box's table along one axis (see the module docstring).
 
-    Returns the lowest and highest pixel index the box's samples touch (``size, -1`` if none).
+    Returns the lowest and highest pixel the box's samples touch (``size, -1`` if none).
     """
     lowest, highest = size, -1
-    one = like(1.0, origin)
-    half = like(0.5, origin)
     for p in range(bins):
         slot = table_start[row * bins + p]
-        bin_origin = _bin_start(origin, p, bin_size)
-        first, n = visible_samples(bin_origin, bin_size, grid, size)
+        capacity = table_slots[row * bins + p]
+        first, last = _bin_weights(_bin_start(origin, p, bin_size), bin_size, grid, size, weight_sum, touched)
         used = 0
-        for i in range(n):
-            # torchvision: start + static_cast<T>(i + .5f) * bin_size / static_cast<T>(grid)
-            position = bin_origin + (like(first + i, origin) + half) * bin_size / grid
-            # SPEC sample test; NaN fails every comparison and is skipped too.
-            if not (position >= -one and position <= like(size, origin)):
-                continue
-            position = max(position, like(0.0, origin))
-            low = int(position)
-            if low >= size - 1:
-                low = size - 1
-                high = size - 1
-                position = like(low, origin)
-            else:
-                high = low + 1
-            lam = position - like(low, origin)
-            low_index[slot + used] = low
-            high_step[slot + used] = high - low
-            low_weight[slot + used] = (one - lam) / divisor
-            high_weight[slot + used] = lam / divisor
-            used += 1
-            lowest, highest = min(lowest, low), max(highest, high)
+        for q in range(first, last + 1):
+            if touched[q]:
+                if used < capacity:  # always true (slot_bound); a guard against writing elsewhere
+                    pixel[slot + used] = q
+                    weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once
+                    used += 1
+                weight_sum[q] = 0.0
+                touched[q] = False
         table_used[row * bins + p] = used
+        if used > 0:
+            lowest, highest = min(lowest, first), max(highest, last)
     return lowest, highest
 
 
 @parallel_kernel
 def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spatial_scale,
                             sampling_ratio, aligned, height, width, box_rows,
-                            y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
-                            x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
-    """Fill the per-axis sample tables of every box in ``box_order`` (slots from the counts).
+                            y_start, y_slots, y_used, y_pixel, y_weight,
+                            x_start, x_slots, x_used, x_pixel, x_weight):
+    """Fill the per-axis weight tables of every box in ``box_order`` (slots from the counts).
 
+    ``*_start[j * bins + p]`` / ``*_slots[...]`` are the first slot and capacity of bin ``p`` of
+    box ``j``; ``*_used`` receives its number of entries; entry ``e`` holds a pixel index
+    (ascending within a bin) and its weight ``(sum of the bin's sample weights on it) / grid``.
     ``box_rows[j]`` receives the first and last row box ``j`` touches (``H, -1`` if none).
-
-    ``*_start[j * bins + p]`` is the first slot of bin ``p`` of box ``j``; ``*_used`` receives how
-    many samples passed the exact test. The y weights carry the division by the sample count.
     Parallel over boxes; iteration ``j`` writes only box ``j``'s slots and counters.
     """
     for j in prange(box_order.shape[0]):
-        y1, x1, bin_h, bin_w, grid_h, grid_w, count = box_geometry(
+        y1, x1, bin_h, bin_w, grid_h, grid_w = box_geometry(
             boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
         if not (grid_h >= 1 and grid_w >= 1):
             grid_h = grid_w = like(0.0, y1)  # no samples at all: both tables stay empty
+        weight_sum = np.zeros(max(height, width), np.float64)
+        touched = np.zeros(max(height, width), np.bool_)
         box_rows[j, 0], box_rows[j, 1] = _fill_axis(
-            y_start, y_used, j, pooled_height, y1, bin_h, grid_h, height, count,
-            y_low, y_step, y_low_weight, y_high_weight)
-        _fill_axis(x_start, x_used, j, pooled_width, x1, bin_w, grid_w, width, like(1.0, x1),
-                   x_low, x_step, x_low_weight, x_high_weight)
+            y_start, y_slots, y_used, j, pooled_height, y1, bin_h, grid_h, height,
+            y_pixel, y_weight, weight_sum, touched)
+        _fill_axis(x_start, x_slots, x_used, j, pooled_width, x1, bin_w, grid_w, width,
+                   x_pixel, x_weight, weight_sum, touched)
 
+
+# --------------------------------------------------------------------------------------------
+# backward: scatter
+# --------------------------------------------------------------------------------------------
 
 @helper
 def _decode_bin_row(box, c0, first, row_grad, fmt):
@@ -218,19 +319,16 @@ def _decode_bin_row(box, c0, first, row_grad, fmt):
 
 @helper
 def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
-                  width, fmt, y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
-                  x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
+                  width, fmt, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
     ``[row_begin, row_end)`` of channels ``c0 : c0 + nc``: ``target`` is a channels-last scratch
     ``((row_end - row_begin) * W, nc)``; ``grad_bins`` is grad_output as ``(K, C, PH * PW)``.
-    Corners on other rows are left to their band's task.
 
-    Channels innermost: every sample's offsets and weights are computed once for the block and
-    the channel loops are contiguous (vectorised). The gradient of a row of bins that reaches the
+    Channels innermost: every entry pair's offset and weight are computed once for the block and
+    the channel loop is contiguous (vectorised). The gradient of a row of bins that reaches the
     band is first copied (decoded) into ``row_grad`` ``(PW, nc)`` by :func:`_decode_bin_row`,
-    reading grad_output along its rows: gathered per bin, its channels were ``PH * PW``
-    elements apart, one cache miss each (that gather was the kernel's hottest loop). Per element
-    the order is that of the SPEC loop: boxes, bins, samples, then the corners ll, lh, hl, hh.
+    reading grad_output along its rows. Per element the order is fixed: boxes, bins ``(ph, pw)``
+    (one update each).
     """
     pooled_width, channels = row_grad.shape
     pooled_height = grad_bins.shape[2] // pooled_width
@@ -241,60 +339,30 @@ def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_be
         for ph in range(pooled_height):
             ys = y_start[j * pooled_height + ph]
             ye = ys + y_used[j * pooled_height + ph]
-            if ye == ys:
-                continue
-            # Positions along a bin are monotonic, so its rows lie between its end entries.
-            first_row = min(y_low[ys], y_low[ye - 1])
-            last_row = max(y_low[ys] + y_step[ys], y_low[ye - 1] + y_step[ye - 1])
-            if last_row < row_begin or first_row >= row_end:
+            # Entries are in ascending pixel order: the bin's rows lie between its end entries.
+            if ye == ys or y_pixel[ye - 1] < row_begin or y_pixel[ys] >= row_end:
                 continue
             _decode_bin_row(box, c0, ph * pooled_width, row_grad, fmt)
-            for pw in range(pooled_width):
-                xs = x_start[j * pooled_width + pw]
-                xe = xs + x_used[j * pooled_width + pw]
-                if xe == xs:
+            for ey in range(ys, ye):
+                row = y_pixel[ey]
+                if not (row_begin <= row < row_end):
                     continue
-                gvals = row_grad[pw]
-                for ey in range(ys, ye):
-                    row_low = y_low[ey]
-                    row_high = row_low + y_step[ey]
-                    low_inside = row_begin <= row_low < row_end
-                    high_inside = row_begin <= row_high < row_end
-                    if not (low_inside or high_inside):
-                        continue
-                    o_low = (row_low - row_begin) * width
-                    o_high = (row_high - row_begin) * width
-                    hy = y_low_weight[ey]
-                    ly = y_high_weight[ey]
-                    for ex in range(xs, xe):
-                        col_low = x_low[ex]
-                        col_high = col_low + x_step[ex]
-                        hx = x_low_weight[ex]
-                        lx = x_high_weight[ex]
-                        # One contiguous (vectorised) channel loop per corner, in corner order.
-                        # Written out on purpose: a helper per corner, or the 16-lane intrinsics
-                        # of _simd, measured about 3x slower on R1 than these four plain loops.
-                        if low_inside:
-                            w = hy * hx
-                            for c in range(channels):
-                                target[o_low + col_low, c] += gvals[c] * w
-                            w = hy * lx
-                            for c in range(channels):
-                                target[o_low + col_high, c] += gvals[c] * w
-                        if high_inside:
-                            w = ly * hx
-                            for c in range(channels):
-                                target[o_high + col_low, c] += gvals[c] * w
-                            w = ly * lx
-                            for c in range(channels):
-                                target[o_high + col_high, c] += gvals[c] * w
+                offset = (row - row_begin) * width
+                wy = y_weight[ey]
+                for pw in range(pooled_width):
+                    gvals = row_grad[pw]
+                    xs = x_start[j * pooled_width + pw]
+                    for ex in range(xs, xs + x_used[j * pooled_width + pw]):
+                        w = wy * x_weight[ex]
+                        pixel = offset + x_pixel[ex]
+                        for c in range(channels):
+                            target[pixel, c] += gvals[c] * w
 
 
 @parallel_kernel
 def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, width,
                   channel_block, band_rows, fmt,
-                  y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
-                  x_start, x_used, x_low, x_step, x_low_weight, x_high_weight):
+                  y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
     """grad_output (K, C, PH, PW) -> grad_input (B, C, H*W), any storage format.
 
     Parallel over (image ``b``, channel block, band of rows); a task writes only its block of
@@ -326,12 +394,11 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
             for c in range(c0, c1):
                 grad_input[b, c, row_begin * width:row_end * width] = 0
             continue
-        row_grad = np.empty((pooled_width, c1 - c0), y_low_weight.dtype)
-        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_low_weight.dtype)
+        row_grad = np.empty((pooled_width, c1 - c0), y_weight.dtype)
+        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_weight.dtype)
         _scatter_band(grad_bins, box_order, image_start[b], image_start[b + 1], box_rows, c0,
                       row_begin, row_end, target, row_grad, width, fmt,
-                      y_start, y_used, y_low, y_step, y_low_weight, y_high_weight,
-                      x_start, x_used, x_low, x_step, x_low_weight, x_high_weight)
+                      y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
         _store_band(target, grad_input[b], c0, row_begin * width, fmt)
 
 
@@ -355,3 +422,121 @@ def _store_band(target, plane, c0, first, fmt):
         destination = plane[c0 + c, first:first + pixels]
         for i in range(pixels):
             destination[i] = store(target[i, c], fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# forward: gather
+# --------------------------------------------------------------------------------------------
+
+@helper
+def _gather_box(source, base_row, column, width, fmt, acc, j, pooled_height, pooled_width,
+                y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+    """``acc[ph * PW + pw, c] = sum over the bin's (y entry, x entry) pairs, y then x ascending,
+    of load(source[(row - base_row) * W + col, column + c]) * (wy * wx)`` for box ``j``.
+
+    ``source`` is a channels-last ``(rows * W, channels)`` matrix; ``acc`` ``(PH * PW, nc)`` of the
+    compute type. The products ``wy * wx`` are those of the backward scatter.
+    """
+    channels = acc.shape[1]
+    acc[:] = 0
+    for ph in range(pooled_height):
+        ys = y_start[j * pooled_height + ph]
+        for ey in range(ys, ys + y_used[j * pooled_height + ph]):
+            offset = (y_pixel[ey] - base_row) * width
+            wy = y_weight[ey]
+            for pw in range(pooled_width):
+                total = acc[ph * pooled_width + pw]
+                xs = x_start[j * pooled_width + pw]
+                for ex in range(xs, xs + x_used[j * pooled_width + pw]):
+                    w = wy * x_weight[ex]
+                    values = source[offset + x_pixel[ex]]
+                    for c in range(channels):
+                        total[c] += load(values[column + c], fmt) * w
+
+
+@helper
+def _store_box(acc, out_box, c0, fmt):
+    """``out_box[c0 + c, bin] = store(acc[bin, c])`` (``out_box`` is ``(C, PH * PW)``)."""
+    bins, channels = acc.shape
+    for c in range(channels):
+        destination = out_box[c0 + c]
+        for i in range(bins):
+            destination[i] = store(acc[i, c], fmt)
+
+
+@helper
+def _zero_skipped(out, skipped):
+    for i in range(skipped.shape[0]):
+        out[skipped[i]] = 0
+
+
+@helper
+def _image_rows(box_rows, begin, end, height):
+    """The first row and the number of rows the boxes at positions ``[begin, end)`` touch."""
+    first_row, last_row = height, -1
+    for j in range(begin, end):
+        first_row, last_row = min(first_row, box_rows[j, 0]), max(last_row, box_rows[j, 1])
+    return first_row, max(last_row - first_row + 1, 0)
+
+
+@parallel_kernel
+def roi_align_fwd_nchw(input, box_order, image_start, box_rows, skipped, out, pooled_height, pooled_width,
+                       channel_block, fmt, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+    """input (B, C, H, W) -> out (K, C, PH * PW), any storage format.
+
+    Parallel over (image ``b``, channel block), plus one task zeroing the results of the
+    ``skipped`` boxes; a task writes only its block of channels of the results of image ``b``'s
+    boxes (table positions ``image_start[b] : image_start[b + 1]``, box ``box_order[j]`` at
+    ``j``). It first copies the rows those boxes touch, decoded to the compute type, into a
+    channels-last scratch (so that the gather's channel loop is contiguous), then gathers box by
+    box, rounding each result once.
+    """
+    batch, channels, height, width = input.shape
+    blocks = (channels + channel_block - 1) // channel_block
+    for t in prange(batch * blocks + 1):
+        if t == batch * blocks:
+            _zero_skipped(out, skipped)
+            continue
+        b = t // blocks
+        c0 = (t % blocks) * channel_block
+        c1 = min(c0 + channel_block, channels)
+        if image_start[b + 1] == image_start[b]:
+            continue
+        first_row, rows = _image_rows(box_rows, image_start[b], image_start[b + 1], height)
+        scratch = np.empty((rows * width, c1 - c0), y_weight.dtype)
+        for c in range(c0, c1):
+            plane = input[b, c]
+            for i in range(rows):
+                source = plane[first_row + i]
+                for x in range(width):
+                    scratch[i * width + x, c - c0] = load(source[x], fmt)
+        acc = np.empty((pooled_height * pooled_width, c1 - c0), y_weight.dtype)
+        for j in range(image_start[b], image_start[b + 1]):
+            _gather_box(scratch, first_row, 0, width, NATIVE, acc, j, pooled_height, pooled_width,
+                        y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
+            _store_box(acc, out[box_order[j]], c0, fmt)
+
+
+@parallel_kernel
+def roi_align_fwd_nhwc(input, box_order, image_start, skipped, out, pooled_height, pooled_width,
+                       channel_block, fmt, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+    """input (B, H, W, C) (channels-last storage, read in place) -> out (K, C, PH * PW).
+
+    Parallel over (image ``b``, channel block), plus one task zeroing the results of the
+    ``skipped`` boxes; a task writes only its block of channels of the results of image ``b``'s
+    boxes, gathering box by box straight from the input, rounding each result once.
+    """
+    batch, height, width, channels = input.shape
+    blocks = (channels + channel_block - 1) // channel_block
+    for t in prange(batch * blocks + 1):
+        if t == batch * blocks:
+            _zero_skipped(out, skipped)
+            continue
+        b = t // blocks
+        c0 = (t % blocks) * channel_block
+        c1 = min(c0 + channel_block, channels)
+        acc = np.empty((pooled_height * pooled_width, c1 - c0), y_weight.dtype)
+        for j in range(image_start[b], image_start[b + 1]):
+            _gather_box(input[b].reshape(height * width, channels), 0, c0, width, fmt, acc, j, pooled_height, pooled_width,
+                        y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
+            _store_box(acc, out[box_order[j]], c0, fmt)

@@ -24,6 +24,7 @@ float32 index math makes them agree with this oracle to a tolerance, not bitwise
 """
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -38,6 +39,7 @@ __all__ = [
     "avg_pool2d_backward",
     "roi_align_forward",
     "roi_align_backward",
+    "roi_align_axis_weights",
     "group_norm_swish_forward",
     "group_norm_swish_backward",
 ]
@@ -307,9 +309,11 @@ def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, 
 # SPEC §4: roi_align
 # ---------------------------------------------------------------------------------------------
 
-# Above this many samples along one axis of one bin, only the samples that can land inside the
-# image are visited (everything else contributes 0 anyway); below it every sample is visited.
-_ROI_FULL_LOOP_MAX = 1 << 16
+# Above this many samples along one axis of one bin, the per-axis weights are computed in exact
+# rational arithmetic over the samples grouped by pixel; up to it every sample is visited. The
+# per-sample 2-D loop (roi_align_backward_by_samples) visits only the samples that can land in
+# the image when there are more than this many.
+_ROI_FULL_LOOP_MAX = 1 << 12
 
 
 def _roi_sample_indices(start, step, n, size):
@@ -408,14 +412,121 @@ def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampl
                     yield (b, ph, pw) + s + (count,)
 
 
+def _roi_sample_weights_1d(p, size):
+    """SPEC §4 sample rule along one axis: None for a skipped coordinate, else
+    ((low, weight), (high, weight)) of the clamped bilinear split."""
+    if math.isnan(p) or p < -1.0 or p > size:
+        return None
+    y = max(p, 0.0)
+    low = int(y)
+    if low >= size - 1:
+        high = low = size - 1
+        y = float(low)
+    else:
+        high = low + 1
+    lam = y - low
+    return (low, 1.0 - lam), (high, lam)
+
+
+def _roi_axis_by_samples(start, bin_size, grid, size):
+    """Per-pixel weight sums of one bin along one axis, visiting every sample in float64."""
+    parts = [[] for _ in range(size)]
+    for i in range(grid):
+        split = _roi_sample_weights_1d(start + (i + 0.5) * bin_size / grid, size)
+        if split is not None:
+            for pixel, w in split:
+                parts[pixel].append(w)
+    weights = np.array([math.fsum(ws) for ws in parts], dtype=np.float64)
+    touched = np.array([len(ws) > 0 for ws in parts], dtype=bool)
+    return weights, touched
+
+
+def _roi_axis_exact(start, bin_size, grid, size):
+    """Per-pixel weight sums of one bin along one axis in exact rational arithmetic.
+
+    The samples are the arithmetic progression p_i = start + (i + 1/2) * bin_size / grid,
+    i = 0 .. grid-1, taken as exact rationals. They are grouped by the coordinate interval that
+    decides their split (SPEC §4): [-1, 0) clamps to pixel 0 (weight 1, pixel 1 touched with 0),
+    [L, L+1) splits between L and L+1 with lambda = p - L, [size-1, size] clamps to pixel size-1.
+    The indices of each group follow from solving the progression for the interval ends, and the
+    sum of lambda over a group is its count times its mean position minus L.
+    """
+    start, bin_size = Fraction(start), Fraction(bin_size)
+    d = bin_size / grid
+    if d < 0:  # the same samples in the opposite order: start from the far end
+        start, d = start + bin_size, -d
+    weights = [Fraction(0)] * size
+    touched = [False] * size
+
+    def indices(low, low_closed, high, high_closed):
+        """(first, last) sample indices with low <(=) p_i <(=) high, clipped to [0, grid)."""
+        if d == 0:
+            inside = (start >= low if low_closed else start > low) and (start <= high if high_closed else start < high)
+            return (0, grid - 1) if inside else (0, -1)
+        lo = (low - start) / d - Fraction(1, 2)
+        hi = (high - start) / d - Fraction(1, 2)
+        first = math.ceil(lo) if low_closed else math.floor(lo) + 1
+        last = math.floor(hi) if high_closed else math.ceil(hi) - 1
+        return max(first, 0), min(last, grid - 1)
+
+    def add(low, high, first, last, lam_offset):
+        n = last - first + 1
+        if n <= 0:
+            return
+        if lam_offset is None:
+            lam_sum = Fraction(0)
+        else:  # sum of (p_i - lam_offset): n times the mean position minus the offset
+            lam_sum = n * (start + (Fraction(first + last, 2) + Fraction(1, 2)) * d - lam_offset)
+        weights[low] += n - lam_sum
+        weights[high] += lam_sum
+        touched[low] = touched[high] = True
+
+    if size == 1:
+        add(0, 0, *indices(-1, True, 1, True), None)
+    else:
+        add(0, 1, *indices(-1, True, 0, False), None)
+        for L in range(size - 1):
+            add(L, L + 1, *indices(L, True, L + 1, False), L)
+        add(size - 1, size - 1, *indices(size - 1, True, size, True), None)
+    return np.array([float(w) for w in weights], dtype=np.float64), np.array(touched, dtype=bool)
+
+
+def roi_align_axis_weights(start, bin_size, grid, size):
+    """``(weights, touched)``: for each pixel of an axis of length ``size``, the sum over the
+    valid samples of one bin (``grid`` samples from ``start``, spanning ``bin_size``) of their
+    bilinear weight on it, and whether any valid sample touches it (even with weight 0).
+
+    Up to ``_ROI_FULL_LOOP_MAX`` samples every sample is visited in float64 (exact sums with
+    math.fsum); larger grids are evaluated in exact rational arithmetic (``_roi_axis_exact``).
+    """
+    if grid <= _ROI_FULL_LOOP_MAX:
+        return _roi_axis_by_samples(start, bin_size, grid, size)
+    return _roi_axis_exact(start, bin_size, grid, size)
+
+
+def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                     aligned):
+    """None for a box without samples, else (b, wy (PH, H), ty, wx (PW, W), tx, count): the
+    per-axis weight sums and touched masks of SPEC §4's product form."""
+    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                            aligned)
+    if geo is None or H == 0 or W == 0:
+        return None
+    b, x1, y1, bin_h, bin_w, gh, gw, count = geo
+    wy, ty = zip(*[roi_align_axis_weights(y1 + ph * bin_h, bin_h, gh, H) for ph in range(pooled_height)])
+    wx, tx = zip(*[roi_align_axis_weights(x1 + pw * bin_w, bin_w, gw, W) for pw in range(pooled_width)])
+    return b, np.array(wy), np.array(ty), np.array(wx), np.array(tx), count
+
+
 def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
                       aligned):
-    """torchvision roi_align forward with the sample positions and skip rules of SPEC §4.
+    """torchvision roi_align forward in SPEC §4's product form, in float64.
 
     x: (B, C, H, W); boxes: (K, 5) rows (batch_index, x1, y1, x2, y2). Returns (K, C, PH, PW):
-    the mean over the gh*gw samples of each bin of the bilinear value (skipped samples count as
-    0; a skipped box or a box without samples gives 0). The batch index is floor(boxes[k, 0])
-    as SPEC §4 says.
+    out[k, c, ph, pw] = sum over the touched rows and columns of
+    x[b, c, row, col] * wy[ph, row] * wx[pw, col] / count (the mean over the gh*gw samples of
+    the bilinear value; skipped samples count as 0; a skipped box or a box without samples
+    gives 0). The batch index is floor(boxes[k, 0]).
     """
     x = np.asarray(x, dtype=np.float64)
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
@@ -423,28 +534,53 @@ def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, samp
     PH, PW = int(pooled_height), int(pooled_width)
     out = np.zeros((boxes.shape[0], C, PH, PW), dtype=np.float64)
     for k in range(boxes.shape[0]):
-        for (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) in _roi_samples(
-                boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio),
-                bool(aligned)):
-            val = (w_ll * x[b, :, yl, xl] + w_lh * x[b, :, yl, xh]
-                   + w_hl * x[b, :, yh, xl] + w_hh * x[b, :, yh, xh])
-            out[k, :, ph, pw] += val / count
+        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale),
+                                   int(sampling_ratio), bool(aligned))
+        if weights is None:
+            continue
+        b, wy, ty, wx, tx, count = weights
+        for ph in range(PH):
+            for pw in range(PW):
+                rows, cols = np.flatnonzero(ty[ph]), np.flatnonzero(tx[pw])
+                w = np.outer(wy[ph, rows], wx[pw, cols]) / count
+                patch = x[b][:, rows][:, :, cols]
+                out[k, :, ph, pw] = np.einsum("crs,rs->c", patch, w)
     return out
 
 
 def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
                        spatial_scale, sampling_ratio, aligned):
-    """roi_align backward: the SPEC §4 loop in float64. Returns (B, C, H, W).
+    """roi_align backward in SPEC §4's product form, in float64. Returns (B, C, H, W).
 
-    Each sample that is not skipped scatters g * weight / count to its four pixels. Skipped:
-    a box with NaN/Inf in any of its 5 values or floor(batch_index) outside [0, B); a sample
-    with NaN coordinates or outside [-1, H] x [-1, W]; gh <= 0 or gw <= 0 means no samples.
-
-    This is a plain loop over samples: it visits every sample of every bin (vectorised over
-    channels only), except that for a huge adaptive grid (more than 65536 samples along one
-    axis of a bin) it visits only the index interval that can land inside the image, which gives
-    the same result. It is meant for the small boxes of the tests, not for speed.
+    Each bin adds g * wy[ph, row] * wx[pw, col] / count to every pixel whose row and column are
+    touched by a valid sample of the bin (an inf or NaN gradient then gives NaN where a weight is
+    0, as in the per-sample loop). Skipped: a box with NaN/Inf in any of its 5 values or
+    floor(batch_index) outside [0, B); samples with NaN coordinates or outside [-1, H] x [-1, W];
+    gh <= 0 or gw <= 0 means no samples.
     """
+    g = np.asarray(grad_output, dtype=np.float64)
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
+    B, C, H, W = (int(s) for s in input_shape)
+    PH, PW = int(pooled_height), int(pooled_width)
+    grad_input = np.zeros((B, C, H, W), dtype=np.float64)
+    for k in range(boxes.shape[0]):
+        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale),
+                                   int(sampling_ratio), bool(aligned))
+        if weights is None:
+            continue
+        b, wy, ty, wx, tx, count = weights
+        for ph in range(PH):
+            for pw in range(PW):
+                rows, cols = np.flatnonzero(ty[ph]), np.flatnonzero(tx[pw])
+                w = np.outer(wy[ph, rows], wx[pw, cols]) / count
+                grad_input[b][:, rows[:, None], cols[None, :]] += g[k, :, ph, pw, None, None] * w
+    return grad_input
+
+
+def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height, pooled_width,
+                                  spatial_scale, sampling_ratio, aligned):
+    """The SPEC §4 loop itself in float64, sample by sample (every sample scatters g * weight /
+    count to its four pixels), to check the product form against (small grids only)."""
     g = np.asarray(grad_output, dtype=np.float64)
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
     B, C, H, W = (int(s) for s in input_shape)

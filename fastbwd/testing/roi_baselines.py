@@ -1,4 +1,6 @@
-"""Baselines for roi_align_backward benchmarks (torchvision is not installable here).
+"""Baselines for the roi_align benchmarks and an independent cross-check for the tests
+(torchvision is not installable here). Written from torchvision's semantics alone: nothing here
+comes from fastbwd's kernels.
 
 * ``"torch (pure PyTorch)"``: the RoIAlign forward written with torch ops -- every bilinear
   sample gathers its four pixels with ``index_select`` and the samples of a bin are summed with
@@ -9,12 +11,26 @@
   box, channel and bin, ``bilinear_interpolate_gradient`` per sample, then four adds), compiled as
   a serial ``@numba.njit`` function: what torchvision ships, single-threaded native code. Like
   the original it truncates the batch index and trusts the boxes (benchmark boxes are valid).
+* :func:`torch_forward`: the same pure-PyTorch formulation evaluated forward (the roi_align
+  output for an input), a cross-check for ``roi_align_forward``.
 """
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
-from ..kernels.roi_align import like
+
+def like(value, template):
+    """``value`` as the floating type of ``template``: torchvision's ``T`` (njit only)."""
+    raise NotImplementedError("like() is only callable from @njit code")
+
+
+@overload(like, inline="always")
+def _like(value, template):
+    if template == types.float32:
+        return lambda value, template: np.float32(value)
+    return lambda value, template: np.float64(value)
 
 #: The pure-PyTorch formulation materialises C values per sample corner; above this many bytes
 #: of gathered values it is left out (adaptive sampling of large boxes would need many GB).
@@ -163,6 +179,22 @@ def _torch_baseline(torch, grad_output, boxes, input_shape, pooled_height, poole
         return grad_x.reshape(channels, batch, height, width).transpose(0, 1)
 
     return run
+
+
+def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
+    """roi_align's output for the float32 input ``x`` (B, C, H, W) by the pure-PyTorch
+    formulation above (gathers and index_add, float32), as a NumPy array (K, C, PH, PW)."""
+    import torch
+
+    x = np.ascontiguousarray(x, np.float32)
+    batch, channels, height, width = x.shape
+    num_boxes = np.asarray(boxes).shape[0]
+    bin_id, corner_index, corner_weight = _torch_samples(
+        torch, boxes, x.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
+    planes = torch.from_numpy(x).transpose(0, 1).reshape(channels, batch * height * width)
+    sampled = sum(planes.index_select(1, corner_index[i]) * corner_weight[i] for i in range(4))
+    pooled = torch.zeros((channels, num_boxes * pooled_height * pooled_width)).index_add(1, bin_id, sampled)
+    return pooled.reshape(channels, num_boxes, pooled_height, pooled_width).transpose(0, 1).numpy()
 
 
 def baselines(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
