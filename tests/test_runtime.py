@@ -235,3 +235,88 @@ def test_every_kernel_path_within_bounds():
     # hoisting got wrong; the intrinsics of kernels._simd are not checked.)
     assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "FASTBWD_CACHE": "0"},
                               timeout=900)
+
+
+_MORE_THREADS_THAN_CORES = """
+import itertools, numba
+import ml_dtypes
+from fastbwd.testing.cases import roi_boxes
+from fastbwd.testing.checks import assert_thread_invariant, thread_counts
+
+assert numba.config.NUMBA_NUM_THREADS == 4 and thread_counts() == [1, 2, 3, 4], thread_counts()
+# the check itself can fail: a result that depends on the thread count (4 vs 1) is flagged
+try:
+    assert_thread_invariant(lambda: np.array([min(numba.get_num_threads(), 4) // 4]))
+except AssertionError:
+    pass
+else:
+    raise SystemExit("assert_thread_invariant missed a difference at 4 threads")
+rng = np.random.default_rng(0)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+checked = 0
+
+def invariant(call):
+    global checked
+    assert_thread_invariant(call)
+    checked += 1
+
+def nhwc(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+def channels_last(a):
+    return nhwc(a).transpose(0, 3, 1, 2)
+
+for dtype in (np.float32, np.float64, np.float16, BF16):
+    # upsample: row blocks read in place (OW >= 16), staged narrow rows, 16 planes at a time
+    # (>= 128 small planes), NHWC with >= 16 and < 16 channels, channels-last strides
+    for (n, c, h, w), (oh, ow), corners in [((1, 3, 37, 21), (70, 45), False), ((2, 3, 9, 13), (7, 11), True),
+                                            ((1, 130, 5, 6), (9, 11), False)]:
+        g = rng.standard_normal((n, c, oh, ow)).astype(dtype)
+        invariant(lambda: fastbwd.upsample_bilinear2d_backward(g, (oh, ow), (n, c, h, w), corners))
+        invariant(lambda: fastbwd.upsample_bilinear2d_backward(channels_last(g), (oh, ow), (n, c, h, w), corners))
+        for channels in (c, 5):
+            gc = rng.standard_normal((n, oh, ow, channels)).astype(dtype)
+            invariant(lambda: fastbwd.upsample_bilinear2d_backward(gc, (oh, ow), (n, channels, h, w), corners,
+                                                                  1.7, 0.0, layout="NHWC"))
+    # avg_pool: the separable engine both layouts, the global kernels both layouts
+    g = rng.standard_normal((2, 3, 19, 16)).astype(dtype)
+    invariant(lambda: fastbwd.avg_pool2d_backward(g, (2, 3, 37, 29), (3, 4), 2, (1, 2), True, False))
+    invariant(lambda: fastbwd.avg_pool2d_backward(channels_last(g), (2, 3, 37, 29), (3, 4), 2, (1, 2), True, False))
+    g1 = rng.standard_normal((3, 37, 1, 1)).astype(dtype)
+    invariant(lambda: fastbwd.avg_pool2d_backward(g1, (3, 37, 6, 7), (6, 7)))
+    invariant(lambda: fastbwd.avg_pool2d_backward(g1, channels_last(np.zeros((3, 37, 6, 7), dtype)), (6, 7)))
+    # roi_align: fixed and adaptive sampling, several channel blocks and bands
+    shape = (2, 70, 40, 36)
+    boxes = roi_boxes(24, shape, 0.5, dtype=dtype)
+    g = rng.standard_normal((24, 70, 3, 4)).astype(dtype)
+    for ratio in (2, 0):
+        invariant(lambda: fastbwd.roi_align_backward(g, boxes, shape, 3, 4, 0.5, ratio, True))
+    # group_norm_swish: NCHW and NHWC (whose tasks are sized by the thread count), parameters
+    # in the data's dtype and in float32
+    x = rng.standard_normal((3, 64, 9, 7)).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    mean = (0.1 * rng.standard_normal((3, 16))).astype(dtype)
+    rstd = rng.uniform(0.5, 2, (3, 16)).astype(dtype)
+    for param in {np.dtype(dtype), np.dtype(np.float32)}:
+        gamma = rng.uniform(-1.5, 1.5, 64).astype(param)
+        beta = rng.standard_normal(64).astype(param)
+        invariant(lambda: fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 16, swish_scale=1.5))
+        invariant(lambda: fastbwd.group_norm_swish_backward(nhwc(dy), mean, rstd, nhwc(x), gamma, beta, 16, "NHWC",
+                                                            swish_scale=1.5))
+
+# replication_pad: both layouts, every dtype including complex
+for dtype in (np.float32, np.float64, np.float16, BF16, np.complex64, np.complex128):
+    g = (rng.standard_normal((2, 5, 23, 31)) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)).astype(dtype)
+    invariant(lambda: fastbwd.replication_pad2d_backward(g, (2, 5, 18, 26), (3, 2, 4, 1)))
+    invariant(lambda: fastbwd.replication_pad2d_backward(channels_last(g), (2, 5, 18, 26), (3, 2, 4, 1)))
+    invariant(lambda: fastbwd.replication_pad2d_backward(g, (2, 5, 26, 33), (-1, -1, -2, -1)))
+print("threads ok", checked)
+"""
+
+
+def test_more_threads_than_cores_give_the_same_bits():
+    # NUMBA_NUM_THREADS is 2 on the 2-core CI machine, so in-process tests compare 1 and 2
+    # threads only. Here 4 threads (more than the cores) and 3 (uneven shares) in a subprocess,
+    # every operator, every dtype, both layouts and each kernel path.
+    out = run_script(_MORE_THREADS_THAN_CORES, env={"NUMBA_NUM_THREADS": "4"}, timeout=900)
+    assert "threads ok" in out

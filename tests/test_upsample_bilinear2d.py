@@ -82,6 +82,22 @@ def test_negative_and_nan_scales_mean_unset(unset, dtype):
     assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), unset_both)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_tiny_scales_put_everything_on_the_last_row(dtype):
+    # scales far below out/in send every source position past the last input row: lambda1 is
+    # clamped to 1 there (SPEC §1: min(max(src - h0, 0), 1)), so the last row and column receive
+    # the whole gradient, exactly as summed in order. Unclamped, lambda0 = 1 - lambda1 would be
+    # a huge negative weight cancelling a huge positive one.
+    rng = np.random.default_rng(13)
+    input_size, output_size = (1, 2, 4, 5), (9, 7)
+    grad = grad_for(rng, input_size, output_size, dtype)
+    for scales in [(1e-3, 1e-3), (1e-30, 0.0), (0.0, 1e-12)]:
+        result = check(grad, output_size, input_size, False, *scales)
+        if scales[0] and scales[1]:
+            assert np.count_nonzero(result[:, :, :-1, :]) == np.count_nonzero(result[:, :, :, :-1]) == 0
+            np.testing.assert_allclose(result[:, :, -1, -1], grad.sum(axis=(2, 3), dtype=np.float64), rtol=1e-5)
+
+
 def test_negative_scale_matches_torch():
     # ATen treats a scale that is not > 0 as absent too (area_pixel_compute_scale).
     torch = pytest.importorskip("torch")

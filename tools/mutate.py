@@ -249,9 +249,17 @@ MUTANTS = [
            "            grad_input[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)] += g[..., i, min(j, g.shape[-1] - 2)]",
            T_REF, "pad backward reads the wrong last column"),
     Mutant("ref-pad-forward-top", "oracle", REF,
-           "            out[..., i, j] = x[..., _clamp(i - top, 0, H - 1), _clamp(j - left, 0, W - 1)]",
-           "            out[..., i, j] = x[..., _clamp(i - bottom, 0, H - 1), _clamp(j - left, 0, W - 1)]",
+           "    rows = np.clip(np.arange(H + top + bottom) - top, 0, H - 1)",
+           "    rows = np.clip(np.arange(H + top + bottom) - bottom, 0, H - 1)",
            T_REF, "pad forward shifts rows by the bottom pad"),
+    Mutant("ref-up-forward-no-clamp", "oracle", REF,
+           "        if src < 0:\n            src = f(0)",
+           "        if src < -1:\n            src = f(0)",
+           T_REF, "upsample oracle's forward does not clamp negative source positions"),
+    Mutant("ref-ap-forward-overhang", "oracle", REF,
+           "                div = len(padded_rows) * len(padded_cols)",
+           "                div = kH * kW",
+           T_REF, "pool oracle's forward counts a ceil-mode overhang in the divisor"),
     Mutant("ref-up-no-negative-clamp", "oracle", REF,
            "                src = max(f(0), ratio * (f(oh) + f(0.5)) - f(0.5))",
            "                src = max(f(-1), ratio * (f(oh) + f(0.5)) - f(0.5))",
@@ -482,10 +490,15 @@ def main(argv=None):
     if duplicates:
         sys.exit(f"duplicate mutant names: {sorted(duplicates)}")
     if args.list:
+        stale = 0
         for m in mutants:
-            print(f"{m.name:34} {m.op:17} {m.file:40} {m.test:36} {m.description}")
-        print(f"{len(mutants)} mutants")
-        return 0
+            path = os.path.join(ROOT, m.file)
+            found = open(path, encoding="utf-8").read().count(m.original) if os.path.isfile(path) else 0
+            mark = "" if found == 1 else f"  [STALE: found {found} times]"
+            stale += found != 1
+            print(f"{m.name:34} {m.op:17} {m.file:40} {m.test:36} {m.description}{mark}")
+        print(f"{len(mutants)} mutants, {stale} stale")
+        return 1 if stale else 0
 
     # One snapshot of the working tree for the whole run: edits made while it runs do not leak in.
     snapshot = tempfile.mkdtemp(prefix="fastbwd-snapshot-")

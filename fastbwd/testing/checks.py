@@ -87,9 +87,14 @@ def bitwise_equal(a, b):
 
 
 def thread_counts():
-    """1 and every other count this process may use (``NUMBA_NUM_THREADS``)."""
+    """The thread counts to compare: 1, 2, 3 (an odd count: uneven shares of the tasks) and the
+    most this process may use (``NUMBA_NUM_THREADS``), as far as they are available.
+
+    With ``NUMBA_NUM_THREADS=2`` (a 2-core machine) that is only 1 and 2: tests/test_runtime.py
+    therefore also runs every operator in a subprocess with ``NUMBA_NUM_THREADS=4``, more
+    threads than cores, comparing 1, 2, 3 and 4."""
     maximum = numba.config.NUMBA_NUM_THREADS
-    return sorted({1, 2, maximum} & set(range(1, maximum + 1)))
+    return sorted({1, 2, 3, maximum} & set(range(1, maximum + 1)))
 
 
 def assert_thread_invariant(call):
