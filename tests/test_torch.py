@@ -520,10 +520,9 @@ def test_roi_align_matches_pure_pytorch_formulation():
 
     x = _randn((2, 3, 11, 13), torch.float64, 28).requires_grad_()
     boxes = _roi_boxes(torch.float64)
-    forward = roi_baselines.torch_roi_align
     for aligned, ratio in [(True, 2), (False, 0), (False, 3)]:
         y = ft.roi_align(x, boxes, (3, 4), 0.8, ratio, aligned)
-        expected = forward(x, boxes, (3, 4), 0.8, ratio, aligned)
+        expected = roi_baselines.torch_roi_align(x, boxes, 3, 4, 0.8, ratio, aligned)
         torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
         g = _randn(y.shape, torch.float64, 29)
         torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0],

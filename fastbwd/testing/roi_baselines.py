@@ -115,12 +115,13 @@ def torchvision_serial_backward(grad_output, rois, spatial_scale, sampling_ratio
 
 
 def _torch_samples(torch, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
-                   sampling_ratio, aligned):
-    """Every sample of every box as flat tensors, built with torch ops (float32 coordinates):
-    ``(bin_id, corner_index (4, S), corner_weight (4, S))`` where ``bin_id`` is
-    ``k * PH * PW + ph * PW + pw`` and the weights are already divided by the bin's count."""
+                   sampling_ratio, aligned, dtype=None):
+    """Every sample of every box as flat tensors, built with torch ops (coordinates in ``dtype``,
+    float32 by default): ``(bin_id, corner_index (4, S), corner_weight (4, S))`` where ``bin_id``
+    is ``k * PH * PW + ph * PW + pw`` and the weights are already divided by the bin's count."""
+    dtype = dtype or torch.float32
     batch, _, height, width = input_shape
-    rois = torch.from_numpy(np.asarray(boxes, np.float32))
+    rois = torch.as_tensor(np.asarray(boxes)).to(dtype)
     offset = 0.5 if aligned else 0.0
     bins, indices, weights = [], [], []
     for k in range(rois.shape[0]):
@@ -134,16 +135,16 @@ def _torch_samples(torch, boxes, input_shape, pooled_height, pooled_width, spati
         gw = sampling_ratio if sampling_ratio > 0 else int(torch.ceil(roi_w / pooled_width))
         if gh <= 0 or gw <= 0:
             continue
-        ph = torch.arange(pooled_height, dtype=torch.float32)[:, None]
-        pw = torch.arange(pooled_width, dtype=torch.float32)[:, None]
-        y = (y1 + ph * bin_h + (torch.arange(gh, dtype=torch.float32) + 0.5) * bin_h / gh).reshape(-1)
-        x = (x1 + pw * bin_w + (torch.arange(gw, dtype=torch.float32) + 0.5) * bin_w / gw).reshape(-1)
+        ph = torch.arange(pooled_height, dtype=dtype)[:, None]
+        pw = torch.arange(pooled_width, dtype=dtype)[:, None]
+        y = (y1 + ph * bin_h + (torch.arange(gh, dtype=dtype) + 0.5) * bin_h / gh).reshape(-1)
+        x = (x1 + pw * bin_w + (torch.arange(gw, dtype=dtype) + 0.5) * bin_w / gw).reshape(-1)
         y, x = torch.broadcast_tensors(y[:, None], x[None, :])  # (PH*gh, PW*gw)
         inside = (y >= -1) & (y <= height) & (x >= -1) & (x <= width)
         y, x = y.clamp(min=0), x.clamp(min=0)
         y_low, x_low = y.long().clamp(max=height - 1), x.long().clamp(max=width - 1)
-        y = torch.where(y.long() >= height - 1, y_low.float(), y)
-        x = torch.where(x.long() >= width - 1, x_low.float(), x)
+        y = torch.where(y.long() >= height - 1, y_low.to(dtype), y)
+        x = torch.where(x.long() >= width - 1, x_low.to(dtype), x)
         y_high, x_high = (y_low + 1).clamp(max=height - 1), (x_low + 1).clamp(max=width - 1)
         ly, lx = y - y_low, x - x_low
         hy, hx = 1 - ly, 1 - lx
@@ -181,20 +182,33 @@ def _torch_baseline(torch, grad_output, boxes, input_shape, pooled_height, poole
     return run
 
 
-def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
-    """roi_align's output for the float32 input ``x`` (B, C, H, W) by the pure-PyTorch
-    formulation above (gathers and index_add, float32), as a NumPy array (K, C, PH, PW)."""
+def torch_roi_align(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
+    """torchvision's ``roi_align`` written with torch ops in ``input``'s dtype (gathers and
+    ``index_add``), differentiable with respect to ``input``: the baseline of the PyTorch bridge's
+    benchmark and an independent cross-check of ``fastbwd.torch.roi_align``. ``boxes`` is a
+    ``(K, 5)`` array or tensor of valid boxes (finite, batch index in range)."""
     import torch
 
-    x = np.ascontiguousarray(x, np.float32)
-    batch, channels, height, width = x.shape
-    num_boxes = np.asarray(boxes).shape[0]
+    batch, channels, height, width = input.shape
+    boxes = boxes.detach().cpu().numpy() if isinstance(boxes, torch.Tensor) else np.asarray(boxes)
     bin_id, corner_index, corner_weight = _torch_samples(
-        torch, boxes, x.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
-    planes = torch.from_numpy(x).transpose(0, 1).reshape(channels, batch * height * width)
+        torch, boxes, input.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+        aligned, input.dtype)
+    planes = input.transpose(0, 1).reshape(channels, batch * height * width)
     sampled = sum(planes.index_select(1, corner_index[i]) * corner_weight[i] for i in range(4))
-    pooled = torch.zeros((channels, num_boxes * pooled_height * pooled_width)).index_add(1, bin_id, sampled)
-    return pooled.reshape(channels, num_boxes, pooled_height, pooled_width).transpose(0, 1).numpy()
+    pooled = torch.zeros((channels, boxes.shape[0] * pooled_height * pooled_width),
+                         dtype=input.dtype).index_add(1, bin_id, sampled)
+    return pooled.reshape(channels, boxes.shape[0], pooled_height, pooled_width).transpose(0, 1)
+
+
+def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
+    """roi_align's output for the float32 input ``x`` (B, C, H, W) by :func:`torch_roi_align`
+    (float32), as a NumPy array (K, C, PH, PW)."""
+    import torch
+
+    x = torch.from_numpy(np.ascontiguousarray(x, np.float32))
+    return torch_roi_align(x, np.asarray(boxes, np.float32), pooled_height, pooled_width,
+                           spatial_scale, sampling_ratio, aligned).numpy()
 
 
 def baselines(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,

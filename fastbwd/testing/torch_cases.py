@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import fastbwd.torch as ft
+from fastbwd.testing.cases import roi_boxes
+from fastbwd.testing.roi_baselines import torch_roi_align
 
 
 @dataclass
@@ -42,6 +44,7 @@ def _routed(function):
 def _assert_close(actual, expected, rtol, atol, what):
     """Each gradient within ``rtol`` of its own largest value, or ``atol`` of the largest of all
     (a gradient that is zero in exact arithmetic, like a bias before a norm, is rounding noise)."""
+    actual, expected = [a.detach() for a in actual], [e.detach() for e in expected]
     overall = max(float(e.abs().max()) for e in expected)
     for index, (a, e) in enumerate(zip(actual, expected)):
         scale = float(e.abs().max())
@@ -87,6 +90,28 @@ def _group_norm_swish_case(shape, groups, target):
 
     return TorchCase("T3", f"GroupNormSwish vs GroupNorm+SiLU backward {shape}, {groups} groups",
                      fastbwd_backward, torch_backward, check, target)
+
+
+def _roi_align_case(input_shape, num_boxes, target):
+    """T4: forward + backward of fastbwd.torch.roi_align against the pure-PyTorch formulation."""
+    spatial_scale, sampling_ratio, aligned, pooled = 0.25, 2, True, 7
+    x = _randn(input_shape, 41, requires_grad=True)
+    boxes = torch.from_numpy(roi_boxes(num_boxes, input_shape, spatial_scale))
+    g = _randn((num_boxes, input_shape[1], pooled, pooled), 42)
+
+    def fastbwd_step():
+        y = ft.roi_align(x, boxes, pooled, spatial_scale, sampling_ratio, aligned)
+        return (y,) + torch.autograd.grad(y, x, g)
+
+    def torch_step():
+        y = torch_roi_align(x, boxes, pooled, pooled, spatial_scale, sampling_ratio, aligned)
+        return (y,) + torch.autograd.grad(y, x, g)
+
+    def check():
+        _assert_close(fastbwd_step(), torch_step(), 1e-4, 1e-5, "T4")
+
+    return TorchCase("T4", f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 "
+                     "(R1) vs pure PyTorch", fastbwd_step, torch_step, check, target)
 
 
 class DecoderBlock(nn.Module):
@@ -141,14 +166,17 @@ def _training_step_case(batch, channels, size, target):
 def cases(quick=False):
     """T1-T5 (issue 11's table); ``quick`` uses small shapes."""
     if quick:
-        up, pool, norm, block = (2, 8, 16, 16), (2, 8, 14, 14), ((2, 64, 8, 8), 32), (2, 32, 16)
+        up, pool, norm, roi, block = ((2, 8, 16, 16), (2, 8, 14, 14), ((2, 64, 8, 8), 32),
+                                      ((2, 16, 25, 38), 32), (2, 32, 16))
     else:
-        up, pool, norm, block = (8, 64, 64, 64), (32, 128, 56, 56), ((8, 512, 32, 32), 32), (8, 64, 64)
+        up, pool, norm, roi, block = ((8, 64, 64, 64), (32, 128, 56, 56), ((8, 512, 32, 32), 32),
+                                      ((2, 256, 200, 304), 512), (8, 64, 64))
     return [
         _routed_backward("T1", f"F.interpolate bilinear x2 backward {up}",
                          lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), up, ">= 5x", 21),
         _routed_backward("T2", f"F.avg_pool2d k3 s2 p1 backward {pool}",
                          lambda x: F.avg_pool2d(x, 3, 2, 1), pool, ">= 3x", 23),
         _group_norm_swish_case(*norm, ">= 1.4x"),
+        _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
     ]
