@@ -182,11 +182,36 @@ def run(args):
                              if base_seconds is not None else "")
                     say(left + right)
             del prepared
+    if torch is not None and (not args.ops or "torch" in args.ops):
+        rows.extend(torch_bridge(args))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(machine=machine, bandwidth_gbps=bandwidth, quick=args.quick, rows=rows), handle, indent=1)
         say(f"\nresults saved to {args.json}")
     return 0
+
+
+def torch_bridge(args):
+    """The PyTorch bridge's cases T1-T5 (``fastbwd.testing.torch_cases``): each checks its
+    gradients against plain PyTorch, then both are timed; returns the rows."""
+    from fastbwd.testing.torch_cases import cases
+
+    say("\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
+        "against plain PyTorch, then timing both")
+    say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'torch ms':>9} {'speed-up':>8}  target")
+    rows = []
+    for case in cases(quick=args.quick):
+        case.check()
+        fastbwd_seconds = median_seconds(case.fastbwd, args.repeats, args.seconds)
+        torch_seconds = median_seconds(case.torch, max(3, args.repeats // 2), args.seconds)
+        speedup = torch_seconds / fastbwd_seconds
+        say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
+            f"{speedup:7.2f}x  {case.target}")
+        rows.append(dict(op="fastbwd.torch", case=case.id, label=case.label, dtype="float32",
+                         variant="autograd", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
+                         baseline="torch", baseline_ms=torch_seconds * 1e3, speedup=speedup,
+                         target=case.target))
+    return rows
 
 
 def _cpu_name():
@@ -204,7 +229,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastbwd", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
-    parser.add_argument("--ops", nargs="*", help="only these operators (public names)")
+    parser.add_argument("--ops", nargs="*", help="only these operators (public names; 'torch' for the "
+                        "PyTorch bridge's cases)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum seconds per row (default 0.5)")

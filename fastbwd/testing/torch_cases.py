@@ -111,7 +111,7 @@ def _roi_align_case(input_shape, num_boxes, target):
         _assert_close(fastbwd_step(), torch_step(), 1e-4, 1e-5, "T4")
 
     return TorchCase("T4", f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 "
-                     "(R1) vs pure PyTorch", fastbwd_step, torch_step, check, target)
+                     "vs pure PyTorch", fastbwd_step, torch_step, check, target)
 
 
 class DecoderBlock(nn.Module):
