@@ -3,6 +3,8 @@
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +16,17 @@ def test_readme_examples_run():
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
     dx, dgamma, dbeta = namespace["dx"], namespace["dgamma"], namespace["dbeta"]
     assert dx.shape == (2, 64, 16, 16) and dgamma.shape == dbeta.shape == (64,)
+
+
+def test_readme_pytorch_example_runs():
+    pytest.importorskip("torch")
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## PyTorch", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert namespace["features"].grad.shape == (2, 256, 50, 76)
+    assert namespace["ft"].is_enabled() is False  # the example's `with enabled():` block ended
 
 
 def test_ci_runs_the_readme_test_command():
