@@ -141,6 +141,18 @@ def test_grad_input_overload(case, layout):
     _assert_close_to_torch(result, reference_out)
 
 
+def test_grad_input_of_another_dtype_gets_pytorchs_answer():
+    op, aten_args, _ = CASES["pad"](torch.float32, torch.contiguous_format)
+    with pytest.raises(RuntimeError) as plain:
+        op.grad_input(*aten_args, grad_input=torch.empty(0, dtype=torch.float64))
+    with ft.enabled():
+        fallbacks = _routing.FALLBACK.copy()
+        with pytest.raises(RuntimeError) as routed:
+            op.grad_input(*aten_args, grad_input=torch.empty(0, dtype=torch.float64))
+        assert _routing.FALLBACK - fallbacks
+    assert str(routed.value) == str(plain.value)
+
+
 def test_models_train_through_the_bridge_unchanged():
     """nn.Upsample, F.interpolate, nn.AvgPool2d, F.avg_pool2d, nn.ReplicationPad2d, F.pad."""
     model = torch.nn.Sequential(

@@ -104,7 +104,9 @@ def _served(prepare, args, grad_input):
     if plan is None:
         return None
     function, arguments, shape, dtype, memory_format = plan
-    if in_place is not None and tuple(grad_input.shape) == shape and grad_input.dtype == dtype:
+    if grad_input is not None and grad_input.dtype != dtype:
+        return None  # PyTorch's kernel decides what a grad_input of another dtype gets
+    if in_place is not None and tuple(grad_input.shape) == shape:
         result = grad_input
     else:
         result = c.empty(shape, dtype, memory_format)
