@@ -147,7 +147,8 @@ def run(args):
     for spec in implemented_ops():
         if args.ops and spec.name not in args.ops:
             continue
-        say(f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds) ... ",
+        say(f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds; "
+            "--precompile compiles everything ahead) ... ",
             end="")
         t0 = time.perf_counter()
         verdict = small_check(spec.name)

@@ -72,7 +72,8 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
         Numerics: the divisor factorises per axis (``1/d`` becomes ``(1/dH) * (1/dW)``, and a
         ``divisor_override`` ``d`` becomes ``1/d`` on the H axis), so each gradient is scaled by
         per-axis reciprocals (float32 for float32/float16/bfloat16, float64 for float64) and
-        summed along W, then along H, accumulating in the compute type; half formats are rounded
+        summed over the output rows first, then the output columns (the separable engine's
+        order), accumulating in the compute type; half formats are rounded
         once at the end. PyTorch divides each gradient once by the integer divisor instead: the
         results differ by about 1 ulp of float32. The global case (one window covering the
         whole input) divides by the integer divisor exactly as PyTorch does.
