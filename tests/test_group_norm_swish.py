@@ -1,6 +1,8 @@
-"""group_norm_swish_backward (SPEC §5) against the float64 reference, finite differences and
+"""group_norm_swish_backward (docs/semantics.md §5) against the float64 reference, finite differences and
 PyTorch autograd; every dtype, layout, flag and limit; threads, out=, strides; every error.
 Also the accuracy of the kernel module's vectorisable exp and Swish derivative."""
+
+import warnings
 
 import ml_dtypes
 import numba
@@ -25,8 +27,23 @@ HALVES = [F16, BF16]
 
 
 def inputs(shape, groups, dtype, seed=0, param_dtype=None):
-    """dy, mean, rstd, x, gamma, beta (NCHW family) from the shared case builder."""
-    return group_norm_swish_inputs(shape, groups, dtype, seed=seed, param_dtype=param_dtype)
+    """dy, mean, rstd, x, gamma, beta (NCHW family) from the shared case builder, with gamma
+    redrawn from [-1.5, 1.5] and every fifth channel's gamma 0 (from the third): a kernel that
+    dropped gamma's sign (or used |gamma|) anywhere must fail."""
+    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype, seed=seed,
+                                                             param_dtype=param_dtype)
+    signed = np.random.default_rng(seed + 1000).uniform(-1.5, 1.5, gamma.shape)
+    signed[2::5] = 0.0
+    return dy, mean, rstd, x, signed.astype(gamma.dtype), beta
+
+
+def perturbed_statistics(mean, rstd, seed):
+    """mean shifted by up to +-0.5 and rstd scaled by 0.6 to 1.6, per (n, group): statistics
+    that are not x's own, so only a kernel that uses the ones it is given matches."""
+    rng = np.random.default_rng(seed + 2000)
+    shifted = np.asarray(mean, np.float64) + rng.uniform(-0.5, 0.5, mean.shape)
+    scaled = np.asarray(rstd, np.float64) * rng.uniform(0.6, 1.6, rstd.shape)
+    return shifted.astype(mean.dtype), scaled.astype(rstd.dtype)
 
 
 def expected(args, groups, scale=1.0):
@@ -38,6 +55,16 @@ def expected(args, groups, scale=1.0):
 def to_channels_last(array):
     """(N, C, *spatial) -> C-contiguous (N, *spatial, C)."""
     return np.ascontiguousarray(np.moveaxis(array, 1, -1))
+
+
+def run(args, groups, data_format, scale):
+    """gns_bwd in either layout from NCHW-family args; results returned in NCHW order."""
+    if data_format == "NHWC":
+        dy, mean, rstd, x, gamma, beta = args
+        dx, dgamma, dbeta = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta,
+                                    groups, "NHWC", scale)
+        return np.moveaxis(dx, -1, 1), dgamma, dbeta
+    return gns_bwd(*args, groups, data_format, scale)
 
 
 def assert_all_match(results, references, **tolerance):
@@ -128,20 +155,23 @@ def test_mixed_precision_float32_parameters():
     assert result[1].dtype == F32 and result[0].dtype == F16
 
 
-def test_matches_torch_autograd():
-    """PyTorch autograd of y * sigmoid(s*y) after F.group_norm, with that forward's statistics."""
+@pytest.mark.parametrize("scale", [1.25, -0.7, -0.01, 1 / 3])
+def test_matches_torch_autograd(scale):
+    """PyTorch autograd of y * sigmoid(s*y) after F.group_norm, with that forward's statistics;
+    float64 data uses the scale as given (-0.7, -0.01 and 1/3 are not float32 numbers: rounding
+    them to float32 cost up to 7e-9 relative)."""
     torch = pytest.importorskip("torch")
-    shape, groups, scale, eps = (3, 8, 6, 5), 4, 1.25, 1e-5
+    shape, groups, eps = (3, 8, 6, 5), 4, 1e-5
     rng = np.random.default_rng(6)
     x = rng.standard_normal(shape) * 2 + 0.5
     dy = rng.standard_normal(shape)
-    gamma, beta = rng.uniform(0.5, 1.5, 8), rng.uniform(-0.5, 0.5, 8)
+    gamma, beta = rng.uniform(-1.5, 1.5, 8), rng.uniform(-0.5, 0.5, 8)
     tx, tg, tb = (torch.tensor(a, requires_grad=True) for a in (x, gamma, beta))
     y = torch.nn.functional.group_norm(tx, groups, tg, tb, eps)
     torch_grads = torch.autograd.grad(y * torch.sigmoid(scale * y), (tx, tg, tb), torch.tensor(dy))
     _, mean, rstd = torch.ops.aten.native_group_norm(
         torch.tensor(x), torch.tensor(gamma), torch.tensor(beta), shape[0], shape[1], 30, groups, eps)
-    for dtype, rtol in ((np.float64, 1e-10), (np.float32, 2e-5)):
+    for dtype, rtol in ((np.float64, 1e-11), (np.float32, 2e-5)):
         cast = [np.asarray(a, dtype) for a in (dy, mean.numpy(), rstd.numpy(), x, gamma, beta)]
         results = gns_bwd(*cast, groups, "NCHW", scale)
         for result, grad in zip(results, torch_grads):
@@ -158,6 +188,81 @@ def test_huge_swish_arguments_stay_finite(dtype, scale):
     results = gns_bwd(*args, groups, "NCHW", scale)
     assert all(np.isfinite(r.astype(np.float64)).all() for r in results)
     assert_all_match(results, expected(args, groups, float(np.float32(scale))))
+
+
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("scale", [-0.7, -0.01, 0.1, 1 / 3, -1e-7])
+def test_float64_uses_the_scale_as_given(scale, data_format):
+    """float64 data: the scale in float64 (scales that are not float32 numbers), against the
+    oracle at 1e-11 (rounding s to float32 was up to 7e-9 off)."""
+    shape, groups = (2, 6, 9, 7), 3
+    args = inputs(shape, groups, F64, seed=30)
+    assert float(np.float32(scale)) != scale
+    assert_all_match(run(args, groups, data_format, scale), expected(args, groups, scale))
+
+
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("scale", [8.0, -8.0, 30.0, -30.0, 1e4, -1e300])
+def test_float64_saturation(scale, data_format):
+    """float64 data with |s*y| well past 10 (up to ~1e301): the derivative follows the formula
+    until it saturates (clamp at 750, where exp underflows), then is exactly its limit."""
+    shape, groups = (2, 6, 11, 13), 3
+    args = inputs(shape, groups, F64, seed=31)
+    results = run(args, groups, data_format, scale)
+    assert all(np.isfinite(r).all() for r in results)
+    assert_all_match(results, expected(args, groups, scale))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+@pytest.mark.parametrize("scale", [1e300, -1e300, np.inf, -np.inf, 1e39])
+def test_huge_scale_is_a_step_without_warnings(dtype, scale):
+    """A scale beyond the compute type's range (1e300 or 1e39 with float32 compute) is an
+    infinity there: the derivative is the step 1 (y > 0) / 0 (y < 0), no RuntimeWarning."""
+    shape, groups = (2, 4, 6, 5), 2
+    args = inputs(shape, groups, dtype, seed=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = [run(args, groups, data_format, scale) for data_format in ("NCHW", "NHWC")]
+    with np.errstate(over="ignore"):
+        compute_scale = scale if dtype == F64 else float(np.float32(scale))
+    if dtype != F64:
+        assert np.isinf(compute_scale)
+    for result in results:
+        assert all(np.isfinite(r.astype(np.float64)).all() for r in result)
+        assert_all_match(result, expected(args, groups, compute_scale))
+
+
+def test_reference_swish_limits_at_infinite_scale():
+    """The oracle's derivative at s = +-inf is the step (not the formula's inf * 0 = NaN)."""
+    x = np.array([[-1.0, 1.0, -3.0, 3.0]])  # one group: mean 0, rstd 1 below
+    mean, rstd = np.zeros((1, 1)), np.ones((1, 1))
+    dy, gamma, beta = np.ones((1, 4)), np.ones(4), np.zeros(4)
+    for scale, steps in ((np.inf, [0.0, 1.0, 0.0, 1.0]), (-np.inf, [1.0, 0.0, 1.0, 0.0])):
+        _, _, dbeta = ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 1, scale)
+        assert dbeta.tolist() == steps
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, BF16], ids=str)
+def test_nan_scale_gives_nan(dtype):
+    shape, groups = (2, 4, 3, 5), 2
+    args = inputs(shape, groups, dtype, seed=33)
+    for data_format in ("NCHW", "NHWC"):
+        results = run(args, groups, data_format, np.nan)
+        assert all(np.isnan(r.astype(np.float64)).all() for r in results)
+        assert_all_match(results, expected(args, groups, np.nan))
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+def test_uses_the_statistics_it_is_given(dtype, data_format):
+    """mean and rstd that are not x's own (shifted, scaled): the result is the oracle's from the
+    same statistics, and differs from the one with x's own statistics."""
+    shape, groups = (3, 8, 10, 7), 4
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=34, param_dtype=F32)
+    mean, rstd = perturbed_statistics(mean, rstd, 34)
+    args = (dy, mean, rstd, x, gamma, beta)
+    results = run(args, groups, data_format, -1.5)
+    assert_all_match(results, expected(args, groups, -1.5))
 
 
 def test_constant_group_with_huge_rstd_stays_finite():
@@ -211,15 +316,17 @@ def test_nan_propagates():
 # layouts, strides, threads
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5)])
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32)])
 def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=13)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
     nhwc = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta, groups, "NHWC", 0.5)
     assert nhwc[0].shape == to_channels_last(x).shape and nhwc[0].flags.c_contiguous
+    assert nhwc[0].dtype == dtype
     assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
+    assert_all_match(nchw, expected((dy, mean, rstd, x, gamma, beta), groups, 0.5))
 
 
 def test_channels_last_strides_are_read_in_place_and_kept():

@@ -1,4 +1,4 @@
-"""fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, SPEC §5)."""
+"""fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5)."""
 
 import numpy as np
 
@@ -9,7 +9,7 @@ from ..kernels._jit import thread_count
 
 FUNC = "group_norm_swish_backward"
 
-#: data_format strings meaning "channels at axis 1" (SPEC §5), and the channels-last one.
+#: data_format strings meaning "channels at axis 1" (docs/semantics.md §5), and the channels-last one.
 CHANNELS_FIRST_FORMATS = ("NCHW", "ND", "NCL", "NCDHW")
 CHANNELS_LAST_FORMAT = "NHWC"
 #: The documents' limit on channels per group.
@@ -29,8 +29,8 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
                               *, out=None):
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
-    With ``s = float32(swish_scale)``, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
-    ``sig = sigmoid(s*y)``, ``gnew = dy * sig * (1 + s*y*(1 - sig))`` (SPEC §5)::
+    With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
+    ``sig = sigmoid(s*y)``, ``gnew = dy * sig * (1 + s*y*(1 - sig))`` (docs/semantics.md §5)::
 
         dbeta[c]  = sum over n, spatial of gnew
         dgamma[c] = sum over n, spatial of gnew * xhat
@@ -61,10 +61,14 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
         ``"NCHW"`` (default), ``"ND"``, ``"NCL"`` or ``"NCDHW"``: channels at axis 1, for any
         rank (the names are synonyms). ``"NHWC"``: channels on the last axis.
     swish_scale : float, optional
-        ``s``, any real value (0 and negatives included), rounded to float32 first. For
-        ``|s*y|`` beyond 104 (750 for float64 data) the Swish derivative takes its limit value
-        (1 above, 0 below), which is what float32 (float64) evaluation of the formula gives
-        there to the last bit; infinities in ``s*y`` therefore give finite derivatives.
+        ``s``, any real value (0, negatives, infinities and NaN included), used in the compute
+        type: as given for float64 data, rounded to float32 otherwise (a magnitude beyond the
+        float32 range becomes an infinity, silently: an infinite scale makes the Swish
+        derivative a step function, 1 for y > 0 and 0 for y < 0, and NaN at y = 0 where
+        ``s*y`` is NaN). For ``|s*y|`` beyond 104 (750 for float64 data) the Swish derivative
+        takes its limit value (1 above, 0 below), which is what float32 (float64) evaluation
+        of the formula gives there to the last bit; infinities in ``s*y`` therefore give
+        finite derivatives. A NaN scale gives NaN everywhere.
     dgamma_is_require, dbeta_is_require : bool, optional
         When False that gradient is not returned (None in its place).
     out : tuple of 3 (numpy.ndarray or None), optional
@@ -86,7 +90,7 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
     Computed in float32 for float32, float16 and bfloat16 data (parameters are converted
     exactly), in float64 for float64 data; half-format results are rounded once. The Swish
     derivative uses a polynomial exp with about 1e-7 relative error for float32 and ``exp``
-    for float64. Sums run in a fixed order (blocks of 4096 spatial positions, 256 interleaved
+    for float64. Sums run in a fixed order (blocks of 4096 spatial positions, 16 interleaved
     partial sums each, folded pairwise), identical for NCHW and NHWC and for any thread
     count, so results are bitwise reproducible. Each (sample, group) task keeps its group's
     ``gnew`` in a compute-type scratch array between its two passes (D*HxW elements, float32
@@ -164,7 +168,8 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
     rstd_c = rstd.astype(compute).reshape(batch, groups)
     gamma_c = np.ascontiguousarray(gamma, dtype=compute)
     beta_c = np.ascontiguousarray(beta, dtype=compute)
-    scale_c = compute.type(np.float32(swish_scale))
+    with np.errstate(over="ignore"):  # a huge scale rounds to a float32 infinity: a valid step
+        scale_c = compute.type(swish_scale)
     sum_g = np.empty((batch, channels), compute)
     sum_gx = np.empty((batch, channels), compute)
     if kernel_nhwc:

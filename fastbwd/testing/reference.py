@@ -635,8 +635,10 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_
     """GroupNorm+swish backward: the SPEC §5 formulas verbatim, in float64.
 
     mean, rstd: (N, G) or flat (N*G,), used as given (not recomputed). Returns
-    (dx, dgamma, dbeta). swish_scale is used as given in float64 (the kernels round it to
-    float32 first, so tests should pass float32-representable values).
+    (dx, dgamma, dbeta). swish_scale is used as given in float64 (the kernels use it in their
+    compute type: for float32 or half data pass float(np.float32(scale))). Where s*y is +-inf
+    (an infinite scale) the Swish derivative is its limit, 1 or 0, instead of the formula's
+    inf * 0 = NaN.
     """
     dy = np.asarray(dy, dtype=np.float64)
     x = np.asarray(x, dtype=np.float64)
@@ -661,8 +663,11 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_
 
     xhat = (x4 - mean4) * rstd4
     y = xhat * gam + bet
-    sig = _sigmoid(s * y)
-    dsw = sig * (1.0 + s * y * (1.0 - sig))
+    with np.errstate(invalid="ignore", over="ignore"):  # an infinite s: inf * 0 at y = 0
+        z = s * y
+        sig = _sigmoid(z)
+        dsw = sig * (1.0 + z * (1.0 - sig))
+    dsw = np.where(np.isinf(z), (z > 0).astype(np.float64), dsw)   # the limits at z = +-inf
     gnew = dy4 * dsw
 
     dbeta = gnew.sum(axis=(0, 3)).reshape(C)
