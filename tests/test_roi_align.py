@@ -747,3 +747,18 @@ def test_forward_out_overlapping_input():
     x, out = memory[:120].reshape(2, 3, 4, 5), memory[100:124].reshape(2, 3, 2, 2)
     with raises_param_error(r"roi_align_forward: out must not overlap input, but got overlapping memory"):
         roi_fwd(**dict(FORWARD_GOOD, input=x, out=out))
+
+
+def test_forward_docstring_matches_signature():
+    import inspect
+    import re
+
+    doc = inspect.getdoc(roi_fwd)
+    for section in ("Parameters", "Returns", "Raises"):
+        assert re.search(rf"^{section}\n-+$", doc, re.M), section
+    parameters = re.search(r"^Parameters\n-+\n(.*?)^Returns\n", doc, re.S | re.M).group(1)
+    documented = [name for line in parameters.splitlines()
+                  for match in [re.match(r"^(\w+(?:, \w+)*) :", line)] if match
+                  for name in match.group(1).split(", ")]
+    assert documented == list(inspect.signature(roi_fwd).parameters)
+    assert "roi_align_forward" not in fastbwd.__all__ and not hasattr(fastbwd, "roi_align_forward")
