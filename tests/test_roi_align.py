@@ -685,7 +685,8 @@ def test_forward_serial_twin_strides_out_and_inputs():
 def test_forward_empty_cases():
     boxes = np.array([[0, 1.0, 1.0, 3.0, 3.0], [1, 0.0, 0.0, 2.0, 2.0]], np.float32)
     # K == 0, C == 0
-    assert roi_fwd(np.ones((2, 3, 4, 5), np.float32), np.zeros((0, 5), np.float32), 2, 2, 1.0, 0, True).shape == (0, 3, 2, 2)
+    no_boxes = np.zeros((0, 5), np.float32)
+    assert roi_fwd(np.ones((2, 3, 4, 5), np.float32), no_boxes, 2, 2, 1.0, 0, True).shape == (0, 3, 2, 2)
     assert roi_fwd(np.ones((2, 0, 4, 5), np.float32), boxes, 2, 3, 1.0, 0, True).shape == (2, 0, 2, 3)
     # B == 0 (every box skipped), H == 0, W == 0: zeros, written into out too
     for shape in ((0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):

@@ -278,7 +278,7 @@ def _boxes_by_image(boxes, batch):
     """The boxes that contribute, grouped by image: ``(box_order, image_start)``.
 
     A box contributes when its five values are finite and ``floor(batch_index)`` is in
-    ``[0, batch)`` (SPEC: floor, where torchvision truncates). ``box_order`` lists them sorted by
+    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). ``box_order`` lists them sorted by
     image with a stable sort, so within an image they keep their given order;
     image ``b`` owns ``box_order[image_start[b]:image_start[b + 1]]``.
     """

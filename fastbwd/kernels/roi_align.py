@@ -12,7 +12,7 @@ one table per axis (torchvision's ``pre_calc``, factored and collapsed per pixel
    sample count along that axis (``wy / gh``, ``wx / gw``), summed in float64 and rounded once to
    the compute type. The samples of a bin that share a pixel pair are a run of consecutive sample
    indices (positions are monotonic in the index, rounding included), found by galloping and
-   bisection with the exact per-sample SPEC test (:func:`_sample_key`, evaluated in the compute
+   bisection with the exact per-sample test of docs/semantics.md §4 (:func:`_sample_key`, evaluated in the compute
    type like torchvision), so the work per bin is bounded by the pixels it touches times
    ``log2(grid)``, never by the grid: any ``sampling_ratio`` up to 2^31 - 1 (and any adaptive grid)
    returns promptly. A short run's weights are summed sample by sample in float64; a long run's by
@@ -61,7 +61,7 @@ def _like(value, template):
 
 @helper
 def box_geometry(box, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
-    """SPEC §4 per-box setup in the boxes' dtype.
+    """docs/semantics.md §4 per-box setup in the boxes' dtype.
 
     ``box`` is a finite row ``(b, x1, y1, x2, y2)``; ``sampling_ratio`` is a float (0 = adaptive).
     Returns ``(y1, x1, bin_h, bin_w, grid_h, grid_w)``, all floats of the box dtype;
@@ -112,7 +112,7 @@ def _sample_position(bin_origin, bin_size, grid, index):
 
 @helper
 def _sample_key(position, size):
-    """The SPEC sample test and clamping of one coordinate, as one ordered integer:
+    """The sample test and clamping (docs/semantics.md §4) of one coordinate, as one ordered integer:
 
     * ``-2``: skipped below (``position < -1``; NaN too);
     * ``-1``: ``-1 <= position < 0``, clamped to 0: weight 1 on pixel 0, 0 on pixel 1;
@@ -175,7 +175,7 @@ def _bin_weights(bin_origin, bin_size, grid, size, weight_sum, touched):
     """Sum the weights of every valid sample of one bin along one axis, per pixel, in float64.
 
     Adds ``sum of (1 - lambda)`` to ``weight_sum[low]`` and ``sum of lambda`` to
-    ``weight_sum[high]`` over every valid sample, and marks both pixels in ``touched`` (SPEC
+    ``weight_sum[high]`` over every valid sample, and marks both pixels in ``touched`` (docs/semantics.md
     §4: a sample adds its corner weights to ``low`` and ``high`` even when one of them is 0).
     Returns the lowest and highest touched pixel (``size, -1`` if none).
     """

@@ -183,8 +183,7 @@ def _torch_baseline(torch, grad_output, boxes, input_shape, pooled_height, poole
 
 def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """roi_align's output for the float32 input ``x`` (B, C, H, W) by the pure-PyTorch
-    formulation above (gathers and index_add, float32), as a NumPy array (K, C, PH, PW); None when
-    its gathered values would exceed ``_TORCH_MAX_BYTES``."""
+    formulation above (gathers and index_add, float32), as a NumPy array (K, C, PH, PW)."""
     import torch
 
     x = np.ascontiguousarray(x, np.float32)
@@ -192,8 +191,6 @@ def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling
     num_boxes = np.asarray(boxes).shape[0]
     bin_id, corner_index, corner_weight = _torch_samples(
         torch, boxes, x.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
-    if 4 * corner_index.shape[1] * channels * 4 > _TORCH_MAX_BYTES:
-        return None
     planes = torch.from_numpy(x).transpose(0, 1).reshape(channels, batch * height * width)
     sampled = sum(planes.index_select(1, corner_index[i]) * corner_weight[i] for i in range(4))
     pooled = torch.zeros((channels, num_boxes * pooled_height * pooled_width)).index_add(1, bin_id, sampled)
