@@ -685,7 +685,8 @@ def test_forward_serial_twin_strides_out_and_inputs():
 def test_forward_empty_cases():
     boxes = np.array([[0, 1.0, 1.0, 3.0, 3.0], [1, 0.0, 0.0, 2.0, 2.0]], np.float32)
     # K == 0, C == 0
-    assert roi_fwd(np.ones((2, 3, 4, 5), np.float32), np.zeros((0, 5), np.float32), 2, 2, 1.0, 0, True).shape == (0, 3, 2, 2)
+    no_boxes = np.zeros((0, 5), np.float32)
+    assert roi_fwd(np.ones((2, 3, 4, 5), np.float32), no_boxes, 2, 2, 1.0, 0, True).shape == (0, 3, 2, 2)
     assert roi_fwd(np.ones((2, 0, 4, 5), np.float32), boxes, 2, 3, 1.0, 0, True).shape == (2, 0, 2, 3)
     # B == 0 (every box skipped), H == 0, W == 0: zeros, written into out too
     for shape in ((0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
@@ -747,3 +748,18 @@ def test_forward_out_overlapping_input():
     x, out = memory[:120].reshape(2, 3, 4, 5), memory[100:124].reshape(2, 3, 2, 2)
     with raises_param_error(r"roi_align_forward: out must not overlap input, but got overlapping memory"):
         roi_fwd(**dict(FORWARD_GOOD, input=x, out=out))
+
+
+def test_forward_docstring_matches_signature():
+    import inspect
+    import re
+
+    doc = inspect.getdoc(roi_fwd)
+    for section in ("Parameters", "Returns", "Raises"):
+        assert re.search(rf"^{section}\n-+$", doc, re.M), section
+    parameters = re.search(r"^Parameters\n-+\n(.*?)^Returns\n", doc, re.S | re.M).group(1)
+    documented = [name for line in parameters.splitlines()
+                  for match in [re.match(r"^(\w+(?:, \w+)*) :", line)] if match
+                  for name in match.group(1).split(", ")]
+    assert documented == list(inspect.signature(roi_fwd).parameters)
+    assert "roi_align_forward" not in fastbwd.__all__ and not hasattr(fastbwd, "roi_align_forward")

@@ -138,8 +138,8 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
     ----------
     input : array_like
         ``(B, C, H, W)``: float32, float64, float16 or bfloat16. Any strides; channels-last
-        strides (``x_nhwc.transpose(0, 3, 1, 2)``) are read in place, other non-contiguous
-        arrays through a contiguous copy.
+        strides (``x_nhwc.transpose(0, 3, 1, 2)`` of a C-contiguous ``x_nhwc``) are read in
+        place, other non-contiguous arrays through a contiguous copy.
     boxes : array_like
         ``(K, 5)`` rows ``(batch_index, x1, y1, x2, y2)`` in input-image coordinates, the same
         dtype as ``input``; any strides. A box with NaN or +-Inf in any of its five values, or
@@ -206,17 +206,16 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
     box_order, image_start, box_rows, y_table, x_table = tables
     skipped = np.setdiff1d(np.arange(boxes.shape[0]), box_order).astype(np.int64)
     target = d.kernel_view(pooled).reshape(shape[0], channels, pooled_height * pooled_width)
-    fmt = d.storage_format(dtype)
-    block = _forward_channel_block(channels)
-    if d.is_channels_last(input):
-        source = d.kernel_view(d.physical(input, d.NHWC))
-        kernels.roi_align_fwd_nhwc(source, box_order, image_start, skipped, target, pooled_height,
-                                   pooled_width, block, fmt, *y_table, *x_table)
+    # A channels-last input (its NHWC transpose C-contiguous) is read in place, in that memory
+    # order; any other layout through a C-contiguous copy.
+    channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
+    if channels_last:
+        source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
     else:
-        source = d.kernel_view(np.ascontiguousarray(input))
-        kernels.roi_align_fwd_nchw(source, box_order, image_start, box_rows, skipped, target,
-                                   pooled_height, pooled_width, block, fmt,
-                                   *y_table, *x_table)
+        source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
+    kernels.roi_align_fwd(d.kernel_view(source), channels_last, height, width, box_order, image_start,
+                          box_rows, skipped, target, pooled_height, pooled_width, _forward_channel_block(channels),
+                          d.storage_format(dtype), *y_table, *x_table)
     return result
 
 
@@ -279,7 +278,7 @@ def _boxes_by_image(boxes, batch):
     """The boxes that contribute, grouped by image: ``(box_order, image_start)``.
 
     A box contributes when its five values are finite and ``floor(batch_index)`` is in
-    ``[0, batch)`` (SPEC: floor, where torchvision truncates). ``box_order`` lists them sorted by
+    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). ``box_order`` lists them sorted by
     image with a stable sort, so within an image they keep their given order;
     image ``b`` owns ``box_order[image_start[b]:image_start[b + 1]]``.
     """

@@ -337,7 +337,7 @@ def _roi_sample_indices(start, step, n, size):
 
 
 def _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
-    """SPEC §4 per-box setup. Returns None for a box that contributes nothing, else
+    """docs/semantics.md §4 per-box setup. Returns None for a box that contributes nothing, else
     (b, x1, y1, bin_h, bin_w, gh, gw, count)."""
     box = [float(v) for v in box]
     if not all(math.isfinite(v) for v in box):
@@ -368,7 +368,7 @@ def _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampli
 
 
 def _roi_bilinear(y, x, H, W):
-    """SPEC §4 sample rule. Returns None for a skipped sample, else
+    """docs/semantics.md §4 sample rule. Returns None for a skipped sample, else
     (yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh) with w_ab the weight of pixel (y_a, x_b)."""
     if math.isnan(y) or math.isnan(x) or y < -1.0 or y > H or x < -1.0 or x > W:
         return None
@@ -392,7 +392,7 @@ def _roi_bilinear(y, x, H, W):
 def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
                  aligned):
     """Yield (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) for every sample of a
-    box that contributes (SPEC §4)."""
+    box that contributes (docs/semantics.md §4)."""
     geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale,
                             sampling_ratio, aligned)
     if geo is None:
@@ -413,7 +413,7 @@ def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampl
 
 
 def _roi_sample_weights_1d(p, size):
-    """SPEC §4 sample rule along one axis: None for a skipped coordinate, else
+    """docs/semantics.md §4 sample rule along one axis: None for a skipped coordinate, else
     ((low, weight), (high, weight)) of the clamped bilinear split."""
     if math.isnan(p) or p < -1.0 or p > size:
         return None
@@ -446,7 +446,7 @@ def _roi_axis_exact(start, bin_size, grid, size):
 
     The samples are the arithmetic progression p_i = start + (i + 1/2) * bin_size / grid,
     i = 0 .. grid-1, taken as exact rationals. They are grouped by the coordinate interval that
-    decides their split (SPEC §4): [-1, 0) clamps to pixel 0 (weight 1, pixel 1 touched with 0),
+    decides their split (docs/semantics.md §4): [-1, 0) clamps to pixel 0 (weight 1, pixel 1 touched with 0),
     [L, L+1) splits between L and L+1 with lambda = p - L, [size-1, size] clamps to pixel size-1.
     The indices of each group follow from solving the progression for the interval ends, and the
     sum of lambda over a group is its count times its mean position minus L.
@@ -507,7 +507,7 @@ def roi_align_axis_weights(start, bin_size, grid, size):
 def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
                      aligned):
     """None for a box without samples, else (b, wy (PH, H), ty, wx (PW, W), tx, count): the
-    per-axis weight sums and touched masks of SPEC §4's product form."""
+    per-axis weight sums and touched masks of docs/semantics.md §4's product form."""
     geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio,
                             aligned)
     if geo is None or H == 0 or W == 0:
@@ -520,7 +520,7 @@ def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, s
 
 def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
                       aligned):
-    """torchvision roi_align forward in SPEC §4's product form, in float64.
+    """torchvision roi_align forward in docs/semantics.md §4's product form, in float64.
 
     x: (B, C, H, W); boxes: (K, 5) rows (batch_index, x1, y1, x2, y2). Returns (K, C, PH, PW):
     out[k, c, ph, pw] = sum over the touched rows and columns of
@@ -550,7 +550,7 @@ def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, samp
 
 def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
                        spatial_scale, sampling_ratio, aligned):
-    """roi_align backward in SPEC §4's product form, in float64. Returns (B, C, H, W).
+    """roi_align backward in docs/semantics.md §4's product form, in float64. Returns (B, C, H, W).
 
     Each bin adds g * wy[ph, row] * wx[pw, col] / count to every pixel whose row and column are
     touched by a valid sample of the bin (an inf or NaN gradient then gives NaN where a weight is
@@ -579,7 +579,7 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
 
 def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height, pooled_width,
                                   spatial_scale, sampling_ratio, aligned):
-    """The SPEC §4 loop itself in float64, sample by sample (every sample scatters g * weight /
+    """The docs/semantics.md §4 loop itself in float64, sample by sample (every sample scatters g * weight /
     count to its four pixels), to check the product form against (small grids only)."""
     g = np.asarray(grad_output, dtype=np.float64)
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 5)
