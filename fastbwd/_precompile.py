@@ -66,8 +66,8 @@ def add(op, dtypes, layout, path, call, *, variant=False):
 
 
 #: Operators in the order their entries start, the slowest to compile first (a short tail).
-SLOWEST_FIRST = ("roi_align_backward", "group_norm_swish_backward", "upsample_bilinear2d_backward",
-                 "avg_pool2d_backward", "replication_pad2d_backward")
+SLOWEST_FIRST = ("roi_align_backward", "roi_align_forward", "group_norm_swish_backward",
+                 "upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward")
 
 
 # ---- tiny inputs -----------------------------------------------------------------------------
@@ -165,6 +165,27 @@ def _roi_align(dtype):
 
 
 add("roi_align_backward", HALVES_AND_FLOATS, "NCHW", "backward", _roi_align)
+
+
+# roi_align_forward (fastbwd.torch.roi_align's forward): one kernel for NCHW and channels-last
+# input; the tables kernels are the backward's (a variant, run after the backward entries).
+
+def _roi_align_forward(layout):
+    def call(dtype):
+        from .api.roi_align import roi_align_forward
+
+        boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
+        x = _array((2, 3, 8, 8), dtype)
+        x = _channels_last(x) if layout == "NHWC" else x
+        roi_align_forward(x, boxes, 2, 2, 1.0, 0, True)
+        return roi_align_forward(x, boxes, 2, 2, 0.5, 2, False)
+
+    return call
+
+
+for _layout in ("NCHW", "NHWC"):
+    add("roi_align_forward", HALVES_AND_FLOATS, _layout, "forward", _roi_align_forward(_layout),
+        variant=True)
 
 
 # group_norm_swish_backward: NCHW and NHWC kernels, parameters in the data's dtype or float32,
