@@ -221,6 +221,21 @@ def test_global_pooling_divides_like_pytorch():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_global_pooling_divides_exactly_in_both_layouts(dtype):
+    # The global kernels (NCHW and NHWC) divide each gradient by the integer divisor, rounded
+    # once, exactly as PyTorch does: bit for bit g / d, never g * (1 / d) (1 ulp apart for many g).
+    grad_output = random((3, 37, 1, 1), dtype, 23)
+    compute = np.float64 if dtype == np.float64 else np.float32
+    for kernel, padding, include_pad, override, divisor in [((7, 8), (1, 1), True, 0, 56), ((5, 6), 0, True, 0, 30),
+                                                          ((7, 8), (1, 1), False, 0, 30), ((5, 6), 0, True, -7, -7)]:
+        want = (grad_output.astype(compute) / compute(divisor)).astype(dtype)
+        want = np.broadcast_to(want, (3, 37, 5, 6))
+        for x in (np.zeros((3, 37, 5, 6), dtype), channels_last(np.zeros((3, 37, 5, 6), dtype))):
+            result = pool_bwd(grad_output, x, kernel, 9, padding, False, include_pad, override)
+            assert bitwise_equal(np.ascontiguousarray(result), np.ascontiguousarray(want)), (kernel, x.strides)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_global_pooling_every_dtype_and_layout(dtype, layout):
     grad_output = random((2, 5, 1, 1), dtype, 8)

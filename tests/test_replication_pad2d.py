@@ -86,6 +86,27 @@ def test_matches_reference_random_cases(dtype):
         assert_matches_reference(result, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_every_cell_written_into_a_nan_filled_out(dtype, channels_last):
+    # out= prefilled with NaN: a cell that a kernel forgot to write (a cropped-away cell must
+    # become 0, not keep what the memory held) shows up whatever the allocator returned.
+    # Pads down to -(size - 1) on every side, both kernels (NCHW and NHWC).
+    rng = np.random.default_rng(17)
+    cases = [((2, 3, 6, 7), (-3, 2, 1, -2)), ((1, 2, 5, 8), (-5, -2, -3, 4)), ((2, 1, 7, 4), (2, -3, -4, -2))]
+    cases += [random_case(rng) for _ in range(12)]
+    for case, (input_shape, padding) in enumerate(cases):
+        if len(input_shape) == 3:
+            input_shape = (1,) + input_shape
+        grad_output = random(padded_shape(input_shape, padding), dtype, 300 + case)
+        out = np.full(input_shape, np.nan, dtype)
+        if channels_last:
+            grad_output = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+            out = np.ascontiguousarray(out.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        assert pad_bwd(grad_output, input_shape, padding, out=out) is out
+        assert_matches_reference(out, ref.replication_pad2d_backward(grad_output, input_shape, padding))
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.complex128], ids=str)
 def test_adjoint_of_the_forward(dtype):
     rng = np.random.default_rng(11)

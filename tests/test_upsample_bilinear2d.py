@@ -189,6 +189,20 @@ def test_integer_ratios_vectorised_rows_equal_reference_and_nhwc(align_corners):
         check(grad[:, :1], output_size, (1, 1, 5, width), align_corners)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_many_small_planes_run_as_lanes(dtype, align_corners):
+    # >= 128 planes with grad rows narrower than 16: the engine runs 16 planes at a time as
+    # vector lanes (a path of its own); 150 planes leave a partial last group of 6.
+    rng = np.random.default_rng(14)
+    for input_size, output_size in [((2, 75, 5, 6), (9, 11)), ((1, 150, 7, 3), (4, 13)), ((3, 50, 1, 9), (6, 5))]:
+        grad = grad_for(rng, input_size, output_size, dtype)
+        result = check(grad, output_size, input_size, align_corners, 0.0, 1.3 if not align_corners else 0.0)
+        nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners, 0.0,
+                 1.3 if not align_corners else 0.0, layout="NHWC")
+        assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), result)
+
+
 def test_threads_and_strides_and_no_mutation():
     rng = np.random.default_rng(6)
     input_size, output_size = (1, 2, 33, 20), (70, 41)  # few planes: blocks of rows
