@@ -120,6 +120,23 @@ def test_routed_result_is_fastbwd_in_pytorch_layout(case, dtype, memory_format):
     assert bitwise_equal(_convert.as_array(before), _convert.as_array(after))
 
 
+@pytest.mark.parametrize("case", ["upsample", "avg_pool", "pad"])
+def test_mixed_memory_formats_follow_pytorchs_rule(case):
+    """grad_output contiguous but the forward input channels_last (and the reverse), as a loss
+    like ``out.sum()`` gives: the result's layout is PyTorch's (upsampling follows grad_output,
+    pooling and padding the forward input), values bitwise the direct call's."""
+    for grad_format, input_format in [(torch.contiguous_format, torch.channels_last),
+                                      (torch.channels_last, torch.contiguous_format)]:
+        op, aten_args, direct = CASES[case](torch.float32, input_format)
+        aten_args = (aten_args[0].contiguous(memory_format=grad_format),) + aten_args[1:]
+        expected = op(*aten_args)
+        with ft.enabled():
+            routed = op(*aten_args)
+        _same_layout(routed, expected)
+        assert bitwise_equal(_convert.as_array(routed), direct())
+        _assert_close_to_torch(routed, expected)
+
+
 @pytest.mark.parametrize("layout", ["same", "empty", "channels_last", "wrong-shape"])
 @pytest.mark.parametrize("case", ["upsample", "avg_pool", "pad"])
 def test_grad_input_overload(case, layout):

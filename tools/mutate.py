@@ -51,6 +51,7 @@ T_ROI = "tests/test_roi_align.py"
 T_GN = "tests/test_group_norm_swish.py"
 T_REF = "tests/test_reference.py"
 T_HALF = "tests/test_halfbits.py"
+T_TORCH = "tests/test_torch.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -66,6 +67,8 @@ A_PAD = "fastbwd/api/replication_pad2d.py"
 A_ROI = "fastbwd/api/roi_align.py"
 A_GN = "fastbwd/api/group_norm_swish.py"
 V = "fastbwd/_validation.py"
+B_ROUTING = "fastbwd/torch/_routing.py"
+B_GN = "fastbwd/torch/_group_norm_swish.py"
 REF = "fastbwd/testing/reference.py"
 
 MUTANTS = [
@@ -190,7 +193,7 @@ MUTANTS = [
            "    stride = stride or (1, 1)",
            T_AP, "stride None means 1 instead of the kernel size"),
     Mutant("ap-1x1-channels-last-input", "avg_pool", A_AP,
-           "            out_height == out_width == 1 and isinstance(input, np.ndarray) and d.is_channels_last(input)):",
+           "            out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)):",
            "            False):",
            T_AP, "a channels-last input no longer decides the layout of a 1x1 grad_output"),
     Mutant("ap-ceil-last-window-rule", "avg_pool", V,
@@ -301,17 +304,15 @@ MUTANTS = [
            "        grad_input[:, :, hs:he, ws:we] += (g[:, :, oh, ow] / abs(div))[:, :, None, None]",
            T_REF, "pool oracle's backward ignores the sign of a negative divisor_override"),
     Mutant("ref-gn-swish-scale", "oracle", REF,
-           "    dsw = sig * (1.0 + s * y * (1.0 - sig))",
-           "    dsw = sig * (1.0 + y * (1.0 - sig))",
+           "        dsw = sig * (1.0 + z * (1.0 - sig))",
+           "        dsw = sig * (1.0 + y * (1.0 - sig))",
            T_REF, "GroupNorm+Swish oracle's Swish derivative ignores swish_scale in the second term"),
     Mutant("ref-gn-c1", "oracle", REF,
            "    c1 = (gam[..., 0] * sum_g).sum(axis=2) / M     # (N, G)",
            "    c1 = (gam[..., 0] * sum_g).sum(axis=2) / (M + 1)     # (N, G)",
            T_REF, "GroupNorm+Swish oracle's c1 divided by M + 1"),
 
-    # ==== RoIAlign and GroupNorm+Swish: written against the code of 2026-11-23 08:00 UTC ==========
-    # Other helpers are rewriting kernels/roi_align.py and kernels/group_norm_swish.py: the lead
-    # refreshes these snippets after merging (a stale one is reported as such, never as killed).
+    # ==== RoIAlign and GroupNorm+Swish (refreshed after the per-pixel weight tables) ==============
     Mutant("roi-aligned-offset", "roi_align", K_ROI,
            "    offset = like(0.5, zero) if aligned else zero",
            "    offset = zero",
@@ -325,17 +326,17 @@ MUTANTS = [
            "        grid_h = like(np.floor(roi_h / like(pooled_height, zero)), zero)",
            T_ROI, "adaptive sampling grid rounded down"),
     Mutant("roi-sample-test-low", "roi_align", K_ROI,
-           "            if not (position >= -one and position <= like(size, origin)):",
-           "            if not (position >= like(0.0, origin) and position <= like(size, origin)):",
+           "    if not (position >= -1):\n        return -2",
+           "    if not (position >= 0):\n        return -2",
            T_ROI, "samples in [-1, 0) skipped instead of clamped to 0"),
     Mutant("roi-weight-no-count", "roi_align", K_ROI,
-           "            low_weight[slot + used] = (one - lam) / divisor",
-           "            low_weight[slot + used] = (one - lam)",
-           T_ROI, "low-corner weights not divided by the sample count"),
-    Mutant("roi-corner-hh-weight", "roi_align", K_ROI,
-           "                            w = ly * lx\n",
-           "                            w = ly * hx\n",
-           T_ROI, "the high-high corner gets the high-low weight"),
+           "                    weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once",
+           "                    weight[slot + used] = weight_sum[q]  # rounded once",
+           T_ROI, "per-pixel weights not divided by the bin's sample count"),
+    Mutant("roi-closed-form-offset", "roi_align", K_ROI,
+           "                mean = np.float64(bin_origin) + (0.5 * (first + last) + 0.5) * step64",
+           "                mean = np.float64(bin_origin) + (0.5 * (first + last)) * step64",
+           T_ROI, "a long run's closed-form mean position misses the half-sample offset"),
     Mutant("roi-api-batch-trunc", "roi_align", A_ROI,
            "    image = np.floor(boxes[:, 0])",
            "    image = np.trunc(boxes[:, 0])",
@@ -380,6 +381,24 @@ MUTANTS = [
            "        dbeta_phys.fill(0)\n",
            "        pass\n",
            T_GN, "an out= dbeta given for an unrequired gradient is not zero-filled"),
+    Mutant("roi-fwd-leftover-channels", "roi_align", K_ROI,
+           "                        acc[bin_index, c] += source[pixel, c] * w\n",
+           "                        acc[bin_index, c] += source[pixel, c] * wy\n",
+           T_ROI, "the forward's leftover channels (past the 16-lane groups) ignore the x weight"),
+
+    # ==== fastbwd.torch (the PyTorch bridge) ==================================================
+    Mutant("torch-avg-pool-memory-format", "torch", B_ROUTING,
+           "    memory_format = memory_format or c.memory_format(input)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
+           "    memory_format = memory_format or c.memory_format(grad_output)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
+           T_TORCH, "routed avg-pool result takes grad_output's memory format instead of the input's"),
+    Mutant("torch-zero-divisor", "torch", B_ROUTING,
+           "    if divisor_override == _DIVISOR_UNSET:\n        return None",
+           "    if False:\n        return None",
+           T_TORCH, "PyTorch's divisor_override=0 served by fastbwd as unset instead of PyTorch's error"),
+    Mutant("torch-gn-bias-grad", "torch", B_GN,
+           "    need_bias = need_bias and bias is not None\n",
+           "    need_bias = False\n",
+           T_TORCH, "GroupNormSwish never computes the bias gradient"),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
