@@ -284,6 +284,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     count = sum_g.dtype.type(group_size * hw)
     flat_dx = dx.reshape(dx.size)
     prefetching = dx.itemsize >= 4
+    round_size = PREFETCH_ROUND if prefetching else BLOCK  # halves: one round per block
     line = 64 // dx.itemsize
     for task in prange(batch * groups):
         n = task // groups
@@ -307,23 +308,20 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                 block_dy = dy_row[block_start:block_stop]
                 block_x = x_row[block_start:block_stop]
                 block_gnew = gnew_row[block_start:block_stop]
-                if not prefetching:
-                    for i in range(block_stop - block_start):
-                        block_gnew[i] = _gnew_xhat(load(block_dy[i], fmt), load(block_x[i], fmt), group_mean,
+                # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
+                # lines are prefetched for writing (not for the half formats: bound by the
+                # arithmetic, they lost a little; they run one round per block). One copy of the loop body for both: two
+                # copies of the inlined Swish derivative cost compile time, not speed.
+                dx_start = (n * channels + c) * hw + block_start
+                for round_start in range(0, block_stop - block_start, round_size):
+                    round_stop = min(round_start + round_size, block_stop - block_start)
+                    round_dy = block_dy[round_start:round_stop]
+                    round_x = block_x[round_start:round_stop]
+                    round_gnew = block_gnew[round_start:round_stop]
+                    for i in range(round_stop - round_start):
+                        round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
                                                    group_rstd, channel_gamma, channel_beta, swish_scale)[0]
-                else:
-                    # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
-                    # lines are prefetched for writing (not for the half formats: bound by the
-                    # arithmetic, they lost a little)
-                    dx_start = (n * channels + c) * hw + block_start
-                    for round_start in range(0, block_stop - block_start, PREFETCH_ROUND):
-                        round_stop = min(round_start + PREFETCH_ROUND, block_stop - block_start)
-                        round_dy = block_dy[round_start:round_stop]
-                        round_x = block_x[round_start:round_stop]
-                        round_gnew = block_gnew[round_start:round_stop]
-                        for i in range(round_stop - round_start):
-                            round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
-                                                       group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                    if prefetching:
                         for e in range(dx_start + round_start, dx_start + round_stop, line):
                             prefetch_for_write(flat_dx, e)
                 block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd,
