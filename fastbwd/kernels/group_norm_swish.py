@@ -1,4 +1,4 @@
-"""group_norm_swish_backward loop nests (SPEC §5), and the vectorisable exp and Swish derivative.
+"""group_norm_swish_backward loop nests (docs/semantics.md §5), and the vectorisable exp and Swish derivative.
 
 One task per (n, group) (NCHW family) or per (n, run of whole groups) (NHWC) does both passes
 while its data is still in cache:
@@ -177,7 +177,7 @@ def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
 
 @helper
 def _dx(gnew, xhat, rstd, gamma, c1, c2):
-    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (SPEC §5)."""
+    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (docs/semantics.md §5)."""
     return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))
 
 
