@@ -317,7 +317,8 @@ def test_nan_propagates():
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
-@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32)])
+@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32),
+                                           ((2, 160, 5, 7), 32)])
 def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=13)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
@@ -362,6 +363,7 @@ def test_thread_count_does_not_change_bits(dtype, data_format):
 
 def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
     from fastbwd.api import group_norm_swish as api
+    from fastbwd.kernels._halfbits import NATIVE
 
     shape, groups = (3, 24, 17, 9), 6
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=18)
@@ -372,6 +374,20 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
         monkeypatch.setattr(api, "_NHWC_TASKS_PER_THREAD", per_thread)
         result = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
         assert all(bitwise_equal(a, b) for a, b in zip(result, expected)), (channels, per_thread)
+    # the kernel itself, every run length: 6 groups per task is the flat whole-rows path
+    # (C = 24 <= WHOLE_ROWS_MAX_CHANNELS), fewer the per-position channel runs
+    assert shape[1] <= kernels.WHOLE_ROWS_MAX_CHANNELS
+    dx_expected = np.ascontiguousarray(np.moveaxis(expected[0], -1, 1))
+    sums = []
+    for groups_per_task in (1, 2, 4, 5, 6):
+        dx = np.empty_like(x)
+        sum_g, sum_gx = np.empty((3, 24), F32), np.empty((3, 24), F32)
+        kernels.group_norm_swish_bwd_nhwc(dy.reshape(3, -1, 24), x.reshape(3, -1, 24), mean, rstd, gamma, beta,
+                                          np.float32(1.0), dx.reshape(3, -1, 24), sum_g, sum_gx,
+                                          groups_per_task, NATIVE)
+        assert bitwise_equal(np.moveaxis(dx, -1, 1), dx_expected), groups_per_task
+        sums.append((sum_g, sum_gx))
+    assert all(bitwise_equal(a[0], sums[0][0]) and bitwise_equal(a[1], sums[0][1]) for a in sums)
 
 
 def test_serial_twin_equals_parallel():

@@ -188,7 +188,9 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
             scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt)
 
     if want_dgamma or want_dbeta:
-        kernels.group_norm_swish_param_grads(
+        # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
+        # ~7.7 s CPU on a loaded machine) in the first call's compile
+        kernels.group_norm_swish_param_grads.serial(
             sum_g, sum_gx, d.kernel_view(dgamma_phys), d.kernel_view(dbeta_phys),
             want_dgamma, want_dbeta, d.storage_format(gamma.dtype))
     # A gradient that is not required: None, and an out= array given for it is zero-filled.
@@ -214,6 +216,8 @@ def _nhwc_groups_per_task(groups, group_size, batch, threads):
     """Consecutive groups one NHWC task handles: about ``_NHWC_TASK_CHANNELS`` channels, fewer
     only until there are ``_NHWC_TASKS_PER_THREAD`` tasks per thread, never fewer than one group.
     Any choice gives the same bits (every per-(n, c) sum has a fixed order)."""
+    if groups * group_size <= kernels.WHOLE_ROWS_MAX_CHANNELS and batch >= threads:
+        return groups  # whole rows: the kernel's flat loops (narrow runs were 1.4-2x slower)
     by_width = -(-_NHWC_TASK_CHANNELS // group_size)
     runs_per_image = -(-_NHWC_TASKS_PER_THREAD * threads // batch)
     by_tasks = -(-groups // runs_per_image)

@@ -1,4 +1,4 @@
-"""group_norm_swish_backward loop nests (SPEC §5), and the vectorisable exp and Swish derivative.
+"""group_norm_swish_backward loop nests (docs/semantics.md §5), and the vectorisable exp and Swish derivative.
 
 One task per (n, group) (NCHW family) or per (n, run of whole groups) (NHWC) does both passes
 while its data is still in cache:
@@ -40,6 +40,11 @@ BLOCK = 4096
 #: The NCHW first pass prefetches the dx lines of every round of this many positions for
 #: writing, right after computing them: G1 and G3 in float32 ran 1.15-1.2x faster.
 PREFETCH_ROUND = 256
+#: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
+#: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
+#: elements, 48 KB at C = 128 in float32) stay near L1. Measured single-threaded, (2,64,128,128)
+#: ran 1.4x faster flat, but G1 (C = 512, 192 KB of tiles) 1.2x slower than by rows.
+WHOLE_ROWS_MAX_CHANNELS = 128
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
 PARTIAL_SUMS = LANES
@@ -172,7 +177,7 @@ def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
 
 @helper
 def _dx(gnew, xhat, rstd, gamma, c1, c2):
-    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (SPEC §5)."""
+    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (docs/semantics.md §5)."""
     return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))
 
 
@@ -279,6 +284,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     count = sum_g.dtype.type(group_size * hw)
     flat_dx = dx.reshape(dx.size)
     prefetching = dx.itemsize >= 4
+    round_size = PREFETCH_ROUND if prefetching else BLOCK  # halves: one round per block
     line = 64 // dx.itemsize
     for task in prange(batch * groups):
         n = task // groups
@@ -302,23 +308,20 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                 block_dy = dy_row[block_start:block_stop]
                 block_x = x_row[block_start:block_stop]
                 block_gnew = gnew_row[block_start:block_stop]
-                if not prefetching:
-                    for i in range(block_stop - block_start):
-                        block_gnew[i] = _gnew_xhat(load(block_dy[i], fmt), load(block_x[i], fmt), group_mean,
+                # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
+                # lines are prefetched for writing (not for the half formats: bound by the
+                # arithmetic, they lost a little; they run one round per block). One copy of the loop body for both: two
+                # copies of the inlined Swish derivative cost compile time, not speed.
+                dx_start = (n * channels + c) * hw + block_start
+                for round_start in range(0, block_stop - block_start, round_size):
+                    round_stop = min(round_start + round_size, block_stop - block_start)
+                    round_dy = block_dy[round_start:round_stop]
+                    round_x = block_x[round_start:round_stop]
+                    round_gnew = block_gnew[round_start:round_stop]
+                    for i in range(round_stop - round_start):
+                        round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
                                                    group_rstd, channel_gamma, channel_beta, swish_scale)[0]
-                else:
-                    # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
-                    # lines are prefetched for writing (not for the half formats: bound by the
-                    # arithmetic, they lost a little)
-                    dx_start = (n * channels + c) * hw + block_start
-                    for round_start in range(0, block_stop - block_start, PREFETCH_ROUND):
-                        round_stop = min(round_start + PREFETCH_ROUND, block_stop - block_start)
-                        round_dy = block_dy[round_start:round_stop]
-                        round_x = block_x[round_start:round_stop]
-                        round_gnew = block_gnew[round_start:round_stop]
-                        for i in range(round_stop - round_start):
-                            round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
-                                                       group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                    if prefetching:
                         for e in range(dx_start + round_start, dx_start + round_stop, line):
                             prefetch_for_write(flat_dx, e)
                 block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd,
@@ -348,73 +351,169 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
 
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
     channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` in a scratch
-    array between the passes. Inner loops run along its contiguous channels; every per-(n, c)
-    sum has the NCHW kernel's order (lane rows ``i % PARTIAL_SUMS``, the same folds and blocks).
+    array between the passes. Every per-(n, c) sum has the NCHW kernel's order (lane rows
+    ``i % PARTIAL_SUMS``, the same folds and blocks).
+
+    A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
+    positions as one contiguous run of PARTIAL_SUMS*C elements laid out exactly like its
+    (PARTIAL_SUMS, C) lane rows, and runs one flat loop per round. A narrower task
+    (:func:`_nhwc_channel_runs`) loops along its channels once per position.
     """
     batch, hw, channels = x.shape
     groups = mean.shape[1]
-    group_size = channels // groups
-    count = sum_g.dtype.type(group_size * hw)
     runs = (groups + groups_per_task - 1) // groups_per_task
     for task in prange(batch * runs):
         n = task // runs
         run = task - n * runs
         first_group = run * groups_per_task
         last_group = min(first_group + groups_per_task, groups)
-        start = first_group * group_size
-        width = (last_group - first_group) * group_size
-        # Per-channel copies of the group constants, so the inner loops are plain vector loops.
-        channel_mean = np.empty(width, sum_g.dtype)
-        channel_rstd = np.empty(width, sum_g.dtype)
-        channel_c1 = np.empty(width, sum_g.dtype)
-        channel_c2 = np.empty(width, sum_g.dtype)
-        for k in range(width):
-            channel_mean[k] = mean[n, first_group + k // group_size]
-            channel_rstd[k] = rstd[n, first_group + k // group_size]
-        channel_gamma = gamma[start:start + width]
-        channel_beta = beta[start:start + width]
-        gnew_run = np.empty((hw, width), sum_g.dtype)
-        lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
-        lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
-        total_g = sum_g[n, start:start + width]
-        total_gx = sum_gx[n, start:start + width]
-        total_g[:] = 0
-        total_gx[:] = 0
-        for block_start in range(0, hw, BLOCK):
-            block_stop = min(block_start + BLOCK, hw)
-            used = min(block_stop - block_start, PARTIAL_SUMS)
-            lanes_g[:used] = 0
-            lanes_gx[:used] = 0
-            for i in range(block_start, block_stop):
-                dy_row = dy[n, i, start:start + width]
-                x_row = x[n, i, start:start + width]
-                gnew_row = gnew_run[i]
-                lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
-                lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
-                for k in range(width):
-                    gnew, xhat = _gnew_xhat(load(dy_row[k], fmt), load(x_row[k], fmt), channel_mean[k],
-                                            channel_rstd[k], channel_gamma[k], channel_beta[k], swish_scale)
-                    gnew_row[k] = gnew
-                    lane_g[k] += gnew
-                    lane_gx[k] += gnew * xhat
-            _fold_lanes(lanes_g.ravel(), width, used)
-            _fold_lanes(lanes_gx.ravel(), width, used)
-            total_g += lanes_g[0]
-            total_gx += lanes_gx[0]
-        for g in range(first_group, last_group):
-            c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size,
-                                         (g + 1) * group_size, count)
-            for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
-                channel_c1[k] = c1
-                channel_c2[k] = c2
-        for i in range(hw):
+        if first_group == 0 and last_group == groups and channels <= WHOLE_ROWS_MAX_CHANNELS:
+            _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, fmt)
+        else:
+            _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
+                               first_group, last_group, fmt)
+
+
+@helper
+def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, fmt):
+    """Image ``n`` of the NHWC kernel, all channels: flat loops over rounds of PARTIAL_SUMS
+    positions (PARTIAL_SUMS*C contiguous elements; element ``j`` of a round is lane
+    ``j // C``, channel ``j % C``, so the lane rows are added to element by element), with the
+    per-channel constants tiled PARTIAL_SUMS times. Same arithmetic per element, in the same
+    order, as :func:`_nhwc_channel_runs`; a loop of PARTIAL_SUMS*C elements instead of C
+    keeps the vector loops busy when C is small (C = 64 left a 32-element loop per position:
+    about one vector iteration behind its alias checks and remainder)."""
+    _, hw, channels = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    count = sum_g.dtype.type(group_size * hw)
+    tiled = PARTIAL_SUMS * channels
+    tile_mean = np.empty(tiled, sum_g.dtype)
+    tile_rstd = np.empty(tiled, sum_g.dtype)
+    tile_gamma = np.empty(tiled, sum_g.dtype)
+    tile_beta = np.empty(tiled, sum_g.dtype)
+    for j in range(tiled):
+        c = j % channels
+        tile_mean[j] = mean[n, c // group_size]
+        tile_rstd[j] = rstd[n, c // group_size]
+        tile_gamma[j] = gamma[c]
+        tile_beta[j] = beta[c]
+    flat_dy = dy[n].reshape(hw * channels)
+    flat_x = x[n].reshape(hw * channels)
+    flat_dx = dx[n].reshape(hw * channels)
+    gnew_all = np.empty(hw * channels, sum_g.dtype)
+    lanes_g = np.empty(tiled, sum_g.dtype)
+    lanes_gx = np.empty(tiled, sum_g.dtype)
+    total_g = sum_g[n]
+    total_gx = sum_gx[n]
+    total_g[:] = 0
+    total_gx[:] = 0
+    for block_start in range(0, hw, BLOCK):
+        block_stop = min(block_start + BLOCK, hw)
+        used = min(block_stop - block_start, PARTIAL_SUMS)
+        lanes_g[:used * channels] = 0
+        lanes_gx[:used * channels] = 0
+        for round_start in range(block_start, block_stop, PARTIAL_SUMS):
+            first = round_start * channels
+            stop = min(round_start + PARTIAL_SUMS, block_stop) * channels
+            round_dy = flat_dy[first:stop]
+            round_x = flat_x[first:stop]
+            round_gnew = gnew_all[first:stop]
+            for j in range(stop - first):
+                gnew, xhat = _gnew_xhat(load(round_dy[j], fmt), load(round_x[j], fmt), tile_mean[j],
+                                        tile_rstd[j], tile_gamma[j], tile_beta[j], swish_scale)
+                round_gnew[j] = gnew
+                lanes_g[j] += gnew
+                lanes_gx[j] += gnew * xhat
+        _fold_lanes(lanes_g, channels, used)
+        _fold_lanes(lanes_gx, channels, used)
+        total_g += lanes_g[:channels]
+        total_gx += lanes_gx[:channels]
+    # c1, c2 tiled like the other constants (the lane arrays are reused to hold them)
+    tile_c1 = lanes_g
+    tile_c2 = lanes_gx
+    for g in range(groups):
+        c1, c2 = _group_coefficients(total_g, total_gx, gamma, g * group_size, (g + 1) * group_size, count)
+        for c in range(g * group_size, (g + 1) * group_size):
+            tile_c1[c] = c1
+            tile_c2[c] = c2
+    for j in range(channels, tiled):
+        tile_c1[j] = tile_c1[j - channels]
+        tile_c2[j] = tile_c2[j - channels]
+    for round_start in range(0, hw, PARTIAL_SUMS):
+        first = round_start * channels
+        stop = min(round_start + PARTIAL_SUMS, hw) * channels
+        round_x = flat_x[first:stop]
+        round_dx = flat_dx[first:stop]
+        round_gnew = gnew_all[first:stop]
+        for j in range(stop - first):
+            xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+            round_dx[j] = store(_dx(round_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
+
+
+@helper
+def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
+                       first_group, last_group, fmt):
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
+    the run's contiguous channels, once per position."""
+    _, hw, channels = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    count = sum_g.dtype.type(group_size * hw)
+    start = first_group * group_size
+    width = (last_group - first_group) * group_size
+    # Per-channel copies of the group constants, so the inner loops are plain vector loops.
+    channel_mean = np.empty(width, sum_g.dtype)
+    channel_rstd = np.empty(width, sum_g.dtype)
+    channel_c1 = np.empty(width, sum_g.dtype)
+    channel_c2 = np.empty(width, sum_g.dtype)
+    for k in range(width):
+        channel_mean[k] = mean[n, first_group + k // group_size]
+        channel_rstd[k] = rstd[n, first_group + k // group_size]
+    channel_gamma = gamma[start:start + width]
+    channel_beta = beta[start:start + width]
+    gnew_run = np.empty((hw, width), sum_g.dtype)
+    lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
+    lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
+    total_g = sum_g[n, start:start + width]
+    total_gx = sum_gx[n, start:start + width]
+    total_g[:] = 0
+    total_gx[:] = 0
+    for block_start in range(0, hw, BLOCK):
+        block_stop = min(block_start + BLOCK, hw)
+        used = min(block_stop - block_start, PARTIAL_SUMS)
+        lanes_g[:used] = 0
+        lanes_gx[:used] = 0
+        for i in range(block_start, block_stop):
+            dy_row = dy[n, i, start:start + width]
             x_row = x[n, i, start:start + width]
-            dx_row = dx[n, i, start:start + width]
             gnew_row = gnew_run[i]
+            lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
+            lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
             for k in range(width):
-                xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-                dx_row[k] = store(_dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k],
-                                      channel_c1[k], channel_c2[k]), fmt)
+                gnew, xhat = _gnew_xhat(load(dy_row[k], fmt), load(x_row[k], fmt), channel_mean[k],
+                                        channel_rstd[k], channel_gamma[k], channel_beta[k], swish_scale)
+                gnew_row[k] = gnew
+                lane_g[k] += gnew
+                lane_gx[k] += gnew * xhat
+        _fold_lanes(lanes_g.ravel(), width, used)
+        _fold_lanes(lanes_gx.ravel(), width, used)
+        total_g += lanes_g[0]
+        total_gx += lanes_gx[0]
+    for g in range(first_group, last_group):
+        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size,
+                                     (g + 1) * group_size, count)
+        for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
+            channel_c1[k] = c1
+            channel_c2[k] = c2
+    for i in range(hw):
+        x_row = x[n, i, start:start + width]
+        dx_row = dx[n, i, start:start + width]
+        gnew_row = gnew_run[i]
+        for k in range(width):
+            xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
+            dx_row[k] = store(_dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k],
+                                  channel_c1[k], channel_c2[k]), fmt)
 
 
 # ---- dgamma, dbeta ----------------------------------------------------------------------------

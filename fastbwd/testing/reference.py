@@ -608,7 +608,7 @@ def _sigmoid(z):
 
 
 def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1.0):
-    """GroupNorm followed by swish (SPEC §5 forward).
+    """GroupNorm followed by swish (docs/semantics.md §5 forward).
 
     x: (N, C, *spatial), rank >= 2; gamma, beta: (C,). Returns (out, mean, rstd) with
     mean, rstd of shape (N, G): biased variance, rstd = 1 / sqrt(var + eps), all float64.
@@ -632,7 +632,7 @@ def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1
 
 
 def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_scale=1.0):
-    """GroupNorm+swish backward: the SPEC §5 formulas verbatim, in float64.
+    """GroupNorm+swish backward: the docs/semantics.md §5 formulas verbatim, in float64.
 
     mean, rstd: (N, G) or flat (N*G,), used as given (not recomputed). Returns
     (dx, dgamma, dbeta). swish_scale is used as given in float64 (the kernels use it in their
