@@ -21,6 +21,7 @@ ARRAY_DTYPES = {
 }
 
 
+
 def can_view(tensor):
     """True when ``tensor`` can be read as a NumPy array without a copy: a dense strided CPU tensor
     of a dtype fastbwd takes, with no lazy conjugate or negative bit."""
@@ -78,5 +79,17 @@ def dense(tensor, memory_format):
 
 
 def empty(shape, dtype, memory_format=torch.contiguous_format):
-    """A new CPU tensor for fastbwd to write into (PyTorch's allocator)."""
-    return torch.empty(shape, dtype=dtype, memory_format=memory_format)
+    """A new CPU tensor for fastbwd to write into, in ``memory_format``.
+
+    Its memory comes from NumPy (``np.empty``, wrapped without a copy): on these machines a
+    large ``torch.empty`` is 3-4x slower to first touch than the same ``np.empty`` (51 MB: about
+    27-35 ms against 8 ms, filled once), which would cost an allocating backward more than the
+    kernel itself. The tensor behaves like any other CPU tensor.
+    """
+    channels_last = memory_format == torch.channels_last and len(shape) == 4
+    physical = (shape[0], shape[2], shape[3], shape[1]) if channels_last else tuple(shape)
+    array_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else ARRAY_DTYPES[dtype]
+    tensor = torch.from_numpy(np.empty(physical, array_dtype))
+    if dtype == torch.bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor.permute(0, 3, 1, 2) if channels_last else tensor
