@@ -2,8 +2,8 @@
 
 A CPU tensor becomes a NumPy array over the same memory (``Tensor.numpy``), bfloat16 through an
 ``int16`` view reinterpreted as ``ml_dtypes.bfloat16`` (the way ``fastbwd._dtypes`` hands half
-formats to kernels). Results are written by the public functions into tensors allocated here with
-PyTorch's allocator (``out=``), so nothing is copied on the way back either.
+formats to kernels). Results are written by the public functions (``out=``) into tensors made
+here over NumPy-allocated memory (see :func:`empty`), so nothing is copied on the way back either.
 """
 
 import ml_dtypes
@@ -19,7 +19,6 @@ ARRAY_DTYPES = {
     torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128),
 }
-
 
 
 def can_view(tensor):
@@ -88,8 +87,5 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
     """
     channels_last = memory_format == torch.channels_last and len(shape) == 4
     physical = (shape[0], shape[2], shape[3], shape[1]) if channels_last else tuple(shape)
-    array_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else ARRAY_DTYPES[dtype]
-    tensor = torch.from_numpy(np.empty(physical, array_dtype))
-    if dtype == torch.bfloat16:
-        tensor = tensor.view(torch.bfloat16)
+    tensor = as_tensor(np.empty(physical, ARRAY_DTYPES[dtype]))
     return tensor.permute(0, 3, 1, 2) if channels_last else tensor
