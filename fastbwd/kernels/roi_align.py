@@ -488,23 +488,16 @@ def _image_rows(box_rows, begin, end, height):
 @helper
 def _fill_scratch(source, channels_last, first, pixels, c0, scratch, fmt):
     """``scratch[i, c] = load(pixel first + i, channel c0 + c)`` of one image: ``source`` is its
-    ``(C, H * W)`` planes, or (``channels_last``) its ``(H * W, C)`` pixels. Planes go by 16 x 16
-    register transposes (``decode_transpose_lanes``; a scalar loop storing elements ``nc`` apart
-    made this copy cost three times the gather on R1), leftover channels one by one."""
+    ``(C, H * W)`` planes, or (``channels_last``) its ``(H * W, C)`` pixels. Planes go through
+    the backward's :func:`_decode_bin_row` (16 x 16 register transposes; a scalar loop storing
+    elements ``nc`` apart made this copy cost three times the gather on R1)."""
     channels = scratch.shape[1]
     if channels_last:
         for i in range(pixels):
             for c in range(channels):
                 scratch[i, c] = load(source[first + i, c0 + c], fmt)
         return
-    tiled = channels // LANES * LANES
-    for cc in range(0, tiled, LANES):
-        for p in range(0, pixels, LANES):
-            decode_transpose_lanes(scratch, p, cc, source, c0 + cc, first + p, min(LANES, pixels - p), fmt)
-    for c in range(tiled, channels):
-        plane = source[c0 + c]
-        for i in range(pixels):
-            scratch[i, c] = load(plane[first + i], fmt)
+    _decode_bin_row(source, c0, first, scratch[:pixels], fmt)  # the backward's planes-to-rows copy
 
 
 @parallel_kernel
