@@ -99,34 +99,44 @@ def _physical_shape(shape, layout):
     return tuple(shape)
 
 
-def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out"):
+def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out", checked=False):
     """The result array (logical shape ``shape``) and its physical C-contiguous view for the kernel.
 
     Without ``out`` a new array is allocated (``np.empty``: the kernel writes every element). With ``out``
-    it must be a writeable ndarray of exactly that shape, dtype and layout that does not overlap
-    any of ``inputs``; it is checked completely before anything is written.
+    it must be a writeable ndarray of exactly that shape, dtype and layout (:func:`check_out`;
+    ``checked=True`` when the caller's plan has checked exactly this metadata already) that
+    does not overlap any of ``inputs``; it is checked completely before anything is written.
     Returns ``(result, physical_view)``.
     """
-    dtype = np.dtype(dtype)
     if out is None:
         phys = np.empty(_physical_shape(shape, layout), dtype)
         return logical(phys, layout), phys
+    if not checked:
+        check_out(func, out, shape, dtype, layout, param=param)
+    phys = out.transpose(0, 2, 3, 1) if layout == NHWC else out
+    for name, array in inputs:
+        if array is not None and _overlaps(out, array):
+            v.fail(func, param, f"must not overlap {name}", "overlapping memory")
+    return out, phys
+
+
+def check_out(func, out, shape, dtype, layout=NCHW, *, param="out"):
+    """An ``out=`` array (or None) must be a writeable ndarray of exactly the result's shape,
+    dtype and memory layout. Depends on the array's metadata only (see api._plans)."""
+    if out is None:
+        return
     if not isinstance(out, np.ndarray):
         v.fail(func, param, "must be a numpy.ndarray", v.describe(out))
     if tuple(out.shape) != tuple(shape):
         v.fail(func, f"{param}.shape", f"must be {tuple(shape)}", tuple(out.shape))
-    if out.dtype != dtype:
-        v.fail(func, f"{param}.dtype", f"must be {dtype}", out.dtype)
+    if out.dtype != np.dtype(dtype):
+        v.fail(func, f"{param}.dtype", f"must be {np.dtype(dtype)}", out.dtype)
     if not out.flags.writeable:
         v.fail(func, param, "must be writeable", "a read-only array")
     phys = out.transpose(0, 2, 3, 1) if layout == NHWC else out
     if not phys.flags.c_contiguous:
         want = "channels-last (NHWC) contiguous" if layout == NHWC else "C-contiguous"
         v.fail(func, param, f"must be {want} like the result", f"strides {out.strides}")
-    for name, array in inputs:
-        if array is not None and _overlaps(out, array):
-            v.fail(func, param, f"must not overlap {name}", "overlapping memory")
-    return out, phys
 
 
 def _overlaps(a, b):

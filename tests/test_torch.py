@@ -238,6 +238,35 @@ def test_fallback_to_pytorch_where_fastbwd_refuses():
     assert torch.equal(x.grad, expected)
 
 
+def test_remembered_decisions_serve_and_fall_back_every_time():
+    """The bridge decides once per call geometry; every repeat gets the same decision and the
+    same bits, and a geometry decided with one grad_input does not decide another's."""
+    x = _randn((1, 2, 3, 2), torch.float32, 9)
+    narrow = _randn((1, 2, 3, 8), torch.float32, 10)  # pad (3, 3): wider than the input
+    wide = _randn((1, 2, 3, 4), torch.float32, 11)  # pad (1, 1): served
+    op = A.replication_pad2d_backward
+    plain = [op(narrow, x, [3, 3, 0, 0]), op(wide, x, [1, 1, 0, 0])]
+    with ft.enabled():
+        for _ in range(3):
+            served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()
+            refused = op(narrow, x, [3, 3, 0, 0])
+            assert _routing.FALLBACK - fallbacks and not _routing.SERVED - served
+            served = _routing.SERVED.copy()
+            accepted = op(wide, x, [1, 1, 0, 0])
+            assert _routing.SERVED - served
+            assert torch.equal(refused, plain[0])
+            torch.testing.assert_close(accepted, plain[1], rtol=1e-6, atol=1e-6)
+        # the .grad_input overload with the same tensors: a channels_last grad_input is written
+        # in place in its own memory format, a float64 one gets PyTorch's error
+        out = torch.empty(1, 2, 3, 2).contiguous(memory_format=torch.channels_last)
+        for _ in range(2):
+            assert op.grad_input(wide, x, [1, 1, 0, 0], grad_input=out) is out
+            assert out.is_contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(out, plain[1], rtol=1e-6, atol=1e-6)
+            with pytest.raises(RuntimeError):
+                op.grad_input(wide, x, [1, 1, 0, 0], grad_input=torch.empty(0, dtype=torch.float64))
+
+
 def test_other_devices_and_lazy_conjugates():
     """Only the CPU key is overridden (a meta tensor still gets PyTorch's meta kernel); a
     conjugate-bit complex gradient is resolved by PyTorch before the CPU kernel sees it."""

@@ -1,11 +1,14 @@
 """fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5)."""
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import group_norm_swish as kernels
 from ..kernels._jit import thread_count
+from . import _plans
 
 FUNC = "group_norm_swish_backward"
 
@@ -112,10 +115,34 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
     x = v.as_array(FUNC, "x", x)
     gamma = v.as_array(FUNC, "gamma", gamma)
     beta = v.as_array(FUNC, "beta", beta)
+    swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
+    plan = _PLANS(_plan, dy, mean, rstd, x, gamma, beta, num_groups, data_format,
+                  dgamma_is_require, dbeta_is_require, out)
+    return _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, _out_entries(out))
+
+
+_PLANS = _plans.Plans()
+
+
+class _Plan(NamedTuple):
+    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    layout: str  # physical layout of x: NHWC for a channels-last NCHW array
+    kernel_nhwc: bool  # the NHWC kernel runs (data_format NHWC, or channels-last strides)
+    kernel_shape: tuple  # (N, C, HxW) or (N, HxW, C)
+    batch: int
+    channels: int
+    groups: int
+    compute: np.dtype
+    want_dgamma: bool
+    want_dbeta: bool
+
+
+def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require,
+          dbeta_is_require, out):
+    """Validate every argument (errors in the documented order) and decide the kernel path."""
     groups = v.int_value(FUNC, "num_groups", num_groups)
     data_format = v.choice(FUNC, "data_format", data_format,
                            CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
-    swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
     want_dgamma = v.bool_value(FUNC, "dgamma_is_require", dgamma_is_require)
     want_dbeta = v.bool_value(FUNC, "dbeta_is_require", dbeta_is_require)
 
@@ -154,16 +181,40 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
     # The physical layout the kernels see: (N, C, HxW) or (N, HxW, C).
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
     kernel_nhwc = channels_last or layout == d.NHWC
-    out_dx, out_dgamma, out_dbeta = _out_entries(out)
-    inputs = (("dy", dy), ("mean", mean), ("rstd", rstd), ("x", x), ("gamma", gamma), ("beta", beta))
-    dx, dx_phys = d.output(FUNC, out_dx, x.shape, dtype, layout, inputs=inputs, param="out[0]")
-    dgamma, dgamma_phys = d.output(FUNC, out_dgamma, (channels,), gamma.dtype,
-                                   inputs=inputs + (("out[0]", dx),), param="out[1]")
-    dbeta, dbeta_phys = d.output(FUNC, out_dbeta, (channels,), gamma.dtype,
-                                 inputs=inputs + (("out[0]", dx), ("out[1]", dgamma)), param="out[2]")
+    out_entries = _out_entries(out)
+    out_dx, out_dgamma, out_dbeta = out_entries
+    d.check_out(FUNC, out_dx, x.shape, dtype, layout, param="out[0]")
+    d.check_out(FUNC, out_dgamma, (channels,), gamma.dtype, param="out[1]")
+    d.check_out(FUNC, out_dbeta, (channels,), gamma.dtype, param="out[2]")
+    kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
+    return _Plan(layout, kernel_nhwc, kernel_shape, batch, channels, groups,
+                 d.compute_dtype(dtype), want_dgamma, want_dbeta)
 
-    compute = d.compute_dtype(dtype)
-    fmt = d.storage_format(dtype)
+
+_INPUT_NAMES = ("dy", "mean", "rstd", "x", "gamma", "beta")
+
+
+def _outputs(x, gamma, layout, channels, out_entries, inputs):
+    """``(dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys)``: the out= arrays (their
+    metadata already checked) after the overlap checks, or new arrays."""
+    inputs = tuple(zip(_INPUT_NAMES, inputs))
+    out_dx, out_dgamma, out_dbeta = out_entries
+    dx = d.output(FUNC, out_dx, x.shape, x.dtype, layout, inputs=inputs, param="out[0]",
+                  checked=True)
+    dgamma = d.output(FUNC, out_dgamma, (channels,), gamma.dtype,
+                      inputs=inputs + (("out[0]", dx[0]),), param="out[1]", checked=True)
+    dbeta = d.output(FUNC, out_dbeta, (channels,), gamma.dtype,
+                     inputs=inputs + (("out[0]", dx[0]), ("out[1]", dgamma[0])), param="out[2]",
+                     checked=True)
+    return dx, dgamma, dbeta
+
+
+def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
+    """The per-call work of a validated call: overlap checks, outputs, the kernels."""
+    batch, channels, groups, compute = plan.batch, plan.channels, plan.groups, plan.compute
+    (dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys) = _outputs(
+        x, gamma, plan.layout, channels, out_entries, (dy, mean, rstd, x, gamma, beta))
+    fmt = d.storage_format(x.dtype)
     mean_c = mean.astype(compute).reshape(batch, groups)
     rstd_c = rstd.astype(compute).reshape(batch, groups)
     gamma_c = np.ascontiguousarray(gamma, dtype=compute)
@@ -172,21 +223,22 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_f
         scale_c = compute.type(swish_scale)
     sum_g = np.empty((batch, channels), compute)
     sum_gx = np.empty((batch, channels), compute)
-    if kernel_nhwc:
+    shape = plan.kernel_shape
+    if plan.kernel_nhwc:
+        layout = plan.layout
         dy_k = d.kernel_view(d.physical(dy, layout) if layout == d.NHWC else np.ascontiguousarray(dy))
         x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
-        shape = (batch, hw, channels)
         kernels.group_norm_swish_bwd_nhwc(
             dy_k.reshape(shape), x_k.reshape(shape), mean_c, rstd_c, gamma_c, beta_c, scale_c,
             d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx,
             _nhwc_groups_per_task(groups, channels // groups, batch, thread_count()), fmt)
     else:
-        shape = (batch, channels, hw)
         kernels.group_norm_swish_bwd_nchw(
             d.kernel_view(np.ascontiguousarray(dy)).reshape(shape),
             d.kernel_view(np.ascontiguousarray(x)).reshape(shape), mean_c, rstd_c, gamma_c, beta_c,
             scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt)
 
+    want_dgamma, want_dbeta = plan.want_dgamma, plan.want_dbeta
     if want_dgamma or want_dbeta:
         # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
         # ~7.7 s CPU on a loaded machine) in the first call's compile

@@ -1,10 +1,13 @@
 """fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, docs/semantics.md §1)."""
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import upsample_bilinear2d as kernels
+from . import _plans
 
 FUNC = "upsample_bilinear2d_backward"
 LAYOUTS = (d.NCHW, d.NHWC)
@@ -58,8 +61,48 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
         above 2**20; grad_output's shape not the expected one; a bad ``layout``, flag or scale;
         a bad ``out``. Status 161001 when grad_output, output_size or input_size is None.
     """
-    layout = v.choice(FUNC, "layout", layout, LAYOUTS)
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
+    plan = _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w,
+                  layout, out)
+    # Physical layout the kernel runs on: the user's NHWC, or an NCHW array whose strides are
+    # channels-last (read as its NHWC view without a copy; the result keeps that memory format).
+    if plan.user_nhwc:
+        source = np.ascontiguousarray(grad_output)
+    else:
+        source = d.physical(grad_output, plan.physical_layout)
+    result, grad_input = d.output(FUNC, out, plan.result_shape, grad_output.dtype,
+                                  plan.result_layout, inputs=(("grad_output", grad_output),),
+                                  checked=True)
+    if plan.tables is None:
+        return result  # empty (N or C is 0): nothing to compute
+    source = d.read_only(d.kernel_view(source))
+    if plan.physical_layout == d.NHWC:
+        kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *plan.tables, plan.fmt)
+    else:
+        kernels.separable_bwd_nchw(source.reshape(plan.source_planes),
+                                   d.kernel_view(grad_input).reshape(plan.result_planes),
+                                   *plan.tables, plan.fmt)
+    return result
+
+
+_PLANS = _plans.Plans()
+
+
+class _Plan(NamedTuple):
+    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    result_shape: tuple
+    user_nhwc: bool  # layout="NHWC"
+    physical_layout: str  # the layout the kernel runs on
+    result_layout: str
+    source_planes: tuple  # (N*C, OH, OW) and (N*C, H, W): the NCHW kernel's views
+    result_planes: tuple
+    tables: tuple  # the row and column tap tables; None when the result is empty
+    fmt: object
+
+
+def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
+    """Validate every argument (errors in the documented order) and decide the kernel path."""
+    layout = v.choice(FUNC, "layout", layout, LAYOUTS)
     output_height, output_width = v.int_tuple(FUNC, "output_size", output_size, (2,))
     batch, channels, height, width = v.int_tuple(FUNC, "input_size", input_size, (4,))
     align_corners = v.bool_value(FUNC, "align_corners", align_corners)
@@ -89,31 +132,20 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
                   f"{(output_height, output_width)} in layout {layout}")
 
     dtype = grad_output.dtype
-    # Physical layout the kernel runs on: the user's NHWC, or an NCHW array whose strides are
-    # channels-last (read as its NHWC view without a copy; the result keeps that memory format).
     if layout == d.NHWC:
         physical_layout, result_layout = d.NHWC, d.NCHW  # result_shape is already (N, H, W, C)
-        source = np.ascontiguousarray(grad_output)
     else:
         physical_layout = result_layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
-        source = d.physical(grad_output, physical_layout)
-    result, grad_input = d.output(FUNC, out, result_shape, dtype, result_layout,
-                                  inputs=(("grad_output", grad_output),))
-    if result.size == 0:
-        return result
-
+    d.check_out(FUNC, out, result_shape, dtype, result_layout)
+    if batch * channels == 0:
+        return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout,
+                     None, None, None, None)
     opmath = d.compute_dtype(dtype)
     tables = (
         *kernels.backward_table(height, output_height, align_corners, scales_h, opmath),
         *kernels.backward_table(width, output_width, align_corners, scales_w, opmath),
     )
-    fmt = d.storage_format(dtype)
-    source = d.read_only(d.kernel_view(source))
-    if physical_layout == d.NHWC:
-        kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *tables, fmt)
-    else:
-        planes = batch * channels
-        kernels.separable_bwd_nchw(
-            source.reshape(planes, output_height, output_width),
-            d.kernel_view(grad_input).reshape(planes, height, width), *tables, fmt)
-    return result
+    planes = batch * channels
+    return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout,
+                 (planes, output_height, output_width), (planes, height, width), tables,
+                 d.storage_format(dtype))

@@ -69,9 +69,13 @@ class StorageFormatType(types.Dummy):
         super().__init__(name=f"StorageFormat[{format_name}]")
 
 
+_TYPES = {name: StorageFormatType(name) for name in _BY_NAME}
+
+
 @typeof_impl.register(StorageFormat)
 def _typeof_storage_format(value, context):
-    return StorageFormatType(value.name)
+    # the three types made once: typing a kernel's arguments is part of every call's overhead
+    return _TYPES[value.name]
 
 
 register_model(StorageFormatType)(models.OpaqueModel)

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 import fastbwd
+from fastbwd.api import _plans
 
 from . import _convert as c
 from ._threads import match_torch_threads
@@ -83,10 +84,30 @@ OVERLOADS = ("", ".grad_input")
 SERVED = collections.Counter()
 FALLBACK = collections.Counter()
 
+#: What the first call of each call geometry decided, for the calls after it (a training loop
+#: repeats a few geometries): the memory format to serve it in (the in-place grad_input's or
+#: PyTorch's rule), or None when PyTorch's own kernel answers. Keyed by :func:`_signature`; the
+#: decision depends on nothing else (fastbwd's validation of these three operators reads only
+#: shapes, dtypes and argument values).
+_DECISIONS = _plans.Plans()
 
-def _served(prepare, args, grad_input):
-    """The result of the fastbwd call for these aten arguments, or None when PyTorch's own
-    kernel must answer (fastbwd refuses the call, or a tensor is not viewable as an array)."""
+
+def _signature(name, args, grad_input):
+    """The call's metadata: every tensor's shape, strides, dtype and lazy conj/neg bits, every
+    other argument by type and value (:func:`fastbwd.api._plans.key`)."""
+    parts = [name]
+    for value in args + (grad_input,):
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.stride(), value.dtype, value.is_conj(), value.is_neg()))
+        else:
+            parts.append(_plans.key(value))
+    return tuple(parts)
+
+
+def _decide(prepare, args, grad_input):
+    """The memory format this call is served in, or None when PyTorch's own kernel must answer
+    (a tensor not viewable as an array, a grad_input of another dtype, a call fastbwd does
+    not take)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if grad_input is not None:
         tensors.append(grad_input)
@@ -103,13 +124,19 @@ def _served(prepare, args, grad_input):
     plan = prepare(in_place, *args)
     if plan is None:
         return None
-    function, arguments, shape, dtype, memory_format = plan
+    _, _, _, dtype, memory_format = plan
     if grad_input is not None and grad_input.dtype != dtype:
         return None  # PyTorch's kernel decides what a grad_input of another dtype gets
-    if in_place is not None and tuple(grad_input.shape) == shape:
-        result = grad_input
-    else:
-        result = c.empty(shape, dtype, memory_format)
+    return memory_format
+
+
+def _serve(prepare, args, grad_input, memory_format):
+    """The fastbwd result of a call decided to be served in ``memory_format``, or None when
+    fastbwd refuses it (ParamError): then PyTorch's kernel answers."""
+    function, arguments, shape, dtype, memory_format = prepare(memory_format, *args)
+    in_place = (grad_input is not None and tuple(grad_input.shape) == shape
+                and grad_input.is_contiguous(memory_format=memory_format))
+    result = grad_input if in_place else c.empty(shape, dtype, memory_format)
     match_torch_threads()
     try:
         function(*arguments, out=c.as_array(result))
@@ -122,14 +149,41 @@ def _served(prepare, args, grad_input):
     return grad_input.copy_(result)
 
 
+_UNDECIDED = object()
+
+
+def _served(name, prepare, args, grad_input):
+    """The fastbwd result for these aten arguments, or None when PyTorch's own kernel must
+    answer. The first call of a geometry decides (:func:`_decide`, and whether fastbwd accepts
+    it); later calls of the same geometry reuse that decision."""
+    try:
+        signature = _signature(name, args, grad_input)
+    except _plans.Unkeyable:
+        signature = None
+    decision = _UNDECIDED if signature is None else _DECISIONS.get(signature) or _UNDECIDED
+    if decision is _UNDECIDED:
+        decision = _decide(prepare, args, grad_input)
+        result = None if decision is None else _serve(prepare, args, grad_input, decision)
+        if signature is not None:
+            _DECISIONS.add(signature, decision if result is not None else _FALLBACK)
+        return result
+    if decision is _FALLBACK:
+        return None
+    return _serve(prepare, args, grad_input, decision)
+
+
+_FALLBACK = "fallback"  # a stored decision: PyTorch's own kernel answers
+
+
 def _kernel(name, overload):
     """fastbwd's CPU kernel for ``aten::name{overload}``, falling back to PyTorch's own."""
     original = torch.library.get_kernel(f"aten::{name}{overload}", "CPU")
     prepare = ROUTES[name]
+    route = name + overload
 
     def kernel(keyset, *args, grad_input=None):
         if _active:
-            result = _served(prepare, args, grad_input)
+            result = _served(route, prepare, args, grad_input)
             if result is not None:
                 SERVED[name] += 1
                 return result

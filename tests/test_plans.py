@@ -1,0 +1,127 @@
+"""The api layer's remembered validations (fastbwd/api/_plans.py): a repeated call reuses its
+plan, and nothing the full validation would refuse ever gets through a stored plan."""
+
+import numpy as np
+import pytest
+
+import fastbwd
+from fastbwd.api import _plans
+from fastbwd.api import group_norm_swish as gn_api
+from fastbwd.api import upsample_bilinear2d as up_api
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261123)
+
+
+def _gn_args(rng, shape=(2, 6, 3, 5), groups=3):
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    mean = rng.standard_normal((shape[0], groups)).astype(np.float32)
+    rstd = (1 + rng.random((shape[0], groups))).astype(np.float32)
+    gamma = rng.standard_normal(shape[1]).astype(np.float32)
+    beta = rng.standard_normal(shape[1]).astype(np.float32)
+    return dy, mean, rstd, x, gamma, beta, groups
+
+
+def test_key_tells_types_apart():
+    # values that compare equal but mean different things to the validation
+    assert _plans.key(1) != _plans.key(True)
+    assert _plans.key(2) != _plans.key(2.0)
+    assert _plans.key([1, 2]) != _plans.key([True, 2])
+    assert _plans.key([1, 2]) != _plans.key((1, 2))
+    assert _plans.key(np.int64(3)) != _plans.key(3)
+    a = np.zeros((2, 3), np.float32)
+    assert _plans.key(a) == _plans.key(np.ones((2, 3), np.float32))  # metadata only
+    assert _plans.key(a) != _plans.key(a.T.copy().T)  # other strides
+    assert _plans.key(a) != _plans.key(a.astype(np.float64))
+    read_only = a.copy()
+    read_only.flags.writeable = False
+    assert _plans.key(a) != _plans.key(read_only)
+    with pytest.raises(_plans.Unkeyable):
+        _plans.key(object())
+
+
+def test_table_is_bounded_and_keeps_the_newest():
+    plans = _plans.Plans(size=3)
+    built = []
+
+    def build(value):
+        built.append(value)
+        return ("plan", value)
+
+    for value in (1, 2, 1, 3, 4, 1):
+        assert plans(build, value) == ("plan", value)
+    assert built == [1, 2, 3, 4, 1]  # 1 was dropped as the oldest when 4 came
+    assert len(plans) == 3
+
+
+def test_failed_validation_is_not_stored():
+    plans = _plans.Plans()
+    calls = []
+
+    def build(value):
+        calls.append(value)
+        raise fastbwd.ParamError("refused")
+
+    for _ in range(2):
+        with pytest.raises(fastbwd.ParamError):
+            plans(build, 5)
+    assert calls == [5, 5] and len(plans) == 0
+
+
+def test_repeated_call_reuses_the_plan(rng):
+    gn_api._PLANS.clear()
+    args = _gn_args(rng)
+    first = fastbwd.group_norm_swish_backward(*args)
+    assert len(gn_api._PLANS) == 1
+    again = fastbwd.group_norm_swish_backward(*args, swish_scale=1.0)
+    assert len(gn_api._PLANS) == 1
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    # another swish_scale is not part of the plan: same plan, other numbers
+    other = fastbwd.group_norm_swish_backward(*args, swish_scale=-0.5)
+    assert len(gn_api._PLANS) == 1
+    assert not np.array_equal(other[0], first[0])
+
+
+def test_stored_plan_does_not_let_bad_arguments_through(rng):
+    dy, mean, rstd, x, gamma, beta, groups = _gn_args(rng)
+    fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups)
+    with pytest.raises(fastbwd.ParamError, match="num_groups must be an integer"):
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, float(groups))
+    with pytest.raises(fastbwd.ParamError, match="dgamma_is_require must be a bool"):
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 1.0, 1)
+    with pytest.raises(fastbwd.ParamError, match="swish_scale must be a real number"):
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, "NCHW", "1")
+
+    out = (np.empty_like(x), np.empty_like(gamma), np.empty_like(beta))
+    fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, out=out)
+    # the same metadata, but dx now overlaps dy: checked on every call, not stored
+    with pytest.raises(fastbwd.ParamError, match=r"out\[0\] must not overlap dy"):
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups,
+                                          out=(dy, out[1], out[2]))
+    read_only = out[0].copy()
+    read_only.flags.writeable = False
+    with pytest.raises(fastbwd.ParamError, match=r"out\[0\] must be writeable"):
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups,
+                                          out=(read_only, out[1], out[2]))
+
+
+def test_upsample_plan_checks_overlap_and_types_every_call(rng):
+    grad_output = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    out = np.empty((1, 2, 3, 4), np.float32)
+    fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), out=out)
+    planned = len(up_api._PLANS)
+    fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), out=out)
+    assert len(up_api._PLANS) == planned
+    # an out= that is a view into grad_output, with the metadata of a valid one
+    inside = grad_output[:, :, :3, :4].copy()
+    view = np.lib.stride_tricks.as_strided(grad_output, inside.shape, inside.strides)
+    with pytest.raises(fastbwd.ParamError, match="must not overlap grad_output"):
+        fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), out=view)
+    with pytest.raises(fastbwd.ParamError, match="align_corners must be a bool"):
+        fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), 0)
+    with pytest.raises(fastbwd.ParamError, match=r"output_size\[0\] must be an integer"):
+        fastbwd.upsample_bilinear2d_backward(grad_output, (6.0, 8), (1, 2, 3, 4))
