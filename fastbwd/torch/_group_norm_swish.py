@@ -43,27 +43,24 @@ class _GroupNormSwish(torch.autograd.Function):
                     torch.zeros_like(gamma) if need_weight else None,
                     torch.zeros_like(beta) if need_bias else None, None, None)
 
+        # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come
+        # back as new NumPy arrays, wrapped without a copy (dx channels_last again)
         channels_last = c.is_channels_last(input)
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        input = c.dense(input, memory_format)
-        grad_output = c.dense(grad_output, memory_format)
-        grad_input = c.empty(input.shape, input.dtype, memory_format)
-        grad_weight = c.empty((channels,), gamma.dtype) if need_weight else None
-        grad_bias = c.empty((channels,), beta.dtype) if need_bias else None
-
-        def physical(tensor):  # channels_last tensors travel as their NHWC view
-            array = c.as_array(tensor)
-            return array.transpose(0, 2, 3, 1) if channels_last else array
-
+        arrays = [c.as_array(c.dense(t, memory_format)) for t in (grad_output, input)]
+        if channels_last:
+            arrays = [a.transpose(0, 2, 3, 1) for a in arrays]
         match_torch_threads()
-        fastbwd.group_norm_swish_backward(
-            physical(grad_output), c.as_array(mean), c.as_array(rstd), physical(input),
-            c.as_array(gamma), c.as_array(beta), ctx.num_groups,
-            "NHWC" if channels_last else "NCHW", ctx.swish_scale, need_weight, need_bias,
-            out=(physical(grad_input),
-                 None if grad_weight is None else c.as_array(grad_weight),
-                 None if grad_bias is None else c.as_array(grad_bias)))
-        return (grad_input if need_input else None, None, grad_weight, grad_bias, None, None)
+        grad_input, grad_weight, grad_bias = fastbwd.group_norm_swish_backward(
+            arrays[0], c.as_array(mean), c.as_array(rstd), arrays[1], c.as_array(gamma),
+            c.as_array(beta), ctx.num_groups, "NHWC" if channels_last else "NCHW",
+            ctx.swish_scale, need_weight, need_bias)
+        grad_input = c.as_tensor(grad_input)
+        if channels_last:
+            grad_input = grad_input.permute(0, 3, 1, 2)
+        return (grad_input if need_input else None, None,
+                None if grad_weight is None else c.as_tensor(grad_weight),
+                None if grad_bias is None else c.as_tensor(grad_bias), None, None)
 
 
 def group_norm_swish(input, num_groups, weight=None, bias=None, eps=1e-5, swish_scale=1.0):
