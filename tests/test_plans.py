@@ -125,3 +125,35 @@ def test_upsample_plan_checks_overlap_and_types_every_call(rng):
         fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), 0)
     with pytest.raises(fastbwd.ParamError, match=r"output_size\[0\] must be an integer"):
         fastbwd.upsample_bilinear2d_backward(grad_output, (6.0, 8), (1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("op", ["avg_pool", "pad"])
+def test_pool_and_pad_plans_check_every_call(rng, op):
+    x = rng.standard_normal((2, 3, 6, 7)).astype(np.float32)
+    if op == "avg_pool":
+        grad_output = rng.standard_normal((2, 3, 3, 4)).astype(np.float32)
+
+        def call(*, input=x, kernel_size=3, out=None):
+            return fastbwd.avg_pool2d_backward(grad_output, input, kernel_size, 2, 1, out=out)
+        bad_size, message = True, "kernel_size must be a sequence of integers"
+    else:
+        grad_output = rng.standard_normal((2, 3, 8, 10)).astype(np.float32)
+
+        def call(*, input=x, kernel_size=(1, 2, 1, 1), out=None):
+            return fastbwd.replication_pad2d_backward(grad_output, input, kernel_size, out=out)
+        bad_size, message = (1, 2, 1, True), r"padding\[3\] must be an integer"
+    expected = call()
+    for input in (x, x.shape, list(x.shape)):  # the input or its shape, twice each
+        for _ in range(2):
+            np.testing.assert_array_equal(call(input=input), expected)
+    with pytest.raises(fastbwd.ParamError, match=message):
+        call(kernel_size=bad_size)
+    out = np.empty_like(x)
+    call(out=out)
+    np.testing.assert_array_equal(out, expected)
+    # x has out's metadata: a stored plan must not let the overlap through
+    with pytest.raises(fastbwd.ParamError, match="must not overlap input"):
+        call(out=x)
+    channels_last = np.empty((2, 6, 7, 3), np.float32).transpose(0, 3, 1, 2)
+    with pytest.raises(fastbwd.ParamError, match="must be C-contiguous like the result"):
+        call(out=channels_last)

@@ -1,6 +1,8 @@
 """fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, docs/semantics.md §2)."""
 
 import functools
+import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -8,6 +10,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
 from ..kernels import _separable
+from . import _plans
 
 FUNC = "avg_pool2d_backward"
 
@@ -87,6 +90,52 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
         that does not match the pooled input, ``cube_math_type`` not in 0-3, a bad ``out``.
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
+    # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
+    plan = _PLANS(_plan, grad_output, input if input_array is None else input_array, kernel_size,
+                  stride, padding, ceil_mode, count_include_pad, divisor_override, cube_math_type,
+                  out)
+    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype, plan.layout,
+                                  inputs=(("grad_output", grad_output), ("input", input_array)),
+                                  checked=True)
+    if plan.taps is None:
+        return result  # empty (N is 0)
+    if grad_output.ndim == 3:
+        grad_output = grad_output[None]
+    grad_output = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
+    grad_input = d.kernel_view(grad_input)
+    if plan.global_divisor is not None:
+        # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
+        shapes = plan.kernel_shapes
+        pool = (kernels.global_avg_pool2d_bwd_nhwc if plan.layout == d.NHWC
+                else kernels.global_avg_pool2d_bwd_nchw)
+        pool(grad_output.reshape(shapes[0]), grad_input.reshape(shapes[1]), plan.global_divisor,
+             plan.fmt)
+    elif plan.layout == d.NHWC:
+        _separable.separable_bwd_nhwc(grad_output, grad_input, *plan.taps, plan.fmt)
+    else:
+        _separable.separable_bwd_nchw(grad_output.reshape(plan.kernel_shapes[0]),
+                                      grad_input.reshape(plan.kernel_shapes[1]), *plan.taps, plan.fmt)
+    return result
+
+
+_PLANS = _plans.Plans()
+
+
+class _Plan(NamedTuple):
+    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    input_shape: tuple
+    layout: str  # of grad_output and the result: NHWC for channels-last strides
+    taps: tuple  # the H and W tap tables; () for global pooling, None for an empty result
+    global_divisor: object  # the compute-type divisor of global pooling, else None
+    kernel_shapes: tuple  # the kernel's views of grad_output and the result
+    fmt: object
+
+
+def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+          divisor_override, cube_math_type, out):
+    """Validate every argument (errors in the documented order) and decide the kernel path.
+    ``input`` is the forward input as an array, or its shape."""
     v.check_ndim(FUNC, "grad_output", grad_output, (3, 4))
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
     input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
@@ -137,55 +186,41 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     out_height, out_width = out_sizes
 
     dtype = grad_output.dtype
-    # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
-    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
+    input_array = None if isinstance(input, (tuple, list)) else input
     layout = d.NCHW
     if d.is_channels_last(grad_output) or (
             out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)):
         layout = d.NHWC
-    result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input_array)))
-    if result.size == 0:
-        return result
-    if ndim == 3:
-        grad_output = grad_output[None]
-    grad_output = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
-    grad_input = d.kernel_view(grad_input)
+    d.check_out(FUNC, out, input_shape, dtype, layout)
     fmt = d.storage_format(dtype)
+    if math.prod(input_shape) == 0:
+        return _Plan(input_shape, layout, None, None, None, fmt)
     compute = d.compute_dtype(dtype)
-    planes = int(np.prod(input_shape[:-2]))
+    planes = math.prod(input_shape[:-2])
 
     start_h, stop_h, extent_h = _axis_windows(height, kernel[0], stride[0], padding[0], out_height)
     start_w, stop_w, extent_w = _axis_windows(width, kernel[1], stride[1], padding[1], out_width)
     if out_height == out_width == 1 and start_h[0] == start_w[0] == 0 and stop_h[0] == height and stop_w[0] == width:
-        # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
         if divisor_override != 0:
             divisor = divisor_override
         elif count_include_pad:
             divisor = int(extent_h[0]) * int(extent_w[0])
         else:
             divisor = height * width
-        divisor = compute.type(divisor)
         if layout == d.NHWC:
-            batch = input_shape[0]
-            kernels.global_avg_pool2d_bwd_nhwc(grad_output.reshape(batch, channels),
-                                               grad_input.reshape(batch, height * width, channels), divisor, fmt)
+            batch = planes // channels
+            shapes = ((batch, channels), (batch, height * width, channels))
         else:
-            kernels.global_avg_pool2d_bwd_nchw(grad_output.reshape(planes),
-                                               grad_input.reshape(planes, height * width), divisor, fmt)
-        return result
+            shapes = ((planes,), (planes, height * width))
+        return _Plan(input_shape, layout, (), compute.type(divisor), shapes, fmt)
 
     # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
     override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
     taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
-    if layout == d.NHWC:
-        _separable.separable_bwd_nhwc(grad_output, grad_input, *taps_h, *taps_w, fmt)
-    else:
-        _separable.separable_bwd_nchw(grad_output.reshape(planes, out_height, out_width),
-                                      grad_input.reshape(planes, height, width), *taps_h, *taps_w, fmt)
-    return result
+    shapes = ((planes, out_height, out_width), (planes, height, width))
+    return _Plan(input_shape, layout, (*taps_h, *taps_w), None, shapes, fmt)
 
 
 def _check_positive(param, values):

@@ -1,10 +1,12 @@
 """fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, docs/semantics.md §3)."""
 
-import numpy as np
+import math
+from typing import NamedTuple
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import replication_pad2d as kernels
+from . import _plans
 
 FUNC = "replication_pad2d_backward"
 
@@ -43,6 +45,40 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
         For every bad argument listed in docs/semantics.md §3 (status 161001 for a missing argument).
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
+    # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
+    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
+    plan = _PLANS(_plan, grad_output, input if input_array is None else input_array, padding, out)
+    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype, plan.layout,
+                                  inputs=(("grad_output", grad_output), ("input", input_array)),
+                                  checked=True)
+    if plan.kernel_shapes is None:
+        return result  # empty (N is 0)
+    source = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
+    top, left = plan.top_left
+    if plan.layout == d.NHWC:
+        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt)
+    else:
+        kernels.replication_pad2d_bwd_nchw(
+            source.reshape(plan.kernel_shapes[0]),
+            d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top, left, plan.fmt)
+    return result
+
+
+_PLANS = _plans.Plans()
+
+
+class _Plan(NamedTuple):
+    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    input_shape: tuple
+    layout: str  # of grad_output and the result: NHWC for channels-last strides
+    top_left: tuple
+    kernel_shapes: tuple  # the NCHW kernel's (planes, OH, OW) and (planes, H, W); None when empty
+    fmt: object
+
+
+def _plan(grad_output, input, padding, out):
+    """Validate every argument (errors in the documented order) and decide the kernel path.
+    ``input`` is the forward input as an array, or its shape."""
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
     input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
     left, right, top, bottom = v.int_tuple(FUNC, "padding", padding, (4,))
@@ -70,18 +106,7 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
 
     dtype = grad_output.dtype
     layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
-    input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    result, grad_input = d.output(FUNC, out, input_shape, dtype, layout,
-                                  inputs=(("grad_output", grad_output), ("input", input_array)))
-    if result.size == 0:
-        return result
-    fmt = d.storage_format(dtype)
-    source = d.read_only(d.kernel_view(d.physical(grad_output, layout)))
-    if layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, fmt)
-    else:
-        planes = int(np.prod(input_shape[:-2]))
-        kernels.replication_pad2d_bwd_nchw(
-            source.reshape(planes, out_height, out_width),
-            d.kernel_view(grad_input).reshape(planes, height, width), top, left, fmt)
-    return result
+    d.check_out(FUNC, out, input_shape, dtype, layout)
+    planes = math.prod(input_shape[:-2])
+    shapes = None if planes == 0 else ((planes, out_height, out_width), (planes, height, width))
+    return _Plan(input_shape, layout, (top, left), shapes, d.storage_format(dtype))
