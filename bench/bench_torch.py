@@ -5,7 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fastbwd.testing.torch_cases import cases  # noqa: E402
+import fastbwd.torch as ft  # noqa: E402
+from fastbwd.testing.torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
 
 CASES = {case.id: case for case in cases()}
 
@@ -67,3 +68,20 @@ def bench_two_pools(variant, benchmark):
     benchmark.extra_info.update(variant=variant, threads=numba.get_num_threads(),
                                 torch_threads=torch.get_num_threads())
     benchmark.pedantic(function, rounds=15, warmup_rounds=1, iterations=1)
+
+
+# ---- per-call overhead of the routing --------------------------------------------------------
+# Tiny inputs, where the kernels take a few microseconds: the routed aten call against the direct
+# fastbwd call with out= on the same memory (measure_overhead checks they agree bitwise first).
+
+OVERHEAD = {case.id: case for case in overhead_cases()}
+
+
+@pytest.mark.parametrize("case_id", list(OVERHEAD))
+def bench_routing_overhead(case_id, benchmark):
+    case = OVERHEAD[case_id]
+    us = measure_overhead(case, calls=300)
+    benchmark.group = "per-call overhead of the routing (tiny inputs)"
+    benchmark.extra_info.update(case=case.id, label=case.label, **{f"{k}_us": v for k, v in us.items()})
+    with ft.enabled():
+        benchmark.pedantic(case.aten, rounds=200, warmup_rounds=10, iterations=1)

@@ -19,8 +19,9 @@ def table(results):
         "|---|---|---|---|---:|---:|---:|---|---:|---:|",
     ]
     bridge = [row for row in results["rows"] if row["op"] == "fastbwd.torch"]
+    overhead = [row for row in results["rows"] if row["op"] == "fastbwd.torch overhead"]
     for row in results["rows"]:
-        if row["op"] == "fastbwd.torch":
+        if row["op"].startswith("fastbwd.torch"):
             continue
         baseline = row["baseline"] or "-"
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
@@ -35,6 +36,15 @@ def table(results):
         for row in bridge:
             lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {row['baseline_ms']:.2f} | "
                          f"**{row['speedup']:.2f}x** | {row['target']} |")
+    if overhead:
+        lines += ["", "Per-call cost of the routing on tiny inputs (median microseconds; the aten "
+                  "`.grad_input` call routed to fastbwd, the direct fastbwd call with `out=` on the "
+                  "same memory, and the same aten call on PyTorch's own kernel):", "",
+                  "| case | what | routed us | direct us | routing adds | PyTorch us |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for row in overhead:
+            lines.append(f"| {row['case']} | {row['label']} | {row['routed_us']:.1f} | {row['direct_us']:.1f} | "
+                         f"{row['routed_us'] - row['direct_us']:.1f} | {row['torch_us']:.1f} |")
     return "\n".join(lines)
 
 

@@ -212,6 +212,17 @@ def torch_bridge(args):
                          variant="autograd", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
                          baseline="torch", baseline_ms=torch_seconds * 1e3, speedup=speedup,
                          target=case.target))
+    from fastbwd.testing.torch_cases import measure_overhead, overhead_cases
+
+    say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
+    say(f"{'case':<5} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8}")
+    for case in overhead_cases():
+        us = measure_overhead(case)
+        say(f"{case.id:<5} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
+            f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f}")
+        rows.append(dict(op="fastbwd.torch overhead", case=case.id, label=case.label, dtype="float32",
+                         variant="routed", routed_us=us["routed"], direct_us=us["direct"],
+                         torch_us=us["torch"]))
     return rows
 
 

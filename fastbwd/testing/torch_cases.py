@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import fastbwd
 import fastbwd.torch as ft
 from fastbwd.testing.cases import roi_boxes
 from fastbwd.testing.roi_baselines import torch_roi_align
@@ -180,3 +181,78 @@ def cases(quick=False):
         _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
     ]
+
+
+@dataclass
+class OverheadCase:
+    """One routed operator on a tiny input: the aten ``.grad_input`` call (served by fastbwd
+    while the routing is enabled, by PyTorch's own kernel while it is disabled) and the public
+    fastbwd function with ``out=`` on the same memory."""
+    id: str
+    label: str
+    aten: Callable[[], object]
+    direct: Callable[[], object]
+
+
+def overhead_cases():
+    """The per-call overhead of the routing (issue 11): each routed operator on a tiny input
+    (2 x 3 planes of about 10 x 10), where the kernels take a few microseconds."""
+    from fastbwd.torch import _convert
+
+    A = torch.ops.aten
+    x = _randn((2, 3, 8, 10), 51)
+    grad_input = torch.empty_like(x)
+    out = _convert.as_array(grad_input)
+    up = _randn((2, 3, 16, 20), 52)
+    pool = _randn((2, 3, 4, 5), 53)
+    pad = _randn((2, 3, 10, 14), 54)
+    calls = [
+        ("O1", "upsample_bilinear2d_backward (2,3,16,20) -> (2,3,8,10)",
+         lambda: A.upsample_bilinear2d_backward.grad_input(up, [16, 20], [2, 3, 8, 10], False, None, None,
+                                                           grad_input=grad_input),
+         lambda: fastbwd.upsample_bilinear2d_backward(_convert.as_array(up), [16, 20], [2, 3, 8, 10], False,
+                                                      None, None, out=out)),
+        ("O2", "avg_pool2d_backward k3 s2 p1, input (2,3,8,10)",
+         lambda: A.avg_pool2d_backward.grad_input(pool, x, [3, 3], [2, 2], [1, 1], False, True, None,
+                                                  grad_input=grad_input),
+         lambda: fastbwd.avg_pool2d_backward(_convert.as_array(pool), _convert.as_array(x), [3, 3], [2, 2],
+                                             [1, 1], False, True, 0, out=out)),
+        ("O3", "replication_pad2d_backward pad (2,2,1,1), input (2,3,8,10)",
+         lambda: A.replication_pad2d_backward.grad_input(pad, x, [2, 2, 1, 1], grad_input=grad_input),
+         lambda: fastbwd.replication_pad2d_backward(_convert.as_array(pad), _convert.as_array(x), [2, 2, 1, 1],
+                                                    out=out)),
+    ]
+    return [OverheadCase(*call) for call in calls]
+
+
+def measure_overhead(case, calls=2000):
+    """Median microseconds of ``case``'s three ways, interleaved in rounds of 100 calls so that
+    a noisy neighbour slows them alike: ``{"routed": ..., "direct": ..., "torch": ...}``. Checks
+    first that the routed call is served and equals the direct one bitwise. The routing is left
+    as it was found."""
+    import time
+
+    import numpy as np
+
+    from fastbwd.torch import _routing
+
+    was_enabled = ft.is_enabled()
+    timings = {"routed": [], "direct": [], "torch": []}
+    try:
+        ft.enable()
+        served = _routing.SERVED.copy()
+        routed_result = case.aten().clone()
+        assert _routing.SERVED - served, f"{case.id}: the routed call was not served by fastbwd"
+        case.direct()
+        assert torch.equal(routed_result, case.aten()), f"{case.id}: routed and direct results differ"
+        for _ in range(max(1, calls // 100)):
+            for way, enabled, function in (("routed", True, case.aten), ("direct", True, case.direct),
+                                           ("torch", False, case.aten)):
+                (ft.enable if enabled else ft.disable)()
+                for _ in range(100):
+                    start = time.perf_counter()
+                    function()
+                    timings[way].append(time.perf_counter() - start)
+    finally:
+        (ft.enable if was_enabled else ft.disable)()
+    return {way: float(np.median(values)) * 1e6 for way, values in timings.items()}
