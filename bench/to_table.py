@@ -19,8 +19,9 @@ def table(results):
         "|---|---|---|---|---:|---:|---:|---|---:|---:|",
     ]
     bridge = [row for row in results["rows"] if row["op"] == "fastbwd.torch"]
+    jax_bridge = [row for row in results["rows"] if row["op"] == "fastbwd.jax"]
     for row in results["rows"]:
-        if row["op"] == "fastbwd.torch":
+        if row["op"] in ("fastbwd.torch", "fastbwd.jax"):
             continue
         baseline = row["baseline"] or "-"
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
@@ -35,6 +36,21 @@ def table(results):
         for row in bridge:
             lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {row['baseline_ms']:.2f} | "
                          f"**{row['speedup']:.2f}x** | {row['target']} |")
+    if jax_bridge:
+        lines += ["", f"JAX programs through `fastbwd.jax` against JAX's own gradients (jax "
+                  f"{machine.get('jax')}, CPU; `jax.jit(jax.grad(loss))`, same forward, same process):", "",
+                  "| case | what | fastbwd.jax ms | JAX ms | speed-up | target |",
+                  "|---|---|---:|---:|---:|---|"]
+        for row in jax_bridge:
+            if row["case"] == "overhead":
+                continue
+            jax_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
+            speedup = f"**{row['speedup']:.2f}x**" if row["speedup"] is not None else "-"
+            lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {speedup} | {row['target']} |")
+        for row in jax_bridge:
+            if row["case"] == "overhead":
+                lines += ["", f"Transport cost per call: a jitted FFI call on 4 KB whose handler does nothing "
+                          f"{row['ms'] * 1e3:.0f} us, a jitted XLA op {row['baseline_ms'] * 1e3:.0f} us."]
     return "\n".join(lines)
 
 

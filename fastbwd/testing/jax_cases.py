@@ -128,3 +128,20 @@ def cases(quick=False):
                    norm_shape, ">= 3x", 31, rtol=1e-4, atol=1e-5, extra=(weight, bias)),
         _roi_align_case(*roi, "report"),
     ]
+
+
+def transport_overhead(shape=(1024,)):
+    """``{variant: callable}`` timing the transport alone on a small array: a jitted FFI call
+    whose handler wraps the buffers and returns (``ffi call``), against a jitted
+    ``x + 1`` (``xla op``): the difference is the per-call cost of the handler (GIL, frame
+    reading, array views, config lookup)."""
+    from fastbwd.jax import _ffi
+
+    def adapter(inputs, outputs, config):
+        pass  # the buffers are wrapped as arrays; nothing is computed
+
+    name = _ffi.target("transport_probe", adapter, fold=False)
+    x = jnp.zeros(shape, jnp.float32)
+    ffi = jax.jit(lambda x: _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"probe": 1})[0])
+    xla = jax.jit(lambda x: x + 1)
+    return {"ffi call": _ready(ffi, x), "xla op": _ready(xla, x)}
