@@ -464,6 +464,19 @@ def test_empty_batch(name):
     assert grad.shape == x.shape and out.shape[0] == 0
 
 
+def test_readme_jax_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme.split("## JAX", 1)[1], re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    dx, dweight, dbias = namespace["grads"]
+    assert dx.shape == (2, 64, 32, 32) and dweight.shape == dbias.shape == (64,)
+    assert np.isfinite(np.asarray(dx)).all() and np.asarray(dx).any()
+
+
 def test_import_fastbwd_does_not_import_jax_and_bridge_says_how_to_install():
     code = ("import sys, fastbwd; assert 'jax' not in sys.modules and 'jaxlib' not in sys.modules\n"
             "sys.modules['jax'] = None\n"
