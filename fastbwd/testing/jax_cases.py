@@ -102,7 +102,8 @@ def _roi_align_case(input_shape, num_boxes, target):
 
 
 def cases(quick=False):
-    """J1-J5 (issue 15's table); ``quick`` uses small shapes."""
+    """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
+    upsample without align_corners); ``quick`` uses small shapes."""
     if quick:
         up, pool, pad, norm, roi = ((2, 8, 16, 16), (2, 8, 14, 14), (2, 8, 16, 16), ((2, 64, 8, 8), 32),
                                     ((2, 16, 25, 38), 32))
@@ -116,6 +117,9 @@ def cases(quick=False):
         _grad_case("J1", f"upsample_bilinear2d x2 grad, input {up} (U1)",
                    lambda x: fj.upsample_bilinear2d(x, up_size),
                    lambda x: _upsample._forward(x, up_size, False, "NCHW"), up, ">= 5x", 21),
+        _grad_case("J1r", f"J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
+                   lambda x: fj.upsample_bilinear2d(x, up_size),
+                   lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"), up, ">= 5x", 21),
         _grad_case("J2", f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
                    lambda x: fj.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
                    lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0), pool, ">= 5x", 23),
