@@ -1,6 +1,5 @@
 """What the JAX functions share: trace-time validation by the public functions, and dtypes."""
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _dtypes as d
@@ -45,7 +44,7 @@ def shape_or(default, build):
 
 def opmath(dtype):
     """The dtype the kernels compute ``dtype`` data in (float32 for the half formats)."""
-    return jnp.dtype(d.compute_dtype(np.dtype(dtype))) if np.dtype(dtype) in d.FLOATING else jnp.dtype(dtype)
+    return d.compute_dtype(dtype)
 
 
 def static_ints(value):
