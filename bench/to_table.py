@@ -46,7 +46,8 @@ def table(results):
                 continue
             jax_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
             speedup = f"**{row['speedup']:.2f}x**" if row["speedup"] is not None else "-"
-            lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {speedup} | {row['target']} |")
+            lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {speedup} | "
+                         f"{row['target']} |")
         for row in jax_bridge:
             if row["case"] == "overhead":
                 lines += ["", f"Transport cost per call: a jitted FFI call on 4 KB whose handler does nothing "

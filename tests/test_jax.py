@@ -94,7 +94,8 @@ def avg_pool_case(dtype, batched=True, kernel=(3, 2), stride=(2, 1), padding=(1,
     shape = (2, 3, 9, 8) if batched else (3, 9, 8)
     x = _random(shape, dtype, 2)
     h, w = shape[-2:]
-    oh, ow = (ref.avg_pool2d_output_size(s, k, st, p, ceil_mode) for s, k, st, p in zip((h, w), kernel, stride, padding))
+    oh, ow = (ref.avg_pool2d_output_size(size, k, s, p, ceil_mode)
+              for size, k, s, p in zip((h, w), kernel, stride, padding))
     m_h, pad_h, in_h = _pool_matrix(h, kernel[0], stride[0], padding[0], oh)
     m_w, pad_w, in_w = _pool_matrix(w, kernel[1], stride[1], padding[1], ow)
     if divisor_override:
@@ -385,32 +386,51 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
 
 X = np.zeros((2, 3, 8, 8), np.float32)
 ERRORS = [
-    (lambda x: fj.upsample_bilinear2d(x, (0, 4)), r"^upsample_bilinear2d_backward: output_size\[0\] must be > 0"),
-    (lambda x: fj.upsample_bilinear2d(x, (4,)), r"^upsample_bilinear2d_backward: output_size must have length 2"),
-    (lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"), r"^upsample_bilinear2d_backward: layout must be one of"),
-    (lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1), r"align_corners must be a bool, but got 1"),
+    (lambda x: fj.upsample_bilinear2d(x, (0, 4)),
+     r"^upsample_bilinear2d_backward: output_size\[0\] must be > 0"),
+    (lambda x: fj.upsample_bilinear2d(x, (4,)),
+     r"^upsample_bilinear2d_backward: output_size must have length 2"),
+    (lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"),
+     r"^upsample_bilinear2d_backward: layout must be one of"),
+    (lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1),
+     r"align_corners must be a bool, but got 1"),
     (lambda x: fj.upsample_bilinear2d(x[0], (4, 4)), r"^upsample_bilinear2d: x must be 4-D, but got 3-D"),
     (lambda x: fj.upsample_bilinear2d(x.astype(jnp.int32), (4, 4)), r"grad_output.dtype must be one of"),
     (lambda x: fj.avg_pool2d(x, 0), r"^avg_pool2d_backward: kernel_size\[0\] must be > 0, but got 0"),
-    (lambda x: fj.avg_pool2d(x, 3, 2, 2), r"^avg_pool2d_backward: padding\[0\] must be at most half of kernel_size"),
-    (lambda x: fj.avg_pool2d(x, 9), r"^avg_pool2d_backward: kernel_size\[0\] must leave an output height >= 1"),
+    (lambda x: fj.avg_pool2d(x, 3, 2, 2),
+     r"^avg_pool2d_backward: padding\[0\] must be at most half of kernel_size"),
+    (lambda x: fj.avg_pool2d(x, 9),
+     r"^avg_pool2d_backward: kernel_size\[0\] must leave an output height >= 1"),
     (lambda x: fj.avg_pool2d(x, 2.0), r"kernel_size must be a sequence of integers, but got 2.0"),
     (lambda x: fj.avg_pool2d(x[0, 0], 2), r"^avg_pool2d: x must be 3-D or 4-D, but got 2-D"),
-    (lambda x: fj.replication_pad2d(x, (1, 1, 1)), r"^replication_pad2d_backward: padding must have length 4"),
-    (lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)), r"^replication_pad2d_backward: padding\[0\] \(left\) must be less than"),
-    (lambda x: fj.replication_pad2d(x, (-5, -4, 0, 0)), r"^replication_pad2d_backward: padding must leave a padded size of at least 1 x 1"),
-    (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)), r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
-    (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)), r"^group_norm_swish_backward: num_groups must divide"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)), r"^group_norm_swish_backward: gamma.shape must be"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), eps="1"), r"^group_norm_swish: eps must be a real number"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"), r"^group_norm_swish: layout must be one of"),
+    (lambda x: fj.replication_pad2d(x, (1, 1, 1)),
+     r"^replication_pad2d_backward: padding must have length 4"),
+    (lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)),
+     r"^replication_pad2d_backward: padding\[0\] \(left\) must be less than"),
+    (lambda x: fj.replication_pad2d(x, (-5, -4, 0, 0)),
+     r"^replication_pad2d_backward: padding must leave a padded size of at least 1 x 1"),
+    (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)),
+     r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
+    (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)),
+     r"^group_norm_swish_backward: num_groups must divide"),
+    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)),
+     r"^group_norm_swish_backward: gamma.shape must be"),
+    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), eps="1"),
+     r"^group_norm_swish: eps must be a real number"),
+    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"),
+     r"^group_norm_swish: layout must be one of"),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 4)), 7), r"^roi_align_forward: boxes must have shape \(K, 5\)"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0),
+     r"spatial_scale must be greater than FLT_MIN"),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 0)), r"^roi_align_forward: pooled_width must be > 0"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 7, 7)), r"^roi_align: output_size must be an int or a pair"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, sampling_ratio=2.0), r"^roi_align: sampling_ratio must be an integer"),
-    (lambda x: fj.roi_align(x, [jnp.zeros((2, 5))], 7), r"^roi_align: boxes\[0\] must be an array of shape \(L, 4\)"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5), jnp.float16), 7), r"^roi_align_forward: boxes.dtype must equal input.dtype"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 7, 7)),
+     r"^roi_align: output_size must be an int or a pair"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, sampling_ratio=2.0),
+     r"^roi_align: sampling_ratio must be an integer"),
+    (lambda x: fj.roi_align(x, [jnp.zeros((2, 5))], 7),
+     r"^roi_align: boxes\[0\] must be an array of shape \(L, 4\)"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5), jnp.float16), 7),
+     r"^roi_align_forward: boxes.dtype must equal input.dtype"),
 ]
 
 
