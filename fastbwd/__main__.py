@@ -220,6 +220,25 @@ def torch_bridge(args):
     return rows
 
 
+def _alternating_medians(first, second, min_repeats, min_seconds, rounds=4):
+    """Median seconds of ``first()`` and ``second()`` (None: not timed), timed in alternating
+    rounds so that a change in the machine's load lands on both."""
+    times = ([], [])
+    for _ in range(rounds):
+        for function, samples in zip((first, second), times):
+            if function is None:
+                continue
+            start, count = time.perf_counter(), 0
+            while count < max(1, min_repeats // rounds) or time.perf_counter() - start < min_seconds / rounds:
+                t0 = time.perf_counter()
+                function()
+                samples.append(time.perf_counter() - t0)
+                count += 1
+                if count >= 50:
+                    break
+    return tuple(float(np.median(samples)) if samples else None for samples in times)
+
+
 def jax_bridge(args):
     """The JAX bridge's cases J1-J5 (``fastbwd.testing.jax_cases``) and its per-call transport
     cost; each case checks its gradients first. Returns ``(jax version, rows)``, ``(None, [])``
@@ -236,9 +255,7 @@ def jax_bridge(args):
     rows = []
     for case in cases(quick=args.quick):
         case.check()
-        fastbwd_seconds = median_seconds(case.fastbwd, args.repeats, args.seconds)
-        jax_seconds = (median_seconds(case.jax, max(3, args.repeats // 2), args.seconds)
-                       if case.jax is not None else None)
+        fastbwd_seconds, jax_seconds = _alternating_medians(case.fastbwd, case.jax, args.repeats, args.seconds)
         speedup = None if jax_seconds is None else jax_seconds / fastbwd_seconds
         say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
             + (f"{jax_seconds * 1e3:9.2f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
