@@ -134,18 +134,24 @@ def cases(quick=False):
     ]
 
 
-def transport_overhead(shape=(1024,)):
-    """``{variant: callable}`` timing the transport alone on a small array: a jitted FFI call
-    whose handler wraps the buffers and returns (``ffi call``), against a jitted
-    ``x + 1`` (``xla op``): the difference is the per-call cost of the handler (GIL, frame
-    reading, array views, config lookup)."""
+def transport_overhead(shape=(1024,), calls=11):
+    """``{variant: callable}`` timing the transport alone on a small array: jitted programs of
+    one and of ``calls`` chained FFI calls whose handler wraps the buffers and returns. The
+    difference divided by ``calls - 1`` is the handler's cost per call (GIL, frame reading,
+    array views, config lookup), free of the dispatch every jitted call pays."""
     from fastbwd.jax import _ffi
 
     def adapter(inputs, outputs, config):
         pass  # the buffers are wrapped as arrays; nothing is computed
 
     name = _ffi.target("transport_probe", adapter, fold=False)
+
+    def chain(count):
+        def program(x):
+            for _ in range(count):
+                (x,) = _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"probe": 1})
+            return x
+        return jax.jit(program)
+
     x = jnp.zeros(shape, jnp.float32)
-    ffi = jax.jit(lambda x: _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"probe": 1})[0])
-    xla = jax.jit(lambda x: x + 1)
-    return {"ffi call": _ready(ffi, x), "xla op": _ready(xla, x)}
+    return {"1 call": _ready(chain(1), x), f"{calls} calls": _ready(chain(calls), x)}
