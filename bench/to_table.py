@@ -20,8 +20,9 @@ def table(results):
     ]
     bridge = [row for row in results["rows"] if row["op"] == "fastbwd.torch"]
     overhead = [row for row in results["rows"] if row["op"] == "fastbwd.torch overhead"]
+    jax_bridge = [row for row in results["rows"] if row["op"] == "fastbwd.jax"]
     for row in results["rows"]:
-        if row["op"].startswith("fastbwd.torch"):
+        if row["op"].startswith(("fastbwd.torch", "fastbwd.jax")):
             continue
         baseline = row["baseline"] or "-"
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
@@ -45,6 +46,23 @@ def table(results):
         for row in overhead:
             lines.append(f"| {row['case']} | {row['label']} | {row['routed_us']:.1f} | {row['direct_us']:.1f} | "
                          f"{row['routed_us'] - row['direct_us']:.1f} | {row['torch_us']:.1f} |")
+    if jax_bridge:
+        lines += ["", f"JAX programs through `fastbwd.jax` against JAX's own gradients (jax "
+                  f"{machine.get('jax')}, CPU; `jax.jit(jax.grad(loss))`, same forward, same process):", "",
+                  "| case | what | fastbwd.jax ms | JAX ms | speed-up | target |",
+                  "|---|---|---:|---:|---:|---|"]
+        for row in jax_bridge:
+            if row["case"] == "overhead":
+                continue
+            jax_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
+            speedup = f"**{row['speedup']:.2f}x**" if row["speedup"] is not None else "-"
+            lines.append(f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {speedup} | "
+                         f"{row['target']} |")
+        for row in jax_bridge:
+            if row["case"] == "overhead":
+                lines += ["", f"Transport cost: {row['ms'] * 1e3:.0f} us per FFI call (the slope between jitted "
+                          f"programs of 1 and 11 chained calls whose handler does nothing; the 1-call program "
+                          f"takes {row['baseline_ms'] * 1e3:.0f} us)."]
     return "\n".join(lines)
 
 

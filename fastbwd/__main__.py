@@ -4,7 +4,9 @@ For every operator implemented in this build it checks a small case against the 
 reference, then runs the docs/semantics.md §6 cases (``--quick``: small versions) and prints, per case:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
 (measured on the spot with a large parallel copy) and the speed-up over each PyTorch baseline
-when torch is importable (the same thread count for both).
+when torch is importable (the same thread count for both). When jax is importable, the
+``fastbwd.jax`` section times ``jax.jit(jax.grad(loss))`` through the bridge against JAX's own
+gradient of the same forward.
 
 ``python -m fastbwd --precompile [--ops ...] [--dtypes ...] [--layouts ...] [--serial]`` instead
 compiles every kernel into Numba's disk cache (``fastbwd.precompile``) and exits.
@@ -185,6 +187,9 @@ def run(args):
             del prepared
     if torch is not None and (not args.ops or "torch" in args.ops):
         rows.extend(torch_bridge(args))
+    if not args.no_jax and (not args.ops or "jax" in args.ops):
+        machine["jax"], jax_rows = jax_bridge(args)
+        rows.extend(jax_rows)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(machine=machine, bandwidth_gbps=bandwidth, quick=args.quick, rows=rows), handle, indent=1)
@@ -226,6 +231,60 @@ def torch_bridge(args):
     return rows
 
 
+def _alternating_medians(first, second, min_repeats, min_seconds, rounds=4):
+    """Median seconds of ``first()`` and ``second()`` (None: not timed), timed in alternating
+    rounds so that a change in the machine's load lands on both."""
+    times = ([], [])
+    for _ in range(rounds):
+        for function, samples in zip((first, second), times):
+            if function is None:
+                continue
+            start, count = time.perf_counter(), 0
+            while count < max(1, min_repeats // rounds) or time.perf_counter() - start < min_seconds / rounds:
+                t0 = time.perf_counter()
+                function()
+                samples.append(time.perf_counter() - t0)
+                count += 1
+                if count >= 50:
+                    break
+    return tuple(float(np.median(samples)) if samples else None for samples in times)
+
+
+def jax_bridge(args):
+    """The JAX bridge's cases J1-J5 (``fastbwd.testing.jax_cases``) and its per-call transport
+    cost; each case checks its gradients first. Returns ``(jax version, rows)``, ``(None, [])``
+    without jax."""
+    try:
+        import jax
+    except ImportError:
+        return None, []
+    from fastbwd.testing.jax_cases import cases, transport_overhead
+
+    say(f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
+        "each case's gradients against JAX's own, then timing both")
+    say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'jax ms':>9} {'speed-up':>8}  target")
+    rows = []
+    for case in cases(quick=args.quick):
+        case.check()
+        fastbwd_seconds, jax_seconds = _alternating_medians(case.fastbwd, case.jax, args.repeats, args.seconds)
+        speedup = None if jax_seconds is None else jax_seconds / fastbwd_seconds
+        say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
+            + (f"{jax_seconds * 1e3:9.2f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
+            + f"  {case.target}")
+        rows.append(dict(op="fastbwd.jax", case=case.id, label=case.label, dtype="float32",
+                         variant="jit(grad)", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
+                         baseline="jax" if jax_seconds else None,
+                         baseline_ms=jax_seconds and jax_seconds * 1e3, speedup=speedup, target=case.target))
+    one, many = _alternating_medians(*transport_overhead().values(), 200, 0.4)
+    per_call = (many - one) / 10
+    say(f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
+        f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us)")
+    rows.append(dict(op="fastbwd.jax", case="overhead", label="per FFI call (11 vs 1 chained no-op calls, 4 KB)",
+                     dtype="float32", variant="ffi call", ms=per_call * 1e3, gbps=None, pct_bandwidth=None,
+                     baseline="1-call program", baseline_ms=one * 1e3, speedup=None, target="report"))
+    return jax.__version__, rows
+
+
 def _cpu_name():
     try:
         with open("/proc/cpuinfo") as handle:
@@ -242,8 +301,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
     parser.add_argument("--ops", nargs="*", help="only these operators (public names; 'torch' for the "
-                        "PyTorch bridge's cases)")
+                        "PyTorch bridge's cases, 'jax' for the JAX bridge's)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    parser.add_argument("--no-jax", action="store_true", help="skip the fastbwd.jax section")
     parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum seconds per row (default 0.5)")
     group = parser.add_argument_group("precompiling", "fill the disk cache instead of benchmarking")

@@ -1,0 +1,118 @@
+"""Bilinear upsampling for JAX: PyTorch's forward in jax.numpy, fastbwd's backward."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import fastbwd
+from .. import _validation as v
+from ..kernels.upsample_bilinear2d import compute_source_index_and_lambda
+from . import _common as c
+from . import _ffi
+
+FUNC = "upsample_bilinear2d"
+
+
+def _backward_adapter(inputs, outputs, config):
+    (grad_output,), (grad_input,) = inputs, outputs
+    layout = config["layout"]
+    if layout == "NHWC":
+        n, h, w, ch = grad_input.shape
+    else:
+        n, ch, h, w = grad_input.shape
+    fastbwd.upsample_bilinear2d_backward(grad_output, config["output_size"], (n, ch, h, w),
+                                         config["align_corners"], layout=layout, out=grad_input)
+
+
+_TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True)
+
+
+def _axes(layout):
+    return (1, 2) if layout == "NHWC" else (2, 3)
+
+
+def _interpolate(x, axis, output_size, align_corners):
+    """One axis of the separable forward: ``x[index0] * lambda0 + x[index1] * lambda1`` with
+    PyTorch's indices and weights (the tables fastbwd's backward uses), in x's dtype."""
+    index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
+        x.shape[axis], output_size, align_corners, 0.0, x.dtype)
+    shape = [1] * x.ndim
+    shape[axis] = output_size
+    return (jnp.take(x, index0, axis=axis) * lambda0.reshape(shape)
+            + jnp.take(x, index1, axis=axis) * lambda1.reshape(shape))
+
+
+def _forward(x, output_size, align_corners, layout):
+    h_axis, w_axis = _axes(layout)
+    compute = x.astype(c.opmath(x.dtype))
+    rows = _interpolate(compute, h_axis, output_size[0], align_corners)
+    return _interpolate(rows, w_axis, output_size[1], align_corners).astype(x.dtype)
+
+
+# The static arguments (input_shape: x's shape, which the backward needs) are not differentiated.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _upsample(x, output_size, align_corners, layout, input_shape):
+    return _forward(x, output_size, align_corners, layout)
+
+
+def _upsample_fwd(x, output_size, align_corners, layout, input_shape):
+    return _forward(x, output_size, align_corners, layout), None
+
+
+def _upsample_bwd(output_size, align_corners, layout, input_shape, _, grad_output):
+    config = dict(output_size=list(output_size), align_corners=align_corners, layout=layout)
+    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
+    return tuple(_ffi.call(_TARGET, [grad_output], [result], config))
+
+
+_upsample.defvjp(_upsample_fwd, _upsample_bwd)
+
+
+def upsample_bilinear2d(x, output_size, align_corners=False, *, layout="NCHW"):
+    """``F.interpolate(x, size=output_size, mode="bilinear", align_corners=align_corners)``.
+
+    Parameters
+    ----------
+    x : jax.Array
+        ``(N, C, H, W)``, or ``(N, H, W, C)`` with ``layout="NHWC"``: float32, float64, float16
+        or bfloat16.
+    output_size : (int, int)
+        ``(OH, OW)``, each > 0.
+    align_corners : bool
+        PyTorch's ``align_corners``.
+    layout : {"NCHW", "NHWC"}
+        Memory layout of ``x`` and of the result.
+
+    Returns
+    -------
+    jax.Array
+        ``(N, C, OH, OW)`` (or ``(N, OH, OW, C)``) in x's dtype: PyTorch's indices and weights
+        (docs/semantics.md §1), computed in float32 (float64 for float64 data) and rounded once.
+        Its gradient is ``fastbwd.upsample_bilinear2d_backward``. Under ``jax.vmap`` the batch
+        axes fold into N (one kernel call).
+
+    Raises
+    ------
+    ParamError
+        At trace time, with the message of ``fastbwd.upsample_bilinear2d_backward`` for a bad
+        size, flag, layout or dtype, or when x is not 4-D.
+    """
+    x = jnp.asarray(x)
+    v.check_ndim(FUNC, "x", x, (4,))
+    output_size = c.static_ints(output_size)
+
+    def grad_output_shape():
+        oh, ow = output_size
+        if layout == "NHWC":
+            return (x.shape[0], oh, ow, x.shape[3])
+        return x.shape[:2] + (oh, ow)
+
+    def input_size():
+        return (x.shape[0], x.shape[3], x.shape[1], x.shape[2]) if layout == "NHWC" else x.shape
+
+    c.validate(fastbwd.upsample_bilinear2d_backward,
+               c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
+               output_size=output_size, input_size=input_size(), align_corners=align_corners,
+               layout=layout)
+    return _upsample(x, c.ints(output_size), bool(align_corners), layout, x.shape)

@@ -1,0 +1,157 @@
+"""The JAX-bridge benchmark cases J1-J5 (bench/bench_jax.py and ``python -m fastbwd``).
+
+Each case builds, at full size (or ``quick`` small size), zero-argument callables over the same
+arrays: ``fastbwd``, ``jax.jit(jax.grad(loss))`` with the operator from :mod:`fastbwd.jax`, and
+``jax``, the same loss on the same forward differentiated by JAX itself (None for RoIAlign, which
+JAX lacks); ``check()`` runs both once and asserts that their gradients agree. The loss is
+``sum(f(x) * g)`` with a fixed random ``g``, so its gradient is the operator's backward applied
+to ``g``. Only imported where jax is installed.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fastbwd.jax as fj
+from fastbwd.jax import _avg_pool, _group_norm_swish, _pad, _upsample
+from fastbwd.testing.cases import roi_boxes
+
+
+@dataclass
+class JaxCase:
+    id: str
+    label: str
+    fastbwd: Callable[[], object]
+    jax: Optional[Callable[[], object]]
+    check: Callable[[], None]
+    target: str
+
+
+def _randn(shape, seed, dtype=np.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def _ready(function, *args):
+    """``function(*args)`` run to completion (JAX dispatches asynchronously)."""
+    def run():
+        return jax.block_until_ready(function(*args))
+    return run
+
+
+def _assert_close(actual, expected, rtol, atol, what):
+    """Each gradient within ``rtol`` of its own largest value, or ``atol`` of the largest of all."""
+    actual = [np.asarray(a, np.float64) for a in jax.tree_util.tree_leaves(actual)]
+    expected = [np.asarray(e, np.float64) for e in jax.tree_util.tree_leaves(expected)]
+    overall = max(float(np.abs(e).max()) for e in expected)
+    for index, (a, e) in enumerate(zip(actual, expected)):
+        scale = float(np.abs(e).max())
+        error = float(np.abs(a - e).max())
+        assert error <= max(rtol * scale, atol * overall), (
+            f"{what}: gradient {index} max error {error:.3g} (its scale {scale:.3g}, overall {overall:.3g})")
+
+
+def _grad_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, atol=2e-6, extra=()):
+    """``jax.grad`` of ``sum(f(x, *extra) * g)`` for the fastbwd.jax operator ``ours`` and the
+    same forward ``plain`` differentiated by JAX, with respect to x and ``extra``. Every array is
+    an argument of the jitted function (a captured one would be a constant that XLA may fold)."""
+    x = _randn(x_shape, seed)
+    g = _randn(jax.eval_shape(ours, x, *extra).shape, seed + 1)
+    argnums = tuple(range(1 + len(extra)))
+
+    def loss(f):
+        return jax.jit(jax.grad(lambda *args: jnp.sum(f(*args[:-1]) * args[-1]), argnums=argnums))
+
+    ours_grad, plain_grad = loss(ours), loss(plain)
+
+    def check():
+        _assert_close(ours_grad(x, *extra, g), plain_grad(x, *extra, g), rtol, atol, id)
+
+    return JaxCase(id, label, _ready(ours_grad, x, *extra, g), _ready(plain_grad, x, *extra, g), check, target)
+
+
+def _roi_align_case(input_shape, num_boxes, target):
+    """J5: forward + backward (``jax.value_and_grad``) of fastbwd.jax.roi_align; JAX has no
+    RoIAlign to compare with, so the check is against fastbwd's NumPy functions."""
+    import fastbwd
+    from fastbwd.api.roi_align import roi_align_forward
+
+    spatial_scale, sampling_ratio, aligned, pooled = 0.25, 2, True, 7
+    x = _randn(input_shape, 41)
+    boxes = jnp.asarray(roi_boxes(num_boxes, input_shape, spatial_scale))
+    g = _randn((num_boxes, input_shape[1], pooled, pooled), 42)
+
+    def loss(x, boxes, g):
+        return jnp.sum(fj.roi_align(x, boxes, pooled, spatial_scale, sampling_ratio, aligned) * g)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    forward = jax.jit(lambda x, boxes: fj.roi_align(x, boxes, pooled, spatial_scale, sampling_ratio, aligned))
+
+    def check():
+        np_x, np_boxes, np_g = np.asarray(x), np.asarray(boxes), np.asarray(g)
+        expected = fastbwd.roi_align_backward(np_g, np_boxes, input_shape, pooled, pooled, spatial_scale,
+                                              sampling_ratio, aligned)
+        assert np.array_equal(np.asarray(step(x, boxes, g)[1]), expected), "J5: gradient differs from the NumPy call"
+        pooled_out = roi_align_forward(np_x, np_boxes, pooled, pooled, spatial_scale, sampling_ratio, aligned)
+        assert np.array_equal(np.asarray(forward(x, boxes)), pooled_out), "J5: forward differs from the NumPy call"
+
+    return JaxCase("J5", f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 (R1)",
+                   _ready(step, x, boxes, g), None, check, target)
+
+
+def cases(quick=False):
+    """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
+    upsample without align_corners); ``quick`` uses small shapes."""
+    if quick:
+        up, pool, pad, norm, roi = ((2, 8, 16, 16), (2, 8, 14, 14), (2, 8, 16, 16), ((2, 64, 8, 8), 32),
+                                    ((2, 16, 25, 38), 32))
+    else:
+        up, pool, pad, norm, roi = ((8, 64, 64, 64), (32, 128, 56, 56), (16, 64, 128, 128),
+                                    ((8, 512, 32, 32), 32), ((2, 256, 200, 304), 512))
+    up_size = (2 * up[2], 2 * up[3])
+    norm_shape, groups = norm
+    weight, bias = _randn((norm_shape[1],), 32), _randn((norm_shape[1],), 33)
+    return [
+        _grad_case("J1", f"upsample_bilinear2d x2 grad, input {up} (U1)",
+                   lambda x: fj.upsample_bilinear2d(x, up_size),
+                   lambda x: _upsample._forward(x, up_size, False, "NCHW"), up, ">= 5x", 21),
+        _grad_case("J1r", f"J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
+                   lambda x: fj.upsample_bilinear2d(x, up_size),
+                   lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"), up, ">= 5x", 21),
+        _grad_case("J2", f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
+                   lambda x: fj.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+                   lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0), pool, ">= 5x", 23),
+        _grad_case("J3", f"replication_pad2d (3, 3, 3, 3) grad, input {pad} (P1)",
+                   lambda x: fj.replication_pad2d(x, (3, 3, 3, 3)),
+                   lambda x: _pad._forward(x, (3, 3, 3, 3)), pad, ">= 5x", 25),
+        _grad_case("J4", f"group_norm_swish grad (x, weight, bias), x {norm_shape}, {groups} groups (G1)",
+                   lambda x, w, b: fj.group_norm_swish(x, groups, w, b),
+                   lambda x, w, b: _group_norm_swish._forward(x, w, b, groups, 1e-5, 1.0, "NCHW")[0],
+                   norm_shape, ">= 3x", 31, rtol=1e-4, atol=1e-5, extra=(weight, bias)),
+        _roi_align_case(*roi, "report"),
+    ]
+
+
+def transport_overhead(shape=(1024,), calls=11):
+    """``{variant: callable}`` timing the transport alone on a small array: jitted programs of
+    one and of ``calls`` chained FFI calls whose handler wraps the buffers and returns. The
+    difference divided by ``calls - 1`` is the handler's cost per call (GIL, frame reading,
+    array views, config lookup), free of the dispatch every jitted call pays."""
+    from fastbwd.jax import _ffi
+
+    def adapter(inputs, outputs, config):
+        pass  # the buffers are wrapped as arrays; nothing is computed
+
+    name = _ffi.target("transport_probe", adapter, fold=False)
+
+    def chain(count):
+        def program(x):
+            for _ in range(count):
+                (x,) = _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"probe": 1})
+            return x
+        return jax.jit(program)
+
+    x = jnp.zeros(shape, jnp.float32)
+    return {"1 call": _ready(chain(1), x), f"{calls} calls": _ready(chain(calls), x)}
