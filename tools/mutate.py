@@ -52,6 +52,7 @@ T_GN = "tests/test_group_norm_swish.py"
 T_REF = "tests/test_reference.py"
 T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
+T_PLANS = "tests/test_plans.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -67,6 +68,8 @@ A_PAD = "fastbwd/api/replication_pad2d.py"
 A_ROI = "fastbwd/api/roi_align.py"
 A_GN = "fastbwd/api/group_norm_swish.py"
 V = "fastbwd/_validation.py"
+PLANS = "fastbwd/api/_plans.py"
+DT = "fastbwd/_dtypes.py"
 B_ROUTING = "fastbwd/torch/_routing.py"
 B_GN = "fastbwd/torch/_group_norm_swish.py"
 REF = "fastbwd/testing/reference.py"
@@ -389,6 +392,24 @@ MUTANTS = [
            "                        acc[bin_index, c] += source[pixel, c] * w\n",
            "                        acc[bin_index, c] += source[pixel, c] * wy\n",
            T_ROI, "the forward's leftover channels (past the 16-lane groups) ignore the x weight"),
+
+    # ==== the api layer's plans (remembered validations) ========================================
+    Mutant("plans-scalar-type-ignored", "plans", PLANS,
+           "        return (type(value), value)\n",
+           "        return value\n",
+           T_PLANS, "a plan key keeps a scalar's value but not its type (True reuses the plan of 1)"),
+    Mutant("plans-sequence-types-ignored", "plans", PLANS,
+           "            return (type(value), tuple(value), types)\n",
+           "            return (tuple(value),)\n",
+           T_PLANS, "a plan key of a sequence drops its element types and its own type"),
+    Mutant("plans-overlap-not-rechecked", "plans", DT,
+           "    for name, array in inputs:\n        if array is not None and _overlaps(out, array):",
+           "    for name, array in (() if checked else inputs):\n        if array is not None and _overlaps(out, array):",
+           T_PLANS, "a stored plan skips the overlap check of out= (it depends on addresses, not metadata)"),
+    Mutant("plans-writeable-ignored", "plans", PLANS,
+           "        return (np.ndarray, value.shape, value.strides, value.dtype, value.flags.writeable)",
+           "        return (np.ndarray, value.shape, value.strides, value.dtype)",
+           T_PLANS, "a plan key ignores writeability: a read-only out= reuses a writeable one's plan"),
 
     # ==== fastbwd.torch (the PyTorch bridge) ==================================================
     Mutant("torch-avg-pool-memory-format", "torch", B_ROUTING,
