@@ -10,7 +10,12 @@ import subprocess
 import sys
 import textwrap
 
+import numba
+import numpy as np
 import pytest
+from numba import get_num_threads, prange
+
+from fastbwd.kernels import _jit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -320,3 +325,26 @@ def test_more_threads_than_cores_give_the_same_bits():
     # every operator, every dtype, both layouts and each kernel path.
     out = run_script(_MORE_THREADS_THAN_CORES, env={"NUMBA_NUM_THREADS": "4"}, timeout=900)
     assert "threads ok" in out
+
+
+@_jit.parallel_kernel
+def _team_sizes(out):
+    for i in prange(out.shape[0]):
+        out[i] = get_num_threads()
+
+
+@pytest.mark.filterwarnings("ignore:Cannot cache compiled function")  # get_num_threads in nopython
+def test_small_calls_stay_on_the_calling_thread():
+    """A call whose work is below ONE_THREAD_BELOW runs its parallel code on one thread (as
+    PyTorch does below its grain size); a larger one on all of them; the count is restored."""
+    if numba.get_num_threads() < 2:
+        pytest.skip("needs two threads")
+    team_sizes = _team_sizes
+    out = np.zeros(64, np.int64)
+    threads = numba.get_num_threads()
+    team_sizes(out, work=_jit.ONE_THREAD_BELOW - 1)
+    assert set(out) == {1} and numba.get_num_threads() == threads
+    team_sizes(out, work=_jit.ONE_THREAD_BELOW)
+    assert set(out) == {threads}
+    team_sizes(out)
+    assert set(out) == {threads}

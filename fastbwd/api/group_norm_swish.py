@@ -231,12 +231,13 @@ def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
         kernels.group_norm_swish_bwd_nhwc(
             dy_k.reshape(shape), x_k.reshape(shape), mean_c, rstd_c, gamma_c, beta_c, scale_c,
             d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx,
-            _nhwc_groups_per_task(groups, channels // groups, batch, thread_count()), fmt)
+            _nhwc_groups_per_task(groups, channels // groups, batch, thread_count()), fmt,
+            work=x.size)
     else:
         kernels.group_norm_swish_bwd_nchw(
             d.kernel_view(np.ascontiguousarray(dy)).reshape(shape),
             d.kernel_view(np.ascontiguousarray(x)).reshape(shape), mean_c, rstd_c, gamma_c, beta_c,
-            scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt)
+            scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt, work=x.size)
 
     want_dgamma, want_dbeta = plan.want_dgamma, plan.want_dbeta
     if want_dgamma or want_dbeta:

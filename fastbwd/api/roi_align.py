@@ -119,7 +119,7 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     kernels.roi_align_bwd(d.kernel_view(np.ascontiguousarray(grad_output)), box_order, image_start,
                           box_rows, d.kernel_view(grad_input).reshape(batch, channels, height * width),
                           width, block, _band_rows(width, block, compute), d.storage_format(dtype),
-                          *y_table, *x_table)
+                          *y_table, *x_table, work=grad_input.size + grad_output.size)
     return result
 
 
@@ -215,7 +215,7 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
         source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
     kernels.roi_align_fwd(d.kernel_view(source), channels_last, height, width, box_order, image_start,
                           box_rows, skipped, target, pooled_height, pooled_width, _forward_channel_block(channels),
-                          d.storage_format(dtype), *y_table, *x_table)
+                          d.storage_format(dtype), *y_table, *x_table, work=input.size + result.size)
     return result
 
 
@@ -272,7 +272,8 @@ def _weight_tables(boxes, dtype, batch, height, width, pooled_height, pooled_wid
     y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
     box_rows = np.empty((box_order.size, 2), np.int64)
     kernels.roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, scale, ratio,
-                                    aligned, height, width, box_rows, *y_table, *x_table)
+                                    aligned, height, width, box_rows, *y_table, *x_table,
+                                    work=y_table[3].size + x_table[3].size)
     return box_order, image_start, box_rows, _entries(y_table), _entries(x_table)
 
 

@@ -9,6 +9,7 @@ import numba
 import numpy as np
 
 from .._errors import ACLNN_ERR_PARAM_INVALID, ParamError
+from ..kernels import _jit
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -98,8 +99,12 @@ def thread_counts():
 
 
 def assert_thread_invariant(call):
-    """``call()`` gives bitwise identical results for every thread count (tuples allowed)."""
+    """``call()`` gives bitwise identical results for every thread count (tuples allowed).
+
+    Small calls normally stay on one thread (``kernels._jit.ONE_THREAD_BELOW``); here every
+    call runs on the thread count being checked, however small its input."""
     previous = numba.get_num_threads()
+    previous_threshold, _jit.ONE_THREAD_BELOW = _jit.ONE_THREAD_BELOW, 0
     results = {}
     try:
         for count in thread_counts():
@@ -108,6 +113,7 @@ def assert_thread_invariant(call):
             results[count] = result if isinstance(result, tuple) else (result,)
     finally:
         numba.set_num_threads(previous)
+        _jit.ONE_THREAD_BELOW = previous_threshold
     first_count, first = next(iter(results.items()))
     for count, result in results.items():
         for index, (x, y) in enumerate(zip(first, result)):
