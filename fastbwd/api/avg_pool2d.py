@@ -7,7 +7,7 @@ import numpy as np
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
-from ..kernels import _separable
+from ..kernels import _separable, _simd
 
 FUNC = "avg_pool2d_backward"
 
@@ -179,6 +179,15 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
     override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
     taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
+    if layout == d.NCHW and out_width >= _simd.LANES:
+        # whole rows at a time, the width axis as strided windows (same operations, same bits)
+        weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
+                                 compute)
+        kernels.avg_pool2d_bwd_rows_nchw(grad_output.reshape(planes, out_height, out_width),
+                                         grad_input.reshape(planes, height, width),
+                                         *_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1],
+                                         padding[1], result.nbytes >= _simd.STREAM_MIN_BYTES, fmt)
+        return result
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     if layout == d.NHWC:
         _separable.separable_bwd_nhwc(grad_output, grad_input, *taps_h, *taps_w, fmt)
@@ -210,11 +219,11 @@ def _axis_windows(size, kernel, stride, pad, out_size):
 
 
 @functools.lru_cache(maxsize=256)
-def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
-    """The separable engine's tap table of one axis: every window's clipped cells, weighted by
-    1 / divisor, the divisor being ``divisor`` when given, else the window's extent (counting the
-    padding or not). Memoised: a training loop calls with the same geometry every step (the
-    tables are internal and never written)."""
+def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """Every window's weight on one axis, ``1 / divisor`` in the compute type, the divisor being
+    ``divisor`` when given, else the window's extent (counting the padding or not). Memoised: a
+    training loop calls with the same geometry every step (the tables are internal and never
+    written)."""
     start, stop, extent = _axis_windows(size, kernel, stride, pad, out_size)
     if divisor is not None:
         divisors = np.full(out_size, divisor, np.int64)
@@ -222,7 +231,16 @@ def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, 
         divisors = extent
     else:
         divisors = stop - start
-    return _window_taps(start, stop, np.divide(1, divisors.astype(compute), dtype=compute), compute)
+    return np.divide(1, divisors.astype(compute), dtype=compute)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """The separable engine's tap table of one axis: every window's clipped cells, each with the
+    window's weight (:func:`_axis_weights`). Memoised like it."""
+    start, stop, _ = _axis_windows(size, kernel, stride, pad, out_size)
+    weights = _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute)
+    return _window_taps(start, stop, weights, compute)
 
 
 def _window_taps(start, stop, window_weight, compute):
