@@ -343,6 +343,57 @@ def test_nchw_and_nhwc_engines_agree_bitwise(kernel, stride, padding, ceil_mode)
     assert_matches_reference(result, reference(grad_output, *args))
 
 
+def wide_random_case(rng):
+    """A random valid 4-D case with grad_output rows of at least LANES (16) cells: NCHW runs on
+    the whole-rows kernel, NHWC on the separable engine."""
+    while True:
+        kernel = tuple(int(k) for k in rng.integers(1, 7, size=2))
+        stride = tuple(int(s) for s in rng.integers(1, 5, size=2))
+        padding = tuple(int(rng.integers(0, k // 2 + 1)) for k in kernel)
+        ceil_mode = bool(rng.integers(2))
+        height, width = int(rng.integers(1, 14)), int(rng.integers(16 * stride[1], 16 * stride[1] + 40))
+        input_shape = (int(rng.integers(1, 3)), int(rng.integers(1, 4)), height, width)
+        out_height, out_width = pooled_shape(input_shape, kernel, stride, padding, ceil_mode)[-2:]
+        if out_height >= 1 and out_width >= 16:
+            count_include_pad = bool(rng.integers(2))
+            divisor_override = int(rng.choice([0, 0, 0, 3, -2, 7]))
+            return input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_rows_kernel_equals_the_engine_bitwise(dtype):
+    # NCHW grad rows of >= 16 cells run whole rows at a time, the width axis as strided windows
+    # (residue classes, stride 2 interleaved in registers); NHWC runs on the separable engine.
+    # Same sums in the same order: the same bits, and the reference's values.
+    rng = np.random.default_rng(21)
+    for case in range(25):
+        input_shape, kernel, stride, padding, ceil_mode, include_pad, override = wide_random_case(rng)
+        grad_output = random(pooled_shape(input_shape, kernel, stride, padding, ceil_mode), dtype, case)
+        args = (input_shape, kernel, stride, padding, ceil_mode, include_pad, override)
+        result = pool_bwd(grad_output, *args)
+        assert bitwise_equal(result, np.ascontiguousarray(pool_bwd(channels_last(grad_output), *args))), args
+        assert_matches_reference(result, reference(grad_output, *args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+    # Large results are copied out with streaming stores; every alignment of out gives the bits
+    # of plain stores (the partial cache lines at both ends of each task are stored normally).
+    from fastbwd.kernels import _simd
+
+    input_shape, args = (2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)
+    grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
+    expected = pool_bwd(grad_output, input_shape, *args)
+    monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+    size = int(np.prod(input_shape))
+    for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+        buffer = np.full(size + offset + 1, np.nan, dtype)
+        out = buffer[offset:offset + size].reshape(input_shape)
+        assert pool_bwd(grad_output, input_shape, *args, out=out) is out
+        assert bitwise_equal(out, expected), offset
+        assert np.isnan(buffer[:offset].astype(np.float32)).all() and np.isnan(float(buffer[-1]))
+
+
 def test_channels_last_input_decides_only_for_1x1_grad_output():
     x = channels_last(np.zeros((2, 3, 6, 6), np.float32))
     grad_output = random((2, 3, 3, 3), np.float32, 1)
@@ -418,6 +469,9 @@ def test_thread_count_does_not_change_bits(dtype):
     args = (input_shape, kernel, stride, padding, True, False)
     assert_thread_invariant(lambda: pool_bwd(grad_output, *args))
     assert_thread_invariant(lambda: pool_bwd(channels_last(grad_output), *args))
+    wide_shape = (3, 5, 29, 61)  # grad rows of 31: the whole-rows kernel
+    wide = random(pooled_shape(wide_shape, 3, 2, 1, False), dtype, 6)
+    assert_thread_invariant(lambda: pool_bwd(wide, wide_shape, 3, 2, 1, False, False))
     grad_1x1 = random((3, 5, 1, 1), dtype, 5)
     assert_thread_invariant(lambda: pool_bwd(grad_1x1, (3, 5, 6, 7), (6, 7)))
 

@@ -9,7 +9,7 @@ import numpy as np
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
-from ..kernels import _separable
+from ..kernels import _separable, _simd
 from . import _plans
 
 FUNC = "avg_pool2d_backward"
@@ -104,13 +104,18 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
         grad_output = grad_output[None]
     grad_output = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
     grad_input = d.kernel_view(grad_input)
-    if plan.global_divisor is not None:
+    work = grad_output.size + grad_input.size
+    if plan.rows is not None:
+        kernels.avg_pool2d_bwd_rows_nchw(grad_output.reshape(plan.kernel_shapes[0]),
+                                         grad_input.reshape(plan.kernel_shapes[1]), *plan.rows, plan.fmt,
+                                         work=work)
+    elif plan.global_divisor is not None:
         # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
         shapes = plan.kernel_shapes
         pool = (kernels.global_avg_pool2d_bwd_nhwc if plan.layout == d.NHWC
                 else kernels.global_avg_pool2d_bwd_nchw)
         pool(grad_output.reshape(shapes[0]), grad_input.reshape(shapes[1]), plan.global_divisor,
-             plan.fmt)
+             plan.fmt, work=work)
     elif plan.layout == d.NHWC:
         _separable.separable_bwd_nhwc(grad_output, grad_input, *plan.taps, plan.fmt)
     else:
@@ -130,6 +135,7 @@ class _Plan(NamedTuple):
     global_divisor: object  # the compute-type divisor of global pooling, else None
     kernel_shapes: tuple  # the kernel's views of grad_output and the result
     fmt: object
+    rows: tuple = None  # the whole-rows NCHW kernel's tables and width geometry, when it runs
 
 
 def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -218,8 +224,15 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
     override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
     taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
-    taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     shapes = ((planes, out_height, out_width), (planes, height, width))
+    if layout == d.NCHW and out_width >= _simd.LANES:
+        # whole rows at a time, the width axis as strided windows (same operations, same bits)
+        weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
+                                 compute)
+        streaming = math.prod(input_shape) * dtype.itemsize >= _simd.STREAM_MIN_BYTES
+        rows = (*_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1], padding[1], streaming)
+        return _Plan(input_shape, layout, (), None, shapes, fmt, rows)
+    taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return _Plan(input_shape, layout, (*taps_h, *taps_w), None, shapes, fmt)
 
 
@@ -245,11 +258,11 @@ def _axis_windows(size, kernel, stride, pad, out_size):
 
 
 @functools.lru_cache(maxsize=256)
-def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
-    """The separable engine's tap table of one axis: every window's clipped cells, weighted by
-    1 / divisor, the divisor being ``divisor`` when given, else the window's extent (counting the
-    padding or not). Memoised: a training loop calls with the same geometry every step (the
-    tables are internal and never written)."""
+def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """Every window's weight on one axis, ``1 / divisor`` in the compute type, the divisor being
+    ``divisor`` when given, else the window's extent (counting the padding or not). Memoised: a
+    training loop calls with the same geometry every step (the tables are internal and never
+    written)."""
     start, stop, extent = _axis_windows(size, kernel, stride, pad, out_size)
     if divisor is not None:
         divisors = np.full(out_size, divisor, np.int64)
@@ -257,7 +270,16 @@ def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, 
         divisors = extent
     else:
         divisors = stop - start
-    return _window_taps(start, stop, np.divide(1, divisors.astype(compute), dtype=compute), compute)
+    return np.divide(1, divisors.astype(compute), dtype=compute)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """The separable engine's tap table of one axis: every window's clipped cells, each with the
+    window's weight (:func:`_axis_weights`). Memoised like it."""
+    start, stop, _ = _axis_windows(size, kernel, stride, pad, out_size)
+    weights = _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute)
+    return _window_taps(start, stop, weights, compute)
 
 
 def _window_taps(start, stop, window_weight, compute):

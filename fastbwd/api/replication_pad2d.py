@@ -55,12 +55,14 @@ def replication_pad2d_backward(grad_output, input, padding, *, out=None):
         return result  # empty (N is 0)
     source = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
     top, left = plan.top_left
+    work = source.size + grad_input.size
     if plan.layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt)
+        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt,
+                                           work=work)
     else:
         kernels.replication_pad2d_bwd_nchw(
             source.reshape(plan.kernel_shapes[0]),
-            d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top, left, plan.fmt)
+            d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top, left, plan.fmt, work=work)
     return result
 
 

@@ -94,11 +94,12 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     scratch = out_height * out_width + height * out_width + height * width
+    work = grad_output.size + grad_input.size
     if out_width < LANES and scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
-        _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt)
+        _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt, work=work)
     else:
-        _separable_bwd_nchw(grad_output, grad_input, *_gather_tables(index_h, weight_h, height),
-                            *_gather_tables(index_w, weight_w, width), fmt)
+        _separable_bwd_nchw(grad_output, grad_input, *gather_tables(index_h, weight_h, height),
+                            *gather_tables(index_w, weight_w, width), fmt, work=work)
 
 
 def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
@@ -107,11 +108,11 @@ def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weig
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
     """
     height, width = grad_input.shape[1], grad_input.shape[2]
-    _separable_bwd_nhwc(grad_output, grad_input, *_gather_tables(index_h, weight_h, height),
-                        *_gather_tables(index_w, weight_w, width), fmt)
+    _separable_bwd_nhwc(grad_output, grad_input, *gather_tables(index_h, weight_h, height),
+                        *gather_tables(index_w, weight_w, width), fmt, work=grad_output.size + grad_input.size)
 
 
-def _gather_tables(index, weight, input_size):
+def gather_tables(index, weight, input_size):
     """:func:`gather_table`, memoised on the table's contents: a training loop calls with the same
     geometry every step, and building the table cost about half the per-call overhead."""
     return _gather_table_of(index.tobytes(), weight.tobytes(), index.shape, weight.dtype.str, input_size)

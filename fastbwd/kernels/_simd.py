@@ -20,6 +20,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._jit import helper
+
 #: Elements per vector operation (one 512-bit vector of float32, two of float64).
 LANES = 16
 
@@ -127,15 +129,24 @@ def fold_lanes_by_halving(builder, vector):
 def _gathered_sum(builder, source, index, weights, start, stop, column, format_name, vector_type):
     """The 16-lane register sum ``sum over s in [start, stop) of weights[s] *
     source[index[s], column:column + LANES]``, from +0.0, in ascending ``s``."""
-    accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
-    builder.store(ir.Constant(vector_type, None), accumulator)
+    return _gathered_sums(builder, source, index, weights, start, stop, [column], format_name, vector_type)[0]
+
+
+def _gathered_sums(builder, source, index, weights, start, stop, columns, format_name, vector_type):
+    """:func:`_gathered_sum` at each of ``columns``, in one loop over ``s`` (independent sums
+    side by side: the core overlaps their latencies)."""
+    accumulators = []
+    for _ in columns:
+        accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
+        builder.store(ir.Constant(vector_type, None), accumulator)
+        accumulators.append(accumulator)
     with cgutils.for_range_slice(builder, start, stop, _I64(1), inc=True) as (s, _):
         row = builder.load(builder.gep(index.data, [s]))
-        weight = builder.load(builder.gep(weights.data, [s]))
-        values = decode_lanes(builder, _element_pointer(builder, source, row, column), format_name, vector_type)
-        product = builder.fmul(values, splat(builder, vector_type, weight))
-        builder.store(builder.fadd(builder.load(accumulator), product), accumulator)
-    return builder.load(accumulator)
+        weight = splat(builder, vector_type, builder.load(builder.gep(weights.data, [s])))
+        for column, accumulator in zip(columns, accumulators):
+            values = decode_lanes(builder, _element_pointer(builder, source, row, column), format_name, vector_type)
+            builder.store(builder.fadd(builder.load(accumulator), builder.fmul(values, weight)), accumulator)
+    return [builder.load(accumulator) for accumulator in accumulators]
 
 
 def _transpose_registers(builder, rows):
@@ -306,6 +317,100 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
     return sig, codegen
 
 
+@intrinsic
+def lanes_scaled_gather_sums(typingctx, destination, destination_row, destination_shift, source, index, weights,
+                             start, stop, first_column, second_column, scale, fmt):
+    """For each column ``c`` of ``first_column`` and ``second_column``:
+    ``destination[dr, shift + c + j] = scale[0, c + j] * (sum over s in [start, stop) of
+    weights[s] * decode(source[index[s], c + j]))`` for ``j < LANES``: :func:`lanes_gather_sum`
+    (from +0.0, ascending ``s``), then one multiply by the matching elements of ``scale`` (a
+    one-row matrix of the compute type). The two sums share one loop."""
+    if not _both_c_matrices(destination, source, scale):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, index, weights, types.intp, types.intp,
+                     types.intp, types.intp, scale, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst, src, idx, wts, scl = array_structs(context, builder, signature, args, 0, 3, 4, 5, 10)
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        align = signature.args[0].dtype.bitwidth // 8
+        columns = [args[8], args[9]]
+        totals = _gathered_sums(builder, src, idx, wts, args[6], args[7], columns, format_name, vector)
+        for column, total in zip(columns, totals):
+            factors = builder.load(_vector_pointer(builder, scl, _I64(0), column, vector), align=align)
+            builder.store(builder.fmul(factors, total),
+                          _vector_pointer(builder, dst, args[1], builder.add(args[2], column), vector), align=align)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _shifted_sum(builder, source, row, column, count, vector_type, align):
+    """``0 + sum over i < count of source[row, column + i : column + i + LANES]``, adding ``i`` in
+    ascending order, in a register (loads aligned to ``align`` bytes, the element size)."""
+    accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
+    builder.store(ir.Constant(vector_type, None), accumulator)
+    with cgutils.for_range(builder, count) as loop:
+        pointer = _vector_pointer(builder, source, row, builder.add(column, loop.index), vector_type)
+        builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator)
+    return builder.load(accumulator)
+
+
+@intrinsic
+def lanes_shifted_sum(typingctx, destination, destination_row, destination_column, source, source_row,
+                      source_column, count):
+    """``destination[dr, dc + j] = 0 + sum over i < count of source[sr, sc + i + j]`` for
+    ``j < LANES``, adding ``i`` in ascending order (``count`` shifted vectors of one row, in a
+    register; both of the compute type)."""
+    if not _both_c_matrices(destination, source):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        total = _shifted_sum(builder, src, args[4], args[5], args[6], vector, signature.args[0].dtype.bitwidth // 8)
+        builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
+                      align=signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def interleaved_shifted_sums(typingctx, destination, destination_row, destination_column, source, even_column,
+                             even_count, odd_column, odd_count, fmt):
+    """Two :func:`lanes_shifted_sum` of row 0 of ``source`` (compute type), ``even`` from
+    ``even_column`` over ``even_count`` shifts and ``odd`` from ``odd_column`` over ``odd_count``,
+    interleaved and stored in StorageFormat ``fmt`` (each value rounded once, as ``store``):
+    ``destination[dr, dc + 2 j] = even[j]``, ``destination[dr, dc + 2 j + 1] = odd[j]`` for
+    ``j < LANES`` (2 LANES elements), in registers all the way."""
+    if not _both_c_matrices(destination, source):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp, types.intp,
+                     fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
+        stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        align = signature.args[3].dtype.bitwidth // 8
+        even = _shifted_sum(builder, src, _I64(0), args[4], args[5], vector, align)
+        odd = _shifted_sum(builder, src, _I64(0), args[6], args[7], vector, align)
+        mask_type = ir.VectorType(_I32, LANES)
+        for half in range(2):
+            lanes = [half * LANES // 2 + j // 2 + (LANES if j % 2 else 0) for j in range(LANES)]
+            pair = builder.shuffle_vector(even, odd, ir.Constant(mask_type, lanes))
+            pointer = _vector_pointer(builder, dst, args[1], builder.add(args[2], _I64(half * LANES)), stored)
+            builder.store(encode_lanes(builder, pair, format_name), pointer,
+                          align=signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _prefetch_codegen(for_write):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -336,3 +441,108 @@ def prefetch_for_write(typingctx, array, index):
     if not isinstance(array, types.Array):
         return None
     return types.void(array, types.intp), _prefetch_codegen(True)
+
+
+# ---- streaming (non-temporal) stores ------------------------------------------------------------
+
+#: Bytes of one cache line: the unit a streaming store writes.
+LINE_BYTES = 64
+
+
+@intrinsic
+def line_offset(typingctx, array, index):
+    """The byte offset of ``array.ravel()[index]`` (C-contiguous ``array``) inside its 64-byte
+    cache line: ``address % LINE_BYTES``."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.ptrtoint(builder.gep(data, [args[1]]), _I64)
+        return builder.and_(address, _I64(LINE_BYTES - 1))
+
+    return types.intp(array, types.intp), codegen
+
+
+def _line_copy_codegen(nontemporal):
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 2)
+        line = ir.VectorType(_I32, LINE_BYTES // 4)
+        source_pointer = builder.bitcast(builder.gep(src.data, [args[3]]), line.as_pointer())
+        destination_pointer = builder.bitcast(builder.gep(dst.data, [args[1]]), line.as_pointer())
+        values = builder.load(source_pointer, align=1)
+        if nontemporal:
+            store = builder.store(values, destination_pointer, align=LINE_BYTES)
+            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        else:
+            builder.store(values, destination_pointer, align=1)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def copy_line(typingctx, destination, destination_index, source, source_index):
+    """Copy the 64 bytes from ``source.ravel()[source_index]`` on to
+    ``destination.ravel()[destination_index]`` on (C-contiguous arrays of one element type, any
+    alignment; the bytes are copied unchanged)."""
+    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)):
+        return None
+    return types.void(destination, types.intp, source, types.intp), _line_copy_codegen(False)
+
+
+@intrinsic
+def stream_line(typingctx, destination, destination_index, source, source_index):
+    """:func:`copy_line` with a non-temporal store, to a destination that must start a cache
+    line: the line goes to memory without being read into the cache first (a plain store reads
+    it) and without evicting what the caches hold. Other threads are guaranteed to see it only
+    after a :func:`store_fence`."""
+    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)):
+        return None
+    return types.void(destination, types.intp, source, types.intp), _line_copy_codegen(True)
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence: every store issued before it, streaming ones included, is visible
+    to other threads before any memory access after it."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+#: Outputs of at least this many bytes are written with streaming stores (:func:`copy_out`): a
+#: result larger than the last-level cache would be evicted from it anyway, and a streaming
+#: store spares the read of each line that a plain store makes (a third of a copy's traffic).
+#: Smaller results are stored normally, so that they are still in the cache when read next.
+STREAM_MIN_BYTES = 16 << 20
+
+
+@helper
+def copy_out(destination, first, source, source_first, count, streaming):
+    """``destination[first:first + count] = source[source_first:source_first + count]`` (1-D
+    C-contiguous arrays of one element type; the values are copied unchanged), a cache line at
+    a time. With ``streaming``, the destination's whole cache lines are written with
+    :func:`stream_line` and the partial lines at both ends with plain stores (all of them when
+    the destination is not aligned to its element size); a kernel calls :func:`store_fence`
+    after its task's last ``copy_out``."""
+    itemsize = destination.itemsize
+    per_line = LINE_BYTES // itemsize
+    done = 0
+    offset = line_offset(destination, first)
+    if streaming and offset % itemsize == 0:
+        done = min(count, (LINE_BYTES - offset) % LINE_BYTES // itemsize)
+        for k in range(done):
+            destination[first + k] = source[source_first + k]
+        while done + per_line <= count:
+            stream_line(destination, first + done, source, source_first + done)
+            done += per_line
+    else:
+        while done + per_line <= count:
+            copy_line(destination, first + done, source, source_first + done)
+            done += per_line
+    for k in range(done, count):
+        destination[first + k] = source[source_first + k]

@@ -13,6 +13,10 @@ from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
 from ._jit import helper, parallel_kernel
 
+#: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
+#: are fewer rows); a group allocates its scratch once. Results do not depend on it.
+TASK_GROUPS = 256
+
 
 @helper
 def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
@@ -26,56 +30,89 @@ def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
     return store(acc, fmt)
 
 
+@helper
+def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
+    """One grad_input row (``dst``) from its plane's grad_output ``src`` and its source rows
+    ``[row_start, row_stop)``.
+
+    With one source row, the interior is a copy and the two edge cells sum their strips. With
+    several (the top and bottom edges) or none (cropped away), each interior column sums its
+    cells of those rows, one whole source row after the other into ``column_sums`` (compute-type
+    scratch of at least ``width``): the order of the cell-by-cell sum. The other cells (edges,
+    corners, columns cropped away) go cell by cell.
+    """
+    width, out_width = dst.shape[0], src.shape[1]
+    # Columns 1 <= w < width-1 whose only reader is w + pad_left (inside grad_output).
+    copy_start = max(1, -pad_left)
+    copy_stop = max(copy_start, min(width - 1, out_width - pad_left))
+    interior = dst[copy_start:copy_stop]
+    if row_stop - row_start == 1 and width > 1:
+        row = src[row_start]
+        # Zero-based loop over slices: no negative-index wraparound, so LLVM vectorises it.
+        copy_src = row[copy_start + pad_left:copy_stop + pad_left]
+        for k in range(copy_stop - copy_start):
+            interior[k] = copy_src[k]
+        # The two edge cells sum their strips (a lone source is copied).
+        first_stop = replicate_source_range(0, width, out_width, pad_left)[1]
+        last_start = replicate_source_range(width - 1, width, out_width, pad_left)[0]
+        if first_stop == 1:
+            dst[0] = row[0]
+        else:
+            acc = accumulator(row, fmt)
+            for j in range(first_stop):
+                acc += load(row[j], fmt)
+            dst[0] = store(acc, fmt)
+        if out_width - last_start == 1:
+            dst[width - 1] = row[last_start]
+        else:
+            acc = accumulator(row, fmt)
+            for j in range(last_start, out_width):
+                acc += load(row[j], fmt)
+            dst[width - 1] = store(acc, fmt)
+        for w in range(1, copy_start):  # cropped away by a negative left pad
+            dst[w] = store(accumulator(row, fmt), fmt)
+        for w in range(copy_stop, width - 1):  # cropped away by a negative right pad
+            dst[w] = store(accumulator(row, fmt), fmt)
+        return
+    sums = column_sums[:copy_stop - copy_start]
+    for k in range(copy_stop - copy_start):
+        sums[k] = accumulator(src, fmt)
+    for i in range(row_start, row_stop):
+        row = src[i, copy_start + pad_left:copy_stop + pad_left]
+        for k in range(copy_stop - copy_start):
+            sums[k] += load(row[k], fmt)
+    for k in range(copy_stop - copy_start):
+        interior[k] = store(sums[k], fmt)
+    for w in range(copy_start):
+        col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
+        dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
+    for w in range(copy_stop, width):
+        col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
+        dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
+
+
 @parallel_kernel
 def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
 
-    Parallel over the P*H rows of grad_input; iteration ``t`` writes only row ``t`` (plane
-    ``t // H``, row ``t % H``).
+    Parallel over TASK_GROUPS fixed runs of consecutive rows of the P*H rows of grad_input
+    (fewer when there are fewer rows); a run writes only its rows, one after the other.
     """
     planes, height, width = grad_input.shape
-    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
-    # Columns 1 <= w < width-1 whose only reader is w + pad_left (inside grad_output).
-    copy_start = max(1, -pad_left)
-    copy_stop = max(copy_start, min(width - 1, out_width - pad_left))
-    first_stop = replicate_source_range(0, width, out_width, pad_left)[1]
-    last_start = replicate_source_range(width - 1, width, out_width, pad_left)[0]
-    for t in prange(planes * height):
-        p = t // height
-        h = t - p * height
-        src = grad_output[p]
-        dst = grad_input[p, h]
-        row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
-        if row_stop - row_start == 1 and width > 1:
-            row = src[row_start]
-            # Zero-based loop over slices: no negative-index wraparound, so LLVM vectorises it.
-            copy_dst = dst[copy_start:copy_stop]
-            copy_src = row[copy_start + pad_left:copy_stop + pad_left]
-            for k in range(copy_stop - copy_start):
-                copy_dst[k] = copy_src[k]
-            # The two edge cells sum their strips (a lone source is copied).
-            if first_stop == 1:
-                dst[0] = row[0]
-            else:
-                acc = accumulator(row, fmt)
-                for j in range(first_stop):
-                    acc += load(row[j], fmt)
-                dst[0] = store(acc, fmt)
-            if out_width - last_start == 1:
-                dst[width - 1] = row[last_start]
-            else:
-                acc = accumulator(row, fmt)
-                for j in range(last_start, out_width):
-                    acc += load(row[j], fmt)
-                dst[width - 1] = store(acc, fmt)
-            for w in range(1, copy_start):  # cropped away by a negative left pad
-                dst[w] = store(accumulator(row, fmt), fmt)
-            for w in range(copy_stop, width - 1):  # cropped away by a negative right pad
-                dst[w] = store(accumulator(row, fmt), fmt)
-        else:
-            for w in range(width):
-                col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
-                dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
+    out_height = grad_output.shape[1]
+    rows = planes * height
+    groups = min(rows, TASK_GROUPS)
+    for group in prange(groups):
+        column_sums = np.full(width, accumulator(grad_output, fmt))
+        first = group * rows // groups
+        p = first // height
+        h = first - p * height
+        for _ in range(first, (group + 1) * rows // groups):
+            row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
+            _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, fmt)
+            h += 1
+            if h == height:
+                p, h = p + 1, 0
 
 
 @parallel_kernel
