@@ -86,10 +86,12 @@ FALLBACK = collections.Counter()
 
 #: What the first call of each call geometry decided, for the calls after it (a training loop
 #: repeats a few geometries): the memory format to serve it in (the in-place grad_input's or
-#: PyTorch's rule), or None when PyTorch's own kernel answers. Keyed by :func:`_signature`; the
-#: decision depends on nothing else (fastbwd's validation of these three operators reads only
-#: shapes, dtypes and argument values).
+#: PyTorch's rule), or :data:`_FALLBACK` when PyTorch's own kernel answers. Keyed by
+#: :func:`_signature`; the decision depends on nothing else (fastbwd's validation of these three
+#: operators reads only shapes, strides, dtypes and argument values).
 _DECISIONS = _plans.Plans()
+_FALLBACK = "fallback"
+_UNDECIDED = object()
 
 
 def _signature(name, args, grad_input):
@@ -149,9 +151,6 @@ def _serve(prepare, args, grad_input, memory_format):
     return grad_input.copy_(result)
 
 
-_UNDECIDED = object()
-
-
 def _served(name, prepare, args, grad_input):
     """The fastbwd result for these aten arguments, or None when PyTorch's own kernel must
     answer. The first call of a geometry decides (:func:`_decide`, and whether fastbwd accepts
@@ -170,9 +169,6 @@ def _served(name, prepare, args, grad_input):
     if decision is _FALLBACK:
         return None
     return _serve(prepare, args, grad_input, decision)
-
-
-_FALLBACK = "fallback"  # a stored decision: PyTorch's own kernel answers
 
 
 def _kernel(name, overload):
