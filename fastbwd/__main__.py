@@ -161,9 +161,13 @@ def run(args):
             prepared = spec.prepare(case, torch is not None)
             setup = time.perf_counter() - t0
             variants = [("alloc", prepared.run)] + ([("out=", prepared.run_out)] if prepared.run_out else [])
-            timings = {name: median_seconds(fn, args.repeats, args.seconds) for name, fn in variants}
-            baselines = {name: median_seconds(fn, max(3, args.repeats // 2), args.seconds)
-                         for name, fn in prepared.torch.items()}
+            # fastbwd's variants and the baselines in alternating rounds: the load of a shared
+            # machine moves within a case, and sequential medians put a change on one side
+            named = variants + list(prepared.torch.items())
+            seconds_of = dict(zip([name for name, _ in named],
+                                  _alternating_medians([fn for _, fn in named], args.repeats, args.seconds)))
+            timings = {name: seconds_of[name] for name, _ in variants}
+            baselines = {name: seconds_of[name] for name in prepared.torch}
             for variant, seconds in timings.items():
                 gbps = prepared.nbytes / seconds / 1e9
                 # out= variants are compared with the out= baseline, everything else with the rest
@@ -203,13 +207,13 @@ def torch_bridge(args):
     from fastbwd.testing.torch_cases import cases
 
     say("\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
-        "against plain PyTorch, then timing both")
+        "against plain PyTorch, then timing both in alternating rounds")
     say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'torch ms':>9} {'speed-up':>8}  target")
     rows = []
     for case in cases(quick=args.quick):
         case.check()
-        fastbwd_seconds = median_seconds(case.fastbwd, args.repeats, args.seconds)
-        torch_seconds = median_seconds(case.torch, max(3, args.repeats // 2), args.seconds)
+        fastbwd_seconds, torch_seconds = _alternating_medians((case.fastbwd, case.torch), args.repeats,
+                                                              args.seconds)
         speedup = torch_seconds / fastbwd_seconds
         say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
             f"{speedup:7.2f}x  {case.target}")
@@ -231,12 +235,12 @@ def torch_bridge(args):
     return rows
 
 
-def _alternating_medians(first, second, min_repeats, min_seconds, rounds=4):
-    """Median seconds of ``first()`` and ``second()`` (None: not timed), timed in alternating
-    rounds so that a change in the machine's load lands on both."""
-    times = ([], [])
+def _alternating_medians(functions, min_repeats, min_seconds, rounds=4):
+    """Median seconds of each of ``functions`` (None: not timed), timed in alternating rounds
+    so that a change in the machine's load lands on all of them alike."""
+    times = [[] for _ in functions]
     for _ in range(rounds):
-        for function, samples in zip((first, second), times):
+        for function, samples in zip(functions, times):
             if function is None:
                 continue
             start, count = time.perf_counter(), 0
@@ -247,7 +251,7 @@ def _alternating_medians(first, second, min_repeats, min_seconds, rounds=4):
                 count += 1
                 if count >= 50:
                     break
-    return tuple(float(np.median(samples)) if samples else None for samples in times)
+    return [float(np.median(samples)) if samples else None for samples in times]
 
 
 def jax_bridge(args):
@@ -266,7 +270,7 @@ def jax_bridge(args):
     rows = []
     for case in cases(quick=args.quick):
         case.check()
-        fastbwd_seconds, jax_seconds = _alternating_medians(case.fastbwd, case.jax, args.repeats, args.seconds)
+        fastbwd_seconds, jax_seconds = _alternating_medians((case.fastbwd, case.jax), args.repeats, args.seconds)
         speedup = None if jax_seconds is None else jax_seconds / fastbwd_seconds
         say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
             + (f"{jax_seconds * 1e3:9.2f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
@@ -275,7 +279,7 @@ def jax_bridge(args):
                          variant="jit(grad)", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
                          baseline="jax" if jax_seconds else None,
                          baseline_ms=jax_seconds and jax_seconds * 1e3, speedup=speedup, target=case.target))
-    one, many = _alternating_medians(*transport_overhead().values(), 200, 0.4)
+    one, many = _alternating_medians(tuple(transport_overhead().values()), 200, 0.4)
     per_call = (many - one) / 10
     say(f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
         f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us)")

@@ -107,8 +107,8 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     work = grad_output.size + grad_input.size
     if plan.rows is not None:
         kernels.avg_pool2d_bwd_rows_nchw(grad_output.reshape(plan.kernel_shapes[0]),
-                                         grad_input.reshape(plan.kernel_shapes[1]), *plan.rows, plan.fmt,
-                                         work=work)
+                                         grad_input.reshape(plan.kernel_shapes[1]), *plan.rows,
+                                         result.nbytes >= _simd.STREAM_MIN_BYTES, plan.fmt, work=work)
     elif plan.global_divisor is not None:
         # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
         shapes = plan.kernel_shapes
@@ -229,8 +229,7 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
         # whole rows at a time, the width axis as strided windows (same operations, same bits)
         weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
                                  compute)
-        streaming = math.prod(input_shape) * dtype.itemsize >= _simd.STREAM_MIN_BYTES
-        rows = (*_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1], padding[1], streaming)
+        rows = (*_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1], padding[1])
         return _Plan(input_shape, layout, (), None, shapes, fmt, rows)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return _Plan(input_shape, layout, (*taps_h, *taps_w), None, shapes, fmt)
