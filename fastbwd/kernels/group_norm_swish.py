@@ -42,9 +42,11 @@ BLOCK = 4096
 PREFETCH_ROUND = 256
 #: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
 #: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
-#: elements, 48 KB at C = 128 in float32) stay near L1. Measured single-threaded, (2,64,128,128)
-#: ran 1.4x faster flat, but G1 (C = 512, 192 KB of tiles) 1.2x slower than by rows.
-WHOLE_ROWS_MAX_CHANNELS = 128
+#: elements, 120 KB at C = 320 in float32) stay in L2. Measured single-threaded,
+#: (2,64,128,128) ran 1.4x faster flat, but G1 (C = 512, 192 KB of tiles) 1.2x slower than by
+#: rows. G3 (C = 320, 160-channel runs of 4096 positions) ran at 0.35-0.46x its NCHW speed by
+#: rows and 0.66-0.73x flat (two threads, alternating processes; G1 flat was no faster).
+WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
 PARTIAL_SUMS = LANES
