@@ -8,7 +8,9 @@ import numpy as np
 from jax import lax
 
 import fastbwd
+from .. import _dtypes as d
 from .. import _validation as v
+from ..api.avg_pool2d import _axis_windows
 from . import _common as c
 from . import _ffi
 
@@ -25,25 +27,19 @@ def _backward_adapter(inputs, outputs, config):
 _TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True)
 
 
-def _output_size(size, kernel, stride, pad, ceil_mode):
-    return v.pooling_output_size(size, kernel, stride, pad, ceil_mode)
-
-
 def _divisors(size, kernel, stride, pad, out_size, count_include_pad):
     """Per output index of one axis: the window's extent within the padded input (PyTorch's
-    ``pool_size`` factor) and within the input (``count_include_pad=False``)."""
-    start = np.arange(out_size) * stride - pad
-    end = np.minimum(start + kernel, size + pad)
-    padded = end - start
-    inside = np.minimum(end, size) - np.maximum(start, 0)
-    return padded if count_include_pad else inside
+    ``pool_size`` factor) or within the input (``count_include_pad=False``), from the windows
+    the backward uses."""
+    start, stop, padded = _axis_windows(size, kernel, stride, pad, out_size)
+    return padded if count_include_pad else stop - start
 
 
 def _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
     """Window sums by ``lax.reduce_window`` over the zero-padded input, then PyTorch's divisors."""
-    compute = x.astype(c.opmath(x.dtype))
+    compute = x.astype(d.compute_dtype(x.dtype))
     height, width = x.shape[-2:]
-    out_sizes = [_output_size(size, k, s, p, ceil_mode)
+    out_sizes = [v.pooling_output_size(size, k, s, p, ceil_mode)
                  for size, k, s, p in zip((height, width), kernel, stride, padding)]
     # The last window may overhang the bottom/right padding (ceil_mode): pad enough zeros for it.
     pads = [(p, max(p, (o - 1) * s + k - size - p))
@@ -116,7 +112,7 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_in
         kernel = c.ints(kernel_size, 2)
         steps = c.ints(stride, 2) if stride not in (None, ()) else kernel
         pads = c.ints(padding, 2)
-        sizes = tuple(_output_size(size, k, s, p, bool(ceil_mode))
+        sizes = tuple(v.pooling_output_size(size, k, s, p, bool(ceil_mode))
                       for size, k, s, p in zip(x.shape[-2:], kernel, steps, pads))
         if min(sizes) < 1:
             raise ValueError(sizes)

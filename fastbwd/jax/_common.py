@@ -1,8 +1,7 @@
-"""What the JAX functions share: trace-time validation by the public functions, and dtypes."""
+"""What the JAX functions share: trace-time validation by the public functions, static arguments."""
 
 import numpy as np
 
-from .. import _dtypes as d
 from .._errors import ParamError
 
 #: An ``out=`` that is not an array: see :func:`validate`.
@@ -40,11 +39,6 @@ def shape_or(default, build):
         return build()
     except Exception:  # noqa: BLE001 - only a placeholder shape; validation raises the real error
         return default
-
-
-def opmath(dtype):
-    """The dtype the kernels compute ``dtype`` data in (float32 for the half formats)."""
-    return d.compute_dtype(dtype)
 
 
 def static_ints(value):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import fastbwd
+from .. import _dtypes as d
 from .. import _validation as v
 from . import _common as c
 from . import _ffi
@@ -25,7 +26,7 @@ _TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False
 def _statistics(x, num_groups, eps, layout):
     """``(mean, rstd)`` of each (sample, group), shape ``(N, G)``, in the compute type (biased
     variance, ``rstd = 1 / sqrt(var + eps)``), and x in the compute type."""
-    compute = x.astype(c.opmath(x.dtype))
+    compute = x.astype(d.compute_dtype(x.dtype))
     batch = x.shape[0]
     if layout == "NHWC":
         grouped = compute.reshape(batch, -1, num_groups, x.shape[-1] // num_groups)
@@ -121,7 +122,7 @@ def group_norm_swish(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0, *, 
     eps = v.float_value(FUNC, "eps", eps)
     if layout not in ("NCHW", "NHWC"):
         v.fail(FUNC, "layout", "must be one of 'NCHW', 'NHWC'", v.describe(layout))
-    stats_dtype = c.opmath(x.dtype)
+    stats_dtype = d.compute_dtype(x.dtype)
 
     def stats_shape():
         return (x.shape[0], int(num_groups))

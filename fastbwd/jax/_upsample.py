@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 import fastbwd
+from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels.upsample_bilinear2d import compute_source_index_and_lambda
 from . import _common as c
@@ -45,7 +46,7 @@ def _interpolate(x, axis, output_size, align_corners):
 
 def _forward(x, output_size, align_corners, layout):
     h_axis, w_axis = _axes(layout)
-    compute = x.astype(c.opmath(x.dtype))
+    compute = x.astype(d.compute_dtype(x.dtype))
     rows = _interpolate(compute, h_axis, output_size[0], align_corners)
     return _interpolate(rows, w_axis, output_size[1], align_corners).astype(x.dtype)
 
