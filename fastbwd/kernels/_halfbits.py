@@ -18,7 +18,6 @@ Kernel-facing API (all usable only inside ``@njit`` code):
 float32, float64 for float64, the complex type for complex arrays).
 """
 
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core.imputils import lower_constant
@@ -93,30 +92,6 @@ def _constant_storage_format(context, builder, typ, value):
 # --------------------------------------------------------------------------------------------
 # bit-level intrinsics
 # --------------------------------------------------------------------------------------------
-
-@intrinsic
-def float16_bits_to_float32(typingctx, bits):
-    """Exact float16 -> float32 from the 16 storage bits."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        half = builder.bitcast(args[0], ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def float32_to_float16_bits(typingctx, value):
-    """float32 -> float16 bits, IEEE round to nearest even (overflow to inf, NaN stays NaN)."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        half = builder.fptrunc(args[0], ir.HalfType())
-        return builder.bitcast(half, ir.IntType(16))
-
-    return sig, codegen
-
 
 @intrinsic
 def uint32_as_float32(typingctx, bits):
