@@ -290,8 +290,12 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
             boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
         if not (grid_h >= 1 and grid_w >= 1):
             grid_h = grid_w = like(0.0, y1)  # no samples at all: both tables stay empty
-        weight_sum = np.zeros(max(height, width), np.float64)
-        touched = np.zeros(max(height, width), np.bool_)
+        # zeroed by a loop: np.zeros would compile two more functions per dtype on the first call
+        weight_sum = np.empty(max(height, width), np.float64)
+        touched = np.empty(max(height, width), np.bool_)
+        for i in range(weight_sum.shape[0]):
+            weight_sum[i] = 0.0
+            touched[i] = False
         # np.int64(j): Numba types j differently in the two calls (int64, uint64), which
         # compiled _fill_axis twice
         box_rows[j, 0], box_rows[j, 1] = _fill_axis(
