@@ -296,12 +296,12 @@ MUTANTS = [
            T_PAD, "a channels-last gradient gives a C-contiguous result"),
     # ---- half formats (every operator's storage) ---------------------------------------------------
     Mutant("half-bf16-round-toward-zero", "halfbits", K_HALF,
-           "    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
-           "    rounded = bits >> np.uint32(16)",
+           "    rounded = builder.lshr(builder.add(builder.add(bits, word(0x7FFF)), builder.and_(top, word(1))), word(16))",
+           "    rounded = top",
            T_HALF, "bfloat16 encoding truncates instead of rounding to nearest even"),
     Mutant("half-bf16-ties-away", "halfbits", K_HALF,
-           "    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
-           "    rounded = (bits + np.uint32(0x8000)) >> np.uint32(16)",
+           "    rounded = builder.lshr(builder.add(builder.add(bits, word(0x7FFF)), builder.and_(top, word(1))), word(16))",
+           "    rounded = builder.lshr(builder.add(bits, word(0x8000)), word(16))",
            T_HALF, "bfloat16 ties rounded away from zero instead of to even"),
     # ---- the oracle (fastbwd/testing/reference.py), caught by its own tests ------------------------
     Mutant("ref-pad-backward-clamp", "oracle", REF,

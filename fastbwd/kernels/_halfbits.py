@@ -18,7 +18,6 @@ Kernel-facing API (all usable only inside ``@njit`` code):
 float32, float64 for float64, the complex type for complex arrays).
 """
 
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core.imputils import lower_constant
@@ -26,8 +25,6 @@ from numba.extending import (
     NativeValue,
     intrinsic,
     models,
-    overload,
-    register_jitable,
     register_model,
     typeof_impl,
     unbox,
@@ -97,30 +94,6 @@ def _constant_storage_format(context, builder, typ, value):
 # --------------------------------------------------------------------------------------------
 
 @intrinsic
-def float16_bits_to_float32(typingctx, bits):
-    """Exact float16 -> float32 from the 16 storage bits."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        half = builder.bitcast(args[0], ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def float32_to_float16_bits(typingctx, value):
-    """float32 -> float16 bits, IEEE round to nearest even (overflow to inf, NaN stays NaN)."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        half = builder.fptrunc(args[0], ir.HalfType())
-        return builder.bitcast(half, ir.IntType(16))
-
-    return sig, codegen
-
-
-@intrinsic
 def uint32_as_float32(typingctx, bits):
     """Reinterpret 32 bits as a float32."""
     sig = types.float32(types.uint32)
@@ -142,37 +115,9 @@ def float32_as_uint32(typingctx, value):
     return sig, codegen
 
 
-@register_jitable(inline="always")
-def _bfloat16_bits_to_float32(bits):
-    return uint32_as_float32(np.uint32(bits) << np.uint32(16))
-
-
-@register_jitable(inline="always")
-def _float32_to_bfloat16_bits(value):
-    bits = float32_as_uint32(value)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x0040)
-    return np.uint16(quiet_nan if value != value else rounded)
-
-
 # --------------------------------------------------------------------------------------------
 # the kernel-facing API, selected at compile time by the StorageFormat type
 # --------------------------------------------------------------------------------------------
-
-def load(value, fmt):
-    """Decode one stored element to its compute type (njit only)."""
-    raise NotImplementedError("load() is only callable from @njit code")
-
-
-def store(value, fmt):
-    """Encode one compute-type value for storage, rounding once (njit only)."""
-    raise NotImplementedError("store() is only callable from @njit code")
-
-
-def accumulator(array, fmt):
-    """A zero of the compute type of ``array``'s elements (njit only)."""
-    raise NotImplementedError("accumulator() is only callable from @njit code")
-
 
 def _format_name(fmt):
     if not isinstance(fmt, StorageFormatType):
@@ -180,36 +125,86 @@ def _format_name(fmt):
     return fmt.format_name
 
 
-@overload(load, inline="always")
-def _load(value, fmt):
+# load, store and accumulator are intrinsics, not inlined overloads: typing one needs no compiled
+# implementation (an overload compiled one per argument type, a few hundredths of a second each
+# on a kernel's first call), and the IR is exactly what the overloads' bodies lowered to.
+
+def _decode_ir(builder, bits, format_name):
+    """float32 from the 16 stored bits (exact)."""
+    if format_name == "float16":
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    word = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+    return builder.bitcast(word, ir.FloatType())
+
+
+def _encode_ir(builder, value, format_name):
+    """The 16 stored bits of a float32, rounded to nearest even (a bfloat16 NaN stays a quiet NaN)."""
+    if format_name == "float16":
+        return builder.bitcast(builder.fptrunc(value, ir.HalfType()), ir.IntType(16))
+    word = ir.IntType(32)
+    bits = builder.bitcast(value, word)
+    top = builder.lshr(bits, word(16))
+    rounded = builder.lshr(builder.add(builder.add(bits, word(0x7FFF)), builder.and_(top, word(1))), word(16))
+    quiet_nan = builder.or_(top, word(0x0040))
+    is_nan = builder.fcmp_unordered("uno", value, value)
+    return builder.trunc(builder.select(is_nan, quiet_nan, rounded), ir.IntType(16))
+
+
+def _identity(context, builder, signature, args):
+    return args[0]
+
+
+@intrinsic(prefer_literal=False)
+def load(typingctx, value, fmt):
+    """Decode one stored element to its compute type (njit only)."""
     name = _format_name(fmt)
-    if name == "float16":
-        return lambda value, fmt: float16_bits_to_float32(value)
-    if name == "bfloat16":
-        return lambda value, fmt: _bfloat16_bits_to_float32(value)
-    return lambda value, fmt: value
+    value = types.unliteral(value)
+    if name == "native":
+        return value(value, fmt), _identity
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _decode_ir(builder, context.cast(builder, args[0], signature.args[0], types.uint16), name)
+
+    return types.float32(value, fmt), codegen
 
 
-@overload(store, inline="always")
-def _store(value, fmt):
+@intrinsic(prefer_literal=False)
+def store(typingctx, value, fmt):
+    """Encode one compute-type value for storage, rounding once (njit only)."""
     name = _format_name(fmt)
-    if name == "float16":
-        return lambda value, fmt: float32_to_float16_bits(np.float32(value))
-    if name == "bfloat16":
-        return lambda value, fmt: _float32_to_bfloat16_bits(np.float32(value))
-    return lambda value, fmt: value
+    value = types.unliteral(value)
+    if name == "native":
+        return value(value, fmt), _identity
+    if not isinstance(value, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        # as np.float32(value): a float64 is rounded to float32 first
+        single = context.cast(builder, args[0], signature.args[0], types.float32)
+        return _encode_ir(builder, single, name)
+
+    return types.uint16(value, fmt), codegen
 
 
-@overload(accumulator, inline="always")
-def _accumulator(array, fmt):
-    name = _format_name(fmt)
-    if name != "native":
-        return lambda array, fmt: np.float32(0)
+def _compute_type(array, fmt):
+    if _format_name(fmt) != "native":
+        return types.float32
     dtype = array.dtype
     if isinstance(dtype, types.Complex):
-        zero = np.complex64(0) if dtype.bitwidth == 64 else np.complex128(0)
-    elif dtype == types.float64:
-        zero = np.float64(0)
-    else:
-        zero = np.float32(0)
-    return lambda array, fmt: zero
+        return types.complex64 if dtype.bitwidth == 64 else types.complex128
+    return types.float64 if dtype == types.float64 else types.float32
+
+
+@intrinsic(prefer_literal=False)
+def accumulator(typingctx, array, fmt):
+    """A zero of the compute type of ``array``'s elements (njit only)."""
+    if not isinstance(array, types.Array):
+        return None
+    zero_type = _compute_type(array, fmt)
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant_generic(builder, signature.return_type, 0)
+
+    return zero_type(array, fmt), codegen

@@ -156,10 +156,11 @@ def _source_rows(start_h, source_h, row_start, row_stop):
 
 
 @helper
-def _lines_per_step(flat, first, stop, steps):
-    """How many cache lines of ``flat[first:stop]`` each of ``steps`` steps prefetches so that
-    together they cover it (at least one)."""
-    line = 64 // flat.itemsize
+def _lines_per_step(itemsize, first, stop, steps):
+    """How many cache lines of elements ``[first, stop)`` of an array of ``itemsize``-byte
+    elements each of ``steps`` steps prefetches so that together they cover them (at least one).
+    (The element size, not the array: one compiled function for the source and the result.)"""
+    line = 64 // itemsize
     return (stop - first + line - 1) // line // steps + 1
 
 
@@ -261,7 +262,7 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
                 if prefetching:
                     ahead, ahead_stop = _next_source_elements(start_h, source_h, task + 1, tasks, blocks, height,
                                                               grad_output.shape[1], out_width)
-                per_tile = _lines_per_step(flat_source, ahead, ahead_stop, (out_width + LANES - 1) // LANES)
+                per_tile = _lines_per_step(flat_source.itemsize, ahead, ahead_stop, (out_width + LANES - 1) // LANES)
                 source = grad_output[plane]
                 for k in range(0, out_width, LANES):
                     column = min(k, out_width - LANES)
@@ -273,7 +274,7 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
             ahead, ahead_stop = 0, 0
             if prefetching and task + 1 < tasks:
                 ahead, ahead_stop = _destination_elements(task + 1, blocks, height, width)
-            per_tile = _lines_per_step(flat_result, ahead, ahead_stop, (result_width + LANES - 1) // LANES)
+            per_tile = _lines_per_step(flat_result.itemsize, ahead, ahead_stop, (result_width + LANES - 1) // LANES)
             for w in range(0, result_width, LANES):
                 column = min(w, result_width - LANES)
                 gather_transpose_lanes(result, 0, column, block_t, source_w, weight_w, start_w, column,
@@ -396,10 +397,10 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
         # and so is, for writing, the next task's destination row
         ahead, ahead_stop = _next_new_rows(start_h, source_h, task, batch * height, height, out_height)
         ahead, ahead_stop = ahead * row_length, ahead_stop * row_length
-        per_w = _lines_per_step(flat_source, ahead, ahead_stop, width)
+        per_w = _lines_per_step(flat_source.itemsize, ahead, ahead_stop, width)
         out_ahead = (task + 1) * width * channels
         out_stop = min(out_ahead + width * channels, grad_input.size)
-        out_per_w = _lines_per_step(flat_result, out_ahead, out_stop, width)
+        out_per_w = _lines_per_step(flat_result.itemsize, out_ahead, out_stop, width)
         # 2. width pass: each w sums its source columns, ascending, as channel vectors
         result = np.empty((width, channels), weight_h.dtype)
         for w in range(width):

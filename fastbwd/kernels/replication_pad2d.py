@@ -53,7 +53,8 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
         for k in range(copy_stop - copy_start):
             interior[k] = copy_src[k]
         # The two edge cells sum their strips (a lone source is copied).
-        first_stop = replicate_source_range(0, width, out_width, pad_left)[1]
+        # np.int64(0), not 0: a literal argument would compile a second replicate_source_range
+        first_stop = replicate_source_range(np.int64(0), width, out_width, pad_left)[1]
         last_start = replicate_source_range(width - 1, width, out_width, pad_left)[0]
         if first_stop == 1:
             dst[0] = row[0]

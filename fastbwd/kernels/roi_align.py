@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 from numba import prange, types
-from numba.extending import overload
+from numba.extending import intrinsic
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
@@ -47,16 +47,18 @@ from ._simd import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
 SHORT_RUN = 32
 
 
-def like(value, template):
-    """``value`` converted to the floating type of ``template`` (njit only)."""
-    raise NotImplementedError("like() is only callable from @njit code")
+@intrinsic(prefer_literal=False)
+def like(typingctx, value, template):
+    """``value`` converted to the floating type of ``template`` (njit only): as ``np.float32(value)``
+    for a float32 template, else ``np.float64(value)``. An intrinsic, so that typing a call
+    compiles nothing (an inlined overload compiled one function per argument types)."""
+    value = types.unliteral(value)
+    target = types.float32 if template == types.float32 else types.float64
 
+    def codegen(context, builder, signature, args):
+        return context.cast(builder, args[0], signature.args[0], target)
 
-@overload(like, inline="always")
-def _like(value, template):
-    if template == types.float32:
-        return lambda value, template: np.float32(value)
-    return lambda value, template: np.float64(value)
+    return target(value, template), codegen
 
 
 @helper
@@ -186,7 +188,8 @@ def _bin_weights(bin_origin, bin_size, grid, size, weight_sum, touched):
     step64 = np.float64(bin_size) / grid64
     t = 0.0
     if _key_at(t, bin_origin, bin_size, grid, size) < -1:
-        t = _end_of_run(-2, t, bin_origin, bin_size, grid, size)
+        # np.int64(-2), not -2: a literal argument would compile a second _end_of_run
+        t = _end_of_run(np.int64(-2), t, bin_origin, bin_size, grid, size)
     while t < grid64:
         key = _key_at(t, bin_origin, bin_size, grid, size)
         if key >= size:
@@ -287,12 +290,18 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
             boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
         if not (grid_h >= 1 and grid_w >= 1):
             grid_h = grid_w = like(0.0, y1)  # no samples at all: both tables stay empty
-        weight_sum = np.zeros(max(height, width), np.float64)
-        touched = np.zeros(max(height, width), np.bool_)
+        # zeroed by a loop: np.zeros would compile two more functions per dtype on the first call
+        weight_sum = np.empty(max(height, width), np.float64)
+        touched = np.empty(max(height, width), np.bool_)
+        for i in range(weight_sum.shape[0]):
+            weight_sum[i] = 0.0
+            touched[i] = False
+        # np.int64(j): Numba types j differently in the two calls (int64, uint64), which
+        # compiled _fill_axis twice
         box_rows[j, 0], box_rows[j, 1] = _fill_axis(
-            y_start, y_slots, y_used, j, pooled_height, y1, bin_h, grid_h, height,
+            y_start, y_slots, y_used, np.int64(j), pooled_height, y1, bin_h, grid_h, height,
             y_pixel, y_weight, weight_sum, touched)
-        _fill_axis(x_start, x_slots, x_used, j, pooled_width, x1, bin_w, grid_w, width,
+        _fill_axis(x_start, x_slots, x_used, np.int64(j), pooled_width, x1, bin_w, grid_w, width,
                    x_pixel, x_weight, weight_sum, touched)
 
 
