@@ -195,7 +195,7 @@ def _served(name, route, args, grad_input):
     try:
         arrays = [c.as_array(t) for t in args[:count]]
     except (RuntimeError, TypeError):
-        return None  # not viewable as arrays (a lazy conj/neg bit, a dtype NumPy lacks): PyTorch's
+        return None  # not viewable as arrays (a lazy conj/neg bit, a dtype NumPy lacks)
     signature = _signature(name, arrays, args[count:], grad_input)
     try:
         served = _DECISIONS.get(signature)
