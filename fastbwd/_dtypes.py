@@ -153,5 +153,5 @@ def read_only(array):
     passing them read-only whatever the caller's flags keeps one compiled signature per kernel
     (Numba types read-only and writeable arrays apart), so a precompiled cache serves both."""
     view = array.view()
-    view.flags.writeable = False
+    view.setflags(write=False)
     return view

@@ -267,6 +267,69 @@ def test_remembered_decisions_serve_and_fall_back_every_time():
                 op.grad_input(wide, x, [1, 1, 0, 0], grad_input=torch.empty(0, dtype=torch.float64))
 
 
+def test_remembered_decisions_check_overlap_on_every_call():
+    """A remembered decision still runs the api's per-call checks: a grad_input with the
+    metadata of a served one that overlaps grad_output or the forward input gets PyTorch's
+    kernel (every time, whichever came first), and the fresh ones are served again after it."""
+    x = _randn((1, 2, 3, 2), torch.float32, 12)
+    grad = _randn((1, 2, 3, 4), torch.float32, 13)
+    op = A.replication_pad2d_backward.grad_input
+    plain = A.replication_pad2d_backward(grad, x, [1, 1, 0, 0])
+    direct = fastbwd.replication_pad2d_backward(*_arrays(grad, x), (1, 1, 0, 0))
+    for first_overlapping in (True, False):
+        _routing._DECISIONS.clear()
+        with ft.enabled():
+            for overlapping in (first_overlapping, not first_overlapping, True, False):
+                served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()
+                if overlapping:
+                    # the first 12 elements of grad itself, with a fresh tensor's strides
+                    alias = grad.clone().view(-1)[:12].view(1, 2, 3, 2)
+                    assert alias.stride() == torch.empty(1, 2, 3, 2).stride()
+                    source = alias._base.view(1, 2, 3, 4)
+                    op(source, x, [1, 1, 0, 0], grad_input=alias)
+                    assert _routing.FALLBACK - fallbacks and not _routing.SERVED - served
+                    # the forward input as grad_input: PyTorch's answer (it never reads x)
+                    target = x.clone()
+                    assert torch.equal(op(grad, target, [1, 1, 0, 0], grad_input=target), plain)
+                else:
+                    result = op(grad, x, [1, 1, 0, 0], grad_input=torch.empty(1, 2, 3, 2))
+                    assert _routing.SERVED - served and not _routing.FALLBACK - fallbacks
+                    assert bitwise_equal(_convert.as_array(result), direct)
+
+
+def test_dispatcher_hands_kernels_schema_types():
+    """The bridge keys its decisions on argument values (_routing._signature) because PyTorch's
+    dispatcher converts every argument to its schema type before a Python kernel sees it: 1 for
+    a bool arrives as True, a tuple or torch.Size for an int[] as a list of int, 2 for a float as
+    2.0. So differently spelled calls of one geometry share one decision and one result."""
+    grad = _randn((1, 2, 6, 8), torch.float32, 14)
+    spellings = [
+        ([6, 8], [1, 2, 3, 4], True, 2.0, 2.0),
+        ((6, 8), torch.Size([1, 2, 3, 4]), 1, 2, np.float64(2.0)),
+        ([np.int64(6), 8], (1, 2, 3, 4), np.bool_(True), 2.0, 2),
+    ]
+    seen = []
+    original = _routing._decide
+
+    def recording(prepare, args, grad_input):
+        seen.append([(type(a), [type(v) for v in a] if isinstance(a, list) else None) for a in args[1:]])
+        return original(prepare, args, grad_input)
+
+    _routing._DECISIONS.clear()
+    results = []
+    try:
+        _routing._decide = recording
+        with ft.enabled():
+            for spelling in spellings:
+                results.append(A.upsample_bilinear2d_backward(grad, *spelling))
+    finally:
+        _routing._decide = original
+    assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]]
+    assert len(_routing._DECISIONS) == 1
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
+
+
 def test_other_devices_and_lazy_conjugates():
     """Only the CPU key is overridden (a meta tensor still gets PyTorch's meta kernel); a
     conjugate-bit complex gradient is resolved by PyTorch before the CPU kernel sees it."""

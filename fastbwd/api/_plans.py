@@ -62,6 +62,9 @@ class Plans:
         self._size = size
         self._plans = {}
         self._lock = threading.Lock()
+        #: ``get(plan_key)``: the plan stored under ``plan_key``, or None (the table's own
+        #: ``dict.get``, so a lookup costs no Python call of its own).
+        self.get = self._plans.get
 
     def __call__(self, build, *args):
         """The plan for ``args``: the stored one, or ``build(*args)`` (which validates them:
@@ -75,10 +78,6 @@ class Plans:
         if plan is None:
             plan = self.add(plan_key, build(*args))
         return plan
-
-    def get(self, plan_key):
-        """The plan stored under ``plan_key``, or None."""
-        return self._plans.get(plan_key)
 
     def add(self, plan_key, plan):
         """Store ``plan`` (dropping the oldest when full) and return it."""

@@ -92,9 +92,24 @@ def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0,
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
     input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    plan = _PLANS(_plan, grad_output, input if input_array is None else input_array, kernel_size,
-                  stride, padding, ceil_mode, count_include_pad, divisor_override, cube_math_type,
-                  out)
+    return run(plan(grad_output, input if input_array is None else input_array, kernel_size, stride,
+                    padding, ceil_mode, count_include_pad, divisor_override, cube_math_type, out),
+               grad_output, input_array, out)
+
+
+def plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+         divisor_override, cube_math_type, out):
+    """The validated plan of a call with the public function's arguments, ``grad_output`` a
+    NumPy array and ``input`` one or a shape (ParamError as the public function raises it):
+    remembered per metadata (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
+    return _PLANS(_plan, grad_output, input, kernel_size, stride, padding, ceil_mode,
+                  count_include_pad, divisor_override, cube_math_type, out)
+
+
+def run(plan, grad_output, input_array, out):
+    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
+    (``input_array`` None when the input was given as a shape; ``out`` an array or None): the
+    per-call checks (``out`` overlapping neither input), then the kernels. Returns the result."""
     result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype, plan.layout,
                                   inputs=(("grad_output", grad_output), ("input", input_array)),
                                   checked=True)

@@ -62,8 +62,22 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
         a bad ``out``. Status 161001 when grad_output, output_size or input_size is None.
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
-    plan = _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w,
+    return run(plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out),
+               grad_output, out)
+
+
+def plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
+    """The validated plan of a call with the public function's arguments, ``grad_output`` a
+    NumPy array (ParamError as the public function raises it): remembered per metadata
+    (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
+    return _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w,
                   layout, out)
+
+
+def run(plan, grad_output, out):
+    """The call ``plan`` describes, on a NumPy ``grad_output`` and ``out`` (an array or None)
+    with the metadata the plan was made for: the per-call checks (``out`` not overlapping
+    grad_output), then the kernel. Returns the result."""
     # Physical layout the kernel runs on: the user's NHWC, or an NCHW array whose strides are
     # channels-last (read as its NHWC view without a copy; the result keeps that memory format).
     if plan.user_nhwc:

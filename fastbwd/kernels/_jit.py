@@ -49,7 +49,7 @@ _serial_only = _config.SERIAL
 
 def _launch_pool():
     """Start Numba's thread pool (once) and learn which threading layer it picked."""
-    global _threading_layer
+    global _threading_layer, _get_threads, _set_threads
     if _threading_layer is not None:  # the common case: no lock
         return _threading_layer
     with _state_lock:
@@ -57,8 +57,34 @@ def _launch_pool():
             from numba.np.ufunc import parallel
 
             parallel._launch_threads()
+            # Numba's own entry points to the launched pool's per-thread count, without the two
+            # locks numba.get/set_num_threads take on every call (2-3 us each, four of them in a
+            # small call); kept public ones if a Numba version names them otherwise.
+            getter = getattr(parallel, "_get_num_threads", None)
+            setter = getattr(parallel, "_set_num_threads", None)
+            if callable(getter) and callable(setter):
+                _get_threads, _set_threads = getter, setter
             _threading_layer = numba.threading_layer()
     return _threading_layer
+
+
+_get_threads = numba.get_num_threads
+_set_threads = numba.set_num_threads
+
+
+def get_num_threads():
+    """``numba.get_num_threads()`` (the calling thread's count), launching the pool if needed."""
+    _launch_pool()
+    return _get_threads()
+
+
+def set_num_threads(count):
+    """``numba.set_num_threads(count)`` for the calling thread, launching the pool if needed."""
+    _launch_pool()
+    if not 1 <= count <= numba.config.NUMBA_NUM_THREADS:  # Numba's own check
+        raise ValueError(f"thread count must be between 1 and {numba.config.NUMBA_NUM_THREADS}, "
+                         f"but got {count}")
+    _set_threads(count)
 
 
 def _pool_started():
@@ -98,8 +124,7 @@ def thread_count():
     would). For sizing tasks only: no kernel's result depends on it."""
     if _serial_only:
         return 1
-    _launch_pool()
-    return numba.get_num_threads()
+    return get_num_threads()
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -163,21 +188,23 @@ class Kernel:
         :data:`ONE_THREAD_BELOW`, keeps it on the calling thread (same code, same bits)."""
         if _serial_only:
             return self.serial(*args)
+        layer = _threading_layer or _launch_pool()
         if work is not None and work < ONE_THREAD_BELOW:
-            threads = numba.get_num_threads()  # launches the pool if needed
+            threads = _get_threads()  # the pool is launched: Numba's own entry points
             if threads > 1:
-                numba.set_num_threads(1)  # for this Python thread only
+                _set_threads(1)  # for this Python thread only
                 try:
-                    return self._parallel_call(args)
+                    return self._parallel_call(layer, args)
                 finally:
-                    numba.set_num_threads(threads)
-        return self._parallel_call(args)
+                    _set_threads(threads)
+        return self._parallel_call(layer, args)
 
-    def _parallel_call(self, args):
-        if _launch_pool() == "workqueue":
+    def _parallel_call(self, layer, args):
+        parallel = self._parallel or self.parallel
+        if layer == "workqueue":
             with _pool_lock:
-                return self.parallel(*args)
-        return self.parallel(*args)
+                return parallel(*args)
+        return parallel(*args)
 
     def __repr__(self):
         return f"<fastbwd kernel {self.__module__}.{self.__qualname__}>"

@@ -34,11 +34,16 @@ def can_view(tensor):
 
 
 def as_array(tensor):
-    """A NumPy array sharing ``tensor``'s memory (detached from autograd)."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    """A NumPy array sharing ``tensor``'s memory (detached from autograd: ``Tensor.numpy``
+    refuses a tensor that requires grad)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype is _BFLOAT16:
+        return tensor.view(torch.int16).numpy().view(ARRAY_DTYPES[_BFLOAT16])
     return tensor.numpy()
+
+
+_BFLOAT16 = torch.bfloat16  # torch dtypes are singletons
 
 
 def as_tensor(array):

@@ -6,13 +6,19 @@ Each implementation:
 
 1. takes the tensors as arrays without copying (a tensor that is neither contiguous nor
    channels_last is made dense first, in the memory format PyTorch's own kernel returns);
-2. allocates the result with PyTorch's allocator in that memory format and lets the public
-   fastbwd function, which validates everything, write into it (``out=``);
-3. when the public function refuses the call (``ParamError``: a replicate pad wider than the
+2. allocates the result with PyTorch's allocator in that memory format and lets the api
+   function, which validates everything, write into it (``out=``);
+3. when the api function refuses the call (``ParamError``: a replicate pad wider than the
    input, a size above the documents' limits, a dtype it does not take, ...) or the tensors
    cannot be viewed as arrays, calls PyTorch's own kernel instead, fetched with
    ``torch.library.get_kernel`` before the override was registered: enabling never adds an
    error and never changes a result PyTorch would give other than by fastbwd's own rounding.
+
+The first call of each call geometry (:func:`_signature`) decides, and remembers, how every call
+of that geometry is served (:class:`_Served`): PyTorch's kernel, or the api's validated plan
+with the memory format and result buffer to use. A repeated call then goes straight to the api's
+per-call work (``run``: the out= overlap check, the kernels), the way a repeated direct call
+does after its plan lookup.
 
 Only the CPU dispatch key is overridden: other devices, the autograd formulas (so double
 backward) and every other operator are untouched. ``disable`` hands every call back to
@@ -23,11 +29,13 @@ import collections
 import contextlib
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 
 import fastbwd
 from fastbwd.api import _plans
+from fastbwd.api import avg_pool2d, replication_pad2d, upsample_bilinear2d
 
 from . import _convert as c
 from ._threads import match_torch_threads
@@ -35,14 +43,24 @@ from ._threads import match_torch_threads
 _DIVISOR_UNSET = 0  # fastbwd's avg_pool2d_backward spelling of PyTorch's divisor_override=None
 
 
+class _Call(NamedTuple):
+    """One aten call as the api layer takes it (what a route's ``prepare`` returns)."""
+    api: object  # the api module: plan(*tensors (as arrays), *arguments, out), run(plan, *arrays, out)
+    tensors: tuple  # grad_output, dense in memory_format, then the forward input if the op has one
+    arguments: tuple  # the api's other arguments, in fastbwd's spelling
+    shape: tuple  # of the result
+    dtype: torch.dtype
+    memory_format: torch.memory_format
+
+
 def _upsample_bilinear2d(memory_format, grad_output, output_size, input_size, align_corners,
                          scales_h=None, scales_w=None):
     """aten::upsample_bilinear2d_backward: the result takes grad_output's memory format."""
     memory_format = memory_format or c.memory_format(grad_output)
     grad_output = c.dense(grad_output, memory_format)
-    return (fastbwd.upsample_bilinear2d_backward,
-            (c.as_array(grad_output), output_size, input_size, align_corners, scales_h, scales_w),
-            tuple(input_size), grad_output.dtype, memory_format)
+    return _Call(upsample_bilinear2d, (grad_output,),
+                 (output_size, input_size, align_corners, scales_h, scales_w, "NCHW"),
+                 tuple(input_size), grad_output.dtype, memory_format)
 
 
 def _avg_pool2d(memory_format, grad_output, input, kernel_size, stride, padding, ceil_mode,
@@ -53,29 +71,31 @@ def _avg_pool2d(memory_format, grad_output, input, kernel_size, stride, padding,
     memory_format = memory_format or c.memory_format(input)
     grad_output = c.dense(grad_output, memory_format)
     divisor = _DIVISOR_UNSET if divisor_override is None else divisor_override
-    return (fastbwd.avg_pool2d_backward,
-            (c.as_array(grad_output), c.as_array(input), kernel_size, stride, padding, ceil_mode,
-             count_include_pad, divisor),
-            tuple(input.shape), grad_output.dtype, memory_format)
+    return _Call(avg_pool2d, (grad_output, input),
+                 (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, 0),
+                 tuple(input.shape), grad_output.dtype, memory_format)
 
 
 def _replication_pad2d(memory_format, grad_output, input, padding):
     """aten::replication_pad2d_backward: the result takes the forward input's memory format."""
     memory_format = memory_format or c.memory_format(input)
     grad_output = c.dense(grad_output, memory_format)
-    return (fastbwd.replication_pad2d_backward,
-            (c.as_array(grad_output), c.as_array(input), padding),
-            tuple(input.shape), grad_output.dtype, memory_format)
+    return _Call(replication_pad2d, (grad_output, input), (padding,),
+                 tuple(input.shape), grad_output.dtype, memory_format)
 
 
-#: aten operator -> how its arguments become a fastbwd call: ``prepare(memory_format, *args)``
-#: returns ``(function, arguments, result shape, dtype, memory format)`` or None
-#: (PyTorch's kernel answers). ``memory_format`` None means the one PyTorch's kernel returns; the
-#: grad_output is made dense in that format, so the fastbwd function writes that layout.
+class _Route(NamedTuple):
+    """How the arguments of one aten operator become an api call."""
+    prepare: object  # prepare(memory_format, *args) -> a _Call, or None (PyTorch's kernel answers)
+    tensors: int  # how many leading arguments are tensors: grad_output, then the forward input
+
+
+#: aten operator -> its :class:`_Route`. ``memory_format`` None means the one PyTorch's kernel
+#: returns; the grad_output is made dense in that format, so the api function writes that layout.
 ROUTES = {
-    "upsample_bilinear2d_backward": _upsample_bilinear2d,
-    "avg_pool2d_backward": _avg_pool2d,
-    "replication_pad2d_backward": _replication_pad2d,
+    "upsample_bilinear2d_backward": _Route(_upsample_bilinear2d, 1),
+    "avg_pool2d_backward": _Route(_avg_pool2d, 2),
+    "replication_pad2d_backward": _Route(_replication_pad2d, 2),
 }
 OVERLOADS = ("", ".grad_input")
 
@@ -84,32 +104,55 @@ OVERLOADS = ("", ".grad_input")
 SERVED = collections.Counter()
 FALLBACK = collections.Counter()
 
+
+class _Served(NamedTuple):
+    """How every call of one signature is served (decided by its first call)."""
+    run: object  # the api module's run(plan, *arrays, out)
+    plan: object  # the api's validated plan for these arrays and this out=
+    shape: tuple  # of the result
+    dtype: torch.dtype
+    memory_format: torch.memory_format  # of the result and of the grad_output handed over
+    dense: bool  # grad_output is already dense in memory_format (no copy to make)
+    in_place: bool  # the user's grad_input is written in place
+
+
 #: What the first call of each call geometry decided, for the calls after it (a training loop
-#: repeats a few geometries): the memory format to serve it in (the in-place grad_input's or
-#: PyTorch's rule), or :data:`_FALLBACK` when PyTorch's own kernel answers. Keyed by
-#: :func:`_signature`; the decision depends on nothing else (fastbwd's validation of these three
-#: operators reads only shapes, strides, dtypes and argument values).
+#: repeats a few geometries): a :class:`_Served`, or :data:`_FALLBACK` when PyTorch's own kernel
+#: answers. Keyed by :func:`_signature`; the decision depends on nothing else (the api's
+#: validation of these three operators reads only shapes, strides, dtypes and argument values).
 _DECISIONS = _plans.Plans()
 _FALLBACK = "fallback"
-_UNDECIDED = object()
 
 
-def _signature(name, args, grad_input):
-    """The call's metadata: every tensor's shape, strides, dtype and lazy conj/neg bits, every
-    other argument by type and value (:func:`fastbwd.api._plans.key`)."""
-    parts = [name]
-    for value in args + (grad_input,):
-        if isinstance(value, torch.Tensor):
-            parts.append((value.shape, value.stride(), value.dtype, value.is_conj(), value.is_neg()))
-        else:
-            parts.append(_plans.key(value))
+def _signature(route, arrays, arguments, grad_input):
+    """The call's metadata: the shape, strides and dtype of the NumPy views of its input tensors
+    (``arrays``: a view has its tensor's shape, its strides in bytes and a dtype of its own, so
+    the view's metadata is the tensor's), every other argument by value (an ``int[]`` as a
+    tuple), and the grad_input's shape, strides, dtype and lazy conj/neg bits, read from the
+    tensor (a grad_input is viewed only when it is written in place: ``Tensor.numpy`` makes its
+    storage unresizable, and one of another shape is resized).
+
+    Values alone describe the other arguments because PyTorch's dispatcher hands a Python kernel
+    every argument in its schema's type (``bool`` as a bool even when the caller wrote 1,
+    ``int[]`` as a list of int even from a tuple or ``torch.Size``, ``float?`` as a float or
+    None), so equal values at one position always mean the same thing (tests/test_torch.py
+    checks it). A value that cannot be hashed makes the lookup raise TypeError: then the call
+    is decided on its own."""
+    parts = [route]
+    for array in arrays:
+        parts += (array.shape, array.strides, array.dtype)
+    for value in arguments:
+        parts.append(tuple(value) if type(value) is list else value)
+    if grad_input is not None:
+        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),
+                  grad_input.is_neg())
     return tuple(parts)
 
 
 def _decide(prepare, args, grad_input):
-    """The memory format this call is served in, or None when PyTorch's own kernel must answer
-    (a tensor not viewable as an array, a grad_input of another dtype, a call fastbwd does
-    not take)."""
+    """How calls with these tensors' metadata and these arguments are served (a
+    :class:`_Served`), or None when PyTorch's own kernel must answer: a tensor not viewable as an
+    array, a grad_input of another dtype, a call the api's validation refuses."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if grad_input is not None:
         tensors.append(grad_input)
@@ -123,63 +166,71 @@ def _decide(prepare, args, grad_input):
             if grad_input.is_contiguous(memory_format=memory_format):
                 in_place = memory_format
                 break
-    plan = prepare(in_place, *args)
-    if plan is None:
+    call = prepare(in_place, *args)
+    if call is None:
         return None
-    _, _, _, dtype, memory_format = plan
-    if grad_input is not None and grad_input.dtype != dtype:
+    if grad_input is not None and grad_input.dtype != call.dtype:
         return None  # PyTorch's kernel decides what a grad_input of another dtype gets
-    return memory_format
+    in_place = (grad_input is not None and tuple(grad_input.shape) == call.shape
+                and grad_input.is_contiguous(memory_format=call.memory_format))
+    # the result buffer every call of this geometry gets: same shape, strides and dtype
+    out = grad_input if in_place else c.empty(call.shape, call.dtype, call.memory_format)
+    try:
+        plan = call.api.plan(*map(c.as_array, call.tensors), *call.arguments, c.as_array(out))
+    except fastbwd.ParamError:
+        return None
+    return _Served(call.api.run, plan, call.shape, call.dtype, call.memory_format,
+                   call.tensors[0] is args[0], in_place)
 
 
-def _serve(prepare, args, grad_input, memory_format):
-    """The fastbwd result of a call decided to be served in ``memory_format``, or None when
-    fastbwd refuses it (ParamError): then PyTorch's kernel answers."""
-    function, arguments, shape, dtype, memory_format = prepare(memory_format, *args)
-    in_place = (grad_input is not None and tuple(grad_input.shape) == shape
-                and grad_input.is_contiguous(memory_format=memory_format))
-    result = grad_input if in_place else c.empty(shape, dtype, memory_format)
+def _served(name, route, args, grad_input):
+    """The fastbwd result for these aten arguments (``name`` the operator with its overload), or
+    None when PyTorch's own kernel must answer.
+
+    The first call of a geometry decides (:func:`_decide`); later calls of the same geometry
+    reuse that decision and go straight to the api's per-call work (``run``), which still checks
+    what depends on the call (an out= overlapping an input: a ParamError hands that call alone
+    to PyTorch's kernel)."""
+    count = route.tensors
+    try:
+        arrays = [c.as_array(t) for t in args[:count]]
+    except (RuntimeError, TypeError):
+        return None  # not viewable as arrays (a lazy conj/neg bit, a dtype NumPy lacks)
+    signature = _signature(name, arrays, args[count:], grad_input)
+    try:
+        served = _DECISIONS.get(signature)
+    except TypeError:  # an unhashable argument: decided for this call alone
+        signature, served = None, None
+    if served is None:
+        served = _decide(route.prepare, args, grad_input) or _FALLBACK
+        if signature is not None:
+            _DECISIONS.add(signature, served)
+    if served is _FALLBACK:
+        return None
+    if not served.dense:
+        arrays[0] = c.as_array(c.dense(args[0], served.memory_format))
+    result = grad_input if served.in_place else c.empty(served.shape, served.dtype, served.memory_format)
     match_torch_threads()
     try:
-        function(*arguments, out=c.as_array(result))
+        served.run(served.plan, *arrays, c.as_array(result))
     except fastbwd.ParamError:
         return None
     if grad_input is None or result is grad_input:
         return result
-    if tuple(grad_input.shape) != shape:
-        grad_input.resize_(shape)
+    if tuple(grad_input.shape) != served.shape:
+        grad_input.resize_(served.shape)
     return grad_input.copy_(result)
-
-
-def _served(name, prepare, args, grad_input):
-    """The fastbwd result for these aten arguments, or None when PyTorch's own kernel must
-    answer. The first call of a geometry decides (:func:`_decide`, and whether fastbwd accepts
-    it); later calls of the same geometry reuse that decision."""
-    try:
-        signature = _signature(name, args, grad_input)
-    except _plans.Unkeyable:
-        signature = None
-    decision = _UNDECIDED if signature is None else _DECISIONS.get(signature) or _UNDECIDED
-    if decision is _UNDECIDED:
-        decision = _decide(prepare, args, grad_input)
-        result = None if decision is None else _serve(prepare, args, grad_input, decision)
-        if signature is not None:
-            _DECISIONS.add(signature, decision if result is not None else _FALLBACK)
-        return result
-    if decision is _FALLBACK:
-        return None
-    return _serve(prepare, args, grad_input, decision)
 
 
 def _kernel(name, overload):
     """fastbwd's CPU kernel for ``aten::name{overload}``, falling back to PyTorch's own."""
     original = torch.library.get_kernel(f"aten::{name}{overload}", "CPU")
-    prepare = ROUTES[name]
-    route = name + overload
+    route = ROUTES[name]
+    full_name = name + overload
 
     def kernel(keyset, *args, grad_input=None):
         if _active:
-            result = _served(route, prepare, args, grad_input)
+            result = _served(full_name, route, args, grad_input)
             if result is not None:
                 SERVED[name] += 1
                 return result
