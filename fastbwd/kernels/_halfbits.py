@@ -47,6 +47,12 @@ class StorageFormat:
     def __reduce__(self):
         return (_format_by_name, (self.name,))
 
+    @property
+    def _numba_type_(self):
+        """Numba's type for this argument, read by its dispatcher's fast path (typing a
+        StorageFormat through ``typeof_impl`` cost about 1.5 us per kernel call)."""
+        return _TYPES[self.name]
+
 
 NATIVE = StorageFormat("native")
 FLOAT16 = StorageFormat("float16")
