@@ -37,10 +37,9 @@ from ._simd import LANES, array_structs, decode_lanes, fold_lanes_by_halving, pr
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
-#: The NCHW first pass runs in rounds of this many positions (a divisor of BLOCK): the two
-#: stages of the Swish derivative, each over the round, then (float32 and float64) a
-#: prefetch for writing of the round's dx lines (G1 and G3 in float32 ran 1.15-1.2x faster).
-ROUND = 256
+#: The NCHW first pass prefetches the dx lines of every round of this many positions for
+#: writing, right after computing them: G1 and G3 in float32 ran 1.15-1.2x faster.
+PREFETCH_ROUND = 256
 #: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
 #: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
 #: elements, 120 KB at C = 320 in float32) stay in L2. Measured single-threaded,
@@ -155,51 +154,27 @@ def swish_derivative_float64(z):
     return _swish_derivative_from(z, math.exp(-abs(z)), _ONE64)
 
 
-def swish_argument_and_exp(z):
-    """``(z clamped, exp(-|z clamped|))`` in z's precision (njit only): the first stage of the
-    Swish derivative, :func:`swish_derivative_from` the second."""
-    raise NotImplementedError("swish_argument_and_exp() is only callable from @njit code")
+def swish_derivative(z):
+    """The Swish derivative in z's precision (njit only): float32 or float64."""
+    raise NotImplementedError("swish_derivative() is only callable from @njit code")
 
 
-@overload(swish_argument_and_exp, inline="always")
-def _swish_argument_and_exp(z):
+@overload(swish_derivative, inline="always")
+def _swish_derivative(z):
     if z == types.float64:
-        def stage(z):
-            z = _clamp(z, SWISH_CLAMP64)
-            return z, math.exp(-abs(z))
-        return stage
-
-    def stage(z):
-        z = _clamp(z, SWISH_CLAMP32)
-        return z, exp_nonpositive_float32(-abs(z))
-    return stage
-
-
-def swish_derivative_from(z, e):
-    """The Swish derivative given :func:`swish_argument_and_exp`'s ``(z, e)`` (njit only)."""
-    raise NotImplementedError("swish_derivative_from() is only callable from @njit code")
-
-
-@overload(swish_derivative_from, inline="always")
-def _swish_derivative_from_overload(z, e):
-    if z == types.float64:
-        return lambda z, e: _swish_derivative_from(z, e, _ONE64)
-    return lambda z, e: _swish_derivative_from(z, e, _ONE32)
+        return lambda z: swish_derivative_float64(z)
+    return lambda z: swish_derivative_float32(z)
 
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
-#
-# The Swish derivative runs in two stages, each a loop of its own over a round of elements
-# (the first stores ``z`` and ``exp(-|z|)`` in scratch, the second reads them back): one loop
-# doing the whole chain (about 90 cycles of dependent latency per vector) kept too few vectors
-# in flight; split, the same arithmetic ran 1.12x faster single-threaded (same bits).
 
 @helper
-def _swish_stage1(x_value, mean, rstd, gamma, beta, swish_scale):
-    """``(z, e)`` of one element: ``z = s*y`` clamped, ``e = exp(-|z|)``, in the compute type."""
+def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
+    """``(gnew, xhat)`` of one element, in the compute type."""
     xhat = (x_value - mean) * rstd
     y = fma(xhat, gamma, beta)
-    return swish_argument_and_exp(swish_scale * y)
+    gnew = dy_value * swish_derivative(swish_scale * y)
+    return gnew, xhat
 
 
 @helper
@@ -227,7 +202,7 @@ def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
     the fixed order of the module doc: position ``start + i`` goes to lane ``i % LANES``
     (vectors of LANES consecutive positions added in order, each lane from +0.0), then the
     lanes are folded by halving. ``xhat = (decode(x) - mean) * rstd`` as in
-    :func:`_swish_stage1`. Both rows are 1-D and C-contiguous; a last partial vector loads only
+    :func:`_gnew_xhat`. Both rows are 1-D and C-contiguous; a last partial vector loads only
     its positions (masked loads) and leaves the other lanes untouched.
     """
     sig = types.UniTuple(mean, 2)(gnew_row, x_row, types.intp, types.intp, mean, rstd, fmt)
@@ -311,6 +286,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     count = sum_g.dtype.type(group_size * hw)
     flat_dx = dx.reshape(dx.size)
     prefetching = dx.itemsize >= 4
+    round_size = PREFETCH_ROUND if prefetching else BLOCK  # halves: one round per block
     line = 64 // dx.itemsize
     for task in prange(batch * groups):
         n = task // groups
@@ -319,7 +295,6 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         group_mean = mean[n, g]
         group_rstd = rstd[n, g]
         gnew_group = np.empty((group_size, hw), sum_g.dtype)
-        z_scratch = np.empty(ROUND, sum_g.dtype)
         for k in range(group_size):
             c = start + k
             dy_row = dy[n, c]
@@ -335,21 +310,19 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                 block_dy = dy_row[block_start:block_stop]
                 block_x = x_row[block_start:block_stop]
                 block_gnew = gnew_row[block_start:block_stop]
-                # in rounds of ROUND positions: the two stages of the Swish derivative, then
-                # (not for the half formats: bound by the arithmetic, they lost a little) the
-                # round's dx lines are prefetched for writing
+                # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
+                # lines are prefetched for writing (not for the half formats: bound by the
+                # arithmetic, they lost a little; they run one round per block). One copy of the loop body for both: two
+                # copies of the inlined Swish derivative cost compile time, not speed.
                 dx_start = (n * channels + c) * hw + block_start
-                for round_start in range(0, block_stop - block_start, ROUND):
-                    round_stop = min(round_start + ROUND, block_stop - block_start)
+                for round_start in range(0, block_stop - block_start, round_size):
+                    round_stop = min(round_start + round_size, block_stop - block_start)
                     round_dy = block_dy[round_start:round_stop]
                     round_x = block_x[round_start:round_stop]
                     round_gnew = block_gnew[round_start:round_stop]
-                    round_z = z_scratch[:round_stop - round_start]
                     for i in range(round_stop - round_start):
-                        round_z[i], round_gnew[i] = _swish_stage1(load(round_x[i], fmt), group_mean, group_rstd,
-                                                                  channel_gamma, channel_beta, swish_scale)
-                    for i in range(round_stop - round_start):
-                        round_gnew[i] = load(round_dy[i], fmt) * swish_derivative_from(round_z[i], round_gnew[i])
+                        round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
+                                                   group_rstd, channel_gamma, channel_beta, swish_scale)[0]
                     if prefetching:
                         for e in range(dx_start + round_start, dx_start + round_stop, line):
                             prefetch_for_write(flat_dx, e)
@@ -431,7 +404,6 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
     flat_x = x[n].reshape(hw * channels)
     flat_dx = dx[n].reshape(hw * channels)
     gnew_all = np.empty(hw * channels, sum_g.dtype)
-    z_scratch = np.empty(tiled, sum_g.dtype)
     lanes_g = np.empty(tiled, sum_g.dtype)
     lanes_gx = np.empty(tiled, sum_g.dtype)
     total_g = sum_g[n]
@@ -449,13 +421,9 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
             round_dy = flat_dy[first:stop]
             round_x = flat_x[first:stop]
             round_gnew = gnew_all[first:stop]
-            round_z = z_scratch[:stop - first]
             for j in range(stop - first):
-                round_z[j], round_gnew[j] = _swish_stage1(load(round_x[j], fmt), tile_mean[j], tile_rstd[j],
-                                                          tile_gamma[j], tile_beta[j], swish_scale)
-            for j in range(stop - first):
-                gnew = load(round_dy[j], fmt) * swish_derivative_from(round_z[j], round_gnew[j])
-                xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+                gnew, xhat = _gnew_xhat(load(round_dy[j], fmt), load(round_x[j], fmt), tile_mean[j],
+                                        tile_rstd[j], tile_gamma[j], tile_beta[j], swish_scale)
                 round_gnew[j] = gnew
                 lanes_g[j] += gnew
                 lanes_gx[j] += gnew * xhat
@@ -507,7 +475,6 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
     channel_gamma = gamma[start:start + width]
     channel_beta = beta[start:start + width]
     gnew_run = np.empty((hw, width), sum_g.dtype)
-    z_scratch = np.empty(width, sum_g.dtype)
     lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
     lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
     total_g = sum_g[n, start:start + width]
@@ -526,11 +493,8 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
             lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
             lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
             for k in range(width):
-                z_scratch[k], gnew_row[k] = _swish_stage1(load(x_row[k], fmt), channel_mean[k], channel_rstd[k],
-                                                          channel_gamma[k], channel_beta[k], swish_scale)
-            for k in range(width):
-                gnew = load(dy_row[k], fmt) * swish_derivative_from(z_scratch[k], gnew_row[k])
-                xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
+                gnew, xhat = _gnew_xhat(load(dy_row[k], fmt), load(x_row[k], fmt), channel_mean[k],
+                                        channel_rstd[k], channel_gamma[k], channel_beta[k], swish_scale)
                 gnew_row[k] = gnew
                 lane_g[k] += gnew
                 lane_gx[k] += gnew * xhat
