@@ -8,11 +8,17 @@ import json
 import sys
 
 
+def _case_size_copy(results):
+    """The machine line's note on the 64 MB copy (results saved before it was measured have none)."""
+    gbps = results.get("case_size_copy_gbps")
+    return "" if gbps is None else f" (a 64 MB copy: {gbps:.1f} GB/s)"
+
+
 def table(results):
     machine = results["machine"]
     lines = [
         f"Machine: {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}), "
-        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s; fastbwd {machine['fastbwd']}, "
+        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s{_case_size_copy(results)}; fastbwd {machine['fastbwd']}, "
         f"numba {machine['numba']}, torch {machine['torch'] or 'not installed'} (same thread count).",
         "",
         "| case | operator | dtype | variant | fastbwd ms | GB/s | % of copy bw | baseline | baseline ms | speed-up |",
