@@ -17,6 +17,13 @@ NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
 then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
+NHWC tasks read whole rows (all C channels of a position) wherever they can: on the 2-core VM
+this was measured on, a narrow channel strip of an NHWC array streams from memory several times
+slower than whole rows (docs/design.md), which ruled out transposing L2-sized channel strips
+into NCHW-shaped scratch. So an NHWC task's x and gnew span the whole image and its second pass
+rereads them from L3; it writes dx with streaming stores when the api asks (large dx), so that
+the dx lines are neither read first nor evict x and gnew.
+
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
 float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
 and integer operations only (about 1e-7 relative error; subnormal results flushed to 0, which
