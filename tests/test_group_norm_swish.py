@@ -2,6 +2,7 @@
 PyTorch autograd; every dtype, layout, flag and limit; threads, out=, strides; every error.
 Also the accuracy of the kernel module's vectorisable exp and Swish derivative."""
 
+import itertools
 import warnings
 
 import ml_dtypes
@@ -330,6 +331,21 @@ def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     assert_all_match(nchw, expected((dy, mean, rstd, x, gamma, beta), groups, 0.5))
 
 
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((1, 400, 5, 3), 40)])
+def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch):
+    # (2, 12, ...) takes the flat whole-rows path, (1, 400, ...) the per-position channel runs
+    from fastbwd.api import group_norm_swish as api
+
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=19)
+    nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
+    monkeypatch.setattr(api, "_NHWC_STREAM_MIN_BYTES", x.nbytes)  # dx has x's size: streamed ("at least")
+    assert api._nhwc_streaming(x) and not api._nhwc_streaming(x[:1, :1])
+    nhwc = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta, groups, "NHWC", 0.5)
+    assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
+    assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
+
+
 def test_channels_last_strides_are_read_in_place_and_kept():
     shape, groups = (2, 8, 6, 7), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=14)
@@ -379,13 +395,14 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
     assert shape[1] <= kernels.WHOLE_ROWS_MAX_CHANNELS
     dx_expected = np.ascontiguousarray(np.moveaxis(expected[0], -1, 1))
     sums = []
-    for groups_per_task in (1, 2, 4, 5, 6):
+    # with and without streaming dx stores (the api streams only a dx of 4 MB or more)
+    for groups_per_task, streaming in itertools.product((1, 2, 4, 5, 6), (False, True)):
         dx = np.empty_like(x)
         sum_g, sum_gx = np.empty((3, 24), F32), np.empty((3, 24), F32)
         kernels.group_norm_swish_bwd_nhwc(dy.reshape(3, -1, 24), x.reshape(3, -1, 24), mean, rstd, gamma, beta,
                                           np.float32(1.0), dx.reshape(3, -1, 24), sum_g, sum_gx,
-                                          groups_per_task, NATIVE)
-        assert bitwise_equal(np.moveaxis(dx, -1, 1), dx_expected), groups_per_task
+                                          groups_per_task, streaming, NATIVE)
+        assert bitwise_equal(np.moveaxis(dx, -1, 1), dx_expected), (groups_per_task, streaming)
         sums.append((sum_g, sum_gx))
     assert all(bitwise_equal(a[0], sums[0][0]) and bitwise_equal(a[1], sums[0][1]) for a in sums)
 

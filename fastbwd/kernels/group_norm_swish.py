@@ -17,6 +17,13 @@ NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
 then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
+NHWC tasks read whole rows (all C channels of a position) wherever they can: on the 2-core VM
+this was measured on, a narrow channel strip of an NHWC array streams from memory several times
+slower than whole rows (docs/design.md), which ruled out transposing L2-sized channel strips
+into NCHW-shaped scratch. So an NHWC task's x and gnew span the whole image and its second pass
+rereads them from L3; it writes dx with streaming stores when the api asks (large dx), so that
+the dx lines are neither read first nor evict x and gnew.
+
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
 float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
 and integer operations only (about 1e-7 relative error; subnormal results flushed to 0, which
@@ -33,7 +40,7 @@ from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, array_structs, decode_lanes, fold_lanes_by_halving, prefetch_for_write, splat
+from ._simd import LANES, array_structs, copy_out, decode_lanes, fold_lanes_by_halving, prefetch_for_write, splat, store_fence
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
@@ -348,12 +355,14 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
 
 @parallel_kernel
 def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx,
-                              groups_per_task, fmt):
+                              groups_per_task, streaming, fmt):
     """dy, x -> dx, all (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
 
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
     channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` in a scratch
-    array between the passes. Every per-(n, c) sum has the NCHW kernel's order (lane rows
+    array between the passes. Its second pass computes each round's dx into a small buffer and
+    copies it out (``_simd.copy_out``), with streaming stores when ``streaming`` (the api
+    decides by size), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane rows
     ``i % PARTIAL_SUMS``, the same folds and blocks).
 
     A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
@@ -370,14 +379,14 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         first_group = run * groups_per_task
         last_group = min(first_group + groups_per_task, groups)
         if first_group == 0 and last_group == groups and channels <= WHOLE_ROWS_MAX_CHANNELS:
-            _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, fmt)
+            _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt)
         else:
             _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
-                               first_group, last_group, fmt)
+                               first_group, last_group, streaming, fmt)
 
 
 @helper
-def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, fmt):
+def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt):
     """Image ``n`` of the NHWC kernel, all channels: flat loops over rounds of PARTIAL_SUMS
     positions (PARTIAL_SUMS*C contiguous elements; element ``j`` of a round is lane
     ``j // C``, channel ``j % C``, so the lane rows are added to element by element), with the
@@ -442,20 +451,22 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
     for j in range(channels, tiled):
         tile_c1[j] = tile_c1[j - channels]
         tile_c2[j] = tile_c2[j - channels]
+    round_dx = np.empty(tiled, dx.dtype)
     for round_start in range(0, hw, PARTIAL_SUMS):
         first = round_start * channels
         stop = min(round_start + PARTIAL_SUMS, hw) * channels
         round_x = flat_x[first:stop]
-        round_dx = flat_dx[first:stop]
         round_gnew = gnew_all[first:stop]
         for j in range(stop - first):
             xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
             round_dx[j] = store(_dx(round_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
+        copy_out(flat_dx, first, round_dx, 0, stop - first, streaming)
+    store_fence()
 
 
 @helper
 def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
-                       first_group, last_group, fmt):
+                       first_group, last_group, streaming, fmt):
     """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
     the run's contiguous channels, once per position."""
     _, hw, channels = x.shape
@@ -508,14 +519,17 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
         for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
             channel_c1[k] = c1
             channel_c2[k] = c2
+    dx_row = np.empty(width, dx.dtype)
+    flat_dx = dx[n].reshape(hw * channels)
     for i in range(hw):
         x_row = x[n, i, start:start + width]
-        dx_row = dx[n, i, start:start + width]
         gnew_row = gnew_run[i]
         for k in range(width):
             xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
             dx_row[k] = store(_dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k],
                                   channel_c1[k], channel_c2[k]), fmt)
+        copy_out(flat_dx, i * channels + start, dx_row, 0, width, streaming)
+    store_fence()
 
 
 # ---- dgamma, dbeta ----------------------------------------------------------------------------
