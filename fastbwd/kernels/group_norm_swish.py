@@ -360,9 +360,9 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
 
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
     channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` in a scratch
-    array between the passes. Its second pass computes each round's dx into a small buffer and
-    copies it out (``_simd.copy_out``), with streaming stores when ``streaming`` (the api
-    decides by size), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane rows
+    array between the passes. Its second pass stores dx directly, or when ``streaming`` (the api
+    decides by size) computes each round's dx into a small buffer and copies it out with
+    streaming stores (``_simd.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane rows
     ``i % PARTIAL_SUMS``, the same folds and blocks).
 
     A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
@@ -451,16 +451,18 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
     for j in range(channels, tiled):
         tile_c1[j] = tile_c1[j - channels]
         tile_c2[j] = tile_c2[j - channels]
-    round_dx = np.empty(tiled, dx.dtype)
+    buffer = np.empty(tiled if streaming else 0, dx.dtype)
     for round_start in range(0, hw, PARTIAL_SUMS):
         first = round_start * channels
         stop = min(round_start + PARTIAL_SUMS, hw) * channels
         round_x = flat_x[first:stop]
         round_gnew = gnew_all[first:stop]
+        round_dx = buffer if streaming else flat_dx[first:stop]
         for j in range(stop - first):
             xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
             round_dx[j] = store(_dx(round_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
-        copy_out(flat_dx, first, round_dx, 0, stop - first, streaming)
+        if streaming:
+            copy_out(flat_dx, first, round_dx, 0, stop - first, True)
     store_fence()
 
 
@@ -519,16 +521,18 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
         for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
             channel_c1[k] = c1
             channel_c2[k] = c2
-    dx_row = np.empty(width, dx.dtype)
+    buffer = np.empty(width if streaming else 0, dx.dtype)
     flat_dx = dx[n].reshape(hw * channels)
     for i in range(hw):
         x_row = x[n, i, start:start + width]
         gnew_row = gnew_run[i]
+        dx_row = buffer if streaming else flat_dx[i * channels + start:i * channels + start + width]
         for k in range(width):
             xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
             dx_row[k] = store(_dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k],
                                   channel_c1[k], channel_c2[k]), fmt)
-        copy_out(flat_dx, i * channels + start, dx_row, 0, width, streaming)
+        if streaming:
+            copy_out(flat_dx, i * channels + start, dx_row, 0, width, True)
     store_fence()
 
 
