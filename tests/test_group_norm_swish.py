@@ -346,6 +346,29 @@ def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch)
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
 
 
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((2, 336, 3, 7), 42)])
+def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch):
+    # float32/float64 tasks keep gnew in their own dx elements between the passes (the others a
+    # scratch): whole rows (flat, C = 12; per position, C = 336 > WHOLE_ROWS_MAX_CHANNELS) and
+    # channel runs narrower than C (their gnew rows sit at a stride of C inside dx), into an
+    # out= dx holding garbage; no streaming stores (below the api's floor)
+    from fastbwd.api import group_norm_swish as api
+
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=20)
+    nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
+    dy_l, x_l = to_channels_last(dy), to_channels_last(x)
+    assert not api._nhwc_streaming(x_l)
+    group_size = shape[1] // groups
+    for channels in (shape[1], 2 * group_size, group_size):
+        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
+        out = (np.full_like(x_l, np.nan), np.empty_like(gamma), np.empty_like(beta))
+        nhwc = gns_bwd(dy_l, mean, rstd, x_l, gamma, beta, groups, "NHWC", 0.5, out=out)
+        assert nhwc[0] is out[0]
+        assert bitwise_equal(np.moveaxis(out[0], -1, 1), nchw[0]), channels
+        assert bitwise_equal(out[1], nchw[1]) and bitwise_equal(out[2], nchw[2]), channels
+
+
 def test_channels_last_strides_are_read_in_place_and_kept():
     shape, groups = (2, 8, 6, 7), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=14)
@@ -368,7 +391,8 @@ def test_strided_and_negative_stride_inputs():
     assert all(bitwise_equal(a, b) for a, b in zip(result, contiguous))
 
 
-@pytest.mark.parametrize("dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW")], ids=str)
+@pytest.mark.parametrize("dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW"), (F64, "NHWC"),
+                                                (BF16, "NHWC")], ids=str)
 def test_thread_count_does_not_change_bits(dtype, data_format):
     shape, groups = (3, 12, 40, 33), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=16)
