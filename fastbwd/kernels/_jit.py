@@ -218,3 +218,10 @@ def parallel_kernel(py_func):
 def helper(py_func):
     """An ``@njit`` helper called from kernels (inlined into them by LLVM; compiled with them)."""
     return numba.njit(**_OPTIONS)(py_func)
+
+
+def leaf_helper(py_func):
+    """:func:`helper` for code that allocates nothing: compiled without reference counting, so
+    the array views it takes cost no atomic operation. What it calls must be a leaf helper too
+    (or an intrinsic)."""
+    return numba.njit(_nrt=False, **_OPTIONS)(py_func)

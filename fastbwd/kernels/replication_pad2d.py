@@ -11,14 +11,14 @@ from numba import prange
 
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
-from ._jit import helper, parallel_kernel
+from ._jit import leaf_helper, parallel_kernel
 
 #: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
 #: are fewer rows); a group allocates its scratch once. Results do not depend on it.
 TASK_GROUPS = 256
 
 
-@helper
+@leaf_helper
 def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
     """Sum of ``plane[row_start:row_stop, col_start:col_stop]``, stored (a lone source is copied)."""
     if row_stop - row_start == 1 and col_stop - col_start == 1:
@@ -30,7 +30,7 @@ def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
     return store(acc, fmt)
 
 
-@helper
+@leaf_helper
 def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
     """One grad_input row (``dst``) from its plane's grad_output ``src`` and its source rows
     ``[row_start, row_stop)``.
@@ -92,6 +92,23 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
         dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
 
 
+@leaf_helper
+def _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, fmt):
+    """Rows ``[first, stop)`` of the P*H rows of grad_input, one after the other
+    (:func:`_pad_row`). A leaf helper: the views it takes of each row cost no reference counting
+    (atomic operations, several per row in the kernel's own loop)."""
+    height = grad_input.shape[1]
+    out_height = grad_output.shape[1]
+    p = first // height
+    h = first - p * height
+    for _ in range(first, stop):
+        row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
+        _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, fmt)
+        h += 1
+        if h == height:
+            p, h = p + 1, 0
+
+
 @parallel_kernel
 def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
@@ -100,20 +117,12 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     (fewer when there are fewer rows); a run writes only its rows, one after the other.
     """
     planes, height, width = grad_input.shape
-    out_height = grad_output.shape[1]
     rows = planes * height
     groups = min(rows, TASK_GROUPS)
     for group in prange(groups):
         column_sums = np.full(width, accumulator(grad_output, fmt))
-        first = group * rows // groups
-        p = first // height
-        h = first - p * height
-        for _ in range(first, (group + 1) * rows // groups):
-            row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
-            _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, fmt)
-            h += 1
-            if h == height:
-                p, h = p + 1, 0
+        _pad_rows(grad_output, grad_input, group * rows // groups, (group + 1) * rows // groups, pad_top, pad_left,
+                  column_sums, fmt)
 
 
 @parallel_kernel
