@@ -244,7 +244,10 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
         # whole rows at a time, the width axis as strided windows (same operations, same bits)
         weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
                                  compute)
-        rows = (*_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1], padding[1])
+        rows = (*_row_windows(height, kernel[0], stride[0], padding[0], out_height),
+                _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h,
+                              compute),
+                weight_w, kernel[1], stride[1], padding[1])
         return _Plan(input_shape, layout, (), None, shapes, fmt, rows)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return _Plan(input_shape, layout, (*taps_h, *taps_w), None, shapes, fmt)
@@ -285,6 +288,19 @@ def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, diviso
     else:
         divisors = stop - start
     return np.divide(1, divisors.astype(compute), dtype=compute)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_windows(size, kernel, stride, pad, out_size):
+    """``(first, stop)``: input row ``h`` of one axis lies in the clipped windows
+    ``[first[h], stop[h])`` (ascending, consecutive: the windows' clipped starts and stops both
+    increase with the window; empty when no window covers the row). Memoised like
+    :func:`_axis_weights`."""
+    start, stop, _ = _axis_windows(size, kernel, stride, pad, out_size)
+    rows = np.arange(size, dtype=np.int64)
+    # the windows that start at or before h, minus those that stop at or before it
+    return (np.searchsorted(stop, rows, side="right").astype(np.int64),
+            np.searchsorted(start, rows, side="right").astype(np.int64))
 
 
 @functools.lru_cache(maxsize=256)

@@ -346,15 +346,148 @@ def lanes_scaled_gather_sums(typingctx, destination, destination_row, destinatio
     return sig, codegen
 
 
+#: Runtime counts up to this get straight-line code in :func:`_for_count` (pooling windows
+#: overlap few times: counts of 1 and 2 are the common ones).
+STRAIGHT_COUNTS = 3
+
+
+def _for_count(builder, count, emit):
+    """``emit(i)`` for ``i = 0, 1, ..., count - 1`` in order (``count`` an i64, nothing when it is
+    0 or negative): one straight-line copy per count up to :data:`STRAIGHT_COUNTS` (``i`` a
+    constant), a loop for larger counts. The same operations in the same order either way."""
+    done = builder.append_basic_block("count.done")
+    larger = builder.append_basic_block("count.loop")
+    switch = builder.switch(count, larger)
+    for n in range(1, STRAIGHT_COUNTS + 1):
+        block = builder.append_basic_block(f"count.{n}")
+        switch.add_case(_I64(n), block)
+        builder.position_at_end(block)
+        for i in range(n):
+            emit(_I64(i))
+        builder.branch(done)
+    builder.position_at_end(larger)
+    with cgutils.for_range(builder, count) as loop:
+        emit(loop.index)
+    builder.branch(done)
+    builder.position_at_end(done)
+
+
+def _zero_accumulators(builder, vector_type, count):
+    accumulators = []
+    for _ in range(count):
+        accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
+        builder.store(ir.Constant(vector_type, None), accumulator)
+        accumulators.append(accumulator)
+    return accumulators
+
+
 def _shifted_sum(builder, source, row, column, count, vector_type, align):
     """``0 + sum over i < count of source[row, column + i : column + i + LANES]``, adding ``i`` in
     ascending order, in a register (loads aligned to ``align`` bytes, the element size)."""
-    accumulator = cgutils.alloca_once_value(builder, ir.Constant(vector_type, None))
-    builder.store(ir.Constant(vector_type, None), accumulator)
-    with cgutils.for_range(builder, count) as loop:
-        pointer = _vector_pointer(builder, source, row, builder.add(column, loop.index), vector_type)
+    accumulator, = _zero_accumulators(builder, vector_type, 1)
+
+    def add(i):
+        pointer = _vector_pointer(builder, source, row, builder.add(column, i), vector_type)
         builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator)
+
+    _for_count(builder, count, add)
     return builder.load(accumulator)
+
+
+@intrinsic
+def lanes_scaled_window_sums(typingctx, destination, destination_column, destination_step, source, starts, counts,
+                             rows, width, scale):
+    """For ``r < rows``: ``destination[0, dc + r * step + c] = scale[0, c] * (0 + sum over i <
+    counts[r] of source[starts[r] + i, c])`` for ``c < width`` (``width >= LANES``), adding ``i``
+    in ascending order in registers, LANES columns at a time (the last vector starts at ``width -
+    LANES`` and recomputes the same values). All of the compute type (``starts``, ``counts``:
+    int64); straight-line code for small counts (:func:`_for_count`, per row)."""
+    if not _both_c_matrices(destination, source, scale):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, starts, counts, types.intp, types.intp, scale)
+
+    def codegen(context, builder, signature, args):
+        dst, src, sts, cts, scl = array_structs(context, builder, signature, args, 0, 3, 4, 5, 8)
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        align = signature.args[0].dtype.bitwidth // 8
+        width = args[7]
+        last = builder.sub(width, _I64(LANES))
+        chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
+        with cgutils.for_range(builder, args[6]) as row_loop:
+            r = row_loop.index
+            start = builder.load(builder.gep(sts.data, [r]))
+            count = builder.load(builder.gep(cts.data, [r]))
+            at = builder.add(args[1], builder.mul(r, args[2]))
+
+            def emit(fixed):
+                with cgutils.for_range(builder, chunks) as chunk_loop:
+                    column = builder.mul(chunk_loop.index, _I64(LANES))
+                    column = builder.select(builder.icmp_signed("<", column, last), column, last)
+                    total = ir.Constant(vector, None)
+                    if fixed is None:
+                        accumulator, = _zero_accumulators(builder, vector, 1)
+
+                        def add(i):
+                            pointer = _vector_pointer(builder, src, builder.add(start, i), column, vector)
+                            builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)),
+                                          accumulator)
+
+                        with cgutils.for_range(builder, count) as loop:
+                            add(loop.index)
+                        total = builder.load(accumulator)
+                    else:
+                        for i in range(fixed):
+                            pointer = _vector_pointer(builder, src, builder.add(start, _I64(i)), column, vector)
+                            total = builder.fadd(total, builder.load(pointer, align=align))
+                    factors = builder.load(_vector_pointer(builder, scl, _I64(0), column, vector), align=align)
+                    builder.store(builder.fmul(factors, total),
+                                  _vector_pointer(builder, dst, _I64(0), builder.add(at, column), vector), align=align)
+
+            done = builder.append_basic_block("sums.done")
+            larger = builder.append_basic_block("sums.loop")
+            switch = builder.switch(count, larger)
+            for n in range(0, STRAIGHT_COUNTS + 1):
+                block = builder.append_basic_block(f"sums.{n}")
+                switch.add_case(_I64(n), block)
+                builder.position_at_end(block)
+                emit(n)
+                builder.branch(done)
+            builder.position_at_end(larger)
+            emit(None)
+            builder.branch(done)
+            builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def lanes_scaled_row(typingctx, destination, destination_row, source, source_row, width, factor, fmt):
+    """``destination[dr, c] = decode(source[sr, c]) * factor`` for ``c < width`` (``width >=
+    LANES``), LANES columns at a time (the last vector starts at ``width - LANES``): the multiply
+    of :func:`lanes_gather_sum`'s terms, on its own. ``source`` in StorageFormat ``fmt``;
+    ``destination`` and ``factor`` of the compute type."""
+    if not _both_c_matrices(destination, source):
+        return None
+    sig = types.void(destination, types.intp, source, types.intp, types.intp, destination.dtype, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 2)
+        vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        align = signature.args[0].dtype.bitwidth // 8
+        width = args[4]
+        last = builder.sub(width, _I64(LANES))
+        factor = splat(builder, vector, args[5])
+        with cgutils.for_range(builder, builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))) as loop:
+            column = builder.mul(loop.index, _I64(LANES))
+            column = builder.select(builder.icmp_signed("<", column, last), column, last)
+            values = decode_lanes(builder, _element_pointer(builder, src, args[3], column), format_name, vector)
+            builder.store(builder.fmul(values, factor), _vector_pointer(builder, dst, args[1], column, vector),
+                          align=align)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @intrinsic
@@ -399,13 +532,92 @@ def interleaved_shifted_sums(typingctx, destination, destination_row, destinatio
         align = signature.args[3].dtype.bitwidth // 8
         even = _shifted_sum(builder, src, _I64(0), args[4], args[5], vector, align)
         odd = _shifted_sum(builder, src, _I64(0), args[6], args[7], vector, align)
-        mask_type = ir.VectorType(_I32, LANES)
-        for half in range(2):
-            lanes = [half * LANES // 2 + j // 2 + (LANES if j % 2 else 0) for j in range(LANES)]
-            pair = builder.shuffle_vector(even, odd, ir.Constant(mask_type, lanes))
-            pointer = _vector_pointer(builder, dst, args[1], builder.add(args[2], _I64(half * LANES)), stored)
-            builder.store(encode_lanes(builder, pair, format_name), pointer,
-                          align=signature.args[0].dtype.bitwidth // 8)
+        _store_interleaved(builder, dst, args[1], args[2], even, odd, format_name, stored,
+                           signature.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _store_interleaved(builder, destination, row, column, even, odd, format_name, stored_type, align):
+    """``destination[row, column + 2 j] = encode(even[j])``, ``... + 2 j + 1] = encode(odd[j])``."""
+    mask_type = ir.VectorType(_I32, LANES)
+    for half in range(2):
+        lanes = [half * LANES // 2 + j // 2 + (LANES if j % 2 else 0) for j in range(LANES)]
+        pair = builder.shuffle_vector(even, odd, ir.Constant(mask_type, lanes))
+        pointer = _vector_pointer(builder, destination, row, builder.add(column, _I64(half * LANES)), stored_type)
+        builder.store(encode_lanes(builder, pair, format_name), pointer, align=align)
+
+
+#: The (even, odd) shift counts :func:`interleaved_shifted_rows` has straight-line loops for
+#: (stride-2 windows of 2 to 4 cells); other counts run the generic loop.
+INTERLEAVED_STRAIGHT = ((1, 1), (1, 2), (2, 1), (2, 2))
+
+
+@intrinsic
+def interleaved_shifted_rows(typingctx, destination, destination_column, destination_step, source, source_column,
+                             source_step, rows, chunks, even_offset, even_count, odd_offset, odd_count, fmt):
+    """:func:`interleaved_shifted_sums` over a block of rows of one-row matrices: for ``r < rows``
+    and ``j < chunks``, the sums of ``source[0, source_column + r * source_step + LANES j + offset
+    + i]`` (``i`` below the count, even and odd) stored interleaved at ``destination[0,
+    destination_column + r * destination_step + 2 LANES j]``. The loop nest is emitted once per
+    count pair of :data:`INTERLEAVED_STRAIGHT`, with straight-line sums (the counts are the same
+    for every row), and once with loops for any other counts: the same operations either way."""
+    if not _both_c_matrices(destination, source):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp, types.intp,
+                     types.intp, types.intp, types.intp, types.intp, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
+        stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
+        align = signature.args[3].dtype.bitwidth // 8
+        stored_align = signature.args[0].dtype.bitwidth // 8
+        (dst_column, dst_step, src_column, src_step, rows, chunks,
+         even_offset, even_count, odd_offset, odd_count) = args[1:3] + args[4:12]
+
+        def fixed_sum(column, count):
+            total = ir.Constant(vector, None)
+            for i in range(count):
+                pointer = _vector_pointer(builder, src, _I64(0), builder.add(column, _I64(i)), vector)
+                total = builder.fadd(total, builder.load(pointer, align=align))
+            return total
+
+        def loop_nest(counts):
+            with cgutils.for_range(builder, rows) as row_loop:
+                r = row_loop.index
+                src_row = builder.add(src_column, builder.mul(r, src_step))
+                dst_row = builder.add(dst_column, builder.mul(r, dst_step))
+                with cgutils.for_range(builder, chunks) as chunk_loop:
+                    j = chunk_loop.index
+                    at = builder.add(src_row, builder.mul(j, _I64(LANES)))
+                    even_at, odd_at = builder.add(at, even_offset), builder.add(at, odd_offset)
+                    if counts is None:
+                        even = _shifted_sum(builder, src, _I64(0), even_at, even_count, vector, align)
+                        odd = _shifted_sum(builder, src, _I64(0), odd_at, odd_count, vector, align)
+                    else:
+                        even, odd = fixed_sum(even_at, counts[0]), fixed_sum(odd_at, counts[1])
+                    _store_interleaved(builder, dst, _I64(0), builder.add(dst_row, builder.mul(j, _I64(2 * LANES))),
+                                       even, odd, format_name, stored, stored_align)
+
+        small = builder.and_(builder.icmp_unsigned("<", even_count, _I64(4)),
+                             builder.icmp_unsigned("<", odd_count, _I64(4)))
+        key = builder.select(small, builder.add(builder.mul(even_count, _I64(4)), odd_count), _I64(-1))
+        done = builder.append_basic_block("interleaved.done")
+        generic = builder.append_basic_block("interleaved.generic")
+        switch = builder.switch(key, generic)
+        for counts in INTERLEAVED_STRAIGHT:
+            block = builder.append_basic_block(f"interleaved.{counts[0]}.{counts[1]}")
+            switch.add_case(_I64(counts[0] * 4 + counts[1]), block)
+            builder.position_at_end(block)
+            loop_nest(counts)
+            builder.branch(done)
+        builder.position_at_end(generic)
+        loop_nest(None)
+        builder.branch(done)
+        builder.position_at_end(done)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -14,9 +14,9 @@ import numpy as np
 from numba import prange
 
 from ._halfbits import load, store
-from ._jit import parallel_kernel
-from ._simd import (LANES, copy_out, interleaved_shifted_sums, lanes_scaled_gather_sums, lanes_shifted_sum,
-                    store_fence)
+from ._jit import helper, parallel_kernel
+from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_row, lanes_scaled_window_sums,
+                    lanes_shifted_sum, store_fence)
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
@@ -61,8 +61,8 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
 
 
 @parallel_kernel
-def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, start_h, source_h, weight_h, weight_w, kernel_w, stride_w,
-                             pad_w, streaming, fmt):
+def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, kernel_w,
+                             stride_w, pad_w, streaming, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
     ``OW >= LANES``.
 
@@ -89,12 +89,18 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, start_h, source_h, weight_
     block and copied out in one stretch (``copy_out``, with streaming stores if ``streaming``).
     """
     planes, height, width = grad_input.shape
-    out_width = grad_output.shape[2]
+    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
+    source = grad_output.reshape((planes * out_height, out_width))
     rows = planes * height
     rows_per_task = max(1, TASK_BYTES // (width * grad_input.itemsize))
     tasks = (rows + rows_per_task - 1) // rows_per_task
     groups = min(tasks, TASK_GROUPS)
     flat = grad_input.reshape(grad_input.size)
+    # the most grad_output rows (of the P*OH) one task reads
+    depth = 1
+    for task in range(tasks):
+        depth = max(depth, _task_sources(task, rows_per_task, rows, height, out_height, window_first, window_stop)[1]
+                    - _task_sources(task, rows_per_task, rows, height, out_height, window_first, window_stop)[0])
     lead = (kernel_w - 1) // stride_w  # the most windows covering one cell, minus one
     # each residue class is summed in whole vectors, past its end into scratch that is never stored
     residue_width = (width + stride_w - 1) // stride_w
@@ -110,41 +116,65 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, start_h, source_h, weight_
         q = (residue + pad_w) % stride_w
         residue_taps[residue] = max(0, (kernel_w - 1 - q) // stride_w + 1)
         residue_base[residue] = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w
+    even_taps, even_base = residue_taps[0], residue_base[0]
+    odd_taps, odd_base = residue_taps[min(1, stride_w - 1)], residue_base[min(1, stride_w - 1)]
     for group in prange(groups):
         # the block's rows, plus room for the last row's whole vectors
         block = np.empty((1, rows_per_task * width + 2 * LANES), grad_input.dtype)
         flat_block = block.reshape(block.size)
-        column = np.zeros((1, span), weight_h.dtype)  # V at [lead, lead + OW), zero around it
+        # V of the block's rows, row r at [r * span + lead, r * span + lead + OW), zero around it
+        columns = np.zeros((1, rows_per_task * span), weight_h.dtype)
         sums = np.empty((stride_w, residue_width), weight_h.dtype)
+        # weight_h[oh] * grad_output[p, oh] for the task's grad_output rows (of the P*OH)
+        products = np.empty((depth, out_width), weight_h.dtype)
+        # each row's first window among them, and how many windows it lies in
+        starts = np.empty(rows_per_task, np.int64)
+        counts = np.empty(rows_per_task, np.int64)
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
             first = task * rows_per_task
             count = min(rows_per_task, rows - first)
+            # height pass: each window's products once, then for each row V = weight_w * (0 +
+            # the sum of its windows' products), LANES columns at a time
+            source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
+                                                      window_stop)
             p = first // height
             h = first - p * height
+            oh = source_first % out_height  # the window of grad_output row source_first
+            for g in range(source_first, source_stop):
+                lanes_scaled_row(products, g - source_first, source, g, out_width, weight_h[oh], fmt)
+                oh += 1
+                if oh == out_height:
+                    oh = 0
             for r in range(count):
-                # height pass and window weights: V, two vectors at a time
-                for k in range(0, out_width, 2 * LANES):
-                    lanes_scaled_gather_sums(column, 0, lead, grad_output[p], source_h, weight_h, start_h[h],
-                                             start_h[h + 1], min(k, out_width - LANES),
-                                             min(k + LANES, out_width - LANES), scale, fmt)
-                # width pass, one residue class of w at a time, interleaved into the row and
-                # rounded once (stride 2: both classes at once, in registers)
-                row = r * width
-                if stride_w == 2:
-                    even_taps, even_base = residue_taps[0], residue_base[0]
-                    odd_taps, odd_base = residue_taps[1], residue_base[1]
-                    for k in range(0, residue_width, LANES):
-                        interleaved_shifted_sums(block, 0, row + 2 * k, column, even_base + k, even_taps,
-                                                 odd_base + k, odd_taps, fmt)
-                else:
-                    for residue in range(stride_w):
-                        taps, base = residue_taps[residue], residue_base[residue]
-                        for k in range(0, residue_width, LANES):
-                            lanes_shifted_sum(sums, residue, k, column, 0, base + k, taps)
-                        for k in range((width - residue + stride_w - 1) // stride_w):
-                            flat_block[row + stride_w * k + residue] = store(sums[residue, k], fmt)
+                starts[r] = p * out_height + window_first[h] - source_first
+                counts[r] = window_stop[h] - window_first[h]
                 h += 1
                 if h == height:
                     p, h = p + 1, 0
+            lanes_scaled_window_sums(columns, lead, span, products, starts, counts, count, out_width, scale)
+            # width pass, one residue class of w at a time, interleaved into the rows and
+            # rounded once (stride 2: both classes at once, in registers)
+            if stride_w == 2:
+                interleaved_shifted_rows(block, 0, width, columns, 0, span, count, residue_width // LANES,
+                                         even_base, even_taps, odd_base, odd_taps, fmt)
+            else:
+                for r in range(count):
+                    for residue in range(stride_w):
+                        taps, start = residue_taps[residue], r * span + residue_base[residue]
+                        for k in range(0, residue_width, LANES):
+                            lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
+                        for k in range((width - residue + stride_w - 1) // stride_w):
+                            flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
             copy_out(flat, first * width, flat_block, 0, count * width, streaming)
         store_fence()
+
+
+@helper
+def _task_sources(task, rows_per_task, rows, height, out_height, window_first, window_stop):
+    """``[first, stop)``: the grad_output rows (of the P*OH) that the rows of ``task`` read, from
+    the first window of its first row to the last window of its last row (every plane it crosses
+    in between is read whole)."""
+    first = task * rows_per_task
+    last = min(first + rows_per_task, rows) - 1
+    p, q = first // height, last // height
+    return p * out_height + window_first[first - p * height], q * out_height + window_stop[last - q * height]
