@@ -394,97 +394,168 @@ def _shifted_sum(builder, source, row, column, count, vector_type, align):
     return builder.load(accumulator)
 
 
+def _outlined(builder, name, arrays, scalars, emit):
+    """Call ``emit(builder, arrays, scalars)`` emitted as the body of its own function of the
+    module (internal, never inlined; one per ``name``, which must tell the argument types apart),
+    passing each array's data pointer and shape. A loop nest emitted inline into a large parallel
+    kernel has its invariants spilled to the stack and reloaded in its inner loops (the
+    kernel's own values take the registers); in its own function it gets the registers."""
+    values = [part for array in arrays for part in (array.data, array.shape)] + list(scalars)
+    module = builder.module
+    function = module.globals.get(name)
+    if function is None:
+        function = ir.Function(module, ir.FunctionType(ir.VoidType(), [value.type for value in values]), name=name)
+        function.linkage = "internal"
+        function.attributes.add("noinline")
+        inner = ir.IRBuilder(function.append_basic_block("entry"))
+        parameters = list(function.args)
+        proxies = [_ArrayParts(parameters[2 * i], parameters[2 * i + 1]) for i in range(len(arrays))]
+        emit(inner, proxies, parameters[2 * len(arrays):])
+        inner.ret_void()
+    builder.call(function, values)
+
+
+class _ArrayParts:
+    """The two fields of an array struct the addressing helpers read."""
+
+    def __init__(self, data, shape):
+        self.data = data
+        self.shape = shape
+
+
+def _type_tag(*numba_types):
+    """A symbol-safe tag of Numba types, for :func:`_outlined` names."""
+    return "_".join("".join(c if c.isalnum() else "_" for c in str(t)) for t in numba_types)
+
+
+def _cyclic_counter(builder, start, period):
+    """An i64 loop-carried counter from ``start`` (``0 <= start < period``) and its
+    ``advance()``, which adds 1 and wraps at ``period`` to 0, returning whether it wrapped."""
+    counter = cgutils.alloca_once_value(builder, start)
+
+    def advance():
+        value = builder.add(builder.load(counter), _I64(1))
+        wrapped = builder.icmp_signed("==", value, period)
+        builder.store(builder.select(wrapped, _I64(0), value), counter)
+        return wrapped
+
+    return counter, advance
+
+
 @intrinsic
-def lanes_scaled_window_sums(typingctx, destination, destination_column, destination_step, source, starts, counts,
-                             rows, width, scale):
-    """For ``r < rows``: ``destination[0, dc + r * step + c] = scale[0, c] * (0 + sum over i <
-    counts[r] of source[starts[r] + i, c])`` for ``c < width`` (``width >= LANES``), adding ``i``
-    in ascending order in registers, LANES columns at a time (the last vector starts at ``width -
-    LANES`` and recomputes the same values). All of the compute type (``starts``, ``counts``:
-    int64); straight-line code for small counts (:func:`_for_count`, per row)."""
+def lanes_scaled_window_sums(typingctx, destination, destination_column, destination_step, source, window_first,
+                             window_stop, first_row, source_offset, period, rows, width, scale):
+    """The height pass of pooling rows: with ``H = len(window_first)``, row ``r < rows`` is the
+    input row ``h = (first_row + r) % H`` of plane ``k = (first_row + r) // H`` (``0 <= first_row
+    < H``), which lies in the windows ``[window_first[h], window_stop[h])`` (int64 tables),
+    stored at the source rows ``source_offset + k * period + window``. Then
+    ``destination[0, dc + r * step + c] = scale[0, c] * (0 + sum of those source rows' [c])`` for
+    ``c < width`` (``width >= LANES``), adding the rows in ascending order in registers, LANES
+    columns at a time (the last vector starts at ``width - LANES`` and recomputes the same
+    values). Compute type throughout; straight-line code for up to :data:`STRAIGHT_COUNTS`
+    windows."""
     if not _both_c_matrices(destination, source, scale):
         return None
-    sig = types.void(destination, types.intp, types.intp, source, starts, counts, types.intp, types.intp, scale)
+    sig = types.void(destination, types.intp, types.intp, source, window_first, window_stop, types.intp, types.intp,
+                     types.intp, types.intp, types.intp, scale)
 
     def codegen(context, builder, signature, args):
-        dst, src, sts, cts, scl = array_structs(context, builder, signature, args, 0, 3, 4, 5, 8)
+        arrays = array_structs(context, builder, signature, args, 0, 3, 4, 5, 11)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
-        width = args[7]
-        last = builder.sub(width, _I64(LANES))
-        chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
-        with cgutils.for_range(builder, args[6]) as row_loop:
-            r = row_loop.index
-            start = builder.load(builder.gep(sts.data, [r]))
-            count = builder.load(builder.gep(cts.data, [r]))
-            at = builder.add(args[1], builder.mul(r, args[2]))
-
-            def emit(fixed):
-                with cgutils.for_range(builder, chunks) as chunk_loop:
-                    column = builder.mul(chunk_loop.index, _I64(LANES))
-                    column = builder.select(builder.icmp_signed("<", column, last), column, last)
-                    total = ir.Constant(vector, None)
-                    if fixed is None:
-                        accumulator, = _zero_accumulators(builder, vector, 1)
-
-                        def add(i):
-                            pointer = _vector_pointer(builder, src, builder.add(start, i), column, vector)
-                            builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)),
-                                          accumulator)
-
-                        with cgutils.for_range(builder, count) as loop:
-                            add(loop.index)
-                        total = builder.load(accumulator)
-                    else:
-                        for i in range(fixed):
-                            pointer = _vector_pointer(builder, src, builder.add(start, _I64(i)), column, vector)
-                            total = builder.fadd(total, builder.load(pointer, align=align))
-                    factors = builder.load(_vector_pointer(builder, scl, _I64(0), column, vector), align=align)
-                    builder.store(builder.fmul(factors, total),
-                                  _vector_pointer(builder, dst, _I64(0), builder.add(at, column), vector), align=align)
-
-            done = builder.append_basic_block("sums.done")
-            larger = builder.append_basic_block("sums.loop")
-            switch = builder.switch(count, larger)
-            for n in range(0, STRAIGHT_COUNTS + 1):
-                block = builder.append_basic_block(f"sums.{n}")
-                switch.add_case(_I64(n), block)
-                builder.position_at_end(block)
-                emit(n)
-                builder.branch(done)
-            builder.position_at_end(larger)
-            emit(None)
-            builder.branch(done)
-            builder.position_at_end(done)
+        name = "fastbwd_window_sums_" + _type_tag(signature.args[0], signature.args[3], signature.args[11])
+        _outlined(builder, name, arrays, [args[i] for i in (1, 2, 6, 7, 8, 9, 10)],
+                  lambda builder, arrays, scalars: _window_sums(builder, *arrays, *scalars, vector, align))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, destination_step, first_row, source_offset,
+                 period, rows, width, vector, align):
+    """The loop nest of :func:`lanes_scaled_window_sums`."""
+    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]
+    last = builder.sub(width, _I64(LANES))
+    chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
+    h, advance = _cyclic_counter(builder, first_row, height)
+    offset = cgutils.alloca_once_value(builder, source_offset)
+    with cgutils.for_range(builder, rows) as row_loop:
+        r = row_loop.index
+        row = builder.load(h)
+        window = builder.load(builder.gep(firsts.data, [row]))
+        start = builder.add(builder.load(offset), window)
+        count = builder.sub(builder.load(builder.gep(stops.data, [row])), window)
+        at = builder.add(destination_column, builder.mul(r, destination_step))
+
+        def emit(fixed):
+            with cgutils.for_range(builder, chunks) as chunk_loop:
+                column = builder.mul(chunk_loop.index, _I64(LANES))
+                column = builder.select(builder.icmp_signed("<", column, last), column, last)
+                if fixed is None:
+                    accumulator, = _zero_accumulators(builder, vector, 1)
+                    with cgutils.for_range(builder, count) as loop:
+                        pointer = _vector_pointer(builder, src, builder.add(start, loop.index), column, vector)
+                        builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)),
+                                      accumulator)
+                    total = builder.load(accumulator)
+                else:
+                    total = ir.Constant(vector, None)
+                    for i in range(fixed):
+                        pointer = _vector_pointer(builder, src, builder.add(start, _I64(i)), column, vector)
+                        total = builder.fadd(total, builder.load(pointer, align=align))
+                factors = builder.load(_vector_pointer(builder, scl, _I64(0), column, vector), align=align)
+                builder.store(builder.fmul(factors, total),
+                              _vector_pointer(builder, dst, _I64(0), builder.add(at, column), vector), align=align)
+
+        done = builder.append_basic_block("sums.done")
+        larger = builder.append_basic_block("sums.loop")
+        switch = builder.switch(count, larger)
+        for n in range(0, STRAIGHT_COUNTS + 1):
+            block = builder.append_basic_block(f"sums.{n}")
+            switch.add_case(_I64(n), block)
+            builder.position_at_end(block)
+            emit(n)
+            builder.branch(done)
+        builder.position_at_end(larger)
+        emit(None)
+        builder.branch(done)
+        builder.position_at_end(done)
+        wrapped = advance()
+        builder.store(builder.select(wrapped, builder.add(builder.load(offset), period), builder.load(offset)), offset)
+
+
 @intrinsic
-def lanes_scaled_row(typingctx, destination, destination_row, source, source_row, width, factor, fmt):
-    """``destination[dr, c] = decode(source[sr, c]) * factor`` for ``c < width`` (``width >=
-    LANES``), LANES columns at a time (the last vector starts at ``width - LANES``): the multiply
-    of :func:`lanes_gather_sum`'s terms, on its own. ``source`` in StorageFormat ``fmt``;
-    ``destination`` and ``factor`` of the compute type."""
+def lanes_scaled_rows(typingctx, destination, source, source_first, rows, width, factors, first_factor, fmt):
+    """``destination[g, c] = decode(source[source_first + g, c]) * factors[(first_factor + g) %
+    len(factors)]`` for ``g < rows``, ``c < width`` (``width >= LANES``, ``0 <= first_factor <
+    len(factors)``), LANES columns at a time (the last vector starts at ``width - LANES``): the
+    multiplies of :func:`lanes_gather_sum`'s terms, on their own. ``source`` in StorageFormat
+    ``fmt``; ``destination`` and ``factors`` of the compute type."""
     if not _both_c_matrices(destination, source):
         return None
-    sig = types.void(destination, types.intp, source, types.intp, types.intp, destination.dtype, fmt)
+    sig = types.void(destination, source, types.intp, types.intp, types.intp, factors, types.intp, fmt)
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst, src = array_structs(context, builder, signature, args, 0, 2)
+        dst, src, fct = array_structs(context, builder, signature, args, 0, 1, 5)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
         width = args[4]
         last = builder.sub(width, _I64(LANES))
-        factor = splat(builder, vector, args[5])
-        with cgutils.for_range(builder, builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))) as loop:
-            column = builder.mul(loop.index, _I64(LANES))
-            column = builder.select(builder.icmp_signed("<", column, last), column, last)
-            values = decode_lanes(builder, _element_pointer(builder, src, args[3], column), format_name, vector)
-            builder.store(builder.fmul(values, factor), _vector_pointer(builder, dst, args[1], column, vector),
-                          align=align)
+        chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
+        period = cgutils.unpack_tuple(builder, fct.shape, 1)[0]
+        index, advance = _cyclic_counter(builder, args[6], period)
+        with cgutils.for_range(builder, args[3]) as row_loop:
+            g = row_loop.index
+            factor = splat(builder, vector, builder.load(builder.gep(fct.data, [builder.load(index)])))
+            source_row = builder.add(args[2], g)
+            with cgutils.for_range(builder, chunks) as loop:
+                column = builder.mul(loop.index, _I64(LANES))
+                column = builder.select(builder.icmp_signed("<", column, last), column, last)
+                values = decode_lanes(builder, _element_pointer(builder, src, source_row, column), format_name, vector)
+                builder.store(builder.fmul(values, factor), _vector_pointer(builder, dst, g, column, vector),
+                              align=align)
+            advance()
         return context.get_dummy_value()
 
     return sig, codegen
@@ -731,6 +802,8 @@ def store_fence(typingctx):
 #: store spares the read of each line that a plain store makes (a third of a copy's traffic).
 #: Smaller results are stored normally, so that they are still in the cache when read next.
 STREAM_MIN_BYTES = 16 << 20
+#: Cache lines :func:`copy_out` copies per trip of its main loop.
+COPY_UNROLL = 4
 
 
 @helper
@@ -749,10 +822,18 @@ def copy_out(destination, first, source, source_first, count, streaming):
         done = min(count, (LINE_BYTES - offset) % LINE_BYTES // itemsize)
         for k in range(done):
             destination[first + k] = source[source_first + k]
+        while done + COPY_UNROLL * per_line <= count:  # a few lines per loop trip: fewer branches
+            for j in range(COPY_UNROLL):
+                stream_line(destination, first + done + j * per_line, source, source_first + done + j * per_line)
+            done += COPY_UNROLL * per_line
         while done + per_line <= count:
             stream_line(destination, first + done, source, source_first + done)
             done += per_line
     else:
+        while done + COPY_UNROLL * per_line <= count:
+            for j in range(COPY_UNROLL):
+                copy_line(destination, first + done + j * per_line, source, source_first + done + j * per_line)
+            done += COPY_UNROLL * per_line
         while done + per_line <= count:
             copy_line(destination, first + done, source, source_first + done)
             done += per_line

@@ -15,12 +15,14 @@ from numba import prange
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
-from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_row, lanes_scaled_window_sums,
-                    lanes_shifted_sum, store_fence)
+from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums,
+                    line_offset, lanes_shifted_sum, store_fence)
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
 TASK_BYTES = 16 << 10
+#: ... and copies them out in pieces of about this many bytes, each as soon as it is built.
+PIECE_BYTES = 4 << 10
 #: Its tasks run in this many fixed groups (fewer when there are fewer tasks); a group allocates
 #: its scratch once. Results do not depend on it.
 TASK_GROUPS = 64
@@ -93,6 +95,7 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
     source = grad_output.reshape((planes * out_height, out_width))
     rows = planes * height
     rows_per_task = max(1, TASK_BYTES // (width * grad_input.itemsize))
+    piece_rows = max(1, PIECE_BYTES // (width * grad_input.itemsize))
     tasks = (rows + rows_per_task - 1) // rows_per_task
     groups = min(tasks, TASK_GROUPS)
     flat = grad_input.reshape(grad_input.size)
@@ -127,9 +130,6 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
         sums = np.empty((stride_w, residue_width), weight_h.dtype)
         # weight_h[oh] * grad_output[p, oh] for the task's grad_output rows (of the P*OH)
         products = np.empty((depth, out_width), weight_h.dtype)
-        # each row's first window among them, and how many windows it lies in
-        starts = np.empty(rows_per_task, np.int64)
-        counts = np.empty(rows_per_task, np.int64)
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
             first = task * rows_per_task
             count = min(rows_per_task, rows - first)
@@ -137,35 +137,36 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
             # the sum of its windows' products), LANES columns at a time
             source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
                                                       window_stop)
+            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
+                              source_first % out_height, fmt)
             p = first // height
-            h = first - p * height
-            oh = source_first % out_height  # the window of grad_output row source_first
-            for g in range(source_first, source_stop):
-                lanes_scaled_row(products, g - source_first, source, g, out_width, weight_h[oh], fmt)
-                oh += 1
-                if oh == out_height:
-                    oh = 0
-            for r in range(count):
-                starts[r] = p * out_height + window_first[h] - source_first
-                counts[r] = window_stop[h] - window_first[h]
-                h += 1
-                if h == height:
-                    p, h = p + 1, 0
-            lanes_scaled_window_sums(columns, lead, span, products, starts, counts, count, out_width, scale)
+            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,
+                                     p * out_height - source_first, out_height, count, out_width, scale)
             # width pass, one residue class of w at a time, interleaved into the rows and
-            # rounded once (stride 2: both classes at once, in registers)
-            if stride_w == 2:
-                interleaved_shifted_rows(block, 0, width, columns, 0, span, count, residue_width // LANES,
-                                         even_base, even_taps, odd_base, odd_taps, fmt)
-            else:
-                for r in range(count):
-                    for residue in range(stride_w):
-                        taps, start = residue_taps[residue], r * span + residue_base[residue]
-                        for k in range(0, residue_width, LANES):
-                            lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
-                        for k in range((width - residue + stride_w - 1) // stride_w):
-                            flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
-            copy_out(flat, first * width, flat_block, 0, count * width, streaming)
+            # rounded once (stride 2: both classes at once, in registers); a few rows at a time,
+            # each piece's whole destination lines copied out at once (the stores overlap the
+            # arithmetic of the next piece)
+            copied = 0
+            for piece in range(0, count, piece_rows):
+                piece_stop = min(piece + piece_rows, count)
+                if stride_w == 2:
+                    interleaved_shifted_rows(block, piece * width, width, columns, piece * span, span,
+                                             piece_stop - piece, residue_width // LANES, even_base, even_taps,
+                                             odd_base, odd_taps, fmt)
+                else:
+                    for r in range(piece, piece_stop):
+                        for residue in range(stride_w):
+                            taps, start = residue_taps[residue], r * span + residue_base[residue]
+                            for k in range(0, residue_width, LANES):
+                                lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
+                            for k in range((width - residue + stride_w - 1) // stride_w):
+                                flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
+                ready = piece_stop * width
+                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
+                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
+                if ready > copied:
+                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
+                    copied = ready
         store_fence()
 
 
