@@ -375,6 +375,19 @@ def test_whole_rows_kernel_equals_the_engine_bitwise(dtype):
         assert_matches_reference(result, reference(grad_output, *args))
 
 
+def test_whole_rows_tasks_that_start_past_the_last_window():
+    # Kernel 4, stride 4, padding 1 over 4 rows: one window, rows 0-2; row 3 lies in none. With
+    # float64 rows of 105 cells a task holds 19 rows, so the second task starts at such a row
+    # (plane 4, row 3) and its first grad row is window 0 of the next plane (weight of window 0).
+    input_shape, kernel, stride, padding = (2, 3, 4, 105), (4, 2), (4, 5), (1, 0)
+    grad_output = random(pooled_shape(input_shape, kernel, stride, padding, False), np.float64, 5)
+    for include_pad, override in ((False, 0), (True, 0), (False, -2)):
+        args = (input_shape, kernel, stride, padding, False, include_pad, override)
+        result = pool_bwd(grad_output, *args)
+        assert bitwise_equal(result, np.ascontiguousarray(pool_bwd(channels_last(grad_output), *args))), args
+        assert_matches_reference(result, reference(grad_output, *args))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
