@@ -346,30 +346,9 @@ def lanes_scaled_gather_sums(typingctx, destination, destination_row, destinatio
     return sig, codegen
 
 
-#: Runtime counts up to this get straight-line code in :func:`_for_count` (pooling windows
+#: Runtime window counts up to this get straight-line code in :func:`lanes_scaled_window_sums` (pooling
 #: overlap few times: counts of 1 and 2 are the common ones).
 STRAIGHT_COUNTS = 3
-
-
-def _for_count(builder, count, emit):
-    """``emit(i)`` for ``i = 0, 1, ..., count - 1`` in order (``count`` an i64, nothing when it is
-    0 or negative): one straight-line copy per count up to :data:`STRAIGHT_COUNTS` (``i`` a
-    constant), a loop for larger counts. The same operations in the same order either way."""
-    done = builder.append_basic_block("count.done")
-    larger = builder.append_basic_block("count.loop")
-    switch = builder.switch(count, larger)
-    for n in range(1, STRAIGHT_COUNTS + 1):
-        block = builder.append_basic_block(f"count.{n}")
-        switch.add_case(_I64(n), block)
-        builder.position_at_end(block)
-        for i in range(n):
-            emit(_I64(i))
-        builder.branch(done)
-    builder.position_at_end(larger)
-    with cgutils.for_range(builder, count) as loop:
-        emit(loop.index)
-    builder.branch(done)
-    builder.position_at_end(done)
 
 
 def _zero_accumulators(builder, vector_type, count):
@@ -385,12 +364,9 @@ def _shifted_sum(builder, source, row, column, count, vector_type, align):
     """``0 + sum over i < count of source[row, column + i : column + i + LANES]``, adding ``i`` in
     ascending order, in a register (loads aligned to ``align`` bytes, the element size)."""
     accumulator, = _zero_accumulators(builder, vector_type, 1)
-
-    def add(i):
-        pointer = _vector_pointer(builder, source, row, builder.add(column, i), vector_type)
+    with cgutils.for_range(builder, count) as loop:
+        pointer = _vector_pointer(builder, source, row, builder.add(column, loop.index), vector_type)
         builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator)
-
-    _for_count(builder, count, add)
     return builder.load(accumulator)
 
 
@@ -510,7 +486,7 @@ def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, dest
         done = builder.append_basic_block("sums.done")
         larger = builder.append_basic_block("sums.loop")
         switch = builder.switch(count, larger)
-        for n in range(0, STRAIGHT_COUNTS + 1):
+        for n in range(1, STRAIGHT_COUNTS + 1):
             block = builder.append_basic_block(f"sums.{n}")
             switch.add_case(_I64(n), block)
             builder.position_at_end(block)
@@ -641,57 +617,63 @@ def interleaved_shifted_rows(typingctx, destination, destination_column, destina
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        dst, src = array_structs(context, builder, signature, args, 0, 3)
+        arrays = array_structs(context, builder, signature, args, 0, 3)
         vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
         stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        align = signature.args[3].dtype.bitwidth // 8
-        stored_align = signature.args[0].dtype.bitwidth // 8
-        (dst_column, dst_step, src_column, src_step, rows, chunks,
-         even_offset, even_count, odd_offset, odd_count) = args[1:3] + args[4:12]
-
-        def fixed_sum(column, count):
-            total = ir.Constant(vector, None)
-            for i in range(count):
-                pointer = _vector_pointer(builder, src, _I64(0), builder.add(column, _I64(i)), vector)
-                total = builder.fadd(total, builder.load(pointer, align=align))
-            return total
-
-        def loop_nest(counts):
-            with cgutils.for_range(builder, rows) as row_loop:
-                r = row_loop.index
-                src_row = builder.add(src_column, builder.mul(r, src_step))
-                dst_row = builder.add(dst_column, builder.mul(r, dst_step))
-                with cgutils.for_range(builder, chunks) as chunk_loop:
-                    j = chunk_loop.index
-                    at = builder.add(src_row, builder.mul(j, _I64(LANES)))
-                    even_at, odd_at = builder.add(at, even_offset), builder.add(at, odd_offset)
-                    if counts is None:
-                        even = _shifted_sum(builder, src, _I64(0), even_at, even_count, vector, align)
-                        odd = _shifted_sum(builder, src, _I64(0), odd_at, odd_count, vector, align)
-                    else:
-                        even, odd = fixed_sum(even_at, counts[0]), fixed_sum(odd_at, counts[1])
-                    _store_interleaved(builder, dst, _I64(0), builder.add(dst_row, builder.mul(j, _I64(2 * LANES))),
-                                       even, odd, format_name, stored, stored_align)
-
-        small = builder.and_(builder.icmp_unsigned("<", even_count, _I64(4)),
-                             builder.icmp_unsigned("<", odd_count, _I64(4)))
-        key = builder.select(small, builder.add(builder.mul(even_count, _I64(4)), odd_count), _I64(-1))
-        done = builder.append_basic_block("interleaved.done")
-        generic = builder.append_basic_block("interleaved.generic")
-        switch = builder.switch(key, generic)
-        for counts in INTERLEAVED_STRAIGHT:
-            block = builder.append_basic_block(f"interleaved.{counts[0]}.{counts[1]}")
-            switch.add_case(_I64(counts[0] * 4 + counts[1]), block)
-            builder.position_at_end(block)
-            loop_nest(counts)
-            builder.branch(done)
-        builder.position_at_end(generic)
-        loop_nest(None)
-        builder.branch(done)
-        builder.position_at_end(done)
+        name = "fastbwd_interleaved_rows_" + _type_tag(signature.args[0], signature.args[3], signature.args[12])
+        _outlined(builder, name, arrays, args[1:3] + args[4:12],
+                  lambda builder, arrays, scalars: _interleaved_rows(
+                      builder, *arrays, *scalars, format_name, vector, stored, signature.args[3].dtype.bitwidth // 8,
+                      signature.args[0].dtype.bitwidth // 8))
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _interleaved_rows(builder, dst, src, dst_column, dst_step, src_column, src_step, rows, chunks, even_offset,
+                      even_count, odd_offset, odd_count, format_name, vector, stored, align, stored_align):
+    """The loop nests of :func:`interleaved_shifted_rows`."""
+
+    def fixed_sum(column, count):
+        total = ir.Constant(vector, None)
+        for i in range(count):
+            pointer = _vector_pointer(builder, src, _I64(0), builder.add(column, _I64(i)), vector)
+            total = builder.fadd(total, builder.load(pointer, align=align))
+        return total
+
+    def loop_nest(counts):
+        with cgutils.for_range(builder, rows) as row_loop:
+            r = row_loop.index
+            src_row = builder.add(src_column, builder.mul(r, src_step))
+            dst_row = builder.add(dst_column, builder.mul(r, dst_step))
+            with cgutils.for_range(builder, chunks) as chunk_loop:
+                j = chunk_loop.index
+                at = builder.add(src_row, builder.mul(j, _I64(LANES)))
+                even_at, odd_at = builder.add(at, even_offset), builder.add(at, odd_offset)
+                if counts is None:
+                    even = _shifted_sum(builder, src, _I64(0), even_at, even_count, vector, align)
+                    odd = _shifted_sum(builder, src, _I64(0), odd_at, odd_count, vector, align)
+                else:
+                    even, odd = fixed_sum(even_at, counts[0]), fixed_sum(odd_at, counts[1])
+                _store_interleaved(builder, dst, _I64(0), builder.add(dst_row, builder.mul(j, _I64(2 * LANES))),
+                                   even, odd, format_name, stored, stored_align)
+
+    small = builder.and_(builder.icmp_unsigned("<", even_count, _I64(4)),
+                         builder.icmp_unsigned("<", odd_count, _I64(4)))
+    key = builder.select(small, builder.add(builder.mul(even_count, _I64(4)), odd_count), _I64(-1))
+    done = builder.append_basic_block("interleaved.done")
+    generic = builder.append_basic_block("interleaved.generic")
+    switch = builder.switch(key, generic)
+    for counts in INTERLEAVED_STRAIGHT:
+        block = builder.append_basic_block(f"interleaved.{counts[0]}.{counts[1]}")
+        switch.add_case(_I64(counts[0] * 4 + counts[1]), block)
+        builder.position_at_end(block)
+        loop_nest(counts)
+        builder.branch(done)
+    builder.position_at_end(generic)
+    loop_nest(None)
+    builder.branch(done)
+    builder.position_at_end(done)
 
 
 def _prefetch_codegen(for_write):
