@@ -209,17 +209,17 @@ MUTANTS = [
            "    if layout == d.NCHW and out_width >= _simd.LANES:",
            "    if layout == d.NCHW and out_width >= _simd.LANES // 2:",
            T_AP, "grad rows narrower than LANES sent to the whole-rows kernel (tiles start before the row)"),
-    Mutant("ap-rows-residue-taps", "avg_pool", K_AP,
-           "        residue_taps[residue] = max(0, (kernel_w - 1 - q) // stride_w + 1)",
-           "        residue_taps[residue] = max(0, (kernel_w - 1 - q) // stride_w)",
+    Mutant("ap-rows-residue-taps", "avg_pool", A_AP,
+           "    residue_taps = np.maximum(0, (kernel_w - 1 - q) // stride_w + 1)",
+           "    residue_taps = np.maximum(0, (kernel_w - 1 - q) // stride_w)",
            T_AP, "whole-rows kernel: each cell misses the last window covering it"),
-    Mutant("ap-rows-residue-base", "avg_pool", K_AP,
-           "        residue_base[residue] = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w",
-           "        residue_base[residue] = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w + 1",
+    Mutant("ap-rows-residue-base", "avg_pool", A_AP,
+           "    residue_base = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w",
+           "    residue_base = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w + 1",
            T_AP, "whole-rows kernel: each cell's windows shifted by one"),
     Mutant("ap-rows-odd-class", "avg_pool", K_AP,
-           "    odd_taps, odd_base = residue_taps[min(1, stride_w - 1)], residue_base[min(1, stride_w - 1)]",
-           "    odd_taps, odd_base = residue_taps[0], residue_base[0]",
+           "residue_taps[0], residue_base[1],\n                                         residue_taps[1], fmt)",
+           "residue_taps[0], residue_base[0],\n                                         residue_taps[0], fmt)",
            T_AP, "whole-rows kernel, stride 2: odd columns get the even columns' windows"),
     Mutant("ap-rows-scatter-residue", "avg_pool", K_AP,
            "flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)",
@@ -230,13 +230,41 @@ MUTANTS = [
            "q * out_height + window_stop[last - q * height] - 1",
            T_AP, "whole-rows kernel: a task's last grad_output row gets no products (stale scratch)"),
     Mutant("ap-rows-weight-phase", "avg_pool", K_AP,
-           "                              source_first % out_height, fmt)",
-           "                              0, fmt)",
-           T_AP, "whole-rows kernel: every task's products weighted from window 0's weight on"),
+           "                              source_first % out_height, fmt)\n            p = first // height\n"
+           "            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,\n"
+           "                                     p * out_height - source_first, out_height, count, out_width, scale)\n"
+           "            # width pass",
+           "                              0, fmt)\n            p = first // height\n"
+           "            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,\n"
+           "                                     p * out_height - source_first, out_height, count, out_width, scale)\n"
+           "            # width pass",
+           T_AP, "whole-rows kernel, stride 2: every task's products weighted from window 0's weight on"),
+    Mutant("ap-rows-any-weight-phase", "avg_pool", K_AP,
+           "                              source_first % out_height, fmt)\n            p = first // height\n"
+           "            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,\n"
+           "                                     p * out_height - source_first, out_height, count, out_width, scale)\n"
+           "            copied",
+           "                              0, fmt)\n            p = first // height\n"
+           "            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,\n"
+           "                                     p * out_height - source_first, out_height, count, out_width, scale)\n"
+           "            copied",
+           T_AP, "whole-rows kernel, other strides: every task's products weighted from window 0's weight on"),
+    Mutant("ap-rows-depth", "avg_pool", A_AP,
+           "    reads = (q - p) * out_height + window_stop[last - q * height] - window_first[first - p * height]",
+           "    reads = window_stop[last - q * height] - window_first[first - p * height]",
+           T_AP, "whole-rows kernels: a task crossing planes gets too few rows of products (scratch overrun)"),
     Mutant("ap-rows-piece-source", "avg_pool", K_AP,
-           "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)",
-           "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)",
-           T_AP, "whole-rows kernel: every piece copies the block's first rows"),
+           "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)\n"
+           "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
+           "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)\n"
+           "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
+           T_AP, "whole-rows kernel, stride 2: every piece copies the block's first rows"),
+    Mutant("ap-rows-any-piece-source", "avg_pool", K_AP,
+           "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)\n"
+           "                    copied = ready\n        store_fence()\n\n\n@helper",
+           "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)\n"
+           "                    copied = ready\n        store_fence()\n\n\n@helper",
+           T_AP, "whole-rows kernel, other strides: every piece copies the block's first rows"),
     Mutant("ap-rows-sums-last-vector", "avg_pool", K_SIMD,
            "    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]\n    last = builder.sub(width, _I64(LANES))",
            "    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]\n    last = builder.sub(width, _I64(LANES + 1))",

@@ -27,6 +27,7 @@ LANES = 16
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+_I1 = ir.IntType(1)
 
 
 def _element_pointer(builder, array, row, column):
@@ -364,10 +365,40 @@ def _shifted_sum(builder, source, row, column, count, vector_type, align):
     """``0 + sum over i < count of source[row, column + i : column + i + LANES]``, adding ``i`` in
     ascending order, in a register (loads aligned to ``align`` bytes, the element size)."""
     accumulator, = _zero_accumulators(builder, vector_type, 1)
-    with cgutils.for_range(builder, count) as loop:
+    with _loop(builder, count) as loop:
         pointer = _vector_pointer(builder, source, row, builder.add(column, loop.index), vector_type)
         builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator)
     return builder.load(accumulator)
+
+
+def _loop(builder, count):
+    """``cgutils.for_range(builder, count)`` whose loop LLVM neither unrolls nor vectorises
+    (``llvm.loop`` metadata on its latch). The loops of the row intrinsics run a few trips each
+    (two chunks per A1 row); unrolled, each nest emitted four to five times its code, which the
+    four LLVM copies of a parallel kernel then optimised again (compile time)."""
+    return _UnrolledNever(builder, count)
+
+
+class _UnrolledNever:
+    def __init__(self, builder, count):
+        self._builder, self._count = builder, count
+
+    def __enter__(self):
+        self._context = cgutils.for_range(self._builder, self._count)
+        self._loop = self._context.__enter__()
+        return self._loop
+
+    def __exit__(self, *exc):
+        result = self._context.__exit__(*exc)
+        module = self._builder.module
+        options = [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
+                   module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)])]
+        # a loop ID is a distinct node whose first operand is itself
+        loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
+        loop_id.operands = (loop_id, *options)
+        latch = self._loop.index.incomings[-1][1]
+        latch.terminator.set_metadata("llvm.loop", loop_id)
+        return result
 
 
 def _outlined(builder, name, arrays, scalars, emit):
@@ -455,7 +486,7 @@ def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, dest
     chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
     h, advance = _cyclic_counter(builder, first_row, height)
     offset = cgutils.alloca_once_value(builder, source_offset)
-    with cgutils.for_range(builder, rows) as row_loop:
+    with _loop(builder, rows) as row_loop:
         r = row_loop.index
         row = builder.load(h)
         window = builder.load(builder.gep(firsts.data, [row]))
@@ -464,12 +495,12 @@ def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, dest
         at = builder.add(destination_column, builder.mul(r, destination_step))
 
         def emit(fixed):
-            with cgutils.for_range(builder, chunks) as chunk_loop:
+            with _loop(builder, chunks) as chunk_loop:
                 column = builder.mul(chunk_loop.index, _I64(LANES))
                 column = builder.select(builder.icmp_signed("<", column, last), column, last)
                 if fixed is None:
                     accumulator, = _zero_accumulators(builder, vector, 1)
-                    with cgutils.for_range(builder, count) as loop:
+                    with _loop(builder, count) as loop:
                         pointer = _vector_pointer(builder, src, builder.add(start, loop.index), column, vector)
                         builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)),
                                       accumulator)
@@ -521,11 +552,11 @@ def lanes_scaled_rows(typingctx, destination, source, source_first, rows, width,
         chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))
         period = cgutils.unpack_tuple(builder, fct.shape, 1)[0]
         index, advance = _cyclic_counter(builder, args[6], period)
-        with cgutils.for_range(builder, args[3]) as row_loop:
+        with _loop(builder, args[3]) as row_loop:
             g = row_loop.index
             factor = splat(builder, vector, builder.load(builder.gep(fct.data, [builder.load(index)])))
             source_row = builder.add(args[2], g)
-            with cgutils.for_range(builder, chunks) as loop:
+            with _loop(builder, chunks) as loop:
                 column = builder.mul(loop.index, _I64(LANES))
                 column = builder.select(builder.icmp_signed("<", column, last), column, last)
                 values = decode_lanes(builder, _element_pointer(builder, src, source_row, column), format_name, vector)
@@ -642,11 +673,11 @@ def _interleaved_rows(builder, dst, src, dst_column, dst_step, src_column, src_s
         return total
 
     def loop_nest(counts):
-        with cgutils.for_range(builder, rows) as row_loop:
+        with _loop(builder, rows) as row_loop:
             r = row_loop.index
             src_row = builder.add(src_column, builder.mul(r, src_step))
             dst_row = builder.add(dst_column, builder.mul(r, dst_step))
-            with cgutils.for_range(builder, chunks) as chunk_loop:
+            with _loop(builder, chunks) as chunk_loop:
                 j = chunk_loop.index
                 at = builder.add(src_row, builder.mul(j, _I64(LANES)))
                 even_at, odd_at = builder.add(at, even_offset), builder.add(at, odd_offset)
