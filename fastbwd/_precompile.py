@@ -113,8 +113,9 @@ add("upsample_bilinear2d_backward", HALVES_AND_FLOATS, "NCHW", "planes as lanes"
 add("upsample_bilinear2d_backward", HALVES_AND_FLOATS, "NHWC", "channel vectors", _upsample_nhwc)
 
 
-# avg_pool2d_backward: whole rows (NCHW, grad rows of at least LANES), the engine's three kernels
-# (narrower grad rows and NHWC), and the global-window broadcast kernels.
+# avg_pool2d_backward: whole rows (NCHW, grad rows of at least LANES; a kernel for width stride 2
+# and one for the others), the engine's three kernels (narrower grad rows and NHWC), and the
+# global-window broadcast kernels.
 
 def _avg_pool(shape, kernel, layout):
     def call(dtype):
@@ -132,6 +133,8 @@ def _avg_pool(shape, kernel, layout):
 for _layout in ("NCHW", "NHWC"):
     if _layout == "NCHW":
         add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "whole rows", _avg_pool((1, 2, 4, 40), 2, _layout))
+        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "whole rows, other strides",
+            _avg_pool((1, 2, 6, 60), 3, _layout))
         add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "row blocks", _avg_pool((1, 2, 4, 20), 2, _layout))
         add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "planes as lanes",
             _avg_pool((1, 128, 8, 8), 2, _layout))

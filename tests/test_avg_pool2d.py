@@ -375,23 +375,61 @@ def test_whole_rows_kernel_equals_the_engine_bitwise(dtype):
         assert_matches_reference(result, reference(grad_output, *args))
 
 
+def test_whole_rows_tasks_that_start_past_the_last_window():
+    # Kernel 4, stride 4, padding 1 over 4 rows: one window, rows 0-2; row 3 lies in none. With
+    # float64 rows of 105 cells a task holds 19 rows, so the second task starts at such a row
+    # (plane 4, row 3) and its first grad row is window 0 of the next plane (weight of window 0).
+    input_shape, kernel, stride, padding = (2, 3, 4, 105), (4, 2), (4, 5), (1, 0)
+    grad_output = random(pooled_shape(input_shape, kernel, stride, padding, False), np.float64, 5)
+    for include_pad, override in ((False, 0), (True, 0), (False, -2)):
+        args = (input_shape, kernel, stride, padding, False, include_pad, override)
+        result = pool_bwd(grad_output, *args)
+        assert bitwise_equal(result, np.ascontiguousarray(pool_bwd(channels_last(grad_output), *args))), args
+        assert_matches_reference(result, reference(grad_output, *args))
+
+
+def test_whole_rows_scratch_holds_every_grad_row_a_task_reads():
+    # The kernels' products scratch has room for `depth` grad_output rows (of the P*OH): the most
+    # any task reads, from the lowest window of its rows to the highest (tasks crossing planes).
+    from fastbwd.api import avg_pool2d as api
+
+    for planes, height, width, kernel, stride, pad in ((3, 4, 105, 4, 4, 1), (5, 56, 56, 3, 2, 1), (7, 9, 40, 3, 1, 1),
+                                                       (2, 100, 300, 5, 3, 2), (9, 3, 64, 2, 2, 0)):
+        out_height = ref.avg_pool2d_output_size(height, kernel, stride, pad, False)
+        out_width = ref.avg_pool2d_output_size(width, 3, 2, 1, False)
+        first, stop = api._row_windows(height, kernel, stride, pad, out_height)
+        for itemsize in (2, 4, 8):
+            *_, (rows_per_task, _, depth) = api._rows_geometry(planes, height, width, out_height, out_width, kernel,
+                                                               stride, pad, 3, 2, 1, itemsize)
+            most = 1
+            for start in range(0, planes * height, rows_per_task):
+                rows = range(start, min(start + rows_per_task, planes * height))
+                low = min(r // height * out_height + first[r % height] for r in rows)
+                high = max(r // height * out_height + stop[r % height] for r in rows)
+                most = max(most, high - low)
+            assert depth == most, (planes, height, width, kernel, stride, pad, itemsize)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
     from fastbwd.kernels import _simd
 
-    input_shape, args = (2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)
-    grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
-    expected = pool_bwd(grad_output, input_shape, *args)
-    monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
-    size = int(np.prod(input_shape))
-    for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
-        buffer = np.full(size + offset + 1, np.nan, dtype)
-        out = buffer[offset:offset + size].reshape(input_shape)
-        assert pool_bwd(grad_output, input_shape, *args, out=out) is out
-        assert bitwise_equal(out, expected), offset
-        assert np.isnan(buffer[:offset].astype(np.float32)).all() and np.isnan(float(buffer[-1]))
+    # width stride 2 and 3: the two whole-rows kernels
+    for input_shape, args in (((2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)),
+                              ((2, 3, 37, 100), ((3, 4), (2, 3), (1, 2), True, False))):
+        grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
+        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 16 << 20)
+        expected = pool_bwd(grad_output, input_shape, *args)
+        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+        size = int(np.prod(input_shape))
+        for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+            buffer = np.full(size + offset + 1, np.nan, dtype)
+            out = buffer[offset:offset + size].reshape(input_shape)
+            assert pool_bwd(grad_output, input_shape, *args, out=out) is out
+            assert bitwise_equal(out, expected), (input_shape, offset)
+            assert np.isnan(buffer[:offset].astype(np.float32)).all() and np.isnan(float(buffer[-1]))
 
 
 def test_channels_last_input_decides_only_for_1x1_grad_output():
@@ -469,9 +507,10 @@ def test_thread_count_does_not_change_bits(dtype):
     args = (input_shape, kernel, stride, padding, True, False)
     assert_thread_invariant(lambda: pool_bwd(grad_output, *args))
     assert_thread_invariant(lambda: pool_bwd(channels_last(grad_output), *args))
-    wide_shape = (3, 5, 29, 61)  # grad rows of 31: the whole-rows kernel
-    wide = random(pooled_shape(wide_shape, 3, 2, 1, False), dtype, 6)
-    assert_thread_invariant(lambda: pool_bwd(wide, wide_shape, 3, 2, 1, False, False))
+    wide_shape = (3, 5, 29, 61)  # grad rows of 31 and 20: the whole-rows kernels (width stride 2, 3)
+    for stride in (2, 3):
+        wide = random(pooled_shape(wide_shape, 3, stride, 1, False), dtype, 6)
+        assert_thread_invariant(lambda: pool_bwd(wide, wide_shape, 3, stride, 1, False, False))
     grad_1x1 = random((3, 5, 1, 1), dtype, 5)
     assert_thread_invariant(lambda: pool_bwd(grad_1x1, (3, 5, 6, 7), (6, 7)))
 

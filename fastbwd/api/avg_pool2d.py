@@ -121,9 +121,9 @@ def run(plan, grad_output, input_array, out):
     grad_input = d.kernel_view(grad_input)
     work = grad_output.size + grad_input.size
     if plan.rows is not None:
-        kernels.avg_pool2d_bwd_rows_nchw(grad_output.reshape(plan.kernel_shapes[0]),
-                                         grad_input.reshape(plan.kernel_shapes[1]), *plan.rows,
-                                         result.nbytes >= _simd.STREAM_MIN_BYTES, plan.fmt, work=work)
+        rows_kernel, *tables = plan.rows
+        rows_kernel(grad_output.reshape(plan.kernel_shapes[0]), grad_input.reshape(plan.kernel_shapes[1]), *tables,
+                    result.nbytes >= _simd.STREAM_MIN_BYTES, plan.fmt, work=work)
     elif plan.global_divisor is not None:
         # Global pooling (one window covers the whole input): broadcast g / divisor per plane.
         shapes = plan.kernel_shapes
@@ -150,7 +150,7 @@ class _Plan(NamedTuple):
     global_divisor: object  # the compute-type divisor of global pooling, else None
     kernel_shapes: tuple  # the kernel's views of grad_output and the result
     fmt: object
-    rows: tuple = None  # the whole-rows NCHW kernel's tables and width geometry, when it runs
+    rows: tuple = None  # the whole-rows NCHW kernel and its tables and layouts, when it runs
 
 
 def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -244,7 +244,15 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
         # whole rows at a time, the width axis as strided windows (same operations, same bits)
         weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
                                  compute)
-        rows = (*_separable.gather_tables(*taps_h, height), weight_w, kernel[1], stride[1], padding[1])
+        windows = _row_windows(height, kernel[0], stride[0], padding[0], out_height)
+        # stride 2 has a kernel of its own (its width pass in registers); each compiles only its pass
+        rows_kernel = kernels.avg_pool2d_bwd_rows_s2_nchw if stride[1] == 2 else kernels.avg_pool2d_bwd_rows_nchw
+        rows = (rows_kernel, *windows,
+                _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h,
+                              compute),
+                weight_w,
+                *_rows_geometry(planes, height, width, out_height, out_width, kernel[0], stride[0], padding[0],
+                                kernel[1], stride[1], padding[1], dtype.itemsize))
         return _Plan(input_shape, layout, (), None, shapes, fmt, rows)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return _Plan(input_shape, layout, (*taps_h, *taps_w), None, shapes, fmt)
@@ -285,6 +293,57 @@ def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, diviso
     else:
         divisors = stop - start
     return np.divide(1, divisors.astype(compute), dtype=compute)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_windows(size, kernel, stride, pad, out_size):
+    """``(first, stop)``: input row ``h`` of one axis lies in the clipped windows
+    ``[first[h], stop[h])`` (ascending, consecutive: the windows' clipped starts and stops both
+    increase with the window; empty when no window covers the row). Memoised like
+    :func:`_axis_weights`."""
+    start, stop, _ = _axis_windows(size, kernel, stride, pad, out_size)
+    rows = np.arange(size, dtype=np.int64)
+    # the windows that start at or before h, minus those that stop at or before it
+    return (np.searchsorted(stop, rows, side="right").astype(np.int64),
+            np.searchsorted(start, rows, side="right").astype(np.int64))
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w,
+                   itemsize):
+    """The whole-rows kernels' width tables and layouts (``kernels.avg_pool2d_bwd_rows_nchw``):
+    ``(residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows,
+    depth))``. Memoised like :func:`_axis_weights`.
+
+    The cell ``w = stride * j + r`` is covered by the windows ``[m - a, m]``, ``m = j + (r + pad)
+    // stride``, ``a = (kernel - 1 - q) // stride``, ``q = (r + pad) % stride``: residue ``r``
+    sums ``residue_taps[r] = a + 1`` shifted copies of V, the first at ``residue_base[r] + j``
+    in V's zero-padded row (V at ``[lead, lead + OW)``, ``lead`` the most windows covering one
+    cell minus one, ``span`` long, so that every class's whole vectors of ``residue_width``
+    cells stay inside it). ``depth``: the most grad_output rows (of the P*OH) one task of
+    ``rows_per_task`` rows reads, from its first row's first window to its last row's last.
+    """
+    lead = (kernel_w - 1) // stride_w
+    residue = np.arange(stride_w, dtype=np.int64)
+    q = (residue + pad_w) % stride_w
+    residue_taps = np.maximum(0, (kernel_w - 1 - q) // stride_w + 1)
+    residue_base = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w
+    # each residue class is summed in whole vectors, past its end into scratch that is never stored
+    residue_width = (width + stride_w - 1) // stride_w
+    residue_width = (residue_width + _simd.LANES - 1) // _simd.LANES * _simd.LANES
+    # residue r reads V's row at [base, base + taps - 1 + residue_width), 0 <= base <= lead + (stride - 1 + pad)
+    # // stride - taps + 1
+    span = lead + max(out_width, (stride_w - 1 + pad_w) // stride_w + residue_width)
+    rows_per_task = max(1, kernels.TASK_BYTES // (width * itemsize))
+    piece_rows = max(1, kernels.PIECE_BYTES // (width * itemsize))
+    window_first, window_stop = _row_windows(height, kernel_h, stride_h, pad_h, out_height)
+    rows = planes * height
+    first = np.arange(0, rows, rows_per_task, dtype=np.int64)
+    last = np.minimum(first + rows_per_task, rows) - 1
+    p, q = first // height, last // height
+    reads = (q - p) * out_height + window_stop[last - q * height] - window_first[first - p * height]
+    depth = max(1, int(reads.max()))
+    return residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth)
 
 
 @functools.lru_cache(maxsize=256)

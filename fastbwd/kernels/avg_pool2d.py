@@ -1,7 +1,8 @@
 """avg_pool2d_backward loop nests (docs/semantics.md §2).
 
 The general case is separable. NCHW with grad_output rows of at least LANES cells runs here,
-whole rows at a time (:func:`avg_pool2d_bwd_rows_nchw`: strided windows need no transposes);
+whole rows at a time (:func:`avg_pool2d_bwd_rows_nchw`, and :func:`avg_pool2d_bwd_rows_s2_nchw` for
+width stride 2: strided windows need no transposes);
 narrower rows and NHWC run on the shared engine (``_separable``), each window given as the taps
 of its clipped cells with the window's per-axis weight. Both compute the same sums in the same
 order, so their results are bitwise equal. The global case (docs/semantics.md §6 A3: one window
@@ -14,13 +15,15 @@ import numpy as np
 from numba import prange
 
 from ._halfbits import load, store
-from ._jit import parallel_kernel
-from ._simd import (LANES, copy_out, interleaved_shifted_sums, lanes_scaled_gather_sums, lanes_shifted_sum,
-                    store_fence)
+from ._jit import helper, parallel_kernel
+from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums,
+                    line_offset, lanes_shifted_sum, store_fence)
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
 TASK_BYTES = 16 << 10
+#: ... and copies them out in pieces of about this many bytes, each as soon as it is built.
+PIECE_BYTES = 4 << 10
 #: Its tasks run in this many fixed groups (fewer when there are fewer tasks); a group allocates
 #: its scratch once. Results do not depend on it.
 TASK_GROUPS = 64
@@ -61,90 +64,151 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
 
 
 @parallel_kernel
-def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, start_h, source_h, weight_h, weight_w, kernel_w, stride_w,
-                             pad_w, streaming, fmt):
-    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
-    ``OW >= LANES``.
-
-    The height axis as a gather table (``_separable.gather_table``: input row ``h`` sums
-    ``weight_h[j] * grad_output[source_h[j]]`` for ``j`` in ``[start_h[h], start_h[h + 1])``);
-    the width axis as its windows (``kernel_w``, ``stride_w``, ``pad_w``, window ``ow`` weighted
-    ``weight_w[ow]``). Each grad_input row is computed whole, in the separable engine's order
-    (so with its bits): ``U = 0 + sum_j weight_h[j] * g[source_h[j]]`` over the row's source
-    rows ascending, ``V[ow] = weight_w[ow] * U[ow]``, and ``grad_input[h, w] = 0 + sum of V[ow]``
-    over the windows covering ``w``, ascending. The last sum is taken per residue ``r`` of ``w``
-    modulo the stride: ``w = stride * j + r`` is covered by the windows ``[m - a, m]`` with
-    ``m = j + (r + pad) // stride`` and ``a = (kernel - 1 - q) // stride``,
-    ``q = (r + pad) % stride``, so each residue class sums ``a + 1`` shifted copies of V (zero
-    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit).
-
-    All in 16-lane registers (``_simd``): the height pass two vectors of V at a time (a last
-    partial vector starts LANES before the end and recomputes the same values); stride 2 sums
-    both residue classes of 16 positions and interleaves them into 32 cells, other strides sum
-    each class into scratch and scatter it. Measured on A1 ((32,128,56,56) k3 s2 p1): 1.4-1.7x
-    the engine's speed, whose transposes and per-list loops dominated it.
-
-    Parallel over TASK_GROUPS fixed groups of tasks; a task is a run of consecutive rows of the
-    P*H rows of grad_input (about TASK_BYTES of them) and writes only those, built in a scratch
-    block and copied out in one stretch (``copy_out``, with streaming stores if ``streaming``).
-    """
+def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
+                                residue_base, columns_layout, tasks_layout, streaming, fmt):
+    """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
+    classes of 16 positions at once and interleaves them into 32 cells in registers
+    (``_simd.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
+    sums, and a generic one). Same arguments, same results; a kernel of its own so that a call
+    compiles only the width pass it runs. valgrind on A1 float32 (serial kernel): 41.2M
+    instructions per call, 180 per grad_input row (bfloat16 53.6M, 234; 305 per row before the
+    phases)."""
     planes, height, width = grad_input.shape
-    out_width = grad_output.shape[2]
+    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
+    source = grad_output.reshape((planes * out_height, out_width))
+    lead, span, residue_width = columns_layout
+    rows_per_task, piece_rows, depth = tasks_layout
     rows = planes * height
-    rows_per_task = max(1, TASK_BYTES // (width * grad_input.itemsize))
     tasks = (rows + rows_per_task - 1) // rows_per_task
     groups = min(tasks, TASK_GROUPS)
     flat = grad_input.reshape(grad_input.size)
-    lead = (kernel_w - 1) // stride_w  # the most windows covering one cell, minus one
-    # each residue class is summed in whole vectors, past its end into scratch that is never stored
-    residue_width = (width + stride_w - 1) // stride_w
-    residue_width = (residue_width + LANES - 1) // LANES * LANES
-    # V's zero-padded row: residue r reads [base, base + taps - 1 + residue_width) with
-    # 0 <= base <= lead + (stride - 1 + pad) // stride - taps + 1
-    span = lead + max(out_width, (stride_w - 1 + pad_w) // stride_w + residue_width)
     scale = weight_w.reshape((1, out_width))
-    # per residue r of w modulo the stride: how many windows cover it and where its V starts
-    residue_taps = np.empty(stride_w, np.int64)
-    residue_base = np.empty(stride_w, np.int64)
-    for residue in range(stride_w):
-        q = (residue + pad_w) % stride_w
-        residue_taps[residue] = max(0, (kernel_w - 1 - q) // stride_w + 1)
-        residue_base[residue] = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w
     for group in prange(groups):
         # the block's rows, plus room for the last row's whole vectors
         block = np.empty((1, rows_per_task * width + 2 * LANES), grad_input.dtype)
         flat_block = block.reshape(block.size)
-        column = np.zeros((1, span), weight_h.dtype)  # V at [lead, lead + OW), zero around it
-        sums = np.empty((stride_w, residue_width), weight_h.dtype)
+        # V of the block's rows, row r at [r * span + lead, r * span + lead + OW), zero around it
+        columns = np.zeros((1, rows_per_task * span), weight_h.dtype)
+        # weight_h[oh] * grad_output[p, oh] for the task's grad_output rows (of the P*OH)
+        products = np.empty((depth, out_width), weight_h.dtype)
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
             first = task * rows_per_task
             count = min(rows_per_task, rows - first)
+            # height pass: each window's products once, then for each row V = weight_w * (0 +
+            # the sum of its windows' products), LANES columns at a time
+            source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
+                                                      window_stop)
+            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
+                              source_first % out_height, fmt)
             p = first // height
-            h = first - p * height
-            for r in range(count):
-                # height pass and window weights: V, two vectors at a time
-                for k in range(0, out_width, 2 * LANES):
-                    lanes_scaled_gather_sums(column, 0, lead, grad_output[p], source_h, weight_h, start_h[h],
-                                             start_h[h + 1], min(k, out_width - LANES),
-                                             min(k + LANES, out_width - LANES), scale, fmt)
-                # width pass, one residue class of w at a time, interleaved into the row and
-                # rounded once (stride 2: both classes at once, in registers)
-                row = r * width
-                if stride_w == 2:
-                    even_taps, even_base = residue_taps[0], residue_base[0]
-                    odd_taps, odd_base = residue_taps[1], residue_base[1]
-                    for k in range(0, residue_width, LANES):
-                        interleaved_shifted_sums(block, 0, row + 2 * k, column, even_base + k, even_taps,
-                                                 odd_base + k, odd_taps, fmt)
-                else:
-                    for residue in range(stride_w):
-                        taps, base = residue_taps[residue], residue_base[residue]
-                        for k in range(0, residue_width, LANES):
-                            lanes_shifted_sum(sums, residue, k, column, 0, base + k, taps)
-                        for k in range((width - residue + stride_w - 1) // stride_w):
-                            flat_block[row + stride_w * k + residue] = store(sums[residue, k], fmt)
-                h += 1
-                if h == height:
-                    p, h = p + 1, 0
-            copy_out(flat, first * width, flat_block, 0, count * width, streaming)
+            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,
+                                     p * out_height - source_first, out_height, count, out_width, scale)
+            # width pass, both residue classes of w at once, interleaved into the rows and
+            # rounded once; a few rows at a time, each piece's whole destination lines copied out
+            # at once (the stores overlap the arithmetic of the next piece)
+            copied = np.int64(0)
+            for piece in range(0, count, piece_rows):
+                piece_stop = min(piece + piece_rows, count)
+                interleaved_shifted_rows(block, piece * width, width, columns, piece * span, span, piece_stop - piece,
+                                         residue_width // LANES, residue_base[0], residue_taps[0], residue_base[1],
+                                         residue_taps[1], fmt)
+                ready = piece_stop * width
+                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
+                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
+                if ready > copied:
+                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
+                    copied = ready
         store_fence()
+
+
+@parallel_kernel
+def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
+                             residue_base, columns_layout, tasks_layout, streaming, fmt):
+    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
+    ``OW >= LANES``; any width stride (stride 2 runs faster in :func:`avg_pool2d_bwd_rows_s2_nchw`).
+
+    The height axis as its windows seen from the input rows (input row ``h`` lies in the windows
+    ``[window_first[h], window_stop[h])``, window ``oh`` weighted ``weight_h[oh]``); the width
+    axis as its windows (window ``ow`` weighted ``weight_w[ow]``), seen from the residues ``r``
+    of ``w`` modulo the stride (``len(residue_taps)``). Each grad_input row is computed whole, in
+    the separable engine's order (so with its bits): ``U = 0 + sum_oh weight_h[oh] * g[oh]`` over
+    the row's windows ascending, ``V[ow] = weight_w[ow] * U[ow]``, and ``grad_input[h, w] = 0 +
+    sum of V[ow]`` over the windows covering ``w``, ascending. The last sum is taken per residue
+    class: ``w = stride * j + r`` is covered by ``residue_taps[r]`` consecutive windows, the
+    shifted copies of V starting ``residue_base[r]`` before ``j`` in V's zero-padded row (zero
+    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit). The api
+    computes those tables and the layouts (:func:`fastbwd.api.avg_pool2d._rows_geometry`):
+    ``columns_layout = (lead, span, residue_width)``, V of a block's row ``r`` at ``[r * span +
+    lead, r * span + lead + OW)`` and each residue class summed in whole vectors over
+    ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``.
+
+    A task runs in phases, each one loop nest in 16-lane registers (``_simd``): the products
+    ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
+    ``depth`` rows; rows ``2m`` and ``2m + 1`` of A1 share ``g[m]``'s: the same product, so the
+    same bits); ``lanes_scaled_window_sums``, V of every row (straight-line sums for 1-3
+    windows); the width pass, ``piece_rows`` rows (about PIECE_BYTES) at a time, each residue
+    class summed into scratch and scattered (stride 2: both at once, in registers, in the other
+    kernel); after each piece its whole destination lines are copied out, so the stores overlap
+    the next piece's arithmetic. The last partial vector of a row starts LANES before its end
+    and recomputes the same values.
+
+    Parallel over TASK_GROUPS fixed groups of tasks; a task is a run of ``rows_per_task``
+    consecutive rows of the P*H rows of grad_input (about TASK_BYTES) and writes only those,
+    built in a scratch block and copied out in line-aligned pieces (``copy_out``, with streaming
+    stores if ``streaming``).
+    """
+    planes, height, width = grad_input.shape
+    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
+    source = grad_output.reshape((planes * out_height, out_width))
+    stride_w = len(residue_taps)
+    lead, span, residue_width = columns_layout
+    rows_per_task, piece_rows, depth = tasks_layout
+    rows = planes * height
+    tasks = (rows + rows_per_task - 1) // rows_per_task
+    groups = min(tasks, TASK_GROUPS)
+    flat = grad_input.reshape(grad_input.size)
+    scale = weight_w.reshape((1, out_width))
+    for group in prange(groups):
+        block = np.empty((1, rows_per_task * width + 2 * LANES), grad_input.dtype)
+        flat_block = block.reshape(block.size)
+        columns = np.zeros((1, rows_per_task * span), weight_h.dtype)
+        sums = np.empty((stride_w, residue_width), weight_h.dtype)
+        products = np.empty((depth, out_width), weight_h.dtype)
+        for task in range(group * tasks // groups, (group + 1) * tasks // groups):
+            first = task * rows_per_task
+            count = min(rows_per_task, rows - first)
+            source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
+                                                      window_stop)
+            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
+                              source_first % out_height, fmt)
+            p = first // height
+            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,
+                                     p * out_height - source_first, out_height, count, out_width, scale)
+            copied = np.int64(0)
+            for piece in range(0, count, piece_rows):
+                piece_stop = min(piece + piece_rows, count)
+                for r in range(piece, piece_stop):
+                    for residue in range(stride_w):
+                        taps, start = residue_taps[residue], r * span + residue_base[residue]
+                        for k in range(0, residue_width, LANES):
+                            lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
+                        for k in range((width - residue + stride_w - 1) // stride_w):
+                            flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
+                ready = piece_stop * width
+                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
+                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
+                if ready > copied:
+                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
+                    copied = ready
+        store_fence()
+
+
+@helper
+def _task_sources(task, rows_per_task, rows, height, out_height, window_first, window_stop):
+    """``[first, stop)``: the grad_output rows (of the P*OH) that the rows of ``task`` read, from
+    the first window of its first row to the last window of its last row (every plane it crosses
+    in between is read whole)."""
+    first = task * rows_per_task
+    last = min(first + rows_per_task, rows) - 1
+    p, q = first // height, last // height
+    return p * out_height + window_first[first - p * height], q * out_height + window_stop[last - q * height]
