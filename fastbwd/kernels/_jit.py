@@ -222,6 +222,6 @@ def helper(py_func):
 
 def leaf_helper(py_func):
     """:func:`helper` for code that allocates nothing: compiled without reference counting, so
-    the array views it takes cost no atomic operation. What it calls must be a leaf helper too
-    (or an intrinsic)."""
+    the array views it takes cost no atomic operation. The arrays it passes on should go to
+    leaf helpers too (an ordinary helper counts their references again)."""
     return numba.njit(_nrt=False, **_OPTIONS)(py_func)
