@@ -15,6 +15,8 @@ float16/bfloat16 ``uint16`` views, decoded with their StorageFormat) and trust t
 read and write.
 """
 
+import contextlib
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -371,34 +373,22 @@ def _shifted_sum(builder, source, row, column, count, vector_type, align):
     return builder.load(accumulator)
 
 
+@contextlib.contextmanager
 def _loop(builder, count):
     """``cgutils.for_range(builder, count)`` whose loop LLVM neither unrolls nor vectorises
     (``llvm.loop`` metadata on its latch). The loops of the row intrinsics run a few trips each
     (two chunks per A1 row); unrolled, each nest emitted four to five times its code, which the
     four LLVM copies of a parallel kernel then optimised again (compile time)."""
-    return _UnrolledNever(builder, count)
-
-
-class _UnrolledNever:
-    def __init__(self, builder, count):
-        self._builder, self._count = builder, count
-
-    def __enter__(self):
-        self._context = cgutils.for_range(self._builder, self._count)
-        self._loop = self._context.__enter__()
-        return self._loop
-
-    def __exit__(self, *exc):
-        result = self._context.__exit__(*exc)
-        module = self._builder.module
-        options = [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
-                   module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)])]
-        # a loop ID is a distinct node whose first operand is itself
-        loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
-        loop_id.operands = (loop_id, *options)
-        latch = self._loop.index.incomings[-1][1]
-        latch.terminator.set_metadata("llvm.loop", loop_id)
-        return result
+    with cgutils.for_range(builder, count) as loop:
+        yield loop
+    module = builder.module
+    options = [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
+               module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)])]
+    # a loop ID is a distinct node whose first operand is itself
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
+    loop_id.operands = (loop_id, *options)
+    latch = loop.index.incomings[-1][1]
+    latch.terminator.set_metadata("llvm.loop", loop_id)
 
 
 def _outlined(builder, name, arrays, scalars, emit):
