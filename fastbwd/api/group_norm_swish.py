@@ -27,14 +27,13 @@ _NHWC_TASK_CHANNELS = 512
 _NHWC_TASKS_PER_THREAD = 2
 #: An NHWC dx of float16 or bfloat16 (a float32 or float64 dx holds gnew between the kernel's
 #: passes and is overwritten in place: 1.1-1.15x faster than streaming, docs/design.md) of at
-#: least this many bytes is written with streaming (non-temporal) stores. An
-#: NHWC task's x and gnew (a whole image's channels) outgrow L2 and are reread from L3 in its
-#: second pass; a plain dx store first reads its line and then evicts them. Single-threaded CPU
-#: time, same process (float32, when it still had a scratch): G1, G3, x (2, 64, 128, 128) and
-#: x (16, 32, 64, 64) ran 0.94, 0.98, 0.94
-#: and 0.89x the time streaming (dx 8-16 MB). One image repeated with its data in cache: 1.13x
-#: slower at 320 KB, 0.94x at 1.3 MB, 0.87x at 5 MB; the floor is kept above that crossover so
-#: that a smaller dx stays in cache for whatever reads it next.
+#: least this many bytes is written with streaming (non-temporal) stores. An NHWC task's x and
+#: gnew (a whole image's channels) outgrow L2 and are reread from L3 in its second pass; a plain
+#: dx store first reads its line and then evicts them. Single-threaded CPU time, same process
+#: (float32, when it still had a scratch): G1, G3, x (2, 64, 128, 128) and x (16, 32, 64, 64)
+#: ran 0.94, 0.98, 0.94 and 0.89x the time streaming (dx 8-16 MB). One image repeated with its
+#: data in cache: 1.13x slower at 320 KB, 0.94x at 1.3 MB, 0.87x at 5 MB; the floor is kept
+#: above that crossover so that a smaller dx stays in cache for whatever reads it next.
 _NHWC_STREAM_MIN_BYTES = 4 << 20
 
 
