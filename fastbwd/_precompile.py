@@ -143,7 +143,8 @@ for _layout in ("NCHW", "NHWC"):
     add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "global window", _avg_pool((2, 3, 5, 5), 5, _layout))
 
 
-# replication_pad2d_backward: one kernel per layout.
+# replication_pad2d_backward: one kernel per layout, and NCHW's for results larger than the
+# cache (streaming stores; reached only by a result of _simd.STREAM_MIN_BYTES, so its call makes one).
 
 def _pad(layout):
     def call(dtype):
@@ -155,8 +156,17 @@ def _pad(layout):
     return call
 
 
+def _pad_streaming(dtype):
+    from .kernels import _simd
+
+    rows = -(-_simd.STREAM_MIN_BYTES // (64 * dtype.itemsize))
+    g = np.zeros((1, 1, rows + 1, 65), dtype)
+    return _fastbwd().replication_pad2d_backward(g, (1, 1, rows, 64), (1, 0, 0, 1))
+
+
 for _layout in ("NCHW", "NHWC"):
     add("replication_pad2d_backward", tuple(DTYPES), _layout, "gather", _pad(_layout))
+add("replication_pad2d_backward", tuple(DTYPES), "NCHW", "gather, streaming stores", _pad_streaming)
 
 
 # roi_align_backward: NCHW only; fixed and adaptive sampling, boxes inside and partly outside.

@@ -34,7 +34,8 @@ g = np.ones((1, 2, 7, 8), np.float32)
 g.flags.writeable = False
 fastbwd.replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
 hits = sum(sum(kernel.parallel.stats.cache_hits.values())
-           for kernel in (k.replication_pad2d_bwd_nchw, k.replication_pad2d_bwd_nhwc))
+           for kernel in (k.replication_pad2d_bwd_nchw, k.replication_pad2d_bwd_nchw_streaming,
+                          k.replication_pad2d_bwd_nhwc))
 print(len(compiles), hits)
 """
 
@@ -53,17 +54,17 @@ def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path)
     first = _run(command, env)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert sum(": compiled replication_pad2d_bwd_" in line for line in lines) == 4, first.stdout
-    assert "4 kernel paths, 4 kernels compiled, 0 errors" in lines[-1]
+    assert sum(": compiled replication_pad2d_bwd_" in line for line in lines) == 6, first.stdout
+    assert "6 kernel paths, 6 kernels compiled, 0 errors" in lines[-1]
     # idempotent: a second run finds every kernel in the cache
     second = _run(command, env)
     assert second.returncode == 0, second.stderr
-    assert "4 kernel paths, 0 kernels compiled, 0 errors" in second.stdout.splitlines()[-1], second.stdout
+    assert "6 kernel paths, 0 kernels compiled, 0 errors" in second.stdout.splitlines()[-1], second.stdout
     # a new process: every call is served from the cache
     child = _run(["-c", _CHILD], env)
     assert child.returncode == 0, child.stderr
     compiles, hits = map(int, child.stdout.split())
-    assert compiles == 0 and hits == 4
+    assert compiles == 0 and hits == 6
 
 
 def test_precompile_without_a_cache_compiles_nothing():
@@ -91,8 +92,9 @@ def test_table_covers_every_operator_dtype_and_layout():
                    "roi_align_backward", "roi_align_forward", "group_norm_swish_backward"}
     keys = [entry.key for entry in _precompile.TABLE]
     assert len(keys) == len(set(keys))
-    pad = {(e.dtype, e.layout) for e in _precompile.select(ops="replication_pad2d_backward")}
-    assert pad == {(dtype, layout) for dtype in _precompile.DTYPES for layout in ("NCHW", "NHWC")}
+    pad = {(e.dtype, e.layout, e.path) for e in _precompile.select(ops="replication_pad2d_backward")}
+    assert pad == {(dtype, layout, "gather") for dtype in _precompile.DTYPES for layout in ("NCHW", "NHWC")} | {
+        (dtype, "NCHW", "gather, streaming stores") for dtype in _precompile.DTYPES}
     with pytest.raises(ValueError, match="unknown dtype"):
         _precompile.select(dtypes=["int8"])
     assert fastbwd.precompile is _precompile.precompile

@@ -242,15 +242,46 @@ def test_thread_count_does_not_change_bits(dtype):
     assert_thread_invariant(lambda: pad_bwd(channels_last, input_shape, padding))
 
 
-def test_serial_twin_equals_parallel():
+@pytest.mark.parametrize("kernel", ["replication_pad2d_bwd_nchw", "replication_pad2d_bwd_nchw_streaming"])
+def test_serial_twin_equals_parallel(kernel):
     from fastbwd.kernels import replication_pad2d as kernels
     from fastbwd.kernels._halfbits import NATIVE
 
     grad_output = random((6, 40, 33), np.float32, 8)
     parallel, serial = np.empty((6, 33, 30), np.float32), np.empty((6, 33, 30), np.float32)
-    kernels.replication_pad2d_bwd_nchw.parallel(grad_output, parallel, 3, 2, NATIVE)
-    kernels.replication_pad2d_bwd_nchw.serial(grad_output, serial, 3, 2, NATIVE)
+    getattr(kernels, kernel).parallel(grad_output, parallel, 3, 2, NATIVE)
+    getattr(kernels, kernel).serial(grad_output, serial, 3, 2, NATIVE)
     assert bitwise_equal(parallel, serial)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+    # Results of at least STREAM_MIN_BYTES have their rows' interiors streamed (whole cache
+    # lines; the partial lines at both ends, the edge cells and the rows of several source rows
+    # stored normally). Every alignment of out, pads of either sign and rows shorter than a line
+    # give the bits of plain stores, and nothing outside out is touched.
+    from fastbwd.kernels import _simd
+
+    cases = [((2, 3, 21, 70), (3, 4, 2, 5)),     # rows of several lines
+             ((2, 2, 9, 40), (-5, 7, -2, 3)),    # interior cropped on the left
+             ((3, 2, 8, 37), (6, -9, 1, 0)),     # and on the right
+             ((1, 3, 6, 5), (2, 1, 1, 2))]       # rows shorter than a line
+    for input_shape, padding in cases:
+        grad_output = random(padded_shape(input_shape, padding), dtype, 12)
+        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 16 << 20)
+        expected = pad_bwd(grad_output, input_shape, padding)
+        assert_matches_reference(expected, ref.replication_pad2d_backward(grad_output, input_shape, padding))
+        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+        size = int(np.prod(input_shape))
+        for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+            buffer = np.full(size + offset + 1, np.nan, dtype)
+            out = buffer[offset:offset + size].reshape(input_shape)
+            assert pad_bwd(grad_output, input_shape, padding, out=out) is out
+            assert bitwise_equal(out, expected), (input_shape, padding, offset)
+            assert np.isnan(buffer[:offset]).all() and np.isnan(buffer[-1]), (input_shape, padding, offset)
+        raw = np.zeros(size * np.dtype(dtype).itemsize + 1, np.uint8)
+        odd = raw[1:].view(dtype).reshape(input_shape)  # not aligned to its element size: plain stores
+        assert bitwise_equal(pad_bwd(grad_output, input_shape, padding, out=odd), expected)
 
 
 # --------------------------------------------------------------------------------------------

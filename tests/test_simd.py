@@ -7,7 +7,8 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._halfbits import store
-from fastbwd.kernels._simd import (LANES, LINE_BYTES, copy_out, decode_transpose_lanes, gather_transpose_lanes,
+from fastbwd.kernels._simd import (LANES, LINE_BYTES, cells_per_line, copy_out, copy_out_reading_ahead,
+                                   copy_part_line, decode_transpose_lanes, gather_transpose_lanes,
                                    interleaved_shifted_sums, lanes_axpy, lanes_gather_sum, lanes_scaled_gather_sums,
                                    lanes_shifted_sum, prefetch, prefetch_for_write, store_fence, transpose_lanes)
 
@@ -251,27 +252,64 @@ def test_interleaved_shifted_sums_interleave_and_encode_like_store(dtype):
 
 
 @njit
-def _copy_out_then_fence(destination, first, source, source_first, count, streaming):
-    copy_out(destination, first, source, source_first, count, streaming)
+def _copy_out_then_fence(destination, first, source, source_first, count, streaming, read_ahead):
+    if read_ahead < 0:
+        copy_out(destination, first, source, source_first, count, streaming)
+    else:
+        copy_out_reading_ahead(destination, first, source, source_first, count, streaming, read_ahead)
     store_fence()
 
 
+@pytest.mark.parametrize("read_ahead", [-1, 0, 5, 1 << 40])  # -1: copy_out; far past the end: a hint
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16, np.complex128])
-def test_copy_out_copies_exactly_its_range_at_every_alignment(dtype, streaming):
+def test_copy_out_copies_exactly_its_range_at_every_alignment(dtype, streaming, read_ahead):
     # streaming stores need a line-aligned destination: the head up to the first line
     # boundary and the tail are plain stores; a misaligned (odd-byte) destination never streams
     rng = np.random.default_rng(8)
     source = (rng.standard_normal(300) * 100).astype(dtype)
     per_line = LINE_BYTES // np.dtype(dtype).itemsize
     for first in range(per_line + 1):
-        for count in (0, 1, per_line - 1, per_line, 2 * per_line + 3, 200):
+        for count in (0, 1, per_line - 1, per_line, 2 * per_line + 3, 5 * per_line + 1, 200):
             destination = np.zeros(260, dtype)
-            _copy_out_then_fence(destination, first, source, 7, count, streaming)
+            _copy_out_then_fence(destination, first, source, 7, count, streaming, read_ahead)
             expected = np.zeros(260, dtype)
             expected[first:first + count] = source[7:7 + count]
             assert destination.tobytes() == expected.tobytes(), (first, count)
     raw = np.zeros(260 * np.dtype(dtype).itemsize + 1, np.uint8)
     odd = raw[1:].view(dtype)  # not aligned to its element size
-    _copy_out_then_fence(odd, 3, source, 0, 100, streaming)
+    _copy_out_then_fence(odd, 3, source, 0, 100, streaming, read_ahead)
     assert odd[3:103].tobytes() == source[:100].tobytes() and not odd[:3].any() and not odd[103:].any()
+
+
+@njit
+def _copy_part_line(destination, first, source, source_first, count):
+    copy_part_line(destination, first, source, source_first, count)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32, np.float64, np.complex64, np.complex128])
+def test_copy_part_line_copies_exactly_its_range(dtype):
+    # every count below a line's bytes, at every byte alignment of both ends
+    per_line = LINE_BYTES // np.dtype(dtype).itemsize
+    itemsize = np.dtype(dtype).itemsize
+    source_bytes = np.arange(1, 3 * LINE_BYTES + 1, dtype=np.uint8)
+    for shift in range(itemsize + 1):  # the source and destination misaligned by any bytes
+        source = source_bytes[shift:shift + 2 * LINE_BYTES].view(dtype)
+        for count in range(per_line):
+            for first in (0, 1, per_line - 1):
+                raw = np.zeros(3 * LINE_BYTES + 1, np.uint8)
+                destination = raw[1 + shift:1 + shift + 2 * LINE_BYTES].view(dtype)
+                _copy_part_line(destination, first, source, 2, count)
+                expected = np.zeros_like(raw)
+                expected[1 + shift:1 + shift + 2 * LINE_BYTES].view(dtype)[first:first + count] = source[2:2 + count]
+                assert raw.tobytes() == expected.tobytes(), (shift, count, first)
+
+
+@njit
+def _cells_per_line(array):
+    return cells_per_line(array)
+
+
+def test_cells_per_line():
+    for dtype in (np.uint16, np.float32, np.float64, np.complex128):
+        assert _cells_per_line(np.zeros(1, dtype)) == LINE_BYTES // np.dtype(dtype).itemsize

@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._jit import helper
+from ._jit import leaf_helper
 
 #: Elements per vector operation (one 512-bit vector of float32, two of float64).
 LANES = 16
@@ -800,6 +800,64 @@ def store_fence(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def cells_per_line(typingctx, array):
+    """Elements of ``array``'s type in one cache line (``LINE_BYTES // itemsize``), a constant
+    of the compiled code (``array.itemsize`` is read at run time, so dividing by it divides)."""
+    if not isinstance(array, types.Array):
+        return None
+    cells = LINE_BYTES // (array.dtype.bitwidth // 8)
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.intp, cells)
+
+    return types.intp(array), codegen
+
+
+@intrinsic
+def copy_part_line(typingctx, destination, destination_index, source, source_index, count):
+    """Copy ``count`` elements from ``source.ravel()[source_index]`` on to
+    ``destination.ravel()[destination_index]`` on, fewer than a cache line's bytes (C-contiguous
+    arrays of one element type, any alignment; the bytes are copied unchanged). Two loads and two
+    plain stores of the largest power-of-two size that fits, the second ending at the range's
+    end (they overlap unless it is exactly twice that size; the overlap is written twice with the
+    same bytes): a few instructions where a loop of element copies costs a dozen per element."""
+    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)
+            and destination.dtype.bitwidth == source.dtype.bitwidth):
+        return None
+    itemsize = destination.dtype.bitwidth // 8
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 2)
+        bytes_pointer = ir.IntType(8).as_pointer()
+        source_bytes = builder.bitcast(builder.gep(src.data, [args[3]]), bytes_pointer)
+        destination_bytes = builder.bitcast(builder.gep(dst.data, [args[1]]), bytes_pointer)
+        length = builder.mul(args[4], _I64(itemsize))
+        done = builder.append_basic_block("part_line.done")
+        size = LINE_BYTES // 2
+        while size >= itemsize:
+            # 32 and 16 bytes as vectors (one ymm / xmm move), smaller sizes as integers
+            moved = ir.VectorType(_I32, size // 4) if size >= 16 else ir.IntType(8 * size)
+            this_size = builder.append_basic_block(f"part_line.{size}")
+            smaller = builder.append_basic_block(f"part_line.below{size}")
+            builder.cbranch(builder.icmp_signed(">=", length, _I64(size)), this_size, smaller)
+            builder.position_at_end(this_size)
+            last = builder.sub(length, _I64(size))
+            pointers = [builder.bitcast(builder.gep(base, [at]), moved.as_pointer())
+                        for base in (source_bytes, destination_bytes) for at in (_I64(0), last)]
+            head, tail = (builder.load(pointer, align=1) for pointer in pointers[:2])
+            builder.store(head, pointers[2], align=1)
+            builder.store(tail, pointers[3], align=1)
+            builder.branch(done)
+            builder.position_at_end(smaller)
+            size //= 2
+        builder.branch(done)  # nothing left: 0 elements
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return types.void(destination, types.intp, source, types.intp, types.intp), codegen
+
+
 #: Outputs of at least this many bytes are written with streaming stores (:func:`copy_out`): a
 #: result larger than the last-level cache would be evicted from it anyway, and a streaming
 #: store spares the read of each line that a plain store makes (a third of a copy's traffic).
@@ -809,27 +867,39 @@ STREAM_MIN_BYTES = 16 << 20
 COPY_UNROLL = 4
 
 
-@helper
+@leaf_helper
 def copy_out(destination, first, source, source_first, count, streaming):
     """``destination[first:first + count] = source[source_first:source_first + count]`` (1-D
     C-contiguous arrays of one element type; the values are copied unchanged), a cache line at
     a time. With ``streaming``, the destination's whole cache lines are written with
     :func:`stream_line` and the partial lines at both ends with plain stores (all of them when
     the destination is not aligned to its element size); a kernel calls :func:`store_fence`
-    after its task's last ``copy_out``."""
-    itemsize = destination.itemsize
-    per_line = LINE_BYTES // itemsize
+    after its task's last ``copy_out``. A source in the cache: :func:`copy_out_reading_ahead`
+    for one read from memory."""
+    copy_out_reading_ahead(destination, first, source, source_first, count, streaming, 0)
+
+
+@leaf_helper
+def copy_out_reading_ahead(destination, first, source, source_first, count, streaming, read_ahead):
+    """:func:`copy_out`, asking for the source's line ``read_ahead`` elements further on with
+    each line copied (:func:`prefetch`; none when 0). A streamed copy from memory needs it: with
+    the destination's reads gone, the hardware's own prefetching no longer keeps the reads up."""
+    per_line = cells_per_line(destination)
+    itemsize = LINE_BYTES // per_line
     done = 0
     offset = line_offset(destination, first)
     if streaming and offset % itemsize == 0:
         done = min(count, (LINE_BYTES - offset) % LINE_BYTES // itemsize)
-        for k in range(done):
-            destination[first + k] = source[source_first + k]
+        copy_part_line(destination, first, source, source_first, done)
         while done + COPY_UNROLL * per_line <= count:  # a few lines per loop trip: fewer branches
             for j in range(COPY_UNROLL):
+                if read_ahead > 0:
+                    prefetch(source, source_first + done + j * per_line + read_ahead)
                 stream_line(destination, first + done + j * per_line, source, source_first + done + j * per_line)
             done += COPY_UNROLL * per_line
         while done + per_line <= count:
+            if read_ahead > 0:
+                prefetch(source, source_first + done + read_ahead)
             stream_line(destination, first + done, source, source_first + done)
             done += per_line
     else:
@@ -840,5 +910,4 @@ def copy_out(destination, first, source, source_first, count, streaming):
         while done + per_line <= count:
             copy_line(destination, first + done, source, source_first + done)
             done += per_line
-    for k in range(done, count):
-        destination[first + k] = source[source_first + k]
+    copy_part_line(destination, first + done, source, source_first + done, count - done)

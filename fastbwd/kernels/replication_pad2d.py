@@ -12,10 +12,15 @@ from numba import prange
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
 from ._jit import leaf_helper, parallel_kernel
+from ._simd import cells_per_line, copy_out_reading_ahead, store_fence
 
 #: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
 #: are fewer rows); a group allocates its scratch once. Results do not depend on it.
 TASK_GROUPS = 256
+#: A streamed row asks for the grad_output lines this many lines ahead of those it copies (32 KB,
+#: about 60 rows of P1): with streaming stores the hardware's prefetching alone leaves the reads
+#: behind. Results do not depend on it.
+READ_AHEAD_LINES = 512
 
 
 @leaf_helper
@@ -31,11 +36,14 @@ def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
 
 
 @leaf_helper
-def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
+def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, fmt):
     """One grad_input row (``dst``) from its plane's grad_output ``src`` and its source rows
     ``[row_start, row_stop)``.
 
-    With one source row, the interior is a copy and the two edge cells sum their strips. With
+    With one source row, the interior is a copy and the two edge cells sum their strips. The
+    copy has plain stores when ``read_ahead`` is None (the branch is dropped at compile time);
+    else it streams its whole cache lines, asking for grad_output ``read_ahead`` elements ahead
+    (``_simd.copy_out_reading_ahead``; the kernel fences). With
     several (the top and bottom edges) or none (cropped away), each interior column sums its
     cells of those rows, one whole source row after the other into ``column_sums`` (compute-type
     scratch of at least ``width``): the order of the cell-by-cell sum. The other cells (edges,
@@ -48,10 +56,12 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
     interior = dst[copy_start:copy_stop]
     if row_stop - row_start == 1 and width > 1:
         row = src[row_start]
-        # Zero-based loop over slices: no negative-index wraparound, so LLVM vectorises it.
         copy_src = row[copy_start + pad_left:copy_stop + pad_left]
-        for k in range(copy_stop - copy_start):
-            interior[k] = copy_src[k]
+        if read_ahead is None:
+            for k in range(copy_stop - copy_start):  # zero-based, over slices: LLVM vectorises it
+                interior[k] = copy_src[k]
+        else:
+            copy_out_reading_ahead(interior, 0, copy_src, 0, copy_stop - copy_start, True, read_ahead)
         # The two edge cells sum their strips (a lone source is copied).
         # np.int64(0), not 0: a literal argument would compile a second replicate_source_range
         first_stop = replicate_source_range(np.int64(0), width, out_width, pad_left)[1]
@@ -93,7 +103,7 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, fmt):
 
 
 @leaf_helper
-def _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, fmt):
+def _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, read_ahead, fmt):
     """Rows ``[first, stop)`` of the P*H rows of grad_input, one after the other
     (:func:`_pad_row`). A leaf helper: the views it takes of each row cost no reference counting
     (atomic operations, several per row in the kernel's own loop)."""
@@ -103,7 +113,7 @@ def _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_su
     h = first - p * height
     for _ in range(first, stop):
         row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
-        _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, fmt)
+        _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, read_ahead, fmt)
         h += 1
         if h == height:
             p, h = p + 1, 0
@@ -122,7 +132,23 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     for group in prange(groups):
         column_sums = np.full(width, accumulator(grad_output, fmt))
         _pad_rows(grad_output, grad_input, group * rows // groups, (group + 1) * rows // groups, pad_top, pad_left,
-                  column_sums, fmt)
+                  column_sums, None, fmt)
+
+
+@parallel_kernel
+def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_left, fmt):
+    """:func:`replication_pad2d_bwd_nchw` for a result larger than the cache (the same runs,
+    the same values): the interiors of rows with one source row are written with streaming
+    stores (:func:`_pad_row`), and each run ends with a store fence. A kernel of its own,
+    so that a first (small) call does not compile the streaming code."""
+    planes, height, width = grad_input.shape
+    rows = planes * height
+    groups = min(rows, TASK_GROUPS)
+    for group in prange(groups):
+        column_sums = np.full(width, accumulator(grad_output, fmt))
+        _pad_rows(grad_output, grad_input, group * rows // groups, (group + 1) * rows // groups, pad_top, pad_left,
+                  column_sums, READ_AHEAD_LINES * cells_per_line(grad_output), fmt)
+        store_fence()
 
 
 @parallel_kernel
