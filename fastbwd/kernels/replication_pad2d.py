@@ -11,7 +11,7 @@ from numba import prange
 
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
-from ._jit import helper, leaf_helper, parallel_kernel
+from ._jit import leaf_helper, parallel_kernel
 from ._simd import cells_per_line, copy_out_reading_ahead, store_fence
 
 #: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
@@ -119,25 +119,20 @@ def _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_su
             p, h = p + 1, 0
 
 
-@helper
-def _pad_run(grad_output, grad_input, run, runs, pad_top, pad_left, read_ahead, fmt):
-    """Run ``run`` of the ``runs`` of rows (:func:`_pad_rows`), with its own scratch."""
-    rows = grad_input.shape[0] * grad_input.shape[1]
-    column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
-    _pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left, column_sums,
-              read_ahead, fmt)
-
-
 @parallel_kernel
 def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
 
     Parallel over TASK_GROUPS fixed runs of consecutive rows of the P*H rows of grad_input
-    (fewer when there are fewer rows); a run writes only its rows, one after the other.
+    (fewer when there are fewer rows); a run writes only its rows, one after the other, with its
+    own scratch.
     """
-    runs = min(grad_input.shape[0] * grad_input.shape[1], TASK_GROUPS)
+    rows = grad_input.shape[0] * grad_input.shape[1]
+    runs = min(rows, TASK_GROUPS)
     for run in prange(runs):
-        _pad_run(grad_output, grad_input, run, runs, pad_top, pad_left, None, fmt)
+        column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
+        _pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left, column_sums,
+                  None, fmt)
 
 
 @parallel_kernel
@@ -146,10 +141,12 @@ def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_l
     the same values): the interiors of rows with one source row are written with streaming
     stores (:func:`_pad_row`), and each run ends with a store fence. A kernel of its own,
     so that a first (small) call does not compile the streaming code."""
-    runs = min(grad_input.shape[0] * grad_input.shape[1], TASK_GROUPS)
+    rows = grad_input.shape[0] * grad_input.shape[1]
+    runs = min(rows, TASK_GROUPS)
     for run in prange(runs):
-        _pad_run(grad_output, grad_input, run, runs, pad_top, pad_left, READ_AHEAD_LINES * cells_per_line(grad_output),
-                 fmt)
+        column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
+        _pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left, column_sums,
+                  READ_AHEAD_LINES * cells_per_line(grad_output), fmt)
         store_fence()
 
 
