@@ -388,26 +388,45 @@ def test_whole_rows_tasks_that_start_past_the_last_window():
         assert_matches_reference(result, reference(grad_output, *args))
 
 
-def test_whole_rows_scratch_holds_every_grad_row_a_task_reads():
-    # The kernels' products scratch has room for `depth` grad_output rows (of the P*OH): the most
-    # any task reads, from the lowest window of its rows to the highest (tasks crossing planes).
+def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
+    # The api hands the whole-rows kernels, per task of rows_per_task consecutive grad_input rows
+    # (of the P*H), the grad_output rows [first, stop) (of the P*OH) it reads: from the lowest
+    # window covering one of its rows to the highest, every plane crossed in between whole; and
+    # `depth`, the kernels' products scratch, the most any task reads. Checked against the
+    # windows' definition (docs/semantics.md §2), row by row.
     from fastbwd.api import avg_pool2d as api
 
-    for planes, height, width, kernel, stride, pad in ((3, 4, 105, 4, 4, 1), (5, 56, 56, 3, 2, 1), (7, 9, 40, 3, 1, 1),
-                                                       (2, 100, 300, 5, 3, 2), (9, 3, 64, 2, 2, 0)):
-        out_height = ref.avg_pool2d_output_size(height, kernel, stride, pad, False)
-        out_width = ref.avg_pool2d_output_size(width, 3, 2, 1, False)
-        first, stop = api._row_windows(height, kernel, stride, pad, out_height)
-        for itemsize in (2, 4, 8):
-            *_, (rows_per_task, _, depth) = api._rows_geometry(planes, height, width, out_height, out_width, kernel,
-                                                               stride, pad, 3, 2, 1, itemsize)
-            most = 1
-            for start in range(0, planes * height, rows_per_task):
-                rows = range(start, min(start + rows_per_task, planes * height))
-                low = min(r // height * out_height + first[r % height] for r in rows)
-                high = max(r // height * out_height + stop[r % height] for r in rows)
-                most = max(most, high - low)
-            assert depth == most, (planes, height, width, kernel, stride, pad, itemsize)
+    seen = set()
+    for kernel, stride, ceil_mode, height in itertools.product(range(1, 6), range(1, 4), (False, True), (5, 7, 12)):
+        for pad in range(kernel // 2 + 1):
+            out_height = ref.avg_pool2d_output_size(height, kernel, stride, pad, ceil_mode)
+            if out_height < 1:
+                continue
+            starts = [oh * stride - pad for oh in range(out_height)]
+            windows = [(max(start, 0), min(start + kernel, height + pad, height)) for start in starts]
+            # rows per task: 20, 11, 4 and 1 (wider rows than a task's bytes)
+            for planes, width, itemsize in ((3, 100, 8), (5, 700, 2), (2, 1000, 4), (4, 5000, 4)):
+                *_, (rows_per_task, _, depth), task_sources = api._rows_geometry(
+                    planes, height, width, out_height, 20, kernel, stride, pad, 3, 2, 1, itemsize)
+                rows = planes * height
+                case = (planes, height, width, kernel, stride, pad, ceil_mode, itemsize)
+                assert task_sources.dtype == np.int64 and task_sources.shape == (-(-rows // rows_per_task), 2), case
+                most = 1
+                for task, (first, stop) in enumerate(task_sources.tolist()):
+                    task_rows = range(task * rows_per_task, min((task + 1) * rows_per_task, rows))
+                    reads = [r // height * out_height + oh for r in task_rows
+                             for oh, (low, high) in enumerate(windows) if low <= r % height < high]
+                    if reads:
+                        assert (first, stop) == (min(reads), max(reads) + 1), (case, task)
+                    else:
+                        assert 0 <= first == stop <= planes * out_height, (case, task)
+                        seen.add("no reads")
+                    most = max(most, stop - first)
+                    seen.add("partial" if len(task_rows) < rows_per_task else "whole")
+                    if task_rows[0] // height != task_rows[-1] // height:
+                        seen.add("crossing planes")
+                assert depth == most, case
+    assert seen == {"no reads", "partial", "whole", "crossing planes"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -225,10 +225,14 @@ MUTANTS = [
            "flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)",
            "flat_block[r * width + stride_w * k] = store(sums[residue, k], fmt)",
            T_AP, "whole-rows kernel, strides other than 2: every class scattered to residue 0"),
-    Mutant("ap-rows-task-sources", "avg_pool", K_AP,
-           "q * out_height + window_stop[last - q * height]",
-           "q * out_height + window_stop[last - q * height] - 1",
-           T_AP, "whole-rows kernel: a task's last grad_output row gets no products (stale scratch)"),
+    Mutant("ap-rows-task-sources", "avg_pool", A_AP,
+           "q * out_height + window_stop[last - q * height]), axis=1)",
+           "q * out_height + window_stop[last - q * height] - 1), axis=1)",
+           T_AP, "whole-rows kernels: a task's last grad_output row gets no products (stale scratch)"),
+    Mutant("ap-rows-task-sources-plane", "avg_pool", A_AP,
+           "np.stack((p * out_height + window_first[first - p * height],",
+           "np.stack((q * out_height + window_first[first - p * height],",
+           T_AP, "whole-rows kernels: a task crossing planes starts reading in its last plane"),
     Mutant("ap-rows-weight-phase", "avg_pool", K_AP,
            "                              source_first % out_height, fmt)\n            p = first // height\n"
            "            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,\n"
@@ -250,9 +254,10 @@ MUTANTS = [
            "            copied",
            T_AP, "whole-rows kernel, other strides: every task's products weighted from window 0's weight on"),
     Mutant("ap-rows-depth", "avg_pool", A_AP,
-           "    reads = (q - p) * out_height + window_stop[last - q * height] - window_first[first - p * height]",
-           "    reads = window_stop[last - q * height] - window_first[first - p * height]",
-           T_AP, "whole-rows kernels: a task crossing planes gets too few rows of products (scratch overrun)"),
+           "    depth = max(1, int(np.max(task_sources[:, 1] - task_sources[:, 0])))",
+           "    depth = max(1, int(task_sources[0, 1] - task_sources[0, 0]))",
+           T_AP, "whole-rows kernels: scratch for the first task's rows of products only (a task crossing planes "
+           "overruns it)"),
     Mutant("ap-rows-piece-source", "avg_pool", K_AP,
            "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)\n"
            "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
@@ -260,10 +265,16 @@ MUTANTS = [
            "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
            T_AP, "whole-rows kernel, stride 2: every piece copies the block's first rows"),
     Mutant("ap-rows-any-piece-source", "avg_pool", K_AP,
-           "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)\n"
-           "                    copied = ready\n        store_fence()\n\n\n@helper",
-           "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)\n"
-           "                    copied = ready\n        store_fence()\n\n\n@helper",
+           "store(sums[residue, k], fmt)\n                ready = piece_stop * width\n"
+           "                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)\n"
+           "                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize\n"
+           "                if ready > copied:\n"
+           "                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)",
+           "store(sums[residue, k], fmt)\n                ready = piece_stop * width\n"
+           "                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)\n"
+           "                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize\n"
+           "                if ready > copied:\n"
+           "                    copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)",
            T_AP, "whole-rows kernel, other strides: every piece copies the block's first rows"),
     Mutant("ap-rows-sums-last-vector", "avg_pool", K_SIMD,
            "    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]\n    last = builder.sub(width, _I64(LANES))",

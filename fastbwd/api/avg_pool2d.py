@@ -311,17 +311,21 @@ def _row_windows(size, kernel, stride, pad, out_size):
 @functools.lru_cache(maxsize=256)
 def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w,
                    itemsize):
-    """The whole-rows kernels' width tables and layouts (``kernels.avg_pool2d_bwd_rows_nchw``):
-    ``(residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows,
-    depth))``. Memoised like :func:`_axis_weights`.
+    """The whole-rows kernels' width tables, layouts and task sources
+    (``kernels.avg_pool2d_bwd_rows_nchw``): ``(residue_taps, residue_base, (lead, span,
+    residue_width), (rows_per_task, piece_rows, depth), task_sources)``. Memoised like
+    :func:`_axis_weights`.
 
     The cell ``w = stride * j + r`` is covered by the windows ``[m - a, m]``, ``m = j + (r + pad)
     // stride``, ``a = (kernel - 1 - q) // stride``, ``q = (r + pad) % stride``: residue ``r``
     sums ``residue_taps[r] = a + 1`` shifted copies of V, the first at ``residue_base[r] + j``
     in V's zero-padded row (V at ``[lead, lead + OW)``, ``lead`` the most windows covering one
     cell minus one, ``span`` long, so that every class's whole vectors of ``residue_width``
-    cells stay inside it). ``depth``: the most grad_output rows (of the P*OH) one task of
-    ``rows_per_task`` rows reads, from its first row's first window to its last row's last.
+    cells stay inside it). A task is a run of ``rows_per_task`` consecutive rows of the P*H rows
+    of grad_input (the last one shorter); ``task_sources[t] = (first, stop)``: task ``t`` reads the
+    grad_output rows (of the P*OH) ``[first, stop)``, from its first row's first window to its
+    last row's last (every plane it crosses in between whole; empty when no window covers its
+    rows); ``depth`` is the most any task reads.
     """
     lead = (kernel_w - 1) // stride_w
     residue = np.arange(stride_w, dtype=np.int64)
@@ -341,9 +345,11 @@ def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, strid
     first = np.arange(0, rows, rows_per_task, dtype=np.int64)
     last = np.minimum(first + rows_per_task, rows) - 1
     p, q = first // height, last // height
-    reads = (q - p) * out_height + window_stop[last - q * height] - window_first[first - p * height]
-    depth = max(1, int(reads.max()))
-    return residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth)
+    task_sources = np.stack((p * out_height + window_first[first - p * height],
+                             q * out_height + window_stop[last - q * height]), axis=1)
+    depth = max(1, int(np.max(task_sources[:, 1] - task_sources[:, 0])))
+    return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth),
+            task_sources)
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import prange
 
 from ._halfbits import load, store
-from ._jit import helper, parallel_kernel
+from ._jit import parallel_kernel
 from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums,
                     line_offset, lanes_shifted_sum, store_fence)
 
@@ -65,7 +65,7 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
 
 @parallel_kernel
 def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
-                                residue_base, columns_layout, tasks_layout, streaming, fmt):
+                                residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
     """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
     classes of 16 positions at once and interleaves them into 32 cells in registers
     (``_simd.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
@@ -79,7 +79,7 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
     lead, span, residue_width = columns_layout
     rows_per_task, piece_rows, depth = tasks_layout
     rows = planes * height
-    tasks = (rows + rows_per_task - 1) // rows_per_task
+    tasks = len(task_sources)
     groups = min(tasks, TASK_GROUPS)
     flat = grad_input.reshape(grad_input.size)
     scale = weight_w.reshape((1, out_width))
@@ -96,8 +96,7 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
             count = min(rows_per_task, rows - first)
             # height pass: each window's products once, then for each row V = weight_w * (0 +
             # the sum of its windows' products), LANES columns at a time
-            source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
-                                                      window_stop)
+            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]
             lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
                               source_first % out_height, fmt)
             p = first // height
@@ -123,7 +122,7 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
 
 @parallel_kernel
 def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
-                             residue_base, columns_layout, tasks_layout, streaming, fmt):
+                             residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
     ``OW >= LANES``; any width stride (stride 2 runs faster in :func:`avg_pool2d_bwd_rows_s2_nchw`).
 
@@ -140,7 +139,9 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
     computes those tables and the layouts (:func:`fastbwd.api.avg_pool2d._rows_geometry`):
     ``columns_layout = (lead, span, residue_width)``, V of a block's row ``r`` at ``[r * span +
     lead, r * span + lead + OW)`` and each residue class summed in whole vectors over
-    ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``.
+    ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``; and
+    ``task_sources`` (int64, one row per task), the grad_output rows ``[first, stop)`` (of the
+    P*OH) each task reads.
 
     A task runs in phases, each one loop nest in 16-lane registers (``_simd``): the products
     ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
@@ -164,7 +165,7 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
     lead, span, residue_width = columns_layout
     rows_per_task, piece_rows, depth = tasks_layout
     rows = planes * height
-    tasks = (rows + rows_per_task - 1) // rows_per_task
+    tasks = len(task_sources)
     groups = min(tasks, TASK_GROUPS)
     flat = grad_input.reshape(grad_input.size)
     scale = weight_w.reshape((1, out_width))
@@ -177,8 +178,7 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
             first = task * rows_per_task
             count = min(rows_per_task, rows - first)
-            source_first, source_stop = _task_sources(task, rows_per_task, rows, height, out_height, window_first,
-                                                      window_stop)
+            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]
             lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
                               source_first % out_height, fmt)
             p = first // height
@@ -201,14 +201,3 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
                     copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
                     copied = ready
         store_fence()
-
-
-@helper
-def _task_sources(task, rows_per_task, rows, height, out_height, window_first, window_stop):
-    """``[first, stop)``: the grad_output rows (of the P*OH) that the rows of ``task`` read, from
-    the first window of its first row to the last window of its last row (every plane it crosses
-    in between is read whole)."""
-    first = task * rows_per_task
-    last = min(first + rows_per_task, rows) - 1
-    p, q = first // height, last // height
-    return p * out_height + window_first[first - p * height], q * out_height + window_stop[last - q * height]
