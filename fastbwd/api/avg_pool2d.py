@@ -344,9 +344,10 @@ def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, strid
     rows = planes * height
     first = np.arange(0, rows, rows_per_task, dtype=np.int64)
     last = np.minimum(first + rows_per_task, rows) - 1
-    p, q = first // height, last // height
-    task_sources = np.stack((p * out_height + window_first[first - p * height],
-                             q * out_height + window_stop[last - q * height]), axis=1)
+    # the planes of each task's first and last rows (q above is a residue's phase, not a plane)
+    first_plane, last_plane = first // height, last // height
+    task_sources = np.stack((first_plane * out_height + window_first[first - first_plane * height],
+                             last_plane * out_height + window_stop[last - last_plane * height]), axis=1)
     depth = max(1, int(np.max(task_sources[:, 1] - task_sources[:, 0])))
     return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth),
             task_sources)
