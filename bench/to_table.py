@@ -9,9 +9,12 @@ import sys
 
 
 def _case_size_copy(results):
-    """The machine line's note on the 64 MB copy (results saved before it was measured have none)."""
-    gbps = results.get("case_size_copy_gbps")
-    return "" if gbps is None else f" (a 64 MB copy: {gbps:.1f} GB/s)"
+    """The machine line's note on the 64 MB copy and the 64 MB streamed write (results saved
+    before they were measured have none)."""
+    notes = [f"{what}: {results[key]:.1f} GB/s" for key, what in
+             (("case_size_copy_gbps", "a 64 MB copy"), ("stream_write_gbps", "a 64 MB streamed write"))
+             if results.get(key) is not None]
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def table(results):
