@@ -8,7 +8,7 @@ import json
 import sys
 
 
-def _case_size_copy(results):
+def _machine_notes(results):
     """The machine line's note on the 64 MB copy and the 64 MB streamed write (results saved
     before they were measured have none)."""
     notes = [f"{what}: {results[key]:.1f} GB/s" for key, what in
@@ -21,7 +21,7 @@ def table(results):
     machine = results["machine"]
     lines = [
         f"Machine: {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}), "
-        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s{_case_size_copy(results)}; fastbwd {machine['fastbwd']}, "
+        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s{_machine_notes(results)}; fastbwd {machine['fastbwd']}, "
         f"numba {machine['numba']}, torch {machine['torch'] or 'not installed'} (same thread count).",
         "",
         "| case | operator | dtype | variant | fastbwd ms | GB/s | % of copy bw | baseline | baseline ms | speed-up |",

@@ -18,10 +18,10 @@ def _expected_fill(size, pattern):
 @pytest.mark.parametrize("size", [0, 1, 63, 64 * 17 + 5, 100_003])
 @pytest.mark.parametrize("shift", [0, 1, 3, 15])
 @pytest.mark.parametrize("kernel", ["parallel", "serial"])
-def test_stream_fill_writes_every_element_once(size, shift, kernel):
+def test_stream_fill_values_and_bounds(size, shift, kernel):
     pattern = np.random.default_rng(size).standard_normal(37).astype(np.float32)
     raw = np.full(size + 32, np.nan, np.float32)
-    destination = raw[shift:shift + size]  # every element alignment inside a cache line
+    destination = raw[shift:shift + size]  # several element offsets inside a cache line
     getattr(_bandwidth.parallel_stream_fill, kernel)(destination, pattern)
     np.testing.assert_array_equal(destination, _expected_fill(size, pattern))
     assert np.isnan(raw[:shift]).all() and np.isnan(raw[shift + size:]).all()  # nothing outside
