@@ -256,13 +256,18 @@ def test_serial_twin_equals_parallel(kernel):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
-    # Results of at least STREAM_MIN_BYTES have their rows' interiors streamed (whole cache
-    # lines; the partial lines at both ends, the edge cells and the rows of several source rows
-    # stored normally). Every alignment of out, pads of either sign and rows shorter than a line
-    # give the bits of plain stores, and nothing outside out is touched.
+    # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
+    # whole cache line of a row with one source row, edge cells put in, and the line it shares
+    # with the next such row of its run; otherwise the interiors' whole lines. Every alignment of
+    # out, pads of either sign and rows shorter than a line give the bits of plain stores, and
+    # nothing outside out is touched. More rows than the kernel's 256 runs put several rows in a
+    # run, so that rows share lines.
     from fastbwd.kernels import _simd
 
-    cases = [((2, 3, 21, 70), (3, 4, 2, 5)),     # rows of several lines
+    cases = [((2, 3, 21, 70), (3, 4, 2, 5)),     # rows of several lines, one per run
+             ((2, 5, 60, 70), (3, 4, 2, 5)),     # two or three rows per run: shared lines
+             ((3, 4, 30, 16), (0, 2, 0, 0)),     # every row one source row; rows of 16 cells
+             ((2, 4, 41, 33), (1, 0, -3, 2)),    # top rows cropped away: a run's source starts at 0
              ((2, 2, 9, 40), (-5, 7, -2, 3)),    # interior cropped on the left
              ((3, 2, 8, 37), (6, -9, 1, 0)),     # and on the right
              ((1, 3, 6, 5), (2, 1, 1, 2))]       # rows shorter than a line

@@ -10,7 +10,8 @@ from fastbwd.kernels._halfbits import store
 from fastbwd.kernels._simd import (LANES, LINE_BYTES, cells_per_line, copy_out, copy_out_reading_ahead,
                                    copy_part_line, decode_transpose_lanes, gather_transpose_lanes,
                                    interleaved_shifted_sums, lanes_axpy, lanes_gather_sum, lanes_scaled_gather_sums,
-                                   lanes_shifted_sum, prefetch, prefetch_for_write, store_fence, transpose_lanes)
+                                   lanes_shifted_sum, prefetch, prefetch_for_write, store_fence, stream_line_with_ends,
+                                   transpose_lanes)
 
 
 @njit
@@ -303,6 +304,42 @@ def test_copy_part_line_copies_exactly_its_range(dtype):
                 expected = np.zeros_like(raw)
                 expected[1 + shift:1 + shift + 2 * LINE_BYTES].view(dtype)[first:first + count] = source[2:2 + count]
                 assert raw.tobytes() == expected.tobytes(), (shift, count, first)
+
+
+@njit
+def _stream_line_with_ends(destination, first, source, source_index, next_source_index, split, first_lane,
+                           first_value, last_lane, last_value):
+    stream_line_with_ends(destination, first, source, source_index, next_source_index, split, first_lane, first_value,
+                          last_lane, last_value)
+    store_fence()
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32, np.float64, np.complex64, np.complex128])
+def test_stream_line_with_ends_builds_exactly_its_line(dtype):
+    # lanes below split from the first run, the rest from the second, two lanes replaced (lanes
+    # outside the line replace nothing; the last value wins on a shared lane), one line written
+    per_line = LINE_BYTES // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(9)
+    source = (rng.standard_normal(6 * per_line) * 100 + 1).astype(dtype)
+    first_value, last_value = (rng.standard_normal(2) * 1000).astype(dtype)
+    raw = np.zeros(6 * LINE_BYTES, np.uint8)
+    shift = -raw.ctypes.data % LINE_BYTES
+    destination = raw[shift:shift + 4 * LINE_BYTES].view(dtype)  # line-aligned
+    for split in range(per_line + 1):
+        for first_lane, last_lane in ((0, per_line - 1), (split, split - 1), (-3, per_line), (2, 2),
+                                      (per_line - 1, 0)):
+            destination[:] = 0
+            _stream_line_with_ends(destination, per_line, source, 3, 2 * per_line + 1, split, first_lane,
+                                   first_value, last_lane, last_value)
+            expected = np.zeros_like(destination)
+            line = expected[per_line:2 * per_line]
+            line[:split] = source[3:3 + split]
+            line[split:] = source[2 * per_line + 1 + split:3 * per_line + 1]
+            if 0 <= first_lane < per_line:
+                line[first_lane] = first_value
+            if 0 <= last_lane < per_line:
+                line[last_lane] = last_value
+            assert destination.tobytes() == expected.tobytes(), (split, first_lane, last_lane)
 
 
 @njit

@@ -59,7 +59,7 @@ def splat(builder, vector_type, value):
     """``value`` in every lane."""
     one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, _I32(0))
     return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+                                  ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
 def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
@@ -789,6 +789,51 @@ def stream_line(typingctx, destination, destination_index, source, source_index)
 
 
 @intrinsic
+def stream_line_with_ends(typingctx, destination, destination_index, source, source_index, next_source_index, split,
+                          first_lane, first_value, last_lane, last_value):
+    """:func:`stream_line` of a line built in registers from two runs of the source and two
+    single cells: lane ``i`` (the destination's cell ``destination_index + i``) holds
+    ``source.ravel()[source_index + i]`` for ``i < split`` and ``source.ravel()[next_source_index +
+    i]`` from ``split`` on, except that lane ``first_lane`` holds ``first_value`` and lane
+    ``last_lane`` holds ``last_value`` (values of the destination's element type, stored bit for
+    bit; a lane outside ``[0, cells per line)`` replaces nothing; the last value wins if both name
+    one lane). Both source runs are read whole (a line's cells from each), so both must lie in
+    ``source``. One line of a replication pad's rows: the copied cells of one row, or of the end
+    of one row and the start of the next, with the rows' summed edge cells put in. Built in
+    registers before its one streaming store: a line assembled in memory would make its reload
+    wait for the stores that built it."""
+    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)
+            and destination.dtype.bitwidth == source.dtype.bitwidth
+            and first_value == destination.dtype and last_value == destination.dtype):
+        return None
+    bits = destination.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):
+        dst, src = array_structs(context, builder, signature, args, 0, 2)
+        cell = ir.IntType(bits)
+        line = ir.VectorType(cell, LINE_BYTES * 8 // bits)
+        lanes = ir.Constant(ir.VectorType(_I64, line.count), [_I64(i) for i in range(line.count)])
+
+        def run_at(index):
+            return builder.load(builder.bitcast(builder.gep(src.data, [index]), line.as_pointer()), align=1)
+
+        values = builder.select(builder.icmp_signed("<", lanes, splat(builder, lanes.type, args[5])), run_at(args[3]),
+                                run_at(args[4]))
+        for lane, value in ((args[6], args[7]), (args[8], args[9])):
+            # the value's bits as an integer (a complex value is a pair: through a stack slot)
+            cell_bits = builder.load(builder.bitcast(cgutils.alloca_once_value(builder, value), cell.as_pointer()))
+            chosen = builder.icmp_signed("==", lanes, splat(builder, lanes.type, lane))
+            values = builder.select(chosen, splat(builder, line, cell_bits), values)
+        pointer = builder.bitcast(builder.gep(dst.data, [args[1]]), line.as_pointer())
+        store = builder.store(values, pointer, align=LINE_BYTES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        return context.get_dummy_value()
+
+    return types.void(destination, types.intp, source, types.intp, types.intp, types.intp, types.intp, first_value,
+                      types.intp, last_value), codegen
+
+
+@intrinsic
 def store_fence(typingctx):
     """A full memory fence: every store issued before it, streaming ones included, is visible
     to other threads before any memory access after it."""
@@ -911,3 +956,4 @@ def copy_out_reading_ahead(destination, first, source, source_first, count, stre
             copy_line(destination, first + done, source, source_first + done)
             done += per_line
     copy_part_line(destination, first + done, source, source_first + done, count - done)
+
