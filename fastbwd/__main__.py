@@ -62,10 +62,12 @@ def copy_bandwidth(nbytes):
 def stream_write_bandwidth(nbytes):
     """GB/s of a parallel streamed write of ``nbytes`` (bytes written only), best of several:
     the floor of a kernel whose traffic is mostly its result (A1 writes 51 MB and reads 13 MB).
-    On these machines the copy reads and writes about this many GB/s each, at once, so writing
-    alone does not go faster: a kernel writing 80% of its bytes, as A1 does, tops out near 62%
-    of the copy's GB/s. The values written are random: lines of zeros are written more than
-    twice as fast as any other data here (a 512 MB copy of zeros: 100 GB/s, of ones: 44)."""
+    On the AMD EPYC machines the copy reads and writes about this many GB/s each, at once, so
+    writing alone does not go faster and a kernel writing 80% of its bytes, as A1 does, tops out
+    near 62% of the copy's GB/s; on the Intel Xeon ones writing alone ran at 0.65-1.1x the copy's
+    whole rate (docs/design.md). The values written are random: lines of zeros are written more
+    than twice as fast as any other data on the AMD machines (a 512 MB copy of zeros: 100 GB/s,
+    of ones: 44)."""
     pattern = np.random.default_rng(0).standard_normal(1024).astype(np.float32)  # 4 KB, in the cache
     destination = np.empty(nbytes // 4, np.float32)
     parallel_stream_fill(destination, pattern)

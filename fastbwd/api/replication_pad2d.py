@@ -75,7 +75,7 @@ def run(plan, grad_output, input_array, out):
         kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt,
                                            work=work)
     else:
-        # a result larger than the cache: its rows' interiors with streaming stores
+        # a result larger than the cache: its rows with streaming stores
         kernel = (kernels.replication_pad2d_bwd_nchw_streaming if grad_input.nbytes >= _simd.STREAM_MIN_BYTES
                   else kernels.replication_pad2d_bwd_nchw)
         kernel(source.reshape(plan.kernel_shapes[0]), d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top,

@@ -221,8 +221,9 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
 @parallel_kernel
 def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_left, fmt):
     """:func:`replication_pad2d_bwd_nchw` for a result larger than the cache (the same runs,
-    the same values): the interiors of rows with one source row are written with streaming
-    stores (:func:`_pad_row`), and each run ends with a store fence. A kernel of its own,
+    the same values): the rows with one source row are written with streaming stores, edge cells
+    and the lines rows share included where the geometry allows (:func:`_stream_pad_rows`), and
+    each run ends with a store fence. A kernel of its own,
     so that a first (small) call does not compile the streaming code."""
     rows = grad_input.shape[0] * grad_input.shape[1]
     runs = min(rows, TASK_GROUPS)
