@@ -321,7 +321,10 @@ def test_stream_line_with_ends_builds_exactly_its_line(dtype):
     per_line = LINE_BYTES // np.dtype(dtype).itemsize
     rng = np.random.default_rng(9)
     source = (rng.standard_normal(6 * per_line) * 100 + 1).astype(dtype)
-    first_value, last_value = (rng.standard_normal(2) * 1000).astype(dtype)
+    edges = rng.standard_normal(2) * 1000
+    if np.dtype(dtype).kind == "c":  # both halves of a complex value
+        edges = edges + 1j * rng.standard_normal(2) * 1000
+    first_value, last_value = edges.astype(dtype)
     raw = np.zeros(6 * LINE_BYTES, np.uint8)
     shift = -raw.ctypes.data % LINE_BYTES
     destination = raw[shift:shift + 4 * LINE_BYTES].view(dtype)  # line-aligned

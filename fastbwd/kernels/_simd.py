@@ -956,4 +956,3 @@ def copy_out_reading_ahead(destination, first, source, source_first, count, stre
             copy_line(destination, first + done, source, source_first + done)
             done += per_line
     copy_part_line(destination, first + done, source, source_first + done, count - done)
-

@@ -187,9 +187,9 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
             next_start, next_stop = replicate_source_range(h, height, out_height, pad_top)
             next_row = (p * out_height + next_start) * out_width + pad_left
             if r + 1 < stop and next_stop - next_start == 1:
-                # the line shared with the next row, built from both rows' sources (each run is
-                # read whole: the next row's source row follows this row's, so reading from
-                # tail cells before it stays inside grad_output, and so does this row's run)
+                # the line shared with the next row, built from both rows' sources (a line's
+                # cells are read from each: the next row's source row follows this row's, so
+                # both reads stay inside grad_output)
                 next_first = _edge_cells(grad_output[p, next_start], width, pad_left, fmt)[0]
                 stream_line_with_ends(destination, start + done, source, row + done, next_row - tail, tail, tail,
                                       next_first, tail - 1, last_value)
