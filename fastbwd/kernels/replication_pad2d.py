@@ -153,9 +153,10 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
     source = grad_output.reshape(grad_output.size)
     p = first // height
     h = first - p * height
-    row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
     head_written = False  # whether the row's first partial line went out with the row before
     for r in range(first, stop):
+        row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
+        next_p, next_h = (p, h + 1) if h + 1 < height else (p + 1, 0)
         if row_stop - row_start != 1:
             _pad_row(grad_output[p], grad_input[p, h], row_start, row_stop, pad_left, column_sums, read_ahead, fmt)
             head_written = False
@@ -174,32 +175,23 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
                 stream_line_with_ends(destination, start + done, source, row + done, row + done, per_line, -done,
                                       first_value, width - 1 - done, last_value)
                 done += per_line
-        # on to the next row (its source rows are needed here)
-        h += 1
-        if h == height:
-            p, h = p + 1, 0
-        if row_stop - row_start != 1:
-            row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
-            continue
-        tail = width - done
-        head_written = False
-        if tail > 0:
-            next_start, next_stop = replicate_source_range(h, height, out_height, pad_top)
-            next_row = (p * out_height + next_start) * out_width + pad_left
-            if r + 1 < stop and next_stop - next_start == 1:
-                # the line shared with the next row, built from both rows' sources (a line's
-                # cells are read from each: the next row's source row follows this row's, so
-                # both reads stay inside grad_output)
-                next_first = _edge_cells(grad_output[p, next_start], width, pad_left, fmt)[0]
-                stream_line_with_ends(destination, start + done, source, row + done, next_row - tail, tail, tail,
-                                      next_first, tail - 1, last_value)
-                head_written = True
-            else:
-                copy_part_line(destination, start + done, source, row + done, tail)
-                destination[start + width - 1] = last_value
-            row_start, row_stop = next_start, next_stop
-        else:
-            row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
+            tail = width - done
+            head_written = False
+            if tail > 0:
+                next_start, next_stop = replicate_source_range(next_h, height, out_height, pad_top)
+                if r + 1 < stop and next_stop - next_start == 1:
+                    # the line shared with the next row, built from both rows' sources (a line's
+                    # cells are read from each: the next row's source row follows this row's, so
+                    # both reads stay inside grad_output)
+                    next_row = (next_p * out_height + next_start) * out_width + pad_left
+                    next_first = _edge_cells(grad_output[next_p, next_start], width, pad_left, fmt)[0]
+                    stream_line_with_ends(destination, start + done, source, row + done, next_row - tail, tail, tail,
+                                          next_first, tail - 1, last_value)
+                    head_written = True
+                else:
+                    copy_part_line(destination, start + done, source, row + done, tail)
+                    destination[start + width - 1] = last_value
+        p, h = next_p, next_h
 
 
 @parallel_kernel
