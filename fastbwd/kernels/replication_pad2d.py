@@ -154,6 +154,7 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
     p = first // height
     h = first - p * height
     head_written = False  # whether the row's first partial line went out with the row before
+    next_first = next_last = grad_output[0, 0, 0]  # the next row's edge cells, set with head_written
     for r in range(first, stop):
         row_start, row_stop = replicate_source_range(h, height, out_height, pad_top)
         next_p, next_h = (p, h + 1) if h + 1 < height else (p + 1, 0)
@@ -162,7 +163,10 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
             head_written = False
         else:
             row = (p * out_height + row_start) * out_width + pad_left  # the source of the row's cell 0
-            first_value, last_value = _edge_cells(grad_output[p, row_start], width, pad_left, fmt)
+            if head_written:  # computed with the line this row shares with the row before
+                first_value, last_value = next_first, next_last
+            else:
+                first_value, last_value = _edge_cells(grad_output[p, row_start], width, pad_left, fmt)
             start = r * width
             done = min(width, (LINE_BYTES - line_offset(destination, start)) % LINE_BYTES // itemsize)
             if not head_written:
@@ -184,7 +188,7 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
                     # cells are read from each: the next row's source row follows this row's, so
                     # both reads stay inside grad_output)
                     next_row = (next_p * out_height + next_start) * out_width + pad_left
-                    next_first = _edge_cells(grad_output[next_p, next_start], width, pad_left, fmt)[0]
+                    next_first, next_last = _edge_cells(grad_output[next_p, next_start], width, pad_left, fmt)
                     stream_line_with_ends(destination, start + done, source, row + done, next_row - tail, tail, tail,
                                           next_first, tail - 1, last_value)
                     head_written = True
