@@ -163,13 +163,12 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
             head_written = False
         else:
             row = (p * out_height + row_start) * out_width + pad_left  # the source of the row's cell 0
-            if head_written:  # computed with the line this row shares with the row before
+            start = r * width
+            done = min(width, (LINE_BYTES - line_offset(destination, start)) % LINE_BYTES // itemsize)
+            if head_written:  # the edge sums came with the line this row shares with the row before
                 first_value, last_value = next_first, next_last
             else:
                 first_value, last_value = _edge_cells(grad_output[p, row_start], width, pad_left, fmt)
-            start = r * width
-            done = min(width, (LINE_BYTES - line_offset(destination, start)) % LINE_BYTES // itemsize)
-            if not head_written:
                 copy_part_line(destination, start, source, row, done)
                 if done > 0:
                     destination[start] = first_value
