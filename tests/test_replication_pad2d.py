@@ -268,7 +268,7 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
              ((2, 5, 60, 70), (3, 4, 2, 5)),     # two or three rows per run: shared lines
              ((3, 4, 30, 16), (0, 2, 0, 0)),     # every row one source row; rows of 16 cells
              ((3, 25, 7, 40), (0, 3, 0, 0)),     # planes of seven such rows: runs cross planes
-             ((2, 4, 41, 33), (1, 0, -3, 2)),    # top rows cropped away: a run's source starts at 0
+             ((2, 4, 41, 33), (1, 0, -3, 2)),    # negative top pad: rows with no source row first
              ((2, 2, 9, 40), (-5, 7, -2, 3)),    # interior cropped on the left
              ((3, 2, 8, 37), (6, -9, 1, 0)),     # and on the right
              ((1, 3, 6, 5), (2, 1, 1, 2))]       # rows shorter than a line
