@@ -2,6 +2,8 @@
 trains a small model that uses all five operators through fastbwd.torch, and its parameters
 equal a one-process run on the full batch (float64)."""
 
+import datetime
+import faulthandler
 import os
 import socket
 
@@ -57,9 +59,14 @@ def _train(model, x, target):
 
 
 def _worker(rank, world_size, port, result_path):
+    # A worker killed by a signal prints where each of its threads was. (Once, in a CI run of
+    # 2026-11-24, rank 1 died of SIGABRT, "terminate called without an active exception", with
+    # no more said; 58 local runs, warm and cold cache, idle and loaded, did not repeat it.)
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on two cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # a collective that waits for a dead peer fails after two minutes, not gloo's default 30
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=2))
     try:
         torch.manual_seed(1)
         model = nn.parallel.DistributedDataParallel(FiveOps().double())
@@ -69,6 +76,9 @@ def _worker(rank, world_size, port, result_path):
             parameters = _train(model, x[shard], target[shard])
         if rank == 0:
             torch.save(parameters, result_path)
+        # No rank tears gloo down while the other may still be using it (gloo's teardown is
+        # fragile when its peer is still connected or already gone).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
