@@ -51,8 +51,8 @@ def standard_benchmarks(name, baselines):
         torch = pytest.importorskip("torch")
         torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
         prepared = prepared_case(case, with_torch=True)
-        if baseline not in prepared.torch:
+        if baseline not in prepared.baselines:
             pytest.skip(f"no {baseline!r} baseline for {case.id} {case.dtype}")
-        measure(case, prepared.torch[baseline], prepared.nbytes, baseline)
+        measure(case, prepared.baselines[baseline], prepared.nbytes, baseline)
 
     return bench_fastbwd, bench_fastbwd_out, bench_baseline

@@ -45,7 +45,10 @@ class Prepared:
     run: Callable[[], object]
     nbytes: int
     run_out: Callable[[], object] | None = None
-    torch: dict = field(default_factory=dict)  # baseline name -> zero-argument callable
+    #: baseline name -> zero-argument callable: PyTorch's own calls (when torch is installed) and,
+    #: for a layout whose target is a ratio to another layout, fastbwd's call on the same values
+    #: in that layout ("fastbwd NCHW", "fastbwd NCHW out=")
+    baselines: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,8 @@ def _prepare_pad(case, with_torch):
             x = x.contiguous(memory_format=torch.channels_last)
         t_out = torch.empty_like(x)
         pad = list(p["padding"])
-        prepared.torch["torch"] = lambda: torch.ops.aten.replication_pad2d_backward(g, x, pad)
-        prepared.torch["torch out="] = lambda: torch.ops.aten.replication_pad2d_backward.grad_input(
+        prepared.baselines["torch"] = lambda: torch.ops.aten.replication_pad2d_backward(g, x, pad)
+        prepared.baselines["torch out="] = lambda: torch.ops.aten.replication_pad2d_backward.grad_input(
             g, x, pad, grad_input=t_out)
     return prepared
 
@@ -169,7 +172,7 @@ def _prepare_upsample(case, with_torch):
         g = _to_torch(torch, grad_output)
         if layout == "NHWC":
             g = g.permute(0, 3, 1, 2)  # an NCHW tensor with channels_last strides
-        prepared.torch["torch"] = lambda: torch.ops.aten.upsample_bilinear2d_backward(
+        prepared.baselines["torch"] = lambda: torch.ops.aten.upsample_bilinear2d_backward(
             g, [oh, ow], [n, c, h, w], align_corners, None, None)
     return prepared
 
@@ -227,8 +230,8 @@ def _prepare_avg_pool(case, with_torch):
         t_out = torch.empty_like(tx)
         t_args = (g, tx, list(kernel), list(stride), list(padding), ceil_mode, count_include_pad,
                   divisor_override or None)
-        prepared.torch["torch"] = lambda: torch.ops.aten.avg_pool2d_backward(*t_args)
-        prepared.torch["torch out="] = lambda: torch.ops.aten.avg_pool2d_backward.grad_input(
+        prepared.baselines["torch"] = lambda: torch.ops.aten.avg_pool2d_backward(*t_args)
+        prepared.baselines["torch out="] = lambda: torch.ops.aten.avg_pool2d_backward.grad_input(
             *t_args, grad_input=t_out)
     return prepared
 
@@ -290,7 +293,7 @@ def _prepare_roi_align(case, with_torch):
         except ImportError:
             roi_baselines = None
         if roi_baselines is not None:
-            prepared.torch.update(roi_baselines.baselines(*args))
+            prepared.baselines.update(roi_baselines.baselines(*args))
     return prepared
 
 
@@ -336,11 +339,18 @@ def _prepare_group_norm_swish(case, with_torch):
     shape, groups, scale = tuple(p["shape"]), p["num_groups"], p.get("swish_scale", 1.0)
     dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype)
     data_format = p.get("data_format", "NCHW")
+    nchw_args = (dy, mean, rstd, x, gamma, beta, groups, "NCHW", scale)
     if data_format == "NHWC":
         dy, x = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (dy, x))
     args = (dy, mean, rstd, x, gamma, beta, groups, data_format, scale)
     run, run_out, out = fastbwd_calls(fastbwd.group_norm_swish_backward, *args)
     prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(dy, x, out[0]))
+    if data_format == "NHWC":
+        # the target is a ratio to the NCHW layout (issue 14): the same values in NCHW, timed in
+        # the same alternating rounds
+        nchw_run, nchw_run_out, _ = fastbwd_calls(fastbwd.group_norm_swish_backward, *nchw_args)
+        prepared.baselines["fastbwd NCHW"] = nchw_run
+        prepared.baselines["fastbwd NCHW out="] = nchw_run_out
     torch = _torch() if with_torch else None
     if torch is not None and data_format == "NCHW":
         tx = _to_torch(torch, x).clone().requires_grad_(True)
@@ -349,7 +359,7 @@ def _prepare_group_norm_swish(case, with_torch):
         tdy = _to_torch(torch, dy)
         y = torch.nn.functional.group_norm(tx, groups, tg, tb, 1e-5)
         swish = torch.nn.functional.silu(y) if scale == 1.0 else y * torch.sigmoid(scale * y)
-        prepared.torch["torch autograd"] = lambda: torch.autograd.grad(
+        prepared.baselines["torch autograd"] = lambda: torch.autograd.grad(
             swish, (tx, tg, tb), tdy, retain_graph=True)
     return prepared
 
