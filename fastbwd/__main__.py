@@ -3,8 +3,10 @@
 For every operator implemented in this build it checks a small case against the float64
 reference, then runs the docs/semantics.md §6 cases (``--quick``: small versions) and prints, per case:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
-(measured on the spot with a large parallel copy) and the speed-up over each PyTorch baseline
-when torch is importable (the same thread count for both). When jax is importable, the
+(measured on the spot with a large parallel copy) and the speed-up over each baseline timed in
+the same alternating rounds: PyTorch's calls when torch is importable (the same thread count for
+both), and for the NHWC GroupNorm+Swish case fastbwd's own NCHW call on the same values (the
+speed-up is then the NHWC/NCHW speed ratio). When jax is importable, the
 ``fastbwd.jax`` section times ``jax.jit(jax.grad(loss))`` through the bridge against JAX's own
 gradient of the same forward.
 
