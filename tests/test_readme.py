@@ -1,11 +1,14 @@
-"""The README's examples run as written, and its two commands are the ones CI runs."""
+"""The README's examples run as written, each block on its own as a program that exits by
+itself, and its two commands are the ones CI runs."""
 
 import pathlib
 import re
 
 import pytest
+from test_exit import warm_and_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
 def test_readme_examples_run():
@@ -35,3 +38,13 @@ def test_ci_runs_the_readme_test_command():
     assert "python3 -m fastbwd" in commands and "python3 -m pytest" in commands
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install --quiet -e ".[test]"' in ci and "\npython -m pytest\n" in ci
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_each_readme_block_is_a_program_that_exits(index):
+    """Each Python block, alone (its own imports), as a separate process with a time limit."""
+    code = BLOCKS[index]
+    for framework in ("torch", "jax"):
+        if re.search(rf"^import .*\b{framework}\b", code, re.M):
+            pytest.importorskip(framework)
+    warm_and_run(code)

@@ -27,6 +27,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from . import _gate
+
 # ---- the C structures read (x86-64 / aarch64 layout of c_api.h) ------------------------------
 
 _EXTENSION_METADATA = 1
@@ -223,7 +225,7 @@ def _make_handler(adapter, fold):
     return _HANDLER(handler)
 
 
-_targets = {}  # name -> (ctypes callback, kept alive for the process's lifetime; fold)
+_targets = {}  # name -> fold
 _register_lock = threading.Lock()
 
 
@@ -236,9 +238,11 @@ def target(name, adapter, fold):
     full = f"fastbwd_{name}"
     with _register_lock:
         if full not in _targets:
-            callback = _make_handler(adapter, fold)
-            jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(callback), platform="cpu", api_version=1)
-            _targets[full] = (callback, fold)
+            # XLA calls the exit gate, which calls the Python handler (see _gate.py)
+            address = _gate.gate(_make_handler(adapter, fold),
+                                 (_CallFrame.stage.offset, _CallFrame.api.offset), _Api.error_create.offset)
+            jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(_HANDLER(address)), platform="cpu", api_version=1)
+            _targets[full] = fold
     return full
 
 
@@ -247,7 +251,7 @@ def call(name, operands, results, config):
     arrays shaped like ``results`` (``jax.ShapeDtypeStruct`` list). ``config`` (a JSON-able dict of
     keyword arguments) becomes the call's attribute; fold targets also get the per-example rank.
     Returns a list of arrays, one per result."""
-    _, fold = _targets[name]
+    fold = _targets[name]
     if fold:
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
