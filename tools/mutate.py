@@ -54,6 +54,7 @@ T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
 T_PLANS = "tests/test_plans.py"
 T_SIMD = "tests/test_simd.py"
+T_EXIT = "tests/test_exit.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -75,6 +76,7 @@ DT = "fastbwd/_dtypes.py"
 B_ROUTING = "fastbwd/torch/_routing.py"
 B_GN = "fastbwd/torch/_group_norm_swish.py"
 REF = "fastbwd/testing/reference.py"
+J_GATE = "fastbwd/jax/_gate.py"
 
 MUTANTS = [
     # ---- upsample_bilinear2d: index/lambda tables (kernels) ------------------------------------
@@ -663,6 +665,27 @@ MUTANTS = [
            "    need_bias = need_bias and bias is not None\n",
            "    need_bias = False\n",
            T_TORCH, "GroupNormSwish never computes the bias gradient"),
+    # ---- fastbwd.jax's exit gate (issue 27) ------------------------------------------------------
+    Mutant("jax-gate-refuses-while-open", "jax", J_GATE,
+           "  %is_closing = icmp ne i64 %flag, 0",
+           "  %is_closing = icmp eq i64 %flag, 0",
+           T_EXIT, "the gate refuses every call until it is closed, and lets them through after"),
+    Mutant("jax-gate-no-exit-hook", "jax", J_GATE,
+           "    atexit.register(_drain)\n",
+           "",
+           T_EXIT, "the gate is never closed: handlers wait for the GIL during finalisation"),
+    Mutant("jax-gate-close-without-waiting", "jax", J_GATE,
+           "        while _close() > 0:\n            time.sleep(0.001)",
+           "        _close()",
+           T_EXIT, "the hook closes the gate but does not wait for the calls already inside"),
+    Mutant("jax-gate-no-held-results", "jax", J_GATE,
+           "        if not xla_bridge.backends_are_initialized():\n            return",
+           "        return",
+           T_EXIT, "the hook refuses the calls behind arrays the program still holds"),
+    Mutant("jax-gate-fork-keeps-count", "jax", J_GATE,
+           "    _state[0] = 0\n    _state[1] = 0",
+           "    _state[1] = 0",
+           T_EXIT, "a forked child inherits its parent's calls in flight and waits for them forever"),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
