@@ -129,6 +129,36 @@ def test_the_users_atexit_handlers_still_run_and_see_the_results():
     assert "atexit handler: (2, 64, 32, 32)" in result.stdout
 
 
+def test_a_call_inside_the_handler_at_exit_finishes_first():
+    """The exit hook waits for a call already inside the gate: its handler runs to its end while
+    the interpreter can still give it the GIL (its result is dropped, so nothing else waits for
+    it, and an array held to the end keeps JAX's client alive into finalisation, as in the
+    programs that hung)."""
+    pytest.importorskip("jax")
+    code = textwrap.dedent("""
+        import threading, time
+        import jax, jax.numpy as jnp
+        from fastbwd.jax import _ffi
+
+        entered = threading.Event()
+
+        def adapter(inputs, outputs, config):
+            entered.set()
+            time.sleep(3)  # the main thread reaches the end, and JAX its clean-up, meanwhile
+            outputs[0][...] = inputs[0]
+            print("the handler finished", flush=True)
+
+        name = _ffi.target("exit_probe", adapter, fold=False)
+        # enough work before the call that XLA runs it on its own threads, not inline in call()
+        call = jax.jit(lambda x: _ffi.call(name, [jnp.sin(x) * 2], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {})[0])
+        x = jnp.ones(1 << 22)  # held to the end: JAX's client then outlives JAX's atexit clean-up
+        call(x)
+        assert entered.wait(20)
+        """)
+    result = run_program(code)
+    assert "the handler finished" in result.stdout
+
+
 def test_a_call_after_the_gate_closed_raises_instead_of_entering_python():
     """What a fastbwd call dispatched after the exit hook gets: XLA's error, raised in the
     caller, without the handler running."""
