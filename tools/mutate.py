@@ -49,13 +49,13 @@ T_AP = "tests/test_avg_pool2d.py"
 T_PAD = "tests/test_replication_pad2d.py"
 T_ROI = "tests/test_roi_align.py"
 T_GN = "tests/test_group_norm_swish.py"
-T_GNF = "tests/test_group_norm_swish_forward.py"
-T_FUSE = "tests/test_fuse.py"
 T_REF = "tests/test_reference.py"
 T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
 T_PLANS = "tests/test_plans.py"
 T_SIMD = "tests/test_simd.py"
+T_GNF = "tests/test_group_norm_swish_forward.py"
+T_FUSE = "tests/test_fuse.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -71,12 +71,12 @@ A_AP = "fastbwd/api/avg_pool2d.py"
 A_PAD = "fastbwd/api/replication_pad2d.py"
 A_ROI = "fastbwd/api/roi_align.py"
 A_GN = "fastbwd/api/group_norm_swish.py"
-B_FUSE = "fastbwd/torch/_fuse.py"
 V = "fastbwd/_validation.py"
 PLANS = "fastbwd/api/_plans.py"
 DT = "fastbwd/_dtypes.py"
 B_ROUTING = "fastbwd/torch/_routing.py"
 B_GN = "fastbwd/torch/_group_norm_swish.py"
+B_FUSE = "fastbwd/torch/_fuse.py"
 REF = "fastbwd/testing/reference.py"
 
 MUTANTS = [
@@ -613,6 +613,59 @@ MUTANTS = [
            "        dbeta_phys.fill(0)\n",
            "        pass\n",
            T_GN, "an out= dbeta given for an unrequired gradient is not zero-filled"),
+    Mutant("roi-fwd-leftover-channels", "roi_align", K_ROI,
+           "                        acc[bin_index, c] += source[pixel, c] * w\n",
+           "                        acc[bin_index, c] += source[pixel, c] * wy\n",
+           T_ROI, "the forward's leftover channels (past the 16-lane groups) ignore the x weight"),
+
+    # ==== the api layer's plans (remembered validations) ========================================
+    Mutant("plans-scalar-type-ignored", "plans", PLANS,
+           "        return (type(value), value)\n",
+           "        return value\n",
+           T_PLANS, "a plan key keeps a scalar's value but not its type (True reuses the plan of 1)"),
+    Mutant("plans-sequence-types-ignored", "plans", PLANS,
+           "            return (type(value), tuple(value), types)\n",
+           "            return (tuple(value),)\n",
+           T_PLANS, "a plan key of a sequence drops its element types and its own type"),
+    Mutant("plans-overlap-not-rechecked", "plans", DT,
+           "    for name, array in inputs:\n        if array is not None and _overlaps(out, array):",
+           "    for name, array in (() if checked else inputs):\n        if array is not None and _overlaps(out, array):",
+           T_PLANS, "a stored plan skips the overlap check of out= (it depends on addresses, not metadata)"),
+    Mutant("jit-every-call-one-thread", "plans", "fastbwd/kernels/_jit.py",
+           "        if work is not None and work < ONE_THREAD_BELOW:",
+           "        if work is not None:",
+           "tests/test_runtime.py", "every call with a work size runs on one thread (large ones too)"),
+    Mutant("plans-writeable-ignored", "plans", PLANS,
+           "        return (np.ndarray, value.shape, value.strides, value.dtype, value.flags.writeable)",
+           "        return (np.ndarray, value.shape, value.strides, value.dtype)",
+           T_PLANS, "a plan key ignores writeability: a read-only out= reuses a writeable one's plan"),
+
+    # ==== fastbwd.torch (the PyTorch bridge) ==================================================
+    Mutant("torch-avg-pool-memory-format", "torch", B_ROUTING,
+           "    memory_format = memory_format or c.memory_format(input)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
+           "    memory_format = memory_format or c.memory_format(grad_output)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
+           T_TORCH, "routed avg-pool result takes grad_output's memory format instead of the input's"),
+    Mutant("torch-zero-divisor", "torch", B_ROUTING,
+           "    if divisor_override == _DIVISOR_UNSET:\n        return None",
+           "    if False:\n        return None",
+           T_TORCH, "PyTorch's divisor_override=0 served by fastbwd as unset instead of PyTorch's error"),
+    Mutant("torch-signature-no-strides", "torch", B_ROUTING,
+           "        parts += (array.shape, array.strides, array.dtype)\n",
+           "        parts += (array.shape, array.dtype)\n",
+           T_TORCH, "a remembered decision keyed without strides: a channels_last call reuses a contiguous one's"),
+    Mutant("torch-signature-ignores-grad-input", "torch", B_ROUTING,
+           "    if grad_input is not None:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),\n",
+           "    if False:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),\n",
+           T_TORCH, "a remembered decision keyed without the grad_input: another layout reuses its plan"),
+    Mutant("torch-overlap-refusal-remembered", "torch", B_ROUTING,
+           "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n        return None",
+           "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n"
+           "        _DECISIONS.add(signature, _FALLBACK)\n        return None",
+           T_TORCH, "an out= overlapping an input (a per-call refusal) hands the whole geometry to PyTorch"),
+    Mutant("torch-gn-bias-grad", "torch", B_GN,
+           "    need_bias = need_bias and bias is not None\n",
+           "    need_bias = False\n",
+           T_TORCH, "GroupNormSwish never computes the bias gradient"),
     # ---- group_norm_swish, the forward (issue 29) ------------------------------------------------
     Mutant("gnf-mean-without-shift", "group_norm_swish", K_GN,
            "        group_mean = shift + total / count",
@@ -699,59 +752,6 @@ MUTANTS = [
            "    return node.op == \"call_function\" and node.target is torch.nn.functional.silu",
            "    return node.op == \"call_function\"",
            T_FUSE, "any function after a GroupNorm counts as a SiLU"),
-    Mutant("roi-fwd-leftover-channels", "roi_align", K_ROI,
-           "                        acc[bin_index, c] += source[pixel, c] * w\n",
-           "                        acc[bin_index, c] += source[pixel, c] * wy\n",
-           T_ROI, "the forward's leftover channels (past the 16-lane groups) ignore the x weight"),
-
-    # ==== the api layer's plans (remembered validations) ========================================
-    Mutant("plans-scalar-type-ignored", "plans", PLANS,
-           "        return (type(value), value)\n",
-           "        return value\n",
-           T_PLANS, "a plan key keeps a scalar's value but not its type (True reuses the plan of 1)"),
-    Mutant("plans-sequence-types-ignored", "plans", PLANS,
-           "            return (type(value), tuple(value), types)\n",
-           "            return (tuple(value),)\n",
-           T_PLANS, "a plan key of a sequence drops its element types and its own type"),
-    Mutant("plans-overlap-not-rechecked", "plans", DT,
-           "    for name, array in inputs:\n        if array is not None and _overlaps(out, array):",
-           "    for name, array in (() if checked else inputs):\n        if array is not None and _overlaps(out, array):",
-           T_PLANS, "a stored plan skips the overlap check of out= (it depends on addresses, not metadata)"),
-    Mutant("jit-every-call-one-thread", "plans", "fastbwd/kernels/_jit.py",
-           "        if work is not None and work < ONE_THREAD_BELOW:",
-           "        if work is not None:",
-           "tests/test_runtime.py", "every call with a work size runs on one thread (large ones too)"),
-    Mutant("plans-writeable-ignored", "plans", PLANS,
-           "        return (np.ndarray, value.shape, value.strides, value.dtype, value.flags.writeable)",
-           "        return (np.ndarray, value.shape, value.strides, value.dtype)",
-           T_PLANS, "a plan key ignores writeability: a read-only out= reuses a writeable one's plan"),
-
-    # ==== fastbwd.torch (the PyTorch bridge) ==================================================
-    Mutant("torch-avg-pool-memory-format", "torch", B_ROUTING,
-           "    memory_format = memory_format or c.memory_format(input)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
-           "    memory_format = memory_format or c.memory_format(grad_output)\n    grad_output = c.dense(grad_output, memory_format)\n    divisor",
-           T_TORCH, "routed avg-pool result takes grad_output's memory format instead of the input's"),
-    Mutant("torch-zero-divisor", "torch", B_ROUTING,
-           "    if divisor_override == _DIVISOR_UNSET:\n        return None",
-           "    if False:\n        return None",
-           T_TORCH, "PyTorch's divisor_override=0 served by fastbwd as unset instead of PyTorch's error"),
-    Mutant("torch-signature-no-strides", "torch", B_ROUTING,
-           "        parts += (array.shape, array.strides, array.dtype)\n",
-           "        parts += (array.shape, array.dtype)\n",
-           T_TORCH, "a remembered decision keyed without strides: a channels_last call reuses a contiguous one's"),
-    Mutant("torch-signature-ignores-grad-input", "torch", B_ROUTING,
-           "    if grad_input is not None:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),\n",
-           "    if False:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),\n",
-           T_TORCH, "a remembered decision keyed without the grad_input: another layout reuses its plan"),
-    Mutant("torch-overlap-refusal-remembered", "torch", B_ROUTING,
-           "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n        return None",
-           "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n"
-           "        _DECISIONS.add(signature, _FALLBACK)\n        return None",
-           T_TORCH, "an out= overlapping an input (a per-call refusal) hands the whole geometry to PyTorch"),
-    Mutant("torch-gn-bias-grad", "torch", B_GN,
-           "    need_bias = need_bias and bias is not None\n",
-           "    need_bias = False\n",
-           T_TORCH, "GroupNormSwish never computes the bias gradient"),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
