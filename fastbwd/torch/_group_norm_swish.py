@@ -19,14 +19,14 @@ def _check_input(input, num_groups, weight, bias):
     if values == 1:
         raise ValueError("Expected more than 1 value per channel when training, got input size "
                          f"{[shape[0] * shape[1] // num_groups, num_groups] + shape[2:]}")
+    if shape[1] % num_groups:
+        raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but "
+                           f"got input of shape {shape} and num_groups={num_groups}")
     for name, parameter in (("weight", weight), ("bias", bias)):
         if parameter is not None and (parameter.dim() != 1 or parameter.shape[0] != shape[1]):
             raise RuntimeError(
                 f"Expected {name} to be a vector of size equal to the number of channels in input, "
                 f"but got {name} of shape {list(parameter.shape)} and input of shape {shape}")
-    if shape[1] % num_groups:
-        raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but "
-                           f"got input of shape {shape} and num_groups={num_groups}")
 
 
 # A leaf of torch.fx.symbolic_trace: the checks above read sizes a Proxy does not have.
@@ -42,6 +42,8 @@ def group_norm_swish(input, num_groups, weight=None, bias=None, eps=1e-5, swish_
     they require grad. Double backward is exact: when a graph of the backward is asked for
     (``create_graph=True``), the gradients come from PyTorch's composite instead.
     """
+    if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
+        return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
     _check_input(input, num_groups, weight, bias)
     if input.device.type != "cpu":
         # fastbwd is a CPU library: other devices keep PyTorch's composite (same formula).

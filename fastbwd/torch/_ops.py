@@ -26,6 +26,13 @@ from fastbwd.api import roi_align as roi_align_api
 from . import _convert as c
 from ._threads import match_torch_threads
 
+def fx_leaf(function, input, *args):
+    """``function(input, *args)`` recorded as one node of the graph that ``input`` (a
+    ``torch.fx.Proxy``) is being traced into: what ``torch.fx.wrap`` does, for calls through a
+    name it did not patch (``torch.fx.wrap`` patches one module's global)."""
+    return input.tracer.create_proxy("call_function", function, (input, *args), {})
+
+
 # ---- RoIAlign -------------------------------------------------------------------------------
 
 

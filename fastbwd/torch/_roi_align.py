@@ -87,6 +87,9 @@ def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: Br
         is exact).
     """
     if not torch.jit.is_scripting():
+        if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
+            return _ops.fx_leaf(roi_align, input, boxes, output_size, spatial_scale, sampling_ratio,
+                                aligned)
         _check_boxes(boxes)
     if isinstance(boxes, torch.Tensor):
         rois = boxes
