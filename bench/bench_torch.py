@@ -1,4 +1,4 @@
-"""PyTorch-bridge benchmarks T1-T5 (fastbwd.torch against plain PyTorch, same thread count)."""
+"""PyTorch-bridge benchmarks T1-T5 and T7 (fastbwd.torch against plain PyTorch, same thread count)."""
 
 import numba
 import pytest
@@ -85,3 +85,20 @@ def bench_routing_overhead(case_id, benchmark):
     benchmark.extra_info.update(case=case.id, label=case.label, **{f"{k}_us": v for k, v in us.items()})
     with ft.enabled():
         benchmark.pedantic(case.aten, rounds=200, warmup_rounds=10, iterations=1)
+
+
+# ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------
+# (T7's training steps themselves run in bench_torch_bridge above, from torch_cases.cases()).
+
+def bench_unet_fusion(benchmark):
+    """fuse_group_norm_swish on a fresh SmallUNet (tracing every block's forward()): its time,
+    and the fused and skipped counts in extra_info."""
+    from fastbwd.testing.torch_unet import SmallUNet
+
+    models = iter([SmallUNet() for _ in range(6)])
+    reports = []
+    benchmark.group = "T7 fusion: fuse_group_norm_swish(SmallUNet())"
+    benchmark.pedantic(lambda: reports.append(ft.fuse_group_norm_swish(next(models))), rounds=5,
+                       warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update(fused=reports[-1].count, skipped=len(reports[-1].skipped))
+    assert reports[-1].count == 15 and not reports[-1].skipped

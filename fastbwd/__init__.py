@@ -11,7 +11,7 @@ from ._errors import ParamError
 from ._precompile import precompile
 from ._version import __version__
 from .api.avg_pool2d import avg_pool2d_backward
-from .api.group_norm_swish import group_norm_swish_backward
+from .api.group_norm_swish import group_norm_swish, group_norm_swish_backward
 from .api.replication_pad2d import replication_pad2d_backward
 from .api.roi_align import roi_align_backward
 from .api.upsample_bilinear2d import upsample_bilinear2d_backward
@@ -24,5 +24,6 @@ __all__ = [
     "replication_pad2d_backward",
     "roi_align_backward",
     "group_norm_swish_backward",
+    "group_norm_swish",
     "precompile",
 ]

@@ -122,12 +122,19 @@ def _check_group_norm_swish():
             ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3))
 
 
+def _check_group_norm_swish_forward():
+    x = _rng_array((2, 6, 4, 5), 1)
+    gamma, beta = _rng_array((6,), 3), _rng_array((6,), 4)
+    return fastbwd.group_norm_swish(x, gamma, beta, 3), ref.group_norm_swish_forward(x, gamma, beta, 3)
+
+
 SMALL_CHECKS = {
     "upsample_bilinear2d_backward": _check_upsample,
     "avg_pool2d_backward": _check_avg_pool,
     "replication_pad2d_backward": _check_pad,
     "roi_align_backward": _check_roi_align,
     "group_norm_swish_backward": _check_group_norm_swish,
+    "group_norm_swish": _check_group_norm_swish_forward,
 }
 
 

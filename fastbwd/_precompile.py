@@ -66,7 +66,7 @@ def add(op, dtypes, layout, path, call, *, variant=False):
 
 
 #: Operators in the order their entries start, the slowest to compile first (a short tail).
-SLOWEST_FIRST = ("roi_align_backward", "roi_align_forward", "group_norm_swish_backward",
+SLOWEST_FIRST = ("roi_align_backward", "roi_align_forward", "group_norm_swish_backward", "group_norm_swish",
                  "upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward")
 
 
@@ -228,6 +228,31 @@ for _layout in ("NCHW", "NHWC"):
         _group_norm_swish(_layout, "same"))
     add("group_norm_swish_backward", ("float16", "bfloat16", "float64"), _layout, "float32 params",
         _group_norm_swish(_layout, "float32"), variant=True)
+
+
+
+# group_norm_swish (the forward): NCHW and NHWC kernels, parameters in the data's dtype or
+# float32 (the api converts them to the compute type: the same kernels, statistics rounded after).
+
+def _group_norm_swish_forward(layout, params):
+    def call(dtype):
+        f = _fastbwd()
+        param_dtype = np.float32 if params == "float32" else dtype
+        x = _array((2, 4, 3, 3), dtype, 1)
+        gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
+        if layout == "NHWC":
+            f.group_norm_swish(_channels_last(x), gamma, beta, 2)
+            return f.group_norm_swish(x.transpose(0, 2, 3, 1).copy(), gamma, beta, 2, "NHWC")
+        return f.group_norm_swish(x, gamma, beta, 2)
+
+    return call
+
+
+for _layout in ("NCHW", "NHWC"):
+    add("group_norm_swish", HALVES_AND_FLOATS, _layout, "params in the data dtype",
+        _group_norm_swish_forward(_layout, "same"))
+    add("group_norm_swish", ("float16", "bfloat16", "float64"), _layout, "float32 params",
+        _group_norm_swish_forward(_layout, "float32"), variant=True)
 
 
 # ---- running the table -----------------------------------------------------------------------

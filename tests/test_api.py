@@ -15,6 +15,7 @@ FUNCTIONS = [
     "replication_pad2d_backward",
     "roi_align_backward",
     "group_norm_swish_backward",
+    "group_norm_swish",
 ]
 
 

@@ -89,7 +89,8 @@ def test_precompile_with_a_read_only_cache_folder_says_so(tmp_path):
 def test_table_covers_every_operator_dtype_and_layout():
     ops = {entry.op for entry in _precompile.TABLE}
     assert ops == {"upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward",
-                   "roi_align_backward", "roi_align_forward", "group_norm_swish_backward"}
+                   "roi_align_backward", "roi_align_forward", "group_norm_swish_backward",
+                   "group_norm_swish"}
     keys = [entry.key for entry in _precompile.TABLE]
     assert len(keys) == len(set(keys))
     pad = {(e.dtype, e.layout, e.path) for e in _precompile.select(ops="replication_pad2d_backward")}

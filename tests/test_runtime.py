@@ -308,6 +308,8 @@ for dtype in (np.float32, np.float64, np.float16, BF16):
         invariant(lambda: fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 16, swish_scale=1.5))
         invariant(lambda: fastbwd.group_norm_swish_backward(nhwc(dy), mean, rstd, nhwc(x), gamma, beta, 16, "NHWC",
                                                             swish_scale=1.5))
+        invariant(lambda: fastbwd.group_norm_swish(x, gamma, beta, 16, swish_scale=1.5))
+        invariant(lambda: fastbwd.group_norm_swish(nhwc(x), gamma, beta, 16, "NHWC", swish_scale=1.5))
 
 # replication_pad: both layouts, every dtype including complex
 for dtype in (np.float32, np.float64, np.float16, BF16, np.complex64, np.complex128):

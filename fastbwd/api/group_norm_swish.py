@@ -1,5 +1,7 @@
-"""fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5)."""
+"""fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5) and its forward
+fastbwd.group_norm_swish (aclnnGroupNormSwish, §5.1), which share their validation."""
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -11,6 +13,7 @@ from ..kernels._jit import thread_count
 from . import _plans
 
 FUNC = "group_norm_swish_backward"
+FORWARD = "group_norm_swish"
 
 #: data_format strings meaning "channels at axis 1" (docs/semantics.md §5), and the channels-last one.
 CHANNELS_FIRST_FORMATS = ("NCHW", "ND", "NCL", "NCDHW")
@@ -160,33 +163,15 @@ def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_req
     v.check_same_dtype(FUNC, "dy", dy.dtype, "x", x.dtype)
     dtype = x.dtype
     for name, param in (("mean", mean), ("rstd", rstd), ("gamma", gamma), ("beta", beta)):
-        if param.dtype not in (dtype, d.float32):
-            v.fail(FUNC, f"{name}.dtype", f"must be x's dtype ({dtype}) or float32", param.dtype)
-
-    if not 2 <= x.ndim <= MAX_RANK:
-        v.fail(FUNC, "x", f"must have rank 2 to {MAX_RANK}", f"{x.ndim}-D with shape {x.shape}")
+        _check_parameter_dtype(FUNC, name, param, dtype)
+    _check_rank(FUNC, x)
     v.check_shape(FUNC, "dy", dy.shape, x.shape, "as x")
     channels_last = data_format == CHANNELS_LAST_FORMAT
-    channel_axis = x.ndim - 1 if channels_last else 1
-    spatial_axes = [axis for axis in range(1, x.ndim) if axis != channel_axis]
-    batch, channels = x.shape[0], x.shape[channel_axis]
-    for axis, what in [(0, "N"), (channel_axis, "C")] + [(axis, "spatial") for axis in spatial_axes]:
-        if x.shape[axis] == 0:
-            v.fail(FUNC, f"x.shape[{axis}]", f"({what}) must be > 0 (empty tensors are not supported)", 0)
-    hw = int(np.prod([x.shape[axis] for axis in spatial_axes], dtype=np.int64))
-
-    if groups <= 0:
-        v.fail(FUNC, "num_groups", "must be > 0", groups)
-    if channels % groups != 0:
-        v.fail(FUNC, "num_groups", f"must divide the channel count C = {channels}", groups)
-    if channels // groups > MAX_GROUP_SIZE:
-        v.fail(FUNC, "num_groups", f"must leave at most {MAX_GROUP_SIZE} channels per group "
-               f"(C = {channels})", f"{groups} ({channels // groups} channels per group)")
+    batch, channels, hw = _geometry(FUNC, x, groups, channels_last)
     if mean.shape not in ((batch, groups), (batch * groups,)):
         v.fail(FUNC, "mean.shape", f"must be {(batch, groups)} or {(batch * groups,)} (N, G)", mean.shape)
     v.check_shape(FUNC, "rstd", rstd.shape, mean.shape, "as mean")
-    v.check_shape(FUNC, "gamma", gamma.shape, (channels,), "one per channel")
-    v.check_shape(FUNC, "beta", beta.shape, (channels,), "one per channel")
+    _check_parameter_shapes(FUNC, gamma, beta, channels)
 
     # The physical layout the kernels see: (N, C, HxW) or (N, HxW, C).
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
@@ -199,6 +184,42 @@ def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_req
     kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
     return _Plan(layout, kernel_nhwc, kernel_shape, batch, channels, groups,
                  d.compute_dtype(dtype), want_dgamma, want_dbeta)
+
+
+def _check_parameter_dtype(func, name, param, dtype):
+    """A parameter array (mean, rstd, gamma, beta) must have the data's dtype or float32."""
+    if param.dtype not in (dtype, d.float32):
+        v.fail(func, f"{name}.dtype", f"must be x's dtype ({dtype}) or float32", param.dtype)
+
+
+def _check_rank(func, x):
+    if not 2 <= x.ndim <= MAX_RANK:
+        v.fail(func, "x", f"must have rank 2 to {MAX_RANK}", f"{x.ndim}-D with shape {x.shape}")
+
+
+def _geometry(func, x, groups, channels_last):
+    """``(N, C, HxW)`` of x (channels at axis 1, or last when ``channels_last``), after checking
+    that none is 0 and that ``groups`` suits C (docs/semantics.md §5)."""
+    channel_axis = x.ndim - 1 if channels_last else 1
+    spatial_axes = [axis for axis in range(1, x.ndim) if axis != channel_axis]
+    batch, channels = x.shape[0], x.shape[channel_axis]
+    for axis, what in [(0, "N"), (channel_axis, "C")] + [(axis, "spatial") for axis in spatial_axes]:
+        if x.shape[axis] == 0:
+            v.fail(func, f"x.shape[{axis}]", f"({what}) must be > 0 (empty tensors are not supported)", 0)
+    hw = int(np.prod([x.shape[axis] for axis in spatial_axes], dtype=np.int64))
+    if groups <= 0:
+        v.fail(func, "num_groups", "must be > 0", groups)
+    if channels % groups != 0:
+        v.fail(func, "num_groups", f"must divide the channel count C = {channels}", groups)
+    if channels // groups > MAX_GROUP_SIZE:
+        v.fail(func, "num_groups", f"must leave at most {MAX_GROUP_SIZE} channels per group "
+               f"(C = {channels})", f"{groups} ({channels // groups} channels per group)")
+    return batch, channels, hw
+
+
+def _check_parameter_shapes(func, gamma, beta, channels):
+    v.check_shape(func, "gamma", gamma.shape, (channels,), "one per channel")
+    v.check_shape(func, "beta", beta.shape, (channels,), "one per channel")
 
 
 _INPUT_NAMES = ("dy", "mean", "rstd", "x", "gamma", "beta")
@@ -267,12 +288,12 @@ def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
     return dx, dgamma, dbeta
 
 
-def _out_entries(out):
+def _out_entries(out, func=FUNC, names="dx, dgamma, dbeta"):
     """``out=`` as three entries (array or None); None means allocate all three."""
     if out is None:
         return None, None, None
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        v.fail(FUNC, "out", "must be a tuple (dx, dgamma, dbeta) of arrays or None", v.describe(out))
+        v.fail(func, "out", f"must be a tuple ({names}) of arrays or None", v.describe(out))
     return tuple(out)
 
 
@@ -292,3 +313,163 @@ def _nhwc_streaming(dx):
     """Whether the NHWC kernel writes dx with streaming stores: from ``_NHWC_STREAM_MIN_BYTES``
     on. Either choice gives the same bits."""
     return dx.nbytes >= _NHWC_STREAM_MIN_BYTES
+
+
+# ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
+
+def group_norm_swish(x, gamma, beta, num_groups, data_format="NCHW", eps=1e-5, activate_swish=True,
+                     swish_scale=1.0, *, out=None):
+    """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
+
+    Per sample n and group g of ``D = C/G`` channels (``M = D * HxW`` elements)::
+
+        mean[n,g] = sum(x) / M;   var[n,g] = sum((x - mean)^2) / M      (biased)
+        rstd[n,g] = 1 / sqrt(var + eps)
+        y = (x - mean[n,g]) * rstd[n,g] * gamma[c] + beta[c]
+        out = y * sigmoid(swish_scale * y)  if activate_swish, else y
+
+    The forward of :func:`group_norm_swish_backward`, which takes the mean and rstd returned
+    here; the same as PyTorch's ``torch.native_group_norm(x, gamma, beta, N, C, HxW, G, eps)``
+    followed by ``y * torch.sigmoid(swish_scale * y)``.
+
+    Parameters
+    ----------
+    x : array_like
+        Rank 2 to 8: ``(N, C, *spatial)``, or ``(N, *spatial, C)`` with ``data_format="NHWC"``.
+        float32, float16, bfloat16 or float64. Any strides; a 4-D NCHW array with
+        channels-last strides (PyTorch ``channels_last``) is read in place and gives a
+        channels-last result.
+    gamma, beta : array_like
+        Per-channel scale and shift, shape ``(C,)``. dtype: x's or float32 (each).
+    num_groups : int
+        G > 0, dividing C, with at most 4000 channels per group.
+    data_format : str, optional
+        ``"NCHW"`` (default), ``"ND"``, ``"NCL"`` or ``"NCDHW"``: channels at axis 1, for any
+        rank (synonyms). ``"NHWC"``: channels on the last axis.
+    eps : float, optional
+        Added to the variance: a finite number >= 0 (default 1e-5), used in the compute type.
+        A group whose variance and eps are both 0 gets rstd = inf (and y NaN), as in PyTorch.
+    activate_swish : bool, optional
+        Apply Swish (default True); False returns the GroupNorm output ``y`` itself.
+    swish_scale : float, optional
+        ``s``, any real value (0 and negatives included), used in the compute type (float64
+        for float64 data, float32 otherwise).
+    out : tuple of 3 (numpy.ndarray or None), optional
+        ``(y, mean, rstd)``; each given array must have exactly its result's shape, dtype and
+        memory layout and is written completely and returned. On any error nothing is written.
+
+    Returns
+    -------
+    y : numpy.ndarray
+        Shaped like ``x``, in x's dtype, C-contiguous (channels-last for a channels-last 4-D
+        NCHW input).
+    mean, rstd : numpy.ndarray
+        Shape ``(N, G)``, in gamma's dtype (float32 for half-precision x with float32 gamma).
+
+    Notes
+    -----
+    Computed in float32 for float32, float16 and bfloat16 data, in float64 for float64 data;
+    every result is rounded once. The statistics take two passes over each group (the mean,
+    then centred sums), so a constant group has variance exactly 0. Sums run in an order fixed
+    by the shape (blocks of 4096 elements, 16 interleaved partial sums each, folded pairwise,
+    for NCHW; per channel in position order for NHWC), so results are bitwise the same for any
+    thread count; NCHW and NHWC agree to rounding.
+
+    Raises
+    ------
+    ParamError
+        Status 161001 when x, gamma, beta or num_groups is None; 161002 for: x of rank < 2 or
+        > 8; N, C or HxW == 0; gamma or beta shape != (C,); num_groups not an integer or <= 0,
+        C % G != 0, C/G > 4000; unsupported dtypes (x not a float dtype, a parameter neither
+        x's dtype nor float32); eps not finite or < 0; a bad data_format, swish_scale, flag or
+        ``out``.
+    """
+    x = v.as_array(FORWARD, "x", x)
+    gamma = v.as_array(FORWARD, "gamma", gamma)
+    beta = v.as_array(FORWARD, "beta", beta)
+    eps = v.float_value(FORWARD, "eps", eps)
+    if not 0 <= eps < math.inf:
+        v.fail(FORWARD, "eps", "must be a finite number >= 0", repr(eps))
+    swish_scale = v.float_value(FORWARD, "swish_scale", swish_scale)
+    plan = _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out)
+    return _run_forward(plan, x, gamma, beta, eps, swish_scale,
+                        _out_entries(out, FORWARD, _FORWARD_OUT_NAMES))
+
+
+_FORWARD_PLANS = _plans.Plans()
+_FORWARD_OUT_NAMES = "y, mean, rstd"
+
+
+class _ForwardPlan(NamedTuple):
+    """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    layout: str
+    kernel_nhwc: bool
+    kernel_shape: tuple
+    batch: int
+    groups: int
+    compute: np.dtype
+    activate_swish: bool
+
+
+def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
+    """Validate the forward's arguments (in the backward's order) and decide the kernel path."""
+    groups = v.int_value(FORWARD, "num_groups", num_groups)
+    data_format = v.choice(FORWARD, "data_format", data_format,
+                           CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
+    activate_swish = v.bool_value(FORWARD, "activate_swish", activate_swish)
+    v.check_dtype(FORWARD, "x", x, d.FLOATING)
+    for name, param in (("gamma", gamma), ("beta", beta)):
+        _check_parameter_dtype(FORWARD, name, param, x.dtype)
+    _check_rank(FORWARD, x)
+    channels_last = data_format == CHANNELS_LAST_FORMAT
+    batch, channels, hw = _geometry(FORWARD, x, groups, channels_last)
+    _check_parameter_shapes(FORWARD, gamma, beta, channels)
+    layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
+    kernel_nhwc = channels_last or layout == d.NHWC
+    out_y, out_mean, out_rstd = _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
+    d.check_out(FORWARD, out_y, x.shape, x.dtype, layout, param="out[0]")
+    d.check_out(FORWARD, out_mean, (batch, groups), gamma.dtype, param="out[1]")
+    d.check_out(FORWARD, out_rstd, (batch, groups), gamma.dtype, param="out[2]")
+    kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
+    return _ForwardPlan(layout, kernel_nhwc, kernel_shape, batch, groups, d.compute_dtype(x.dtype),
+                        activate_swish)
+
+
+def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
+    """The per-call work of a validated forward call: overlap checks, outputs, the kernel."""
+    batch, groups, compute = plan.batch, plan.groups, plan.compute
+    out_y, out_mean, out_rstd = out_entries
+    inputs = (("x", x), ("gamma", gamma), ("beta", beta))
+    y, y_phys = d.output(FORWARD, out_y, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]",
+                         checked=True)
+    mean, _ = d.output(FORWARD, out_mean, (batch, groups), gamma.dtype, inputs=inputs + (("out[0]", y),),
+                       param="out[1]", checked=True)
+    rstd, _ = d.output(FORWARD, out_rstd, (batch, groups), gamma.dtype,
+                       inputs=inputs + (("out[0]", y), ("out[1]", mean)), param="out[2]", checked=True)
+    # the kernel writes the statistics in the compute type; other dtypes are rounded once here
+    direct = gamma.dtype == compute
+    mean_c = mean if direct else np.empty((batch, groups), compute)
+    rstd_c = rstd if direct else np.empty((batch, groups), compute)
+    gamma_c = d.read_only(np.ascontiguousarray(gamma, dtype=compute))
+    beta_c = d.read_only(np.ascontiguousarray(beta, dtype=compute))
+    with np.errstate(over="ignore"):  # a scale or eps beyond float32's range becomes inf
+        scale_c = compute.type(swish_scale)
+        eps_c = compute.type(eps)
+    fmt = d.storage_format(x.dtype)
+    shape = plan.kernel_shape
+    if plan.kernel_nhwc:
+        layout = plan.layout
+        x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
+        kernels.group_norm_swish_fwd_nhwc(
+            d.read_only(x_k.reshape(shape)), gamma_c, beta_c, eps_c, plan.activate_swish, scale_c,
+            d.kernel_view(y_phys).reshape(shape), mean_c, rstd_c,
+            _nhwc_groups_per_task(groups, shape[2] // groups, batch, thread_count()), fmt, work=x.size)
+    else:
+        x_k = d.kernel_view(np.ascontiguousarray(x))
+        kernels.group_norm_swish_fwd_nchw(
+            d.read_only(x_k.reshape(shape)), gamma_c, beta_c, eps_c, plan.activate_swish, scale_c,
+            d.kernel_view(y_phys).reshape(shape), mean_c, rstd_c, fmt, work=x.size)
+    if not direct:
+        mean[...] = mean_c
+        rstd[...] = rstd_c
+    return y, mean, rstd

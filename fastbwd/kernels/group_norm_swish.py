@@ -616,3 +616,265 @@ def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want
             for n in range(1, batch):
                 acc += sum_g[n, c]
             dbeta[c] = store(acc, fmt)
+
+
+# ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
+#
+# One task per (n, group) (NCHW family) or per (n, run of whole groups) (NHWC). Statistics in
+# two passes over the group, which a task rereads from its cache (G1's group is 64 KB): the
+# mean of ``x - shift`` (``shift`` is the group's first element, so a constant group has mean
+# exactly that value and variance exactly 0, hence rstd = inf at eps = 0 as in PyTorch), then
+# the centred sums ``t1 = sum(x - mean)`` and ``t2 = sum((x - mean)^2)`` with
+# ``var = (t2 - t1*t1/M) / M`` (t1 corrects for the rounding of the mean). A third pass writes
+# y. Every sum has a fixed order (below), so no thread count changes a bit.
+
+@helper
+def swish_float32(y, swish_scale):
+    """``y * sigmoid(swish_scale * y)`` in float32 for any ``y`` and scale; vectorises.
+
+    The exponential sees ``-|z|`` only (``z = s*y`` clamped to +-104, where sigmoid is 0 or 1
+    to float32 precision), so nothing overflows; ``sigmoid(z)`` is ``1/(1+e)`` or ``e/(1+e)``
+    with ``e = exp(-|z|)``, neither formed by cancellation. NaN propagates.
+    """
+    z = _clamp(swish_scale * y, SWISH_CLAMP32)
+    e = exp_nonpositive_float32(-abs(z))
+    inv = _ONE32 / (_ONE32 + e)
+    return y * (inv if z >= 0 else e * inv)
+
+
+@helper
+def swish_float64(y, swish_scale):
+    """:func:`swish_float32` in float64 (``math.exp``, clamp +-750)."""
+    z = _clamp(swish_scale * y, SWISH_CLAMP64)
+    e = math.exp(-abs(z))
+    inv = _ONE64 / (_ONE64 + e)
+    return y * (inv if z >= 0 else e * inv)
+
+
+def swish(y, swish_scale):
+    """``y * sigmoid(swish_scale * y)`` in y's precision (njit only): float32 or float64."""
+    raise NotImplementedError("swish() is only callable from @njit code")
+
+
+@overload(swish, inline="always")
+def _swish(y, swish_scale):
+    if y == types.float64:
+        return lambda y, swish_scale: swish_float64(y, swish_scale)
+    return lambda y, swish_scale: swish_float32(y, swish_scale)
+
+
+@intrinsic
+def _block_moments(typingctx, row, start, stop, center, fmt):
+    """``(sum of (x - center), sum of (x - center)^2)`` over ``row[start:stop]`` (1-D,
+    C-contiguous, decoded with ``fmt``) in the order of the backward's :func:`_block_sums`:
+    element ``start + i`` goes to lane ``i % LANES`` (each lane from +0.0, in order), then the
+    lanes are folded by halving. A last partial vector reads only its elements (masked load)."""
+    sig = types.UniTuple(center, 2)(row, types.intp, types.intp, center, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        (x,) = array_structs(context, builder, signature, args, 0)
+        start, stop, center_value = args[1], args[2], args[3]
+        element = context.get_data_type(signature.args[3])
+        vector = ir.VectorType(element, LANES)
+        i64 = ir.IntType(64)
+        lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+        center_lanes = splat(builder, vector, center_value)
+        sum_d = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+        sum_dd = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
+        builder.store(ir.Constant(vector, None), sum_d)
+        builder.store(ir.Constant(vector, None), sum_dd)
+
+        def add(position, used):
+            value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
+            deviation = builder.fsub(value, center_lanes)
+            old_d, old_dd = builder.load(sum_d), builder.load(sum_dd)
+            new_d = builder.fadd(old_d, deviation)
+            new_dd = builder.fadd(old_dd, builder.fmul(deviation, deviation))
+            if used is not None:  # lanes past the end keep their sums
+                new_d, new_dd = builder.select(used, new_d, old_d), builder.select(used, new_dd, old_dd)
+            builder.store(new_d, sum_d)
+            builder.store(new_dd, sum_dd)
+
+        count = builder.sub(stop, start)
+        whole = builder.sdiv(count, i64(LANES))
+        with cgutils.for_range(builder, whole) as loop:
+            add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
+        tail = builder.add(start, builder.mul(whole, i64(LANES)))
+        remaining = builder.sub(stop, tail)
+        with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
+            add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
+        total_d = fold_lanes_by_halving(builder, builder.load(sum_d))
+        total_dd = fold_lanes_by_halving(builder, builder.load(sum_dd))
+        return context.make_tuple(builder, signature.return_type, [total_d, total_dd])
+
+    return sig, codegen
+
+
+
+@helper
+def _shift_of(first, zero):
+    """The shift a group's first pass sums from: its first element, or 0 when that is an
+    infinity or NaN (which would turn every other element into NaN)."""
+    return first if abs(first) < math.inf else zero
+
+
+@helper
+def _group_rstd(t1, t2, count, eps, zero, one):
+    """``1/sqrt(var + eps)`` from the centred sums: ``var = (t2 - t1*t1/M) / M``, and +0 where
+    rounding leaves it below 0 (NaN stays NaN)."""
+    var = (t2 - t1 * (t1 / count)) / count
+    var = zero if var < zero else var
+    return one / math.sqrt(var + eps)
+
+
+@helper
+def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
+    """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
+    Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
+    if activate_swish:
+        for i in range(x_row.shape[0]):
+            y_row[i] = store(swish(fma(load(x_row[i], fmt) - mean, scale, beta), swish_scale), fmt)
+    else:
+        for i in range(x_row.shape[0]):
+            y_row[i] = store(fma(load(x_row[i], fmt) - mean, scale, beta), fmt)
+
+
+@parallel_kernel
+def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, fmt):
+    """x -> y, both (N, C, HxW) C-contiguous; gamma, beta (C,), eps and swish_scale in the
+    compute type; mean, rstd (N, G) compute-type outputs.
+
+    Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``y[n, gD:(g+1)D]``,
+    ``mean[n, g]`` and ``rstd[n, g]``. Its group is one contiguous run of D*HxW elements,
+    summed in blocks of :data:`BLOCK` (:func:`_block_moments`), block sums added in order.
+    """
+    batch, channels, hw = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    size = group_size * hw
+    zero = mean.dtype.type(0)
+    one = mean.dtype.type(1)
+    count = mean.dtype.type(size)
+    flat_x = x.reshape(batch, channels * hw)
+    for task in prange(batch * groups):
+        n = task // groups
+        g = task - n * groups
+        row = flat_x[n]
+        first = g * size
+        stop = first + size
+        shift = _shift_of(load(row[first], fmt), zero)
+        total = zero
+        for block_start in range(first, stop, BLOCK):
+            total += _block_moments(row, block_start, min(block_start + BLOCK, stop), shift, fmt)[0]
+        group_mean = shift + total / count
+        t1 = zero
+        t2 = zero
+        for block_start in range(first, stop, BLOCK):
+            d1, d2 = _block_moments(row, block_start, min(block_start + BLOCK, stop), group_mean, fmt)
+            t1 += d1
+            t2 += d2
+        group_rstd = _group_rstd(t1, t2, count, eps, zero, one)
+        mean[n, g] = group_mean
+        rstd[n, g] = group_rstd
+        for c in range(g * group_size, (g + 1) * group_size):
+            _normalise_row(x[n, c], y[n, c], group_mean, group_rstd * gamma[c], beta[c], activate_swish,
+                           swish_scale, fmt)
+
+
+@parallel_kernel
+def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd,
+                              groups_per_task, fmt):
+    """x -> y, both (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
+
+    Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
+    channels of ``y[n]`` and its groups' ``mean[n]``, ``rstd[n]``. Per channel, positions are
+    added in order within blocks of :data:`BLOCK`, block sums in order; a group adds its
+    channels' sums in channel order. So the run width changes no bit; the order differs from
+    the NCHW kernel's, so the two layouts agree to rounding, not bitwise.
+    """
+    batch = x.shape[0]
+    groups = mean.shape[1]
+    runs = (groups + groups_per_task - 1) // groups_per_task
+    for task in prange(batch * runs):
+        n = task // runs
+        run = task - n * runs
+        first_group = run * groups_per_task
+        _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group,
+                          min(first_group + groups_per_task, groups), fmt)
+
+
+@helper
+def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt):
+    """``total_d[k] = sum over positions of (x[n, :, start + k] - center[k])`` and ``total_dd``
+    of its squares, for the run's channels ``k``; inner loops along the channels."""
+    hw = x.shape[1]
+    width = total_d.shape[0]
+    total_d[:] = 0
+    total_dd[:] = 0
+    for block_start in range(0, hw, BLOCK):
+        block_d[:] = 0
+        block_dd[:] = 0
+        for i in range(block_start, min(block_start + BLOCK, hw)):
+            x_row = x[n, i, start:start + width]
+            for k in range(width):
+                d = load(x_row[k], fmt) - center[k]
+                block_d[k] += d
+                block_dd[k] += d * d
+        total_d += block_d
+        total_dd += block_dd
+
+
+@helper
+def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group,
+                      last_group, fmt):
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC forward."""
+    _, hw, channels = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    zero = mean.dtype.type(0)
+    one = mean.dtype.type(1)
+    count = mean.dtype.type(group_size * hw)
+    start = first_group * group_size
+    width = (last_group - first_group) * group_size
+    center = np.empty(width, mean.dtype)
+    scale = np.empty(width, mean.dtype)
+    total_d = np.empty(width, mean.dtype)
+    total_dd = np.empty(width, mean.dtype)
+    block_d = np.empty(width, mean.dtype)
+    block_dd = np.empty(width, mean.dtype)
+    for k in range(width):
+        center[k] = _shift_of(load(x[n, 0, start + (k // group_size) * group_size], fmt), zero)
+    _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt)
+    for g in range(first_group, last_group):
+        first = (g - first_group) * group_size
+        total = total_d[first]
+        for k in range(first + 1, first + group_size):
+            total += total_d[k]
+        group_mean = center[first] + total / count
+        for k in range(first, first + group_size):
+            center[k] = group_mean
+    _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt)
+    for g in range(first_group, last_group):
+        first = (g - first_group) * group_size
+        t1 = total_d[first]
+        t2 = total_dd[first]
+        for k in range(first + 1, first + group_size):
+            t1 += total_d[k]
+            t2 += total_dd[k]
+        group_rstd = _group_rstd(t1, t2, count, eps, zero, one)
+        mean[n, g] = center[first]
+        rstd[n, g] = group_rstd
+        for k in range(first, first + group_size):
+            scale[k] = group_rstd * gamma[start + k]
+    channel_beta = beta[start:start + width]
+    for i in range(hw):
+        x_row = x[n, i, start:start + width]
+        y_row = y[n, i, start:start + width]
+        if activate_swish:
+            for k in range(width):
+                y_row[k] = store(swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]),
+                                       swish_scale), fmt)
+        else:
+            for k in range(width):
+                y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)

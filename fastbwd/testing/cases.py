@@ -383,8 +383,55 @@ GROUP_NORM_SWISH = OpSpec(
 )
 
 
-#: Every operator, in the order of the SPEC table.
-OPS = {spec.name: spec for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, GROUP_NORM_SWISH)}
+
+# --------------------------------------------------------------------------------------------
+# group_norm_swish, the forward (SPEC §5.1)
+# --------------------------------------------------------------------------------------------
+
+def _prepare_group_norm_swish_forward(case, with_torch):
+    p = case.params
+    dtype = DTYPES[case.dtype]
+    shape, groups = tuple(p["shape"]), p["num_groups"]
+    _, _, _, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype)
+    data_format = p.get("data_format", "NCHW")
+    if data_format == "NHWC":
+        x = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+    run, run_out, out = fastbwd_calls(fastbwd.group_norm_swish, x, gamma, beta, groups, data_format)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(x, out[0]))
+    torch = _torch() if with_torch else None
+    if torch is not None and data_format == "NCHW":
+        # what a model runs without fastbwd: nn.GroupNorm then nn.SiLU, no autograd graph
+        norm = torch.nn.GroupNorm(groups, shape[1]).to(_to_torch(torch, x).dtype)
+        with torch.no_grad():
+            norm.weight.copy_(_to_torch(torch, gamma))
+            norm.bias.copy_(_to_torch(torch, beta))
+        tx = _to_torch(torch, x)
+
+        def torch_forward():
+            with torch.no_grad():
+                return torch.nn.functional.silu(norm(tx))
+
+        prepared.baselines["torch GroupNorm+SiLU"] = torch_forward
+    return prepared
+
+
+GROUP_NORM_SWISH_FORWARD = OpSpec(
+    name="group_norm_swish",
+    prepare=_prepare_group_norm_swish_forward,
+    cases=(
+        Case("G1f", "group_norm_swish", "x (8,512,32,32), 32 groups", _G1),
+        Case("G3f", "group_norm_swish", "x (2,320,64,64), 32 groups", dict(shape=(2, 320, 64, 64), num_groups=32)),
+        Case("G1f", "group_norm_swish", "G1f in bfloat16", _G1, "bfloat16"),
+        Case("G1f-NHWC", "group_norm_swish", "G1f, NHWC", dict(_G1, data_format="NHWC")),
+    ),
+    quick_cases=(
+        Case("G1fq", "group_norm_swish", "x (2,64,16,16), 8 groups", _G1_QUICK),
+    ),
+)
+
+
+#: Every operator, in the order of the SPEC table (the forward after its backward).
+OPS = {spec.name: spec for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)}
 
 
 def implemented_ops():

@@ -607,12 +607,13 @@ def _sigmoid(z):
         return 1.0 / (1.0 + np.exp(-z))
 
 
-def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1.0):
-    """GroupNorm followed by swish (docs/semantics.md §5 forward).
+def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1.0, activate_swish=True):
+    """GroupNorm followed by swish (docs/semantics.md §5.1), in float64.
 
     x: (N, C, *spatial), rank >= 2; gamma, beta: (C,). Returns (out, mean, rstd) with
-    mean, rstd of shape (N, G): biased variance, rstd = 1 / sqrt(var + eps), all float64.
-    out = y * sigmoid(swish_scale * y), y = (x - mean) * rstd * gamma + beta.
+    mean, rstd of shape (N, G): biased variance, rstd = 1 / sqrt(var + eps) (inf for a constant
+    group at eps = 0), all float64. y = (x - mean) * rstd * gamma + beta; out = y * sigmoid(
+    swish_scale * y) when activate_swish, else y.
     """
     x = np.asarray(x, dtype=np.float64)
     gamma = np.asarray(gamma, dtype=np.float64)
@@ -623,11 +624,15 @@ def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1
     xg = x.reshape(N, G, -1)                       # (N, G, D*HxW)
     mean = xg.mean(axis=2)
     var = ((xg - mean[:, :, None]) ** 2).mean(axis=2)
-    rstd = 1.0 / np.sqrt(var + eps)
-    xhat = ((xg - mean[:, :, None]) * rstd[:, :, None]).reshape(x.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):  # var + eps == 0: rstd inf, y NaN
+        rstd = 1.0 / np.sqrt(var + eps)
+        xhat = ((xg - mean[:, :, None]) * rstd[:, :, None]).reshape(x.shape)
     cshape = (1, C) + (1,) * (x.ndim - 2)
     y = xhat * gamma.reshape(cshape) + beta.reshape(cshape)
-    out = y * _sigmoid(s * y)
+    if not activate_swish:
+        return y, mean, rstd
+    with np.errstate(invalid="ignore"):
+        out = y * _sigmoid(s * y)
     return out, mean, rstd
 
 

@@ -1,4 +1,4 @@
-"""The PyTorch-bridge benchmark cases T1-T5 (bench/bench_torch.py and ``python -m fastbwd``).
+"""The PyTorch-bridge benchmark cases T1-T5 and T7 (bench/bench_torch.py and ``python -m fastbwd``).
 
 Each case builds, at full size (or ``quick`` small size), a pair of zero-argument callables over
 the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plain PyTorch), plus
@@ -180,6 +180,7 @@ def cases(quick=False):
         _group_norm_swish_case(*norm, ">= 1.4x"),
         _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
+        _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
     ]
 
 
@@ -258,3 +259,43 @@ def measure_overhead(case, calls=2000):
     finally:
         (ft.enable if was_enabled else ft.disable)()
     return {way: float(np.median(values)) * 1e6 for way, values in timings.items()}
+
+
+def _unet_training_case(batch, size, channels, groups, target):
+    """T7: a training step of the small UNet of :mod:`fastbwd.testing.torch_unet` (GroupNorm +
+    SiLU inside its blocks' forward()), plain PyTorch vs ``fuse_group_norm_swish`` + ``enabled()``
+    (bilinear upsampling and avg-pool backward routed to fastbwd)."""
+    import copy
+
+    from fastbwd.testing.torch_unet import SmallUNet
+
+    torch.manual_seed(71)
+    plain = SmallUNet(3, channels, 64, groups)
+    fused = copy.deepcopy(plain)
+    report = ft.fuse_group_norm_swish(fused)
+    norms = report.count + len(report.skipped)
+    x, temb = _randn((batch, 3, size, size), 72), _randn((batch, 64), 73)
+    target_y = _randn((batch, 3, size, size), 74)
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(x, temb), target_y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-1e-3)
+            return [p.grad for p in model.parameters()]
+        return run
+
+    fastbwd_step, torch_step = _routed(step(fused)), step(plain)
+
+    def check():
+        # One step's gradients from the same parameters (the steps also update them); then the
+        # fused model's output against the plain one's.
+        plain.load_state_dict(fused.state_dict())
+        with torch.no_grad():
+            _assert_close([_routed(lambda: fused(x, temb))()], [plain(x, temb)], 1e-4, 1e-5, "T7 output")
+        _assert_close(fastbwd_step(), torch_step(), 1e-3, 1e-4, "T7")
+
+    return TorchCase("T7", f"training step, small UNet (batch {batch}, {size}x{size}, {channels}): "
+                     f"{report.count} of {norms} GroupNorms fused", fastbwd_step, torch_step, check, target)

@@ -6,8 +6,9 @@
   CPU kernels of ``upsample_bilinear2d_backward``, ``avg_pool2d_backward`` and
   ``replication_pad2d_backward`` to fastbwd, so ``F.interpolate(mode="bilinear")``,
   ``F.avg_pool2d``, ``F.pad(mode="replicate")`` and their modules train on fastbwd unchanged.
-* :func:`group_norm_swish`, :class:`GroupNormSwish`, :func:`fuse_group_norm_swish`: GroupNorm
-  followed by Swish/SiLU with fastbwd's fused backward.
+* :func:`group_norm_swish`, :class:`GroupNormSwish`: GroupNorm followed by Swish/SiLU with
+  fastbwd's fused backward; :func:`fuse_group_norm_swish` puts them into a model (nn.Sequential
+  pairs and pairs inside submodules' forward(), via torch.fx), returning a :class:`FusionReport`.
 * :func:`roi_align`, :class:`RoIAlign`: ``torchvision.ops.roi_align`` on fastbwd's forward and
   backward kernels.
 """
@@ -19,7 +20,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         "fastbwd.torch needs PyTorch, which is not installed: pip install fastbwd[torch]"
     ) from error
 
-from ._group_norm_swish import GroupNormSwish, fuse_group_norm_swish, group_norm_swish
+from ._fuse import FusionReport, fuse_group_norm_swish
+from ._group_norm_swish import GroupNormSwish, group_norm_swish
 from ._roi_align import RoIAlign, roi_align
 from ._routing import disable, enable, enabled, is_enabled
 
@@ -31,6 +33,7 @@ __all__ = [
     "group_norm_swish",
     "GroupNormSwish",
     "fuse_group_norm_swish",
+    "FusionReport",
     "roi_align",
     "RoIAlign",
 ]

@@ -74,30 +74,3 @@ class GroupNormSwish(nn.GroupNorm):
     def extra_repr(self):
         return super().extra_repr() + f", swish_scale={self.swish_scale}"
 
-
-def fuse_group_norm_swish(module):
-    """Replace, inside every ``nn.Sequential`` of ``module`` (recursively, ``module`` included),
-    each ``nn.GroupNorm`` directly followed by an ``nn.SiLU`` with one :class:`GroupNormSwish`
-    holding the same parameter objects (an optimizer built before keeps working).
-
-    The SiLU's place becomes an ``nn.Identity``, so indices and state_dict keys do not move and a
-    checkpoint of the unfused model still loads. Returns how many pairs were fused.
-    """
-    fused = 0
-    for sequential in [m for m in module.modules() if isinstance(m, nn.Sequential)]:
-        names = list(sequential._modules)
-        for first, second in zip(names, names[1:]):
-            norm, activation = sequential._modules[first], sequential._modules[second]
-            if type(norm) is nn.GroupNorm and type(activation) is nn.SiLU:
-                sequential._modules[first] = _fused(norm)
-                sequential._modules[second] = nn.Identity()
-                fused += 1
-    return fused
-
-
-def _fused(norm):
-    fused = GroupNormSwish(norm.num_groups, norm.num_channels, norm.eps, affine=False)
-    fused.affine = norm.affine
-    fused.weight, fused.bias = norm.weight, norm.bias  # the same Parameter objects (or None)
-    fused.train(norm.training)
-    return fused
