@@ -130,14 +130,34 @@ def stats_dtype(input, weight, bias):
     return parameter.dtype if parameter is not None else input.dtype
 
 
+def _parameters(input, weight, bias):
+    """gamma and beta as the NumPy functions take them: without affine parameters the
+    normalisation is the identity map (gamma one, beta zero), in :func:`stats_dtype`."""
+    if weight is not None and bias is not None:
+        return weight, bias
+    channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
+    return (weight if weight is not None else torch.ones(channels, dtype=dtype),
+            bias if bias is not None else torch.zeros(channels, dtype=dtype))
+
+
 def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
-    """``(y, mean, rstd)`` of a CPU tensor ``input`` laid out as :func:`_convert.memory_format`
-    says (``y`` is in that memory format)."""
-    x = c.dense(input, c.memory_format(input))
-    batch, channels = x.shape[:2]
-    y, mean, rstd = torch.native_group_norm(x, weight, bias, batch, channels,
-                                            math.prod(x.shape[2:]), num_groups, eps)
-    return y * torch.sigmoid(swish_scale * y), mean, rstd
+    """``(y, mean, rstd)`` by ``fastbwd.group_norm_swish`` (§5.1), ``y`` in the memory format
+    :func:`_convert.memory_format` gives ``input``."""
+    memory_format = c.memory_format(input)
+    if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
+        x = c.dense(input, memory_format)
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, x.shape[0], x.shape[1],
+                                                math.prod(x.shape[2:]), num_groups, eps)
+        return y * torch.sigmoid(swish_scale * y), mean, rstd
+    channels_last = memory_format == torch.channels_last
+    x = c.as_array(c.dense(input, memory_format))
+    gamma, beta = _parameters(input, weight, bias)
+    match_torch_threads()
+    y, mean, rstd = fastbwd.group_norm_swish(
+        x.transpose(0, 2, 3, 1) if channels_last else x, c.as_array(gamma), c.as_array(beta),
+        num_groups, "NHWC" if channels_last else "NCHW", eps, True, swish_scale)
+    y = c.as_tensor(y)
+    return y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd)
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
@@ -164,11 +184,7 @@ def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, 
     need_weight = output_mask[1] and weight is not None
     need_bias = output_mask[2] and bias is not None
     memory_format = c.memory_format(input)
-    channels = input.shape[1]
-    # Without affine parameters the normalisation is the identity map on y.
-    dtype = stats_dtype(input, weight, bias) if weight is not None or bias is not None else mean.dtype
-    gamma = weight if weight is not None else torch.ones(channels, dtype=dtype)
-    beta = bias if bias is not None else torch.zeros(channels, dtype=dtype)
+    gamma, beta = _parameters(input, weight, bias)
     none_weight, none_bias = _unrequested(input, weight, bias, need_weight, need_bias)
 
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
