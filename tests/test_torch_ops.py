@@ -278,3 +278,23 @@ def test_roi_align_double_backward_is_the_forward():
     for ratio, aligned in ((2, True), (0, False)):
         function = lambda x: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned)  # noqa: E731
         assert torch.autograd.gradgradcheck(function, (x,))
+
+
+# ---- the eager path ------------------------------------------------------------------------------
+
+def test_eager_calls_run_the_operators_code_bitwise():
+    """Plain eager calls skip the dispatcher (an autograd.Function over the same kernels and
+    formulas); their results and gradients are bitwise the operators'."""
+    x = _randn((2, 6, 9, 11), seed=21).requires_grad_()
+    weight, bias = _randn((6,), seed=22).requires_grad_(), _randn((6,), seed=23).requires_grad_()
+    boxes, g = _boxes(), _randn((4, 6, 3, 4), seed=24)
+    eager = ft.roi_align(ft.group_norm_swish(x, 3, weight, bias, 1e-5, 0.9), boxes, (3, 4), 0.8, 2, True)
+    registered = OPS.roi_align(OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 0.9)[0], boxes, 0.8, 3, 4, 2, True)
+    assert type(eager.grad_fn).__name__ == "EagerRoIAlignBackward"
+    assert type(eager.grad_fn.next_functions[0][0]).__name__ == "EagerGroupNormSwishBackward"
+    assert torch.equal(eager, registered)
+    for a, b in zip(torch.autograd.grad(eager, (x, weight, bias), g),
+                    torch.autograd.grad(registered, (x, weight, bias), g)):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's rule lives on the operator
+        assert "Eager" not in type(ft.roi_align(x, boxes, 3).grad_fn).__name__

@@ -49,6 +49,9 @@ def group_norm_swish(input, num_groups, weight=None, bias=None, eps=1e-5, swish_
         # fastbwd is a CPU library: other devices keep PyTorch's composite (same formula).
         y = torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
         return y * torch.sigmoid(swish_scale * y)
+    if _ops.use_eager_path(input):
+        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps),
+                                              float(swish_scale))[0]
     return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps),
                                               float(swish_scale))[0]
 

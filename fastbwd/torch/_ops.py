@@ -33,12 +33,31 @@ def fx_leaf(function, input, *args):
     return input.tracer.create_proxy("call_function", function, (input, *args), {})
 
 
+def _eager(*tensors):
+    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
+    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper), so an
+    autograd formula may run a kernel directly instead of through its operator's dispatcher
+    entry (which costs tens of microseconds per call in Python)."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+               and not torch._is_functional_tensor(t) for t in tensors)
+
+
+def use_eager_path(*tensors):
+    """True when a public function may run its operator's kernel and autograd formula through
+    an ``autograd.Function`` of the same code instead of the dispatcher: plain tensors (see
+    :func:`_eager`), not under ``torch.compile`` (which must see the operator) nor CPU autocast
+    (whose rule is registered on the operator)."""
+    # is_compiling first: torch.compile folds it to True and never traces the rest
+    return (not torch.compiler.is_compiling() and _eager(*tensors)
+            and not torch.is_autocast_enabled("cpu"))
+
+
 # ---- RoIAlign -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fastbwd::roi_align", mutates_args=(), device_types="cpu")
-def roi_align(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
-              pooled_width: int, sampling_ratio: int, aligned: bool) -> Tensor:
+def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     match_torch_threads()
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
     roi_align_api.roi_align_forward(c.as_array(input), c.as_array(rois), pooled_height, pooled_width,
@@ -47,16 +66,21 @@ def roi_align(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: 
     return output
 
 
+@torch.library.custom_op("fastbwd::roi_align", mutates_args=(), device_types="cpu")
+def roi_align(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
+              pooled_width: int, sampling_ratio: int, aligned: bool) -> Tensor:
+    return _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
+                             aligned)
+
+
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
     return input.new_empty((rois.shape[0], input.shape[1], pooled_height, pooled_width))
 
 
-@torch.library.custom_op("fastbwd::roi_align_backward", mutates_args=(), device_types="cpu")
-def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
-                       pooled_width: int, batch_size: int, channels: int, height: int, width: int,
-                       sampling_ratio: int, aligned: bool) -> Tensor:
+def _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
+                               channels, height, width, sampling_ratio, aligned):
     match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     grad_input = c.empty(input_shape, grad.dtype)
@@ -64,6 +88,14 @@ def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_
                                pooled_height, pooled_width, spatial_scale, max(sampling_ratio, 0),
                                aligned, out=c.as_array(grad_input))
     return grad_input
+
+
+@torch.library.custom_op("fastbwd::roi_align_backward", mutates_args=(), device_types="cpu")
+def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
+                       pooled_width: int, batch_size: int, channels: int, height: int, width: int,
+                       sampling_ratio: int, aligned: bool) -> Tensor:
+    return _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                      batch_size, channels, height, width, sampling_ratio, aligned)
 
 
 @roi_align_backward.register_fake
@@ -83,7 +115,10 @@ def _roi_align_grad(ctx, grad):
     if not ctx.needs_input_grad[0]:
         return (None,) * 7
     (rois,) = ctx.saved_tensors
-    return (roi_align_backward(grad, rois, *ctx.geometry),) + (None,) * 6
+    # Run as an operator wherever it may be traced or differentiated (create_graph=True).
+    backward = (_roi_align_backward_kernel if not torch.is_grad_enabled() and _eager(grad, rois)
+                else roi_align_backward)
+    return (backward(grad, rois, *ctx.geometry),) + (None,) * 6
 
 
 roi_align.register_autograd(_roi_align_grad, setup_context=_roi_align_setup)
@@ -175,23 +210,16 @@ def _(input, weight, bias, num_groups, eps, swish_scale):
         input.new_empty((input.shape[0], num_groups), dtype=dtype)
 
 
-@torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
-def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
-                              weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
-                              swish_scale: float, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dgamma, dbeta)``; dgamma (dbeta) is an empty ``(0,)`` tensor unless ``weight``
-    (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it."""
-    need_weight = output_mask[1] and weight is not None
-    need_bias = output_mask[2] and bias is not None
+def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale,
+                     need_weight, need_bias):
+    """``(dx, dgamma or None, dbeta or None)`` by ``fastbwd.group_norm_swish_backward`` (§5),
+    ``dx`` in the memory format :func:`_convert.memory_format` gives ``input``."""
     memory_format = c.memory_format(input)
     gamma, beta = _parameters(input, weight, bias)
-    none_weight, none_bias = _unrequested(input, weight, bias, need_weight, need_bias)
-
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
         return (torch.zeros(input.shape, dtype=input.dtype, memory_format=memory_format),
-                torch.zeros_like(gamma) if need_weight else none_weight,
-                torch.zeros_like(beta) if need_bias else none_bias)
-
+                torch.zeros_like(gamma) if need_weight else None,
+                torch.zeros_like(beta) if need_bias else None)
     # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come back
     # as new NumPy arrays, wrapped without a copy (dx channels_last again)
     channels_last = memory_format == torch.channels_last
@@ -204,14 +232,27 @@ def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, 
         c.as_array(beta), num_groups, "NHWC" if channels_last else "NCHW", swish_scale,
         need_weight, need_bias)
     grad_input = c.as_tensor(grad_input)
-    if channels_last:
-        grad_input = grad_input.permute(0, 3, 1, 2)
-    return (grad_input,
-            none_weight if grad_weight is None else c.as_tensor(grad_weight),
-            none_bias if grad_bias is None else c.as_tensor(grad_bias))
+    return (grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
+            None if grad_weight is None else c.as_tensor(grad_weight),
+            None if grad_bias is None else c.as_tensor(grad_bias))
 
 
-def _unrequested(input, weight, bias, need_weight, need_bias):
+@torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
+def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
+                              weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
+                              swish_scale: float, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dgamma, dbeta)``; dgamma (dbeta) is an empty ``(0,)`` tensor unless ``weight``
+    (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it."""
+    need_weight = output_mask[1] and weight is not None
+    need_bias = output_mask[2] and bias is not None
+    grad_input, grad_weight, grad_bias = _backward_kernel(
+        grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias)
+    none_weight, none_bias = _unrequested(input, weight, bias)
+    return (grad_input, none_weight if grad_weight is None else grad_weight,
+            none_bias if grad_bias is None else grad_bias)
+
+
+def _unrequested(input, weight, bias):
     """The empty tensors standing for gradients nobody asked for (a custom op returns tensors)."""
     return (input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
             input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype))
@@ -223,7 +264,7 @@ def _(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, out
                              memory_format=c.memory_format(input))
     need_weight = output_mask[1] and weight is not None
     need_bias = output_mask[2] and bias is not None
-    none_weight, none_bias = _unrequested(input, weight, bias, need_weight, need_bias)
+    none_weight, none_bias = _unrequested(input, weight, bias)
     return (grad_input, torch.empty_like(weight) if need_weight else none_weight,
             torch.empty_like(bias) if need_bias else none_bias)
 
@@ -233,20 +274,27 @@ def _group_norm_swish_setup(ctx, inputs, output):
     _, mean, rstd = output
     ctx.save_for_backward(input, weight, bias, mean, rstd)
     ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
     ctx.num_groups, ctx.eps, ctx.swish_scale = num_groups, eps, swish_scale
 
 
 def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
+    if grad_output is None:
+        return (None,) * 6
     input, weight, bias, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled():
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
         # derivative, so differentiate PyTorch's composite instead (exact double backward).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
-    grad_input, grad_weight, grad_bias = group_norm_swish_backward(
-        grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale, list(needs))
-    return (grad_input if needs[0] else None, grad_weight if needs[1] and weight is not None else None,
-            grad_bias if needs[2] and bias is not None else None, None, None, None)
+    need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
+    arguments = (grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale)
+    if _eager(grad_output, input):
+        grads = _backward_kernel(*arguments, need_weight, need_bias)
+    else:
+        grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
+    return (grads[0] if needs[0] else None, grads[1] if need_weight else None,
+            grads[2] if need_bias else None, None, None, None)
 
 
 def _composite_grad(grad_output, input, weight, bias, needs, ctx):
@@ -318,3 +366,30 @@ def _group_norm_swish_backward_grad(ctx, grad_dx, grad_dgamma, grad_dbeta):
 
 group_norm_swish_backward.register_autograd(_group_norm_swish_backward_grad,
                                             setup_context=_group_norm_swish_backward_setup)
+
+
+# ---- the eager path: the operators' own kernels and formulas, without the dispatcher ---------
+# A Python custom operator costs tens of microseconds per call in dispatch (measured in
+# docs/design.md); eager calls on plain tensors skip that, with the same code as the operator.
+
+
+# forward(ctx, ...) rather than a setup_context staticmethod: Function.apply binds the
+# arguments of the latter by inspect.signature, about 20 us per call.
+class EagerRoIAlign(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _roi_align_kernel(*inputs)
+        _roi_align_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_roi_align_grad)
+
+
+class EagerGroupNormSwish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_kernel(*inputs)
+        _group_norm_swish_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_group_norm_swish_grad)

@@ -98,6 +98,9 @@ def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: Br
     output_size = _pair(output_size)
     if not torch.jit.is_scripting():
         _check_output_size(output_size)
+        if _ops.use_eager_path(input, rois):
+            return _ops.EagerRoIAlign.apply(input, rois, float(spatial_scale), output_size[0],
+                                            output_size[1], int(sampling_ratio), bool(aligned))
     return torch.ops.fastbwd.roi_align(input, rois, float(spatial_scale), output_size[0], output_size[1],
                                        int(sampling_ratio), bool(aligned))
 
