@@ -10,8 +10,9 @@
 
 Each has a fake kernel (the shapes, dtypes and strides the real kernel returns, so
 ``torch.compile`` and ``opcheck`` see the truth) and registered autograd. The public functions in
-``_roi_align`` and ``_group_norm_swish`` validate and then call these; the kernels here only
-translate tensors to arrays and back.
+``_roi_align`` and ``_group_norm_swish`` validate and then call these, or, for plain eager calls,
+the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager_path`, at the
+end); the kernels here only translate tensors to arrays and back.
 """
 
 import math
@@ -25,6 +26,7 @@ from fastbwd.api import roi_align as roi_align_api
 
 from . import _convert as c
 from ._threads import match_torch_threads
+
 
 def fx_leaf(function, input, *args):
     """``function(input, *args)`` recorded as one node of the graph that ``input`` (a
@@ -151,7 +153,8 @@ def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, poole
     return output.to(input.dtype)
 
 
-_library = torch.library.Library("fastbwd", "FRAGMENT")  # noqa: TOR901 (kept alive by the module)
+# A registration lasts as long as its Library object: this one lives with the module.
+_library = torch.library.Library("fastbwd", "FRAGMENT")
 _library.impl("roi_align", _roi_align_autocast, "AutocastCPU", with_keyset=True)
 
 
@@ -205,9 +208,8 @@ def group_norm_swish(input: Tensor, weight: Optional[Tensor], bias: Optional[Ten
 def _(input, weight, bias, num_groups, eps, swish_scale):
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device,
                     memory_format=c.memory_format(input))
-    dtype = stats_dtype(input, weight, bias)
-    return y, input.new_empty((input.shape[0], num_groups), dtype=dtype), \
-        input.new_empty((input.shape[0], num_groups), dtype=dtype)
+    mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
+    return y, mean, torch.empty_like(mean)
 
 
 def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale,
@@ -306,10 +308,10 @@ def _composite_grad(grad_output, input, weight, bias, needs, ctx):
 
 
 def _partials(function, inputs, needs, cotangents):
-    """The vector-Jacobian products of ``function`` at ``inputs`` (some of them None), with the
-    cotangents ``cotangents(outputs)``, with respect to the inputs that ``needs`` asks for, as partial derivatives (``torch.func.vjp``, not
-    ``autograd.grad``, which would also follow paths between the inputs) and differentiable in
-    turn when grad mode is on."""
+    """The vector-Jacobian products of ``function`` at ``inputs`` (some of them None) with the
+    cotangents ``cotangents(outputs)``, for the inputs that ``needs`` asks for: partial
+    derivatives (``torch.func.vjp``; ``autograd.grad`` would also follow paths between the
+    inputs), differentiable in turn when grad mode is on."""
     present = [index for index, t in enumerate(inputs) if t is not None]
 
     def call(*tensors):

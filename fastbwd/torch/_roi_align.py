@@ -66,8 +66,9 @@ def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: Br
     boxes : Tensor[K, 5] or list of Tensor[L, 4]
         Rows ``(image, x1, y1, x2, y2)``, or one ``(x1, y1, x2, y2)`` tensor per image; the same
         dtype as ``input`` (under CPU autocast any float dtypes: both are computed in float32
-        and the result comes back in ``input``'s dtype, as torchvision's autocast kernel does). Boxes with NaN/Inf values or an image index outside the batch
-        give zero rows (torchvision would read out of bounds).
+        and the result comes back in ``input``'s dtype, as torchvision's autocast kernel does).
+        Boxes with NaN/Inf values or an image index outside the batch give zero rows
+        (torchvision would read out of bounds).
     output_size : int or (int, int)
         ``(pooled_height, pooled_width)``.
     spatial_scale : float
