@@ -201,10 +201,23 @@ def test_unusual_forwards_are_skipped_with_a_reason():
         def forward(self, x):
             return torch.relu(self.norm(x))
 
-    container = nn.ModuleDict(dict(varargs=VarArgs(), shared=Shared(), relu=NotSilu()))
+    class Caching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.GroupNorm(2, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            self.last = F.silu(self.norm(x))
+            return self.last
+
+    container = nn.ModuleDict(dict(varargs=VarArgs(), shared=Shared(), relu=NotSilu(), caching=Caching()))
     report = ft.fuse_group_norm_swish(container)
     reasons = dict(report.skipped)
     assert report == 0 and not report
+    assert "assigns attributes" in reasons["caching.norm"]
+    assert container["caching"].calls == 0 and not hasattr(container["caching"], "last")  # restored
     assert "*args" in reasons["varargs.norm"]
     assert "several names" in reasons["shared.norm"]
     assert "relu" in reasons["relu.norm"] and "not a SiLU" in reasons["relu.norm"]

@@ -120,6 +120,20 @@ def test_constant_group_at_eps_zero_gives_inf_rstd(dtype, data_format):
     assert_all_match((y, mean, rstd), expected(x, gamma, beta, 3, eps=0.0))
 
 
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+def test_statistics_stay_exact_far_from_zero(data_format):
+    """Groups at 1000 with a spread of 0.003-1 (float32 spacing there: 6e-5): the variance comes
+    from centred sums, and corrects for the rounding of the mean it is centred on."""
+    rng = np.random.default_rng(24)
+    x = (1000 + rng.standard_normal((2, 8, 20, 30)) * np.array([0.01, 0.1, 1, 0.003])[None, :, None, None]
+         .repeat(2, axis=1)).astype(F32)
+    gamma, beta = np.ones(8, F32), np.zeros(8, F32)
+    _, mean, rstd = run(x, gamma, beta, 4, data_format)
+    _, ref_mean, ref_rstd = expected(x, gamma, beta, 4)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-7)
+    np.testing.assert_allclose(rstd, ref_rstd, rtol=2e-6)
+
+
 def test_nan_and_inf_propagate():
     x, gamma, beta = inputs((2, 6, 5, 4), 3, F32, seed=6)
     x[0, 0, 0, 0] = np.inf  # the first element of its group, which the mean pass shifts by

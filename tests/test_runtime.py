@@ -217,6 +217,16 @@ nhwc = fastbwd.group_norm_swish_backward(np.ascontiguousarray(dy.transpose(0, 2,
                                          np.ascontiguousarray(x.transpose(0, 2, 3, 1)), gamma, beta, 4,
                                          data_format="NHWC")
 close(nhwc[0].transpose(0, 3, 1, 2), expected_gns[0])
+# group_norm_swish (the forward): both layouts, a group of several blocks, without Swish too
+for shape, groups, swish in (((2, 8, 7, 9), 4, True), ((1, 2, 70, 65), 1, False)):
+    x = rng.standard_normal(shape).astype(np.float32)
+    gamma, beta = rng.standard_normal(shape[1]).astype(np.float32), rng.standard_normal(shape[1]).astype(np.float32)
+    want = ref.group_norm_swish_forward(x, gamma, beta, groups, activate_swish=swish)
+    for result, expect in zip(fastbwd.group_norm_swish(x, gamma, beta, groups, activate_swish=swish), want):
+        close(result, expect)
+    nhwc = fastbwd.group_norm_swish(np.ascontiguousarray(np.moveaxis(x, 1, -1)), gamma, beta, groups, "NHWC",
+                                    activate_swish=swish)
+    close(np.moveaxis(nhwc[0], -1, 1), want[0])
 # roi_align, fixed and adaptive sampling
 shape = (2, 5, 20, 24)
 boxes = roi_boxes(12, shape, 0.5)

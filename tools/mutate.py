@@ -54,6 +54,8 @@ T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
 T_PLANS = "tests/test_plans.py"
 T_SIMD = "tests/test_simd.py"
+T_GNF = "tests/test_group_norm_swish_forward.py"
+T_FUSE = "tests/test_fuse.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -77,6 +79,7 @@ B_GN = "fastbwd/torch/_group_norm_swish.py"
 B_OPS = "fastbwd/torch/_ops.py"
 B_ROI = "fastbwd/torch/_roi_align.py"
 T_TORCH_OPS = "tests/test_torch_ops.py"
+B_FUSE = "fastbwd/torch/_fuse.py"
 REF = "fastbwd/testing/reference.py"
 
 MUTANTS = [
@@ -701,6 +704,92 @@ MUTANTS = [
            "    images = [torch.full_like(per_image[:, :1], index) for index, per_image in enumerate(boxes)]\n",
            "    images = [torch.full_like(per_image[:, :1], 0) for index, per_image in enumerate(boxes)]\n",
            T_TORCH, "a list of boxes all assigned to image 0"),
+    # ---- group_norm_swish, the forward (issue 29) ------------------------------------------------
+    Mutant("gnf-mean-without-shift", "group_norm_swish", K_GN,
+           "        group_mean = shift + total / count",
+           "        group_mean = total / count",
+           T_GNF, "NCHW mean forgets the shift its sums start from"),
+    Mutant("gnf-block-short", "group_norm_swish", K_GN,
+           "            total += _block_moments(row, block_start, min(block_start + BLOCK, stop), shift, fmt)[0]",
+           "            total += _block_moments(row, block_start, min(block_start + BLOCK - 1, stop), shift, fmt)[0]",
+           T_GNF, "NCHW mean pass skips the last element of every block"),
+    Mutant("gnf-moments-square", "group_norm_swish", K_GN,
+           "            new_dd = builder.fadd(old_dd, builder.fmul(deviation, deviation))",
+           "            new_dd = builder.fadd(old_dd, builder.fmul(deviation, value))",
+           T_GNF, "centred sum of squares multiplies by x instead of the deviation"),
+    Mutant("gnf-moments-center", "group_norm_swish", K_GN,
+           "            new_d = builder.fadd(old_d, deviation)",
+           "            new_d = builder.fadd(old_d, value)",
+           T_GNF, "the block sum adds x, not x - center"),
+    Mutant("gnf-var-no-correction", "group_norm_swish", K_GN,
+           "    var = (t2 - t1 * (t1 / count)) / count",
+           "    var = t2 / count",
+           T_GNF, "variance without the t1 correction for the mean's rounding (accuracy only)"),
+    Mutant("gnf-no-eps", "group_norm_swish", K_GN,
+           "    return one / math.sqrt(var + eps)",
+           "    return one / math.sqrt(var)",
+           T_GNF, "eps dropped from rstd"),
+    Mutant("gnf-shift-nonfinite", "group_norm_swish", K_GN,
+           "    return first if abs(first) < math.inf else zero",
+           "    return first",
+           T_GNF, "an infinite first element shifts its group's sums (mean NaN instead of inf)"),
+    Mutant("gnf-swish-sign", "group_norm_swish", K_GN,
+           "    return (y if z >= 0 else y * e) / (_ONE32 + e)",
+           "    return (y * e if z >= 0 else y) / (_ONE32 + e)",
+           T_GNF, "float32 sigmoid of the wrong sign in the forward's Swish"),
+    Mutant("gnf-nchw-activate-ignored", "group_norm_swish", K_GN,
+           "    if activate_swish:\n        for i in range(x_row.shape[0]):",
+           "    if True:\n        for i in range(x_row.shape[0]):",
+           T_GNF, "NCHW applies Swish with activate_swish False"),
+    Mutant("gnf-nchw-abs-gamma", "group_norm_swish", K_GN,
+           "            _normalise_row(x[n, c], y[n, c], group_mean, group_rstd * gamma[c], beta[c], activate_swish,",
+           "            _normalise_row(x[n, c], y[n, c], group_mean, group_rstd * abs(gamma[c]), beta[c], activate_swish,",
+           T_GNF, "NCHW scales by |gamma|"),
+    Mutant("gnf-nhwc-activate-ignored", "group_norm_swish", K_GN,
+           "        if activate_swish:\n            for k in range(width):",
+           "        if True:\n            for k in range(width):",
+           T_GNF, "NHWC applies Swish with activate_swish False"),
+    Mutant("gnf-nhwc-gamma-offset", "group_norm_swish", K_GN,
+           "            scale[k] = group_rstd * gamma[start + k]",
+           "            scale[k] = group_rstd * gamma[k]",
+           T_GNF, "NHWC runs after the first read gamma from channel 0"),
+    Mutant("gnf-nhwc-shift-per-channel", "group_norm_swish", K_GN,
+           "        center[k] = _shift_of(load(x[n, 0, start + (k // group_size) * group_size], fmt), zero)",
+           "        center[k] = _shift_of(load(x[n, 0, start + k], fmt), zero)",
+           T_GNF, "NHWC shifts each channel by its own first element, the mean by the group's"),
+    Mutant("gnf-nhwc-last-block-only", "group_norm_swish", K_GN,
+           "        total_d += block_d\n",
+           "        total_d[:] = block_d\n",
+           T_GNF, "NHWC per-channel sums keep only the last block of positions"),
+    Mutant("gnf-api-mean-from-rstd", "group_norm_swish", A_GN,
+           "        mean[...] = mean_c\n",
+           "        mean[...] = rstd_c\n",
+           T_GNF, "statistics in a dtype other than the compute type: mean copied from rstd"),
+    Mutant("gnf-api-eps-inf", "group_norm_swish", A_GN,
+           "    if not 0 <= eps < math.inf:",
+           "    if not 0 <= eps:",
+           T_GNF, "an infinite eps accepted"),
+    # ---- fuse_group_norm_swish (issue 29) -------------------------------------------------------
+    Mutant("fuse-used-twice", "torch", B_FUSE,
+           "            if len(users) != 1:",
+           "            if len(users) < 1:",
+           T_FUSE, "a GroupNorm whose output is also used elsewhere is fused when its first user is a SiLU"),
+    Mutant("fuse-one-training-mode", "torch", B_FUSE,
+           "            owner.training = mode  # the owner's flag only",
+           "            owner.training = training  # the owner's flag only",
+           T_FUSE, "both training flags traced in the module's current mode (dropout baked in)"),
+    Mutant("fuse-optional-not-specialised", "torch", B_FUSE,
+           "            concrete = {name: None for name, none in zip(optional, nones) if none}",
+           "            concrete = {}",
+           T_FUSE, "a None optional argument runs the graph traced with a tensor"),
+    Mutant("fuse-sequential-any-follower", "torch", B_FUSE,
+           "            if type(following) is nn.SiLU:",
+           "            if following is not None:",
+           T_FUSE, "nn.Sequential: a GroupNorm followed by anything is fused"),
+    Mutant("fuse-any-function", "torch", B_FUSE,
+           "    return node.op == \"call_function\" and node.target is torch.nn.functional.silu",
+           "    return node.op == \"call_function\"",
+           T_FUSE, "any function after a GroupNorm counts as a SiLU"),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.

@@ -632,23 +632,22 @@ def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want
 def swish_float32(y, swish_scale):
     """``y * sigmoid(swish_scale * y)`` in float32 for any ``y`` and scale; vectorises.
 
-    The exponential sees ``-|z|`` only (``z = s*y`` clamped to +-104, where sigmoid is 0 or 1
-    to float32 precision), so nothing overflows; ``sigmoid(z)`` is ``1/(1+e)`` or ``e/(1+e)``
-    with ``e = exp(-|z|)``, neither formed by cancellation. NaN propagates.
+    The exponential sees ``-|z|`` only (``z = s*y``), so nothing overflows (beyond |z| = 87.3
+    it is flushed to 0 and sigmoid is exactly 1 or 0, its value to float32 precision there);
+    the result is ``y/(1+e)`` or ``y*e/(1+e)`` with ``e = exp(-|z|)``: one division, no
+    cancellation. NaN propagates.
     """
-    z = _clamp(swish_scale * y, SWISH_CLAMP32)
+    z = swish_scale * y
     e = exp_nonpositive_float32(-abs(z))
-    inv = _ONE32 / (_ONE32 + e)
-    return y * (inv if z >= 0 else e * inv)
+    return (y if z >= 0 else y * e) / (_ONE32 + e)
 
 
 @helper
 def swish_float64(y, swish_scale):
-    """:func:`swish_float32` in float64 (``math.exp``, clamp +-750)."""
-    z = _clamp(swish_scale * y, SWISH_CLAMP64)
+    """:func:`swish_float32` in float64 (``math.exp``, which underflows to 0 past |z| = 745)."""
+    z = swish_scale * y
     e = math.exp(-abs(z))
-    inv = _ONE64 / (_ONE64 + e)
-    return y * (inv if z >= 0 else e * inv)
+    return (y if z >= 0 else y * e) / (_ONE64 + e)
 
 
 def swish(y, swish_scale):

@@ -91,7 +91,8 @@ def fuse_group_norm_swish(module):
       GroupNorm feeds only an ``nn.SiLU`` (for example ``self.nonlinearity``) or ``F.silu``, the
       GroupNorm is replaced by a GroupNormSwish under the same name and the SiLU call removed
       from a forward generated for that instance. A forward that cannot be traced (control flow
-      on tensor values or shapes, ``*args``) is left as it is.
+      on tensor values or shapes, ``*args``) or that assigns the module's attributes (which a
+      graph would drop) is left as it is.
 
     Fused modules hold the same Parameter objects (an optimizer built before keeps working) and
     state_dict keys do not change, so checkpoints load either way. A rewritten ``forward()`` is
@@ -223,8 +224,16 @@ def _fuse_in_forward(owner, owner_name, norms, names, fused, skipped):
     try:
         for mode, nones in cases:
             owner.training = mode  # the owner's flag only: its children are not run while tracing
+            state = _state(owner)
             concrete = {name: None for name, none in zip(optional, nones) if none}
-            graphs[mode, nones] = _LeafTracer().trace(owner, concrete_args=concrete)
+            try:
+                graphs[mode, nones] = _LeafTracer().trace(owner, concrete_args=concrete)
+            finally:
+                changed = _changed(owner, state)
+                if changed:
+                    _restore(owner, state)
+            if changed:  # forward() rebinds attributes (a cache, a counter): a graph would drop that
+                return skip_all(f"{label} assigns attributes of the module, which a traced graph would drop")
     except Exception as error:  # noqa: BLE001 - anything fx cannot trace: leave the module as it is
         return skip_all(f"{label} cannot be traced ({_first_line(error)})")
     finally:
@@ -281,6 +290,28 @@ def _fuse_in_forward(owner, owner_name, norms, names, fused, skipped):
         fused[qualified[target]] = where[target]
     owner.forward = _FusedForward(owner, _dispatcher(signature, optional, functions))
     return None
+
+
+def _tables(module):
+    return (module.__dict__, module._parameters, module._buffers, module._modules)
+
+
+def _state(module):
+    """Shallow copies of what an attribute assignment in forward() can change: the module's own
+    attributes, parameters, buffers and children."""
+    return tuple(dict(table) for table in _tables(module))
+
+
+def _changed(module, state):
+    return any(table.keys() != saved.keys() or any(table[name] is not saved[name] for name in saved)
+               for table, saved in zip(_tables(module), state))
+
+
+def _restore(module, state):
+    """Undo assignments made while tracing (their values may hold fx proxies)."""
+    for table, saved in zip(_tables(module), state):
+        table.clear()
+        table.update(saved)
 
 
 def _flat(value):
