@@ -225,6 +225,8 @@ def test_group_norm_swish_takes_nn_group_norms_constructor():
     y = plain(x)
     torch.testing.assert_close(fused(x), y * torch.sigmoid(0.5 * y), rtol=1e-12, atol=1e-12)
     assert ft.GroupNormSwish(2, 4, 1e-5, False, "cpu").weight is None
+    with pytest.raises(TypeError, match="pass swish_scale=0.5 as a keyword"):
+        ft.GroupNormSwish(2, 4, 1e-5, True, 0.5)  # the old positional swish_scale
 
 
 @pytest.mark.parametrize("groups, channels, shape", [

@@ -67,6 +67,10 @@ class GroupNormSwish(nn.GroupNorm):
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *,
                  bias=True, swish_scale=1.0):
+        if isinstance(device, float):
+            # swish_scale was the fifth positional argument before nn.GroupNorm's device took it.
+            raise TypeError(f"GroupNormSwish: the fifth argument is nn.GroupNorm's device, but got "
+                            f"{device!r}; pass swish_scale={device!r} as a keyword")
         super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
         self.swish_scale = float(swish_scale)
 
