@@ -137,7 +137,8 @@ def test_fx_symbolic_trace_keeps_the_operators_as_leaves():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script is deprecated
-def test_torch_jit_script_both_box_forms():
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the eager shape checks, traced
+def test_torch_jit_script_and_trace_both_box_forms():
     x, boxes = _randn((2, 3, 9, 11)), _boxes()
     for function, box_form in ((_roi_with_tensor, boxes), (_roi_with_list, _per_image(boxes))):
         scripted = torch.jit.script(function)
@@ -146,6 +147,9 @@ def test_torch_jit_script_both_box_forms():
     scripted = torch.jit.script(module)
     for box_form in (boxes, _per_image(boxes)):
         torch.testing.assert_close(scripted(x, box_form), module(x, box_form), rtol=0, atol=0)
+    traced = torch.jit.trace(_roi_with_tensor, (x, boxes))  # records the operator, not Python
+    assert "fastbwd::roi_align" in str(traced.graph)
+    torch.testing.assert_close(traced(x, boxes), _roi_with_tensor(x, boxes), rtol=0, atol=0)
     # Scripted code skips the eager checks; the operator's own validation still refuses bad boxes.
     with pytest.raises(RuntimeError, match="boxes must have shape \\(K, 5\\)"):
         torch.jit.script(_roi_with_tensor)(x, boxes[:, :4])

@@ -49,10 +49,10 @@ def _eager(*tensors):
 def use_eager_path(*tensors):
     """True when a public function may run its operator's kernel and autograd formula through
     an ``autograd.Function`` of the same code instead of the dispatcher: plain tensors (see
-    :func:`_eager`), not under ``torch.compile`` (which must see the operator) nor CPU autocast
-    (whose rule is registered on the operator)."""
+    :func:`_eager`), not under ``torch.compile`` or ``torch.jit.trace`` (which must record the
+    operator) nor CPU autocast (whose rule is registered on the operator)."""
     # is_compiling first: torch.compile folds it to True and never traces the rest
-    return (not torch.compiler.is_compiling() and _eager(*tensors)
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and _eager(*tensors)
             and not torch.is_autocast_enabled("cpu"))
 
 
