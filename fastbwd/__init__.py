@@ -1,6 +1,6 @@
 """fastbwd: exact, fast, parallel, deterministic CPU kernels for five neural-network backward
-operators (the Huawei Ascend aclnn operators described in ``docs/semantics.md``), written with
-Numba.
+operators and the GroupNorm+Swish forward (the Huawei Ascend aclnn operators described in
+``docs/semantics.md``), written with Numba.
 
 Importing fastbwd compiles nothing and never imports torch; each kernel compiles on first use
 and is cached on disk (``fastbwd.precompile()`` or ``python -m fastbwd --precompile`` fills the

@@ -118,7 +118,29 @@ def _group_norm_swish(rng):
     return result, expected
 
 
-@pytest.mark.parametrize("call", [_upsample, _pad, _roi_align, _group_norm_swish], ids=lambda f: f.__name__[1:])
+def _group_norm_swish_forward(rng):
+    n, c = _size(rng), _size(rng)
+    groups = int(rng.choice([1, 2, 3, 0, -1]))
+    shape = (n, c) + tuple(_size(rng) for _ in range(int(rng.integers(0, 3))))
+    x = _array(rng, shape, (np.float32,))
+    gamma, beta = _array(rng, (c,), (np.float32,)), _array(rng, (c,), (np.float32,))
+    data_format = str(rng.choice(["NCHW", "NHWC", "ND", "XYZ"]))
+    eps = float(rng.choice([1e-5, 0.0, 1.0, -1e-5, np.nan]))
+    swish_scale = float(rng.choice([1.0, -2.0, 0.0, 1e30, np.nan]))
+    result = fastbwd.group_norm_swish(x, gamma, beta, groups, data_format, eps, True, swish_scale)
+
+    def expected():
+        if not (_ordinary(x, gamma, beta) and abs(swish_scale) < 1e30 and eps > 0):
+            return None
+        moved = data_format == "NHWC"
+        y, mean, rstd = ref.group_norm_swish_forward(np.moveaxis(x, -1, 1) if moved else x, gamma, beta, groups,
+                                                     eps, swish_scale)
+        return (np.moveaxis(y, 1, -1) if moved else y), mean, rstd
+    return result, expected
+
+
+@pytest.mark.parametrize("call", [_upsample, _pad, _roi_align, _group_norm_swish, _group_norm_swish_forward],
+                         ids=lambda f: f.__name__[1:])
 def test_only_results_or_param_errors_and_valid_results_match_the_reference(call):
     rng = np.random.default_rng(20261121)
     results = compared = 0
