@@ -1,4 +1,4 @@
-"""PyTorch-bridge benchmarks T1-T5 and T7 (fastbwd.torch against plain PyTorch, same thread count)."""
+"""PyTorch-bridge benchmarks T1-T7 (fastbwd.torch against plain PyTorch, same thread count)."""
 
 import numba
 import pytest

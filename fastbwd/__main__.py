@@ -243,7 +243,7 @@ def run(args):
 
 
 def torch_bridge(args):
-    """The PyTorch bridge's cases T1-T5 (``fastbwd.testing.torch_cases``): each checks its
+    """The PyTorch bridge's cases T1-T7 (``fastbwd.testing.torch_cases``): each checks its
     gradients against plain PyTorch, then both are timed; returns the rows."""
     from fastbwd.testing.torch_cases import cases
 

@@ -489,9 +489,9 @@ def test_group_norm_swish_gradcheck(shape, groups, swish_scale):
 @pytest.mark.parametrize("memory_format", FORMATS, ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
-    """Forward equal to nn.GroupNorm + SiLU; every gradient close to PyTorch's autograd; the
-    gradient bitwise equal to a direct fastbwd call (NHWC for channels_last input), in
-    PyTorch's memory format."""
+    """Forward and every gradient close to nn.GroupNorm + SiLU under PyTorch's autograd, in
+    PyTorch's memory format; forward and gradients bitwise equal to direct fastbwd calls (NHWC
+    for channels_last input): the forward kernel, then the backward from its mean and rstd."""
     x = _randn((2, 8, 6, 5), dtype, 14, memory_format).requires_grad_()
     weight = _randn((8,), dtype, 15).requires_grad_()
     bias = _randn((8,), dtype, 16).requires_grad_()
@@ -499,16 +499,19 @@ def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
     expected_y = _group_norm_silu(x, 4, weight, bias, 1e-5, 0.8)
     expected = torch.autograd.grad(expected_y, (x, weight, bias), dy)
     y = ft.group_norm_swish(x, 4, weight, bias, 1e-5, 0.8)
-    torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
+    _assert_close_to_torch(y, expected_y)
+    _same_layout(y, expected_y)
     actual = torch.autograd.grad(y, (x, weight, bias), dy)
     for a, e in zip(actual, expected):
         _assert_close_to_torch(a, e)
     _same_layout(actual[0], expected[0])
-    mean, rstd = torch.native_group_norm(x, weight, bias, 2, 8, 30, 4, 1e-5)[1:]
     layout = "NHWC" if memory_format == torch.channels_last else "NCHW"
     nhwc = (lambda t: t.permute(0, 2, 3, 1)) if layout == "NHWC" else (lambda t: t)
+    direct_y, mean, rstd = fastbwd.group_norm_swish(*_arrays(nhwc(x.detach()), weight, bias), 4, layout,
+                                                    1e-5, True, 0.8)
+    assert bitwise_equal(_convert.as_array(nhwc(y.detach()).contiguous()), direct_y)
     direct = fastbwd.group_norm_swish_backward(
-        *_arrays(nhwc(dy), mean, rstd, nhwc(x.detach()), weight, bias), 4, layout, 0.8)
+        *_arrays(nhwc(dy)), mean, rstd, *_arrays(nhwc(x.detach()), weight, bias), 4, layout, 0.8)
     for a, d in zip(actual, direct):
         a = nhwc(a) if a.dim() == 4 else a
         assert bitwise_equal(_convert.as_array(a.contiguous()), d)
@@ -523,8 +526,11 @@ def test_group_norm_swish_half_input_with_float32_parameters(dtype):
     y = ft.group_norm_swish(x, 2, weight, bias)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
     assert [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
-    # The float64 oracle of the same fused backward, from the same (rounded) inputs.
-    mean, rstd = torch.native_group_norm(x, weight, bias, 2, 8, 42, 2, 1e-5)[1:]
+    _assert_close_to_torch(y, _group_norm_silu(x, 2, weight, bias))
+    # The float64 oracle of the same fused backward, from the same (rounded) inputs and the
+    # forward kernel's mean and rstd (float32, as the parameters).
+    mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)[1:]
+    assert mean.dtype == rstd.dtype == torch.float32
     expected = ref.group_norm_swish_backward(
         *[_convert.as_array(t.detach().double()) for t in (dy, mean, rstd, x, weight, bias)], 2)
     assert_matches_reference(_convert.as_array(grads[0]), expected[0])

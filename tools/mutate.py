@@ -77,6 +77,9 @@ PLANS = "fastbwd/api/_plans.py"
 DT = "fastbwd/_dtypes.py"
 B_ROUTING = "fastbwd/torch/_routing.py"
 B_GN = "fastbwd/torch/_group_norm_swish.py"
+B_OPS = "fastbwd/torch/_ops.py"
+B_ROI = "fastbwd/torch/_roi_align.py"
+T_TORCH_OPS = "tests/test_torch_ops.py"
 B_FUSE = "fastbwd/torch/_fuse.py"
 REF = "fastbwd/testing/reference.py"
 J_GATE = "fastbwd/jax/_gate.py"
@@ -664,9 +667,9 @@ MUTANTS = [
            "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n"
            "        _DECISIONS.add(signature, _FALLBACK)\n        return None",
            T_TORCH, "an out= overlapping an input (a per-call refusal) hands the whole geometry to PyTorch"),
-    Mutant("torch-gn-bias-grad", "torch", B_GN,
-           "    need_bias = need_bias and bias is not None\n",
-           "    need_bias = False\n",
+    Mutant("torch-gn-bias-grad", "torch", B_OPS,
+           "    need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None\n",
+           "    need_weight, need_bias = needs[1] and weight is not None, False\n",
            T_TORCH, "GroupNormSwish never computes the bias gradient"),
     # ---- fastbwd.jax's exit gate (issue 27) ------------------------------------------------------
     Mutant("jax-gate-refuses-while-open", "jax", J_GATE,
@@ -689,6 +692,41 @@ MUTANTS = [
            "    _state[0] = 0\n    _state[1] = 0",
            "    _state[1] = 0",
            T_EXIT, "a forked child inherits its parent's calls in flight and waits for them forever"),
+    # ---- the registered operators (fastbwd/torch/_ops.py) ----
+    Mutant("torch-ops-roi-autocast-dtype", "torch", B_OPS,
+           "    return output.to(input.dtype)\n",
+           "    return output\n",
+           T_TORCH_OPS, "roi_align under CPU autocast returns float32 instead of the input's dtype"),
+    Mutant("torch-ops-roi-double-backward-zero", "torch", B_OPS,
+           "    return (roi_align(grad_grad, rois, *ctx.geometry),) + (None,) * 10\n",
+           "    return (torch.zeros((rois.shape[0],) + grad_grad.shape[1:2] + tuple(ctx.geometry[1:3]),\n"
+           "                        dtype=grad_grad.dtype),) + (None,) * 10\n",
+           T_TORCH_OPS, "RoIAlign's double backward silently zero"),
+    Mutant("torch-ops-gn-no-composite", "torch", B_OPS,
+           "    if torch.is_grad_enabled():\n        # A graph of the backward",
+           "    if False:\n        # A graph of the backward",
+           T_TORCH_OPS, "GroupNorm+Swish double backward through the backward operator (misses mean/rstd's dependence on x)"),
+    Mutant("torch-ops-gn-fake-layout", "torch", B_OPS,
+           "    y = torch.empty(input.shape, dtype=input.dtype, device=input.device,\n"
+           "                    memory_format=c.memory_format(input))",
+           "    y = torch.empty(input.shape, dtype=input.dtype, device=input.device)",
+           T_TORCH_OPS, "the forward's fake kernel claims a contiguous y for channels_last input"),
+    Mutant("torch-ops-explicit-c2", "torch", B_OPS,
+           "    c2 = (scaled * xhat.reshape(grouped)).mean(-1, keepdim=True)\n",
+           "    c2 = (scaled * xhat.reshape(grouped)).sum(-1, keepdim=True)\n",
+           T_TORCH_OPS, "the backward operator's derivative (§5's formula) without the 1/M of c2"),
+    Mutant("torch-ops-eager-under-tracing", "torch", B_OPS,
+           "    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():\n        return False\n    return all(",
+           "    return True or all(",
+           T_TORCH_OPS, "kernels run directly (not as operators) even under tracing: torch.compile's AOTAutograd"),
+    Mutant("torch-gn-one-value-per-group", "torch", B_GN,
+           "    if values == 1:\n",
+           "    if values == 0:\n",
+           T_TORCH_OPS, "GroupNormSwish accepts one value per group (nn.GroupNorm raises ValueError)"),
+    Mutant("torch-roi-list-image-index", "torch", B_ROI,
+           "    images = [torch.full_like(per_image[:, :1], index) for index, per_image in enumerate(boxes)]\n",
+           "    images = [torch.full_like(per_image[:, :1], 0) for index, per_image in enumerate(boxes)]\n",
+           T_TORCH, "a list of boxes all assigned to image 0"),
     # ---- group_norm_swish, the forward (issue 29) ------------------------------------------------
     Mutant("gnf-mean-without-shift", "group_norm_swish", K_GN,
            "        group_mean = shift + total / count",

@@ -1,4 +1,4 @@
-"""The PyTorch-bridge benchmark cases T1-T5 and T7 (bench/bench_torch.py and ``python -m fastbwd``).
+"""The PyTorch-bridge benchmark cases T1-T7 (bench/bench_torch.py and ``python -m fastbwd``).
 
 Each case builds, at full size (or ``quick`` small size), a pair of zero-argument callables over
 the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plain PyTorch), plus
@@ -93,6 +93,53 @@ def _group_norm_swish_case(shape, groups, target):
                      fastbwd_backward, torch_backward, check, target)
 
 
+#: T6/T6f's shapes (issue 29): diffusion and segmentation activations, (x shape, groups).
+MODULE_SHAPES = [((8, 64, 32, 32), 32), ((8, 128, 16, 16), 32), ((8, 256, 16, 16), 32),
+                 ((8, 64, 64, 64), 32), ((8, 32, 128, 128), 16), ((8, 512, 32, 32), 32)]
+MODULE_SHAPES_QUICK = [((2, 64, 8, 8), 32), ((2, 32, 16, 16), 16)]
+
+
+def _module_case(index, shape, groups, forward_only, target):
+    """T6 (forward + backward) or T6f (forward alone, as in training: input requiring grad) of
+    ``GroupNormSwish`` against ``nn.GroupNorm`` + ``nn.SiLU`` with the same parameters."""
+    x = _randn(shape, 61, requires_grad=True)
+    fused = ft.GroupNormSwish(groups, shape[1])
+    plain = nn.Sequential(nn.GroupNorm(groups, shape[1]), nn.SiLU())
+    with torch.no_grad():
+        fused.weight.normal_(generator=torch.Generator().manual_seed(62))
+        fused.bias.normal_(generator=torch.Generator().manual_seed(63))
+        plain[0].load_state_dict(fused.state_dict())
+    g = _randn(shape, 64)
+
+    def step(model, parameters):
+        def run():
+            y = model(x)
+            if forward_only:
+                return (y,)
+            return (y,) + torch.autograd.grad(y, (x,) + parameters, g)
+        return run
+
+    fastbwd_step = step(fused, (fused.weight, fused.bias))
+    torch_step = step(plain, (plain[0].weight, plain[0].bias))
+    id = f"T6f.{index}" if forward_only else f"T6.{index}"
+
+    def check():
+        _assert_close(fastbwd_step(), torch_step(), 1e-4, 1e-5, id)
+
+    what = "forward" if forward_only else "forward + backward"
+    return TorchCase(id, f"GroupNormSwish vs GroupNorm+SiLU {what} {shape}, {groups} groups",
+                     fastbwd_step, torch_step, check, target)
+
+
+def module_cases(quick=False, forward_only=False):
+    """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: two small)."""
+    shapes = MODULE_SHAPES_QUICK if quick else MODULE_SHAPES
+    big = (8, 512, 32, 32)
+    return [_module_case(index, shape, groups, forward_only,
+                         ">= 1.5x" if shape == big else ("report" if forward_only else ">= 1.0x"))
+            for index, (shape, groups) in enumerate(shapes, 1)]
+
+
 def _roi_align_case(input_shape, num_boxes, target):
     """T4: forward + backward of fastbwd.torch.roi_align against the pure-PyTorch formulation."""
     spatial_scale, sampling_ratio, aligned, pooled = 0.25, 2, True, 7
@@ -165,7 +212,8 @@ def _training_step_case(batch, channels, size, target):
 
 
 def cases(quick=False):
-    """T1-T5 (issue 11's table); ``quick`` uses small shapes."""
+    """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes) and T7; ``quick`` uses
+    small shapes."""
     if quick:
         up, pool, norm, roi, block = ((2, 8, 16, 16), (2, 8, 14, 14), ((2, 64, 8, 8), 32),
                                       ((2, 16, 25, 38), 32), (2, 32, 16))
@@ -180,6 +228,8 @@ def cases(quick=False):
         _group_norm_swish_case(*norm, ">= 1.4x"),
         _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
+        *module_cases(quick),
+        *module_cases(quick, forward_only=True),
         _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
     ]
 

@@ -5,81 +5,58 @@ kernel and the backward is ``fastbwd.roi_align_backward``, both from the same pe
 tables, deterministic for any thread count.
 """
 
+from typing import List, Union
+
 import torch
-from torch import nn
-from torch.autograd.function import once_differentiable
+from torch import Tensor, nn
+from torch.jit.annotations import BroadcastingList2
+from torch.nn.modules.utils import _pair
 
 import fastbwd
-from fastbwd.api import roi_align as roi_align_api
 
-from . import _convert as c
-from ._threads import match_torch_threads
+from . import _ops
 
 
-def _pair(size, name):
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size, size
-    size = tuple(size)
-    if len(size) != 2:
-        raise fastbwd.ParamError(f"roi_align: {name} must be an int or a pair of ints, but got {size}",
-                                 param=name)
-    return size
-
-
-def boxes_to_rois(boxes, dtype=torch.float32):
-    """torchvision's two forms of boxes as one ``(K, 5)`` tensor of ``(image, x1, y1, x2, y2)``.
-
-    ``boxes`` is a ``Tensor[K, 5]`` (returned as it is) or a list/tuple of ``Tensor[L, 4]``, one
-    per image of the batch, which become rows with their list index as the image (an empty
-    list gives no rows, of ``dtype``)."""
+def _check_boxes(boxes):
+    """Eager-mode checks of the two box forms, as ParamError (scripted code asserts instead)."""
     if isinstance(boxes, torch.Tensor):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
             raise fastbwd.ParamError(
                 f"roi_align: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], but got a "
                 f"tensor of shape {tuple(boxes.shape)}", param="boxes")
-        return boxes
-    boxes = list(boxes)
+        return
+    if not isinstance(boxes, (list, tuple)):
+        raise fastbwd.ParamError(
+            f"roi_align: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], but got "
+            f"{type(boxes).__name__}", param="boxes")
     for index, per_image in enumerate(boxes):
         if not isinstance(per_image, torch.Tensor) or per_image.dim() != 2 or per_image.shape[1] != 4:
             shape = tuple(per_image.shape) if isinstance(per_image, torch.Tensor) else type(per_image).__name__
             raise fastbwd.ParamError(
                 f"roi_align: boxes[{index}] must be a Tensor[L, 4], but got {shape}", param="boxes")
-    if not boxes:
-        return torch.zeros((0, 5), dtype=dtype)
-    rows = torch.cat(boxes, dim=0)
-    images = torch.cat([torch.full((len(b), 1), i, dtype=rows.dtype, device=rows.device)
-                        for i, b in enumerate(boxes)], dim=0)
-    return torch.cat([images, rows], dim=1)
 
 
-class _RoIAlign(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, rois, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
-        match_torch_threads()
-        output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
-        roi_align_api.roi_align_forward(c.as_array(input), c.as_array(rois), pooled_height, pooled_width,
-                          spatial_scale, sampling_ratio, aligned, out=c.as_array(output))
-        ctx.save_for_backward(rois)
-        ctx.geometry = (tuple(input.shape), pooled_height, pooled_width, spatial_scale,
-                        sampling_ratio, aligned)
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        (rois,) = ctx.saved_tensors
-        input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned = ctx.geometry
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        match_torch_threads()
-        grad_input = c.empty(input_shape, grad_output.dtype)
-        fastbwd.roi_align_backward(c.as_array(grad_output.contiguous()), c.as_array(rois),
-                                   input_shape, pooled_height, pooled_width, spatial_scale,
-                                   sampling_ratio, aligned, out=c.as_array(grad_input))
-        return (grad_input,) + (None,) * 6
+def _check_output_size(output_size: List[int]):
+    if len(output_size) != 2:
+        raise fastbwd.ParamError(f"roi_align: output_size must be an int or a pair of ints, but got "
+                                 f"{tuple(output_size)}", param="output_size")
 
 
-def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
+def boxes_to_rois(boxes: List[Tensor], like: Tensor) -> Tensor:
+    """One tensor per image of ``(x1, y1, x2, y2)`` rows -> one ``(K, 5)`` tensor of ``(image,
+    x1, y1, x2, y2)`` rows, the list index as the image (an empty list: no rows, of ``like``'s
+    dtype). Written so that TorchScript compiles it (no size it cannot infer)."""
+    if len(boxes) == 0:
+        return torch.zeros((0, 5), dtype=like.dtype, device=like.device)
+    images = [torch.full_like(per_image[:, :1], index) for index, per_image in enumerate(boxes)]
+    return torch.cat([torch.cat(images, dim=0), torch.cat(boxes, dim=0)], dim=1)
+
+
+# A leaf of torch.fx.symbolic_trace (as torchvision's roi_align): the boxes list cannot be
+# iterated as a Proxy, and the registered operator is what a graph should hold.
+@torch.fx.wrap
+def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: BroadcastingList2[int],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
     """``torchvision.ops.roi_align`` on fastbwd (forward and backward).
 
     Parameters
@@ -88,8 +65,10 @@ def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, a
         float32, float64, float16 or bfloat16, on the CPU.
     boxes : Tensor[K, 5] or list of Tensor[L, 4]
         Rows ``(image, x1, y1, x2, y2)``, or one ``(x1, y1, x2, y2)`` tensor per image; the same
-        dtype as ``input``. Boxes with NaN/Inf values or an image index outside the batch
-        give zero rows (torchvision would read out of bounds).
+        dtype as ``input`` (under CPU autocast any float dtypes: both are computed in float32
+        and the result comes back in ``input``'s dtype, as torchvision's autocast kernel does).
+        Boxes with NaN/Inf values or an image index outside the batch give zero rows
+        (torchvision would read out of bounds).
     output_size : int or (int, int)
         ``(pooled_height, pooled_width)``.
     spatial_scale : float
@@ -103,14 +82,28 @@ def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, a
     Returns
     -------
     Tensor[K, C, pooled_height, pooled_width]
-        In ``input``'s dtype. The gradient flows to ``input`` (not to ``boxes``, as in
-        torchvision); the backward is not itself differentiable.
+        In ``input``'s dtype: the registered operator ``fastbwd::roi_align``. The gradient flows
+        to ``input`` (not to ``boxes``, as in torchvision) through ``fastbwd::roi_align_backward``,
+        which is linear in its gradient: its own derivative is this forward (double backward
+        is exact).
     """
-    rois = boxes_to_rois(boxes, input.dtype)
-    pooled_height, pooled_width = _pair(output_size, "output_size")
-    sampling_ratio = max(int(sampling_ratio), 0)
-    return _RoIAlign.apply(input, rois.detach(), pooled_height, pooled_width, float(spatial_scale),
-                           sampling_ratio, bool(aligned))
+    if not torch.jit.is_scripting():
+        if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
+            return _ops.fx_leaf(roi_align, input, boxes, output_size, spatial_scale, sampling_ratio,
+                                aligned)
+        _check_boxes(boxes)
+    if isinstance(boxes, torch.Tensor):
+        rois = boxes
+    else:
+        rois = boxes_to_rois(boxes, input)
+    output_size = _pair(output_size)
+    if not torch.jit.is_scripting():
+        _check_output_size(output_size)
+        if _ops.use_eager_path(input, rois):
+            return _ops.EagerRoIAlign.apply(input, rois, float(spatial_scale), output_size[0],
+                                            output_size[1], int(sampling_ratio), bool(aligned))
+    return torch.ops.fastbwd.roi_align(input, rois, float(spatial_scale), output_size[0], output_size[1],
+                                       int(sampling_ratio), bool(aligned))
 
 
 class RoIAlign(nn.Module):
@@ -123,7 +116,7 @@ class RoIAlign(nn.Module):
         self.sampling_ratio = sampling_ratio
         self.aligned = aligned
 
-    def forward(self, input, rois):
+    def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio,
                          self.aligned)
 

@@ -1,0 +1,397 @@
+"""fastbwd's PyTorch operators: ``torch.library.custom_op``s in the ``fastbwd`` namespace
+(docs/semantics.md §7).
+
+=======================================  ==================================================
+``fastbwd::roi_align``                   RoIAlign forward (torchvision's schema order)
+``fastbwd::roi_align_backward``          its input gradient (linear in ``grad``)
+``fastbwd::group_norm_swish``            GroupNorm + Swish forward -> ``(y, mean, rstd)``
+``fastbwd::group_norm_swish_backward``   its fused backward -> ``(dx, dgamma, dbeta)``
+=======================================  ==================================================
+
+Each has a fake kernel (the shapes, dtypes and strides the real kernel returns, so
+``torch.compile`` and ``opcheck`` see the truth) and registered autograd. The public functions in
+``_roi_align`` and ``_group_norm_swish`` validate and then call these, or, for plain eager calls,
+the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager_path`, at the
+end); the kernels here only translate tensors to arrays and back.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import fastbwd
+from fastbwd.api import roi_align as roi_align_api
+
+from . import _convert as c
+from ._threads import match_torch_threads
+
+
+def fx_leaf(function, input, *args):
+    """``function(input, *args)`` recorded as one node of the graph that ``input`` (a
+    ``torch.fx.Proxy``) is being traced into: what ``torch.fx.wrap`` does, for calls through a
+    name it did not patch (``torch.fx.wrap`` patches one module's global)."""
+    return input.tracer.create_proxy("call_function", function, (input, *args), {})
+
+
+def _eager(*tensors):
+    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
+    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper), so an
+    autograd formula may run a kernel directly instead of through its operator's dispatcher
+    entry (which costs tens of microseconds per call in Python)."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+               and not torch._is_functional_tensor(t) for t in tensors)
+
+
+def use_eager_path(*tensors):
+    """True when a public function may run its operator's kernel and autograd formula through
+    an ``autograd.Function`` of the same code instead of the dispatcher: plain tensors (see
+    :func:`_eager`), not under ``torch.compile`` or ``torch.jit.trace`` (which must record the
+    operator) nor CPU autocast (whose rule is registered on the operator)."""
+    # is_compiling first: torch.compile folds it to True and never traces the rest
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and _eager(*tensors)
+            and not torch.is_autocast_enabled("cpu"))
+
+
+# ---- RoIAlign -------------------------------------------------------------------------------
+
+
+def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+    match_torch_threads()
+    output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
+    roi_align_api.roi_align_forward(c.as_array(input), c.as_array(rois), pooled_height, pooled_width,
+                                    spatial_scale, max(sampling_ratio, 0), aligned,
+                                    out=c.as_array(output))
+    return output
+
+
+@torch.library.custom_op("fastbwd::roi_align", mutates_args=(), device_types="cpu")
+def roi_align(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
+              pooled_width: int, sampling_ratio: int, aligned: bool) -> Tensor:
+    return _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
+                             aligned)
+
+
+@roi_align.register_fake
+def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+    torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
+    return input.new_empty((rois.shape[0], input.shape[1], pooled_height, pooled_width))
+
+
+def _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
+                               channels, height, width, sampling_ratio, aligned):
+    match_torch_threads()
+    input_shape = (batch_size, channels, height, width)
+    grad_input = c.empty(input_shape, grad.dtype)
+    fastbwd.roi_align_backward(c.as_array(grad.contiguous()), c.as_array(rois), input_shape,
+                               pooled_height, pooled_width, spatial_scale, max(sampling_ratio, 0),
+                               aligned, out=c.as_array(grad_input))
+    return grad_input
+
+
+@torch.library.custom_op("fastbwd::roi_align_backward", mutates_args=(), device_types="cpu")
+def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
+                       pooled_width: int, batch_size: int, channels: int, height: int, width: int,
+                       sampling_ratio: int, aligned: bool) -> Tensor:
+    return _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                      batch_size, channels, height, width, sampling_ratio, aligned)
+
+
+@roi_align_backward.register_fake
+def _(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width,
+      sampling_ratio, aligned):
+    return grad.new_empty((batch_size, channels, height, width))
+
+
+def _roi_align_setup(ctx, inputs, output):
+    input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned = inputs
+    ctx.save_for_backward(rois)
+    ctx.geometry = (spatial_scale, pooled_height, pooled_width, *input.shape, sampling_ratio, aligned)
+
+
+def _roi_align_grad(ctx, grad):
+    # The gradient reaches the input only (not the boxes), as in torchvision.
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 7
+    (rois,) = ctx.saved_tensors
+    # Run as an operator wherever it may be traced or differentiated (create_graph=True).
+    backward = (_roi_align_backward_kernel if not torch.is_grad_enabled() and _eager(grad, rois)
+                else roi_align_backward)
+    return (backward(grad, rois, *ctx.geometry),) + (None,) * 6
+
+
+roi_align.register_autograd(_roi_align_grad, setup_context=_roi_align_setup)
+
+
+def _roi_align_backward_setup(ctx, inputs, output):
+    (_, rois, spatial_scale, pooled_height, pooled_width, _, _, _, _, sampling_ratio, aligned) = inputs
+    ctx.save_for_backward(rois)
+    ctx.geometry = (spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+
+
+def _roi_align_backward_grad(ctx, grad_grad):
+    # The backward is linear in grad: its derivative is the forward, applied to the incoming
+    # gradient (so double backward through roi_align is exact).
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 11
+    (rois,) = ctx.saved_tensors
+    return (roi_align(grad_grad, rois, *ctx.geometry),) + (None,) * 10
+
+
+roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_roi_align_backward_setup)
+
+
+def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width,
+                        sampling_ratio, aligned):
+    # torchvision's autocast kernel: compute in float32, return the input's dtype.
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+        output = roi_align(input.float(), rois.float(), spatial_scale, pooled_height, pooled_width,
+                           sampling_ratio, aligned)
+    return output.to(input.dtype)
+
+
+# A registration lasts as long as its Library object: this one lives with the module.
+_library = torch.library.Library("fastbwd", "FRAGMENT")
+_library.impl("roi_align", _roi_align_autocast, "AutocastCPU", with_keyset=True)
+
+
+# ---- GroupNorm + Swish ----------------------------------------------------------------------
+
+
+def stats_dtype(input, weight, bias):
+    """The dtype of mean and rstd (and of the parameters' gradients): the parameters' (float32
+    parameters with half input: mixed precision), else the input's, as ``native_group_norm``."""
+    parameter = weight if weight is not None else bias
+    return parameter.dtype if parameter is not None else input.dtype
+
+
+def _parameters(input, weight, bias):
+    """gamma and beta as the NumPy functions take them: without affine parameters the
+    normalisation is the identity map (gamma one, beta zero), in :func:`stats_dtype`."""
+    if weight is not None and bias is not None:
+        return weight, bias
+    channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
+    return (weight if weight is not None else torch.ones(channels, dtype=dtype),
+            bias if bias is not None else torch.zeros(channels, dtype=dtype))
+
+
+def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
+    """``(y, mean, rstd)`` by ``fastbwd.group_norm_swish`` (§5.1), ``y`` in the memory format
+    :func:`_convert.memory_format` gives ``input``."""
+    memory_format = c.memory_format(input)
+    if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
+        x = c.dense(input, memory_format)
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, x.shape[0], x.shape[1],
+                                                math.prod(x.shape[2:]), num_groups, eps)
+        return y * torch.sigmoid(swish_scale * y), mean, rstd
+    channels_last = memory_format == torch.channels_last
+    x = c.as_array(c.dense(input, memory_format))
+    gamma, beta = _parameters(input, weight, bias)
+    match_torch_threads()
+    y, mean, rstd = fastbwd.group_norm_swish(
+        x.transpose(0, 2, 3, 1) if channels_last else x, c.as_array(gamma), c.as_array(beta),
+        num_groups, "NHWC" if channels_last else "NCHW", eps, True, swish_scale)
+    y = c.as_tensor(y)
+    return y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd)
+
+
+@torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
+def group_norm_swish(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
+                     eps: float, swish_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward_kernel(input, weight, bias, num_groups, eps, swish_scale)
+
+
+@group_norm_swish.register_fake
+def _(input, weight, bias, num_groups, eps, swish_scale):
+    y = torch.empty(input.shape, dtype=input.dtype, device=input.device,
+                    memory_format=c.memory_format(input))
+    mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
+    return y, mean, torch.empty_like(mean)
+
+
+def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale,
+                     need_weight, need_bias):
+    """``(dx, dgamma or None, dbeta or None)`` by ``fastbwd.group_norm_swish_backward`` (§5),
+    ``dx`` in the memory format :func:`_convert.memory_format` gives ``input``."""
+    memory_format = c.memory_format(input)
+    gamma, beta = _parameters(input, weight, bias)
+    if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
+        return (torch.zeros(input.shape, dtype=input.dtype, memory_format=memory_format),
+                torch.zeros_like(gamma) if need_weight else None,
+                torch.zeros_like(beta) if need_bias else None)
+    # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come back
+    # as new NumPy arrays, wrapped without a copy (dx channels_last again)
+    channels_last = memory_format == torch.channels_last
+    arrays = [c.as_array(c.dense(t, memory_format)) for t in (grad_output, input)]
+    if channels_last:
+        arrays = [a.transpose(0, 2, 3, 1) for a in arrays]
+    match_torch_threads()
+    grad_input, grad_weight, grad_bias = fastbwd.group_norm_swish_backward(
+        arrays[0], c.as_array(mean), c.as_array(rstd), arrays[1], c.as_array(gamma),
+        c.as_array(beta), num_groups, "NHWC" if channels_last else "NCHW", swish_scale,
+        need_weight, need_bias)
+    grad_input = c.as_tensor(grad_input)
+    return (grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
+            None if grad_weight is None else c.as_tensor(grad_weight),
+            None if grad_bias is None else c.as_tensor(grad_bias))
+
+
+@torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
+def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
+                              weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
+                              swish_scale: float, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dgamma, dbeta)``; dgamma (dbeta) is an empty ``(0,)`` tensor unless ``weight``
+    (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it."""
+    need_weight = output_mask[1] and weight is not None
+    need_bias = output_mask[2] and bias is not None
+    grad_input, grad_weight, grad_bias = _backward_kernel(
+        grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias)
+    none_weight, none_bias = _unrequested(input, weight, bias)
+    return (grad_input, none_weight if grad_weight is None else grad_weight,
+            none_bias if grad_bias is None else grad_bias)
+
+
+def _unrequested(input, weight, bias):
+    """The empty tensors standing for gradients nobody asked for (a custom op returns tensors)."""
+    return (input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
+            input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype))
+
+
+@group_norm_swish_backward.register_fake
+def _(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask):
+    grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device,
+                             memory_format=c.memory_format(input))
+    need_weight = output_mask[1] and weight is not None
+    need_bias = output_mask[2] and bias is not None
+    none_weight, none_bias = _unrequested(input, weight, bias)
+    return (grad_input, torch.empty_like(weight) if need_weight else none_weight,
+            torch.empty_like(bias) if need_bias else none_bias)
+
+
+def _group_norm_swish_setup(ctx, inputs, output):
+    input, weight, bias, num_groups, eps, swish_scale = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(input, weight, bias, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
+    ctx.num_groups, ctx.eps, ctx.swish_scale = num_groups, eps, swish_scale
+
+
+def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
+    if grad_output is None:
+        return (None,) * 6
+    input, weight, bias, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled():
+        # A graph of the backward was asked for (create_graph=True): the fused kernel has no
+        # derivative, so differentiate PyTorch's composite instead (exact double backward).
+        return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
+    need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
+    arguments = (grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale)
+    if _eager(grad_output, input):
+        grads = _backward_kernel(*arguments, need_weight, need_bias)
+    else:
+        grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
+    return (grads[0] if needs[0] else None, grads[1] if need_weight else None,
+            grads[2] if need_bias else None, None, None, None)
+
+
+def _composite_grad(grad_output, input, weight, bias, needs, ctx):
+    def composite(input, weight, bias):
+        y = torch.nn.functional.group_norm(input, ctx.num_groups, weight, bias, ctx.eps)
+        return y * torch.sigmoid(ctx.swish_scale * y)
+
+    return _partials(composite, (input, weight, bias), needs, lambda output: grad_output)
+
+
+def _partials(function, inputs, needs, cotangents):
+    """The vector-Jacobian products of ``function`` at ``inputs`` (some of them None) with the
+    cotangents ``cotangents(outputs)``, for the inputs that ``needs`` asks for: partial
+    derivatives (``torch.func.vjp``; ``autograd.grad`` would also follow paths between the
+    inputs), differentiable in turn when grad mode is on."""
+    present = [index for index, t in enumerate(inputs) if t is not None]
+
+    def call(*tensors):
+        full = list(inputs)
+        for index, tensor in zip(present, tensors):
+            full[index] = tensor
+        return function(*full)
+
+    outputs, vjp = torch.func.vjp(call, *[inputs[index] for index in present])
+    grads = dict(zip(present, vjp(cotangents(outputs))))
+    return tuple(grads[index] if need and index in grads else None for index, need in enumerate(needs))
+
+
+group_norm_swish.register_autograd(_group_norm_swish_grad, setup_context=_group_norm_swish_setup)
+
+
+def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale):
+    """The backward of docs/semantics.md §5 written with differentiable PyTorch ops, from the
+    given ``mean`` and ``rstd``: the derivative of ``fastbwd::group_norm_swish_backward``."""
+    batch, channels = input.shape[:2]
+    broadcast = (1, channels) + (1,) * (input.dim() - 2)
+    grouped = (batch, num_groups, -1)
+    gamma = weight if weight is not None else torch.ones(channels, dtype=mean.dtype)
+    beta = bias if bias is not None else torch.zeros(channels, dtype=mean.dtype)
+    xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1))
+            * rstd.reshape(batch, num_groups, 1)).reshape(input.shape)
+    y = xhat * gamma.reshape(broadcast) + beta.reshape(broadcast)
+    sig = torch.sigmoid(swish_scale * y)
+    gnew = grad_output * sig * (1 + swish_scale * y * (1 - sig))
+    reduced = [0] + list(range(2, input.dim()))
+    dgamma, dbeta = (gnew * xhat).sum(reduced), gnew.sum(reduced)
+    scaled = (gnew * gamma.reshape(broadcast)).reshape(grouped)
+    c1 = scaled.mean(-1, keepdim=True)
+    c2 = (scaled * xhat.reshape(grouped)).mean(-1, keepdim=True)
+    dx = rstd.reshape(batch, num_groups, 1) * (scaled - xhat.reshape(grouped) * c2 - c1)
+    return dx.reshape(input.shape), dgamma, dbeta
+
+
+def _group_norm_swish_backward_setup(ctx, inputs, output):
+    grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, _ = inputs
+    ctx.save_for_backward(grad_output, input, mean, rstd, weight, bias)
+    ctx.num_groups, ctx.swish_scale = num_groups, swish_scale
+
+
+def _group_norm_swish_backward_grad(ctx, grad_dx, grad_dgamma, grad_dbeta):
+    def cotangents(outputs):
+        # Gradients of outputs nobody asked for (empty, or unused) count as zero.
+        return tuple(g.to(o.dtype) if g is not None and g.shape == o.shape else torch.zeros_like(o)
+                     for o, g in zip(outputs, (grad_dx, grad_dgamma, grad_dbeta)))
+
+    function = lambda *tensors: explicit_backward(*tensors, ctx.num_groups, ctx.swish_scale)  # noqa: E731
+    return _partials(function, ctx.saved_tensors, ctx.needs_input_grad[:6], cotangents) + (None,) * 3
+
+
+group_norm_swish_backward.register_autograd(_group_norm_swish_backward_grad,
+                                            setup_context=_group_norm_swish_backward_setup)
+
+
+# ---- the eager path: the operators' own kernels and formulas, without the dispatcher ---------
+# A Python custom operator costs tens of microseconds per call in dispatch (measured in
+# docs/design.md); eager calls on plain tensors skip that, with the same code as the operator.
+
+
+# forward(ctx, ...) rather than a setup_context staticmethod: Function.apply binds the
+# arguments of the latter by inspect.signature, about 20 us per call.
+class EagerRoIAlign(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _roi_align_kernel(*inputs)
+        _roi_align_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_roi_align_grad)
+
+
+class EagerGroupNormSwish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_kernel(*inputs)
+        _group_norm_swish_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_group_norm_swish_grad)

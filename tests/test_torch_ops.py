@@ -1,0 +1,306 @@
+"""fastbwd's registered PyTorch operators (docs/semantics.md §7, "Registered operators"):
+opcheck, FX, TorchScript, torch.compile, CPU autocast, nn.GroupNorm's constructor and errors,
+double backward. Skips cleanly without torch."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import fastbwd  # noqa: E402
+import fastbwd.torch as ft  # noqa: E402
+from fastbwd.api import roi_align as roi_align_api  # noqa: E402
+from fastbwd.torch import _ops  # noqa: E402
+
+OPS = torch.ops.fastbwd
+CHANNELS_LAST = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+
+
+def _randn(shape, dtype=torch.float32, seed=0, memory_format=torch.contiguous_format):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(
+        memory_format=memory_format)
+
+
+def _boxes(dtype=torch.float32):
+    """(K, 5) boxes over two 9 x 11 images: inside, partly outside, tiny."""
+    return torch.tensor([[0, 1.0, 2.0, 8.5, 7.0], [1, -3.0, 4.0, 12.0, 10.5], [1, 5.2, 5.1, 5.4, 5.3],
+                         [0, 0.0, 0.0, 10.0, 8.0]], dtype=dtype)
+
+
+def _per_image(boxes):
+    return [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
+
+
+class _Counter:
+    """Wraps the fastbwd functions the operators call and counts the calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = {}
+        for owner, name in ((roi_align_api, "roi_align_forward"), (fastbwd, "roi_align_backward"),
+                            (_ops, "_forward_kernel"), (fastbwd, "group_norm_swish_backward")):
+            monkeypatch.setattr(owner, name, self._counting(name, getattr(owner, name)))
+
+    def _counting(self, name, function):
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return counted
+
+
+# ---- opcheck ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", list(CHANNELS_LAST))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("boxes", ["tensor", "list", "none"])
+def test_opcheck_roi_align(boxes, dtype, layout):
+    if boxes != "tensor" and layout == "channels_last" and dtype != torch.float32:
+        pytest.skip("the box forms are layout-independent: one layout is enough")
+    x = _randn((2, 3, 9, 11), dtype, 1, CHANNELS_LAST[layout]).requires_grad_()
+    rois = {"tensor": _boxes(dtype), "list": ft._roi_align.boxes_to_rois(_per_image(_boxes(dtype)), x),
+            "none": ft._roi_align.boxes_to_rois([], x)}[boxes]
+    torch.library.opcheck(OPS.roi_align, (x, rois, 0.8, 3, 4, 2, True))
+    torch.library.opcheck(OPS.roi_align, (x, rois, 1.0, 2, 2, -1, False))
+    grad = _randn((rois.shape[0], 3, 3, 4), dtype, 2).requires_grad_()
+    torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True))
+
+
+@pytest.mark.parametrize("dtype, params, layout", [
+    (torch.float32, torch.float32, "nchw"), (torch.float64, torch.float64, "channels_last"),
+    (torch.bfloat16, torch.bfloat16, "nchw"), (torch.bfloat16, torch.float32, "channels_last")], ids=str)
+def test_opcheck_group_norm_swish(dtype, params, layout):
+    x = _randn((2, 6, 4, 5), dtype, 3, CHANNELS_LAST[layout]).requires_grad_()
+    weight = _randn((6,), params, 4).requires_grad_()
+    bias = _randn((6,), params, 5).requires_grad_()
+    torch.library.opcheck(OPS.group_norm_swish, (x, weight, bias, 3, 1e-5, 0.8))
+    torch.library.opcheck(OPS.group_norm_swish, (x, None, bias, 2, 1e-5, 1.0))
+    _, mean, rstd = OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 0.8)
+    dy = _randn(x.shape, dtype, 6, CHANNELS_LAST[layout]).requires_grad_()
+    for mask in ([True, True, True], [True, False, True]):
+        torch.library.opcheck(OPS.group_norm_swish_backward,
+                              (dy, x, mean, rstd, weight, bias, 3, 0.8, mask))
+    # an affine-free input
+    _, mean, rstd = OPS.group_norm_swish(x, None, None, 3, 1e-5, 1.0)
+    torch.library.opcheck(OPS.group_norm_swish_backward,
+                          (dy, x, mean, rstd, None, None, 3, 1.0, [True, True, True]))
+
+
+def test_fake_kernels_give_the_real_layouts():
+    """The strides opcheck compares, stated outright: channels_last in, channels_last out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = _randn((2, 6, 4, 5), memory_format=torch.channels_last)
+    weight, bias = _randn((6,), seed=1), _randn((6,), seed=2)
+    real = OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0)
+    real_grads = OPS.group_norm_swish_backward(x, x, real[1], real[2], weight, bias, 3, 1.0, [True, False, True])
+    with FakeTensorMode() as mode:
+        fake_x, fake_w, fake_b = (mode.from_tensor(t) for t in (x, weight, bias))
+        fake = OPS.group_norm_swish(fake_x, fake_w, fake_b, 3, 1e-5, 1.0)
+        fake_grads = OPS.group_norm_swish_backward(fake_x, fake_x, fake[1], fake[2], fake_w, fake_b, 3, 1.0,
+                                                   [True, False, True])
+    for r, f in zip(real + real_grads, fake + fake_grads):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    assert real[0].is_contiguous(memory_format=torch.channels_last)
+    assert real_grads[1].shape == (0,) and real_grads[2].shape == (6,)
+
+
+# ---- FX and TorchScript -------------------------------------------------------------------------
+
+def _roi_with_tensor(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    return ft.roi_align(x, boxes, [3, 4], 0.8, 2, True) * 2
+
+
+def _roi_with_list(x: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+    return ft.roi_align(x, boxes, 3, 0.8, -1, False) * 2
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = ft.GroupNormSwish(3, 6)
+        self.pool = ft.RoIAlign((3, 4), 0.8, 2, aligned=True)
+
+    def forward(self, x, boxes):
+        return self.pool(self.norm(x), boxes)
+
+
+def test_fx_symbolic_trace_keeps_the_operators_as_leaves():
+    x, boxes = _randn((2, 6, 9, 11)), _boxes()
+    for function, box_form in ((_roi_with_tensor, boxes), (_roi_with_list, _per_image(boxes))):
+        traced = torch.fx.symbolic_trace(function)
+        torch.testing.assert_close(traced(x, box_form), function(x, box_form), rtol=0, atol=0)
+    head = _Head()
+    traced = torch.fx.symbolic_trace(head)
+    targets = {node.target for node in traced.graph.nodes if node.op == "call_function"}
+    assert {ft.roi_align, ft.group_norm_swish} <= targets
+    torch.testing.assert_close(traced(x, boxes), head(x, boxes), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script is deprecated
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the eager shape checks, traced
+def test_torch_jit_script_and_trace_both_box_forms():
+    x, boxes = _randn((2, 3, 9, 11)), _boxes()
+    for function, box_form in ((_roi_with_tensor, boxes), (_roi_with_list, _per_image(boxes))):
+        scripted = torch.jit.script(function)
+        torch.testing.assert_close(scripted(x, box_form), function(x, box_form), rtol=0, atol=0)
+    module = ft.RoIAlign((3, 4), 0.8, 2, aligned=True)
+    scripted = torch.jit.script(module)
+    for box_form in (boxes, _per_image(boxes)):
+        torch.testing.assert_close(scripted(x, box_form), module(x, box_form), rtol=0, atol=0)
+    traced = torch.jit.trace(_roi_with_tensor, (x, boxes))  # records the operator, not Python
+    assert "fastbwd::roi_align" in str(traced.graph)
+    torch.testing.assert_close(traced(x, boxes), _roi_with_tensor(x, boxes), rtol=0, atol=0)
+    # Scripted code skips the eager checks; the operator's own validation still refuses bad boxes.
+    with pytest.raises(RuntimeError, match="boxes must have shape \\(K, 5\\)"):
+        torch.jit.script(_roi_with_tensor)(x, boxes[:, :4])
+
+
+# ---- torch.compile --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_torch_compile_fullgraph_runs_fastbwd_kernels(backend, monkeypatch):
+    torch._dynamo.reset()
+    head = _Head()
+    with torch.no_grad():
+        head.norm.weight.normal_(generator=torch.Generator().manual_seed(7))
+    x, boxes = _randn((2, 6, 9, 11), seed=8), _boxes()
+
+    def step(model, x):
+        x = x.detach().requires_grad_()
+        y = model(x, boxes)
+        grads = torch.autograd.grad((y * y).sum(), (x, head.norm.weight, head.norm.bias))
+        return (y,) + grads
+
+    expected = step(head, x)
+    counter = _Counter(monkeypatch)
+    compiled = torch.compile(head, backend=backend, fullgraph=True)  # fullgraph: a break raises
+    actual = step(compiled, x)
+    assert counter.calls == {"roi_align_forward": 1, "roi_align_backward": 1, "_forward_kernel": 1,
+                             "group_norm_swish_backward": 1}
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+# ---- CPU autocast ---------------------------------------------------------------------------------
+
+def test_roi_align_autocast_computes_in_float32_returns_input_dtype():
+    x32, boxes = _randn((2, 3, 9, 11), seed=9).requires_grad_(), _boxes()
+    for x, box_dtype in ((x32, torch.bfloat16), (x32.detach().bfloat16().requires_grad_(), torch.float32),
+                         (x32.detach().bfloat16().requires_grad_(), torch.bfloat16)):
+        rois = boxes.to(box_dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ft.roi_align(x, rois, 3, 0.8, 2, True)
+            y_list = ft.roi_align(x, _per_image(rois), 3, 0.8, 2, True)
+        expected = ft.roi_align(x.detach().float(), rois.float(), 3, 0.8, 2, True).to(x.dtype)
+        expected_list = ft.roi_align(x.detach().float(), _per_image(rois.float()), 3, 0.8, 2, True).to(x.dtype)
+        assert y.dtype == y_list.dtype == x.dtype
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        torch.testing.assert_close(y_list, expected_list, rtol=0, atol=0)
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        assert grad.dtype == x.dtype
+    with pytest.raises(fastbwd.ParamError, match="dtype"):  # outside autocast: one dtype, as torchvision
+        ft.roi_align(x32, boxes.bfloat16(), 3)
+
+
+def test_group_norm_swish_autocast_as_nn_group_norm():
+    fused = ft.GroupNormSwish(3, 6)
+    plain = torch.nn.GroupNorm(3, 6)
+    conv = torch.nn.Conv2d(6, 6, 1)
+    with torch.no_grad():
+        fused.weight.normal_(generator=torch.Generator().manual_seed(10))
+        plain.load_state_dict(fused.state_dict())
+    x = _randn((2, 6, 5, 4), seed=11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for input in (x, x.bfloat16(), conv(x)):  # conv's output is bfloat16 under autocast
+            y, expected = fused(input), F.silu(plain(input))
+            assert y.dtype == expected.dtype
+            torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2)
+
+
+# ---- GroupNormSwish is an nn.GroupNorm -----------------------------------------------------------
+
+def test_group_norm_swish_takes_nn_group_norms_constructor():
+    fused = ft.GroupNormSwish(3, 6, 1e-3, bias=False, dtype=torch.float64, swish_scale=0.5)
+    plain = torch.nn.GroupNorm(3, 6, 1e-3, bias=False, dtype=torch.float64)
+    assert fused.bias is None and fused.eps == 1e-3 and fused.weight.dtype == torch.float64
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    fused.load_state_dict(plain.state_dict())
+    x = _randn((2, 6, 4, 4), torch.float64, 12)
+    y = plain(x)
+    torch.testing.assert_close(fused(x), y * torch.sigmoid(0.5 * y), rtol=1e-12, atol=1e-12)
+    assert ft.GroupNormSwish(2, 4, 1e-5, False, "cpu").weight is None
+    with pytest.raises(TypeError, match="pass swish_scale=0.5 as a keyword"):
+        ft.GroupNormSwish(2, 4, 1e-5, True, 0.5)  # the old positional swish_scale
+
+
+@pytest.mark.parametrize("groups, channels, shape", [
+    (10, 10, (1, 10, 1)),       # one value per group
+    (2, 2, (1, 2)),             # one value per group, 2-D
+    (3, 6, (2, 5, 3)),          # channel count not divisible by the groups
+    (2, 6, (2, 4, 3)),          # divisible, but not the module's channel count
+    (3, 6, (6,)),               # 1-D
+])
+def test_group_norm_swish_raises_what_nn_group_norm_raises(groups, channels, shape):
+    x = torch.randn(shape)
+    with pytest.raises(Exception) as expected:
+        torch.nn.GroupNorm(groups, channels)(x)
+    with pytest.raises(expected.type) as actual:
+        ft.GroupNormSwish(groups, channels)(x)
+    assert str(actual.value) == str(expected.value)
+    with pytest.raises(ValueError, match="must be divisible"):
+        ft.GroupNormSwish(4, 6)
+
+
+# ---- double backward -----------------------------------------------------------------------------
+
+def test_group_norm_swish_double_backward_is_exact(monkeypatch):
+    x = _randn((2, 4, 3, 2), torch.float64, 13).requires_grad_()
+    weight = _randn((4,), torch.float64, 14).requires_grad_()
+    bias = _randn((4,), torch.float64, 15).requires_grad_()
+    function = lambda x, w, b: ft.group_norm_swish(x, 2, w, b, 1e-5, -0.7)  # noqa: E731
+    assert torch.autograd.gradgradcheck(function, (x, weight, bias))
+    # without a graph of the backward, the gradient is fastbwd's fused kernel
+    counter = _Counter(monkeypatch)
+    torch.autograd.grad(function(x, weight, bias).sum(), (x, weight, bias))
+    assert counter.calls == {"_forward_kernel": 1, "group_norm_swish_backward": 1}
+
+
+def test_group_norm_swish_backward_operator_is_differentiable():
+    x = _randn((2, 4, 5), torch.float64, 16)
+    weight = _randn((4,), torch.float64, 17).requires_grad_()
+    bias = _randn((4,), torch.float64, 18).requires_grad_()
+    _, mean, rstd = OPS.group_norm_swish(x, weight, bias, 2, 1e-5, 1.3)
+    inputs = [t.detach().requires_grad_() for t in (_randn(x.shape, torch.float64, 19), x, mean, rstd)]
+
+    def backward(dy, x, mean, rstd, w, b):
+        return OPS.group_norm_swish_backward(dy, x, mean, rstd, w, b, 2, 1.3, [True, True, True])
+
+    assert torch.autograd.gradcheck(backward, (*inputs, weight, bias))
+
+
+def test_roi_align_double_backward_is_the_forward():
+    x = _randn((2, 2, 7, 6), torch.float64, 20).requires_grad_()
+    boxes = _boxes(torch.float64)
+    for ratio, aligned in ((2, True), (0, False)):
+        function = lambda x: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned)  # noqa: E731
+        assert torch.autograd.gradgradcheck(function, (x,))
+
+
+# ---- the eager path ------------------------------------------------------------------------------
+
+def test_eager_calls_run_the_operators_code_bitwise():
+    """Plain eager calls skip the dispatcher (an autograd.Function over the same kernels and
+    formulas); their results and gradients are bitwise the operators'."""
+    x = _randn((2, 6, 9, 11), seed=21).requires_grad_()
+    weight, bias = _randn((6,), seed=22).requires_grad_(), _randn((6,), seed=23).requires_grad_()
+    boxes, g = _boxes(), _randn((4, 6, 3, 4), seed=24)
+    eager = ft.roi_align(ft.group_norm_swish(x, 3, weight, bias, 1e-5, 0.9), boxes, (3, 4), 0.8, 2, True)
+    registered = OPS.roi_align(OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 0.9)[0], boxes, 0.8, 3, 4, 2, True)
+    assert type(eager.grad_fn).__name__ == "EagerRoIAlignBackward"
+    assert type(eager.grad_fn.next_functions[0][0]).__name__ == "EagerGroupNormSwishBackward"
+    assert torch.equal(eager, registered)
+    for a, b in zip(torch.autograd.grad(eager, (x, weight, bias), g),
+                    torch.autograd.grad(registered, (x, weight, bias), g)):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's rule lives on the operator
+        assert "Eager" not in type(ft.roi_align(x, boxes, 3).grad_fn).__name__
