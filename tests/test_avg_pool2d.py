@@ -529,7 +529,7 @@ def test_thread_count_does_not_change_bits(dtype):
     wide_shape = (3, 5, 29, 61)  # grad rows of 31 and 20: the whole-rows kernels (width stride 2, 3)
     for stride in (2, 3):
         wide = random(pooled_shape(wide_shape, 3, stride, 1, False), dtype, 6)
-        assert_thread_invariant(lambda: pool_bwd(wide, wide_shape, 3, stride, 1, False, False))
+        assert_thread_invariant(lambda wide=wide, stride=stride: pool_bwd(wide, wide_shape, 3, stride, 1, False, False))
     grad_1x1 = random((3, 5, 1, 1), dtype, 5)
     assert_thread_invariant(lambda: pool_bwd(grad_1x1, (3, 5, 6, 7), (6, 7)))
 

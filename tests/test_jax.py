@@ -22,7 +22,7 @@ from jax.test_util import check_grads  # noqa: E402
 import fastbwd  # noqa: E402
 import fastbwd.jax as fj  # noqa: E402
 from fastbwd.api.roi_align import roi_align_forward  # noqa: E402
-from fastbwd.jax import _ffi, _group_norm_swish  # noqa: E402
+from fastbwd.jax import _ffi  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.cases import roi_boxes  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal, raises_param_error  # noqa: E402

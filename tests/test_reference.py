@@ -9,7 +9,6 @@ The oracle is what every kernel test trusts, so it is checked on its own:
 
 """
 
-import math
 import zlib
 
 import numpy as np
@@ -50,8 +49,9 @@ PADDINGS = [(1, 2, 3, 0), (0, 0, 0, 0), (-1, 2, 1, -2), (3, 6, 4, 2), (-2, -3, -
 def _pad_ok(shape, padding):
     """SPEC §3: each pad < the dimension it pads, padded sizes >= 1."""
     H, W = shape[-2:]
-    l, r, t, b = padding
-    return (l < W and r < W and t < H and b < H and H + t + b >= 1 and W + l + r >= 1)
+    left, right, top, bottom = padding
+    return (left < W and right < W and top < H and bottom < H and H + top + bottom >= 1
+            and W + left + right >= 1)
 
 
 PAD_CASES = [(shape, padding) for shape in PAD_SHAPES for padding in PADDINGS
@@ -65,8 +65,8 @@ def test_pad_adjoint(shape, padding, complex_):
     x = randn(rng, shape, complex_)
     fx = ref.replication_pad2d_forward(x, padding)
     H, W = shape[-2:]
-    l, r, t, b = padding
-    assert fx.shape == shape[:-2] + (H + t + b, W + l + r)
+    left, right, top, bottom = padding
+    assert fx.shape == shape[:-2] + (H + top + bottom, W + left + right)
     assert fx.dtype == (np.complex128 if complex_ else np.float64)
     g = randn(rng, fx.shape, complex_)
     bg = ref.replication_pad2d_backward(g, shape, padding)
@@ -77,8 +77,8 @@ def test_pad_adjoint(shape, padding, complex_):
 @pytest.mark.parametrize("padding", [(1, 2, 3, 0), (0, 0, 0, 0), (3, 6, 4, 2)])
 def test_pad_forward_matches_np_pad_edge(padding):
     x = rng_for("padedge", padding).standard_normal((2, 3, 5, 7))
-    l, r, t, b = padding
-    expected = np.pad(x, ((0, 0), (0, 0), (t, b), (l, r)), mode="edge")
+    left, right, top, bottom = padding
+    expected = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode="edge")
     np.testing.assert_array_equal(ref.replication_pad2d_forward(x, padding), expected)
 
 

@@ -402,7 +402,7 @@ def test_pytorch_opinfo_samples(name, variant, dtype):
     served_before = _routing.SERVED.copy()
     checked = 0
     for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=True):
-        def gradient():
+        def gradient(sample=sample):
             for t in [sample.input, *sample.args]:
                 if isinstance(t, torch.Tensor):
                     t.grad = None
@@ -624,7 +624,7 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
     x = _randn((2, 2, 7, 6), torch.float64, 27).requires_grad_()
     boxes = _roi_boxes(torch.float64)[:3]
     for aligned, ratio in [(True, 2), (False, 0)]:
-        assert torch.autograd.gradcheck(lambda x: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned), (x,))
+        assert torch.autograd.gradcheck(lambda x, ratio=ratio, aligned=aligned: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned), (x,))
     per_image = [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
     rows = torch.cat([boxes[boxes[:, 0] == i] for i in range(2)])
     torch.testing.assert_close(ft.roi_align(x, per_image, (2, 3), 0.5, 2), ft.roi_align(x, rows, (2, 3), 0.5, 2),

@@ -282,7 +282,7 @@ def test_roi_align_double_backward_is_the_forward():
     x = _randn((2, 2, 7, 6), torch.float64, 20).requires_grad_()
     boxes = _boxes(torch.float64)
     for ratio, aligned in ((2, True), (0, False)):
-        function = lambda x: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned)  # noqa: E731
+        function = lambda x, ratio=ratio, aligned=aligned: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned)  # noqa: E731
         assert torch.autograd.gradgradcheck(function, (x,))
 
 

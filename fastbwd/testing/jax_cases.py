@@ -117,7 +117,7 @@ def cases(quick=False):
         _grad_case("J1", f"upsample_bilinear2d x2 grad, input {up} (U1)",
                    lambda x: fj.upsample_bilinear2d(x, up_size),
                    lambda x: _upsample._forward(x, up_size, False, "NCHW"), up, ">= 5x", 21),
-        _grad_case("J1r", f"J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
+        _grad_case("J1r", "J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
                    lambda x: fj.upsample_bilinear2d(x, up_size),
                    lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"), up, ">= 5x", 21),
         _grad_case("J2", f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
