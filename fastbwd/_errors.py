@@ -1,4 +1,4 @@
-"""The one exception type for bad arguments (SPEC §0.4)."""
+"""The one exception type for bad arguments (docs/semantics.md §0.4)."""
 
 __all__ = ["ParamError", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID"]
 

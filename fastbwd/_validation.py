@@ -1,4 +1,4 @@
-"""Shared argument checks (SPEC §0.1, §0.4).
+"""Shared argument checks (docs/semantics.md §0.1, §0.4).
 
 Every public function validates all of its arguments with these helpers before any kernel runs:
 compiled kernels do no bounds checking, so everything a kernel relies on is established here.
@@ -19,7 +19,7 @@ MAX_DIM_SIZE = 1 << 20
 
 
 def fail(func, subject, requirement, actual, *, status=ACLNN_ERR_PARAM_INVALID):
-    """Raise the ParamError of SPEC §0.4.
+    """Raise the ParamError of docs/semantics.md §0.4.
 
     ``subject`` is what the message talks about: an argument name, or a part of one such as
     ``"grad_output.shape[2]"`` or ``"padding[0]"``; the error's ``param`` is the argument's name.
@@ -237,7 +237,7 @@ def choice(func, param, value, options):
 # --------------------------------------------------------------------------------------------
 
 def pooling_output_size(input_size, kernel, stride, pad, ceil_mode):
-    """Output length of one pooled axis (SPEC §2, PyTorch ``pooling_output_shape``, dilation 1)."""
+    """Output length of one pooled axis (docs/semantics.md §2, PyTorch ``pooling_output_shape``, dilation 1)."""
     numerator = input_size + 2 * pad - kernel + ((stride - 1) if ceil_mode else 0)
     output_size = numerator // stride + 1
     # The last window must start inside the input or the left padding.

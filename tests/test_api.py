@@ -1,4 +1,4 @@
-"""The public surface (SPEC §0.1): names, numpydoc docstrings that match the signatures,
+"""The public surface (docs/semantics.md §0.1): names, numpydoc docstrings that match the signatures,
 ParamError's contract."""
 
 import inspect

@@ -1,6 +1,6 @@
-"""avg_pool2d_backward (SPEC §2) against the float64 reference, its forward's adjoint, the
+"""avg_pool2d_backward (docs/semantics.md §2) against the float64 reference, its forward's adjoint, the
 canonical cases of other frameworks' bug reports, every dtype and layout, threads, out=, strides,
-and every error of the SPEC."""
+and every error of docs/semantics.md."""
 
 import itertools
 
@@ -607,7 +607,7 @@ def test_matches_torch(dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# errors (SPEC §2)
+# errors (docs/semantics.md §2)
 # --------------------------------------------------------------------------------------------
 
 GOOD = dict(grad_output=np.zeros((2, 3, 4, 3), np.float32), input=(2, 3, 8, 6), kernel_size=2)

@@ -2,7 +2,7 @@
 
 Gradients under jax.jit/jax.vjp equal the direct NumPy call bitwise; they match jax.vjp of an
 independent pure-JAX forward written here (dense interpolation/pooling matrices, gathers) to the
-SPEC tolerances, and finite differences (check_grads) in float64; jax.vmap folds or loops;
+the semantics' tolerances, and finite differences (check_grads) in float64; jax.vmap folds or loops;
 bad arguments raise ParamError at trace time. Everything here skips cleanly without jax.
 """
 
@@ -262,7 +262,7 @@ def test_eager_vjp_equals_jitted():
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_the_pure_jax_reference(name, dtype):
     """Forward and gradients against jax.vjp of the reference forward, run in float64 on the same
-    values (SPEC tolerances)."""
+    values (the semantics' tolerances)."""
     with jax.enable_x64(True):
         case = CASES[name](dtype)
         out, grads, g = _vjp(case, dtype)

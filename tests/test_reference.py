@@ -3,7 +3,7 @@
 The oracle is what every kernel test trusts, so it is checked on its own:
 - adjoint identity <forward(x), g> == <x, backward(g)> for the linear ops (pad, upsample,
   avg_pool, roi_align) on random non-square shapes and many parameter combinations;
-- the worked examples of SPEC.md and small hand-computed cases;
+- the worked examples of docs/semantics.md and small hand-computed cases;
 - central finite differences of the full group_norm_swish forward against its backward;
 - when torch is importable, cross-checks against PyTorch's CPU kernels in float64.
 
@@ -39,7 +39,7 @@ def assert_adjoint(fx, g, x, bg, rtol=1e-10):
 
 
 # ---------------------------------------------------------------------------------------------
-# replication pad (SPEC §3)
+# replication pad (docs/semantics.md §3)
 # ---------------------------------------------------------------------------------------------
 
 PAD_SHAPES = [(2, 3, 5, 7), (3, 4, 6), (1, 1, 1, 4)]
@@ -47,7 +47,7 @@ PADDINGS = [(1, 2, 3, 0), (0, 0, 0, 0), (-1, 2, 1, -2), (3, 6, 4, 2), (-2, -3, -
 
 
 def _pad_ok(shape, padding):
-    """SPEC §3: each pad < the dimension it pads, padded sizes >= 1."""
+    """docs/semantics.md §3: each pad < the dimension it pads, padded sizes >= 1."""
     H, W = shape[-2:]
     left, right, top, bottom = padding
     return (left < W and right < W and top < H and bottom < H and H + top + bottom >= 1
@@ -109,7 +109,7 @@ def test_pad_corners_sum_rectangle():
 
 
 # ---------------------------------------------------------------------------------------------
-# upsample bilinear (SPEC §1)
+# upsample bilinear (docs/semantics.md §1)
 # ---------------------------------------------------------------------------------------------
 
 UP_CASES = [
@@ -168,7 +168,7 @@ def test_upsample_matrix_hand_values():
 
 
 # ---------------------------------------------------------------------------------------------
-# avg pool (SPEC §2)
+# avg pool (docs/semantics.md §2)
 # ---------------------------------------------------------------------------------------------
 
 POOL_GEOMS = [
@@ -260,7 +260,7 @@ def test_avg_pool_forward_hand_values():
 
 
 # ---------------------------------------------------------------------------------------------
-# roi align (SPEC §4)
+# roi align (docs/semantics.md §4)
 # ---------------------------------------------------------------------------------------------
 
 def _random_boxes(rng, K, B, H, W, spatial_scale, spread=1.5):
@@ -371,7 +371,7 @@ def test_roi_align_hand_bilinear_and_edges():
 
 def test_roi_align_exact_axis_weights_equal_the_sample_loop(monkeypatch):
     # The rational (grouped by pixel) evaluation of the per-axis weights against visiting every
-    # sample, and the product form against the per-sample 2-D SPEC loop.
+    # sample, and the product form against the per-sample 2-D docs/semantics.md loop.
     shape = (1, 2, 6, 7)
     rng = rng_for("narrow")
     boxes = np.array([
@@ -426,7 +426,7 @@ def test_roi_align_huge_box_is_fast_and_finite():
 
 
 # ---------------------------------------------------------------------------------------------
-# group norm + swish (SPEC §5)
+# group norm + swish (docs/semantics.md §5)
 # ---------------------------------------------------------------------------------------------
 
 GN_CASES = [

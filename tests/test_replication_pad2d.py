@@ -1,5 +1,5 @@
-"""replication_pad2d_backward (SPEC §3) against the float64 reference, its forward's adjoint,
-every dtype and layout, threads, out=, strides, and every error of the SPEC."""
+"""replication_pad2d_backward (docs/semantics.md §3) against the float64 reference, its forward's adjoint,
+every dtype and layout, threads, out=, strides, and every error of docs/semantics.md."""
 
 import ml_dtypes
 import numpy as np
@@ -334,7 +334,7 @@ def test_matches_torch(dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# errors (SPEC §3)
+# errors (docs/semantics.md §3)
 # --------------------------------------------------------------------------------------------
 
 GOOD = dict(grad_output=np.zeros((2, 3, 7, 8), np.float32), input=(2, 3, 5, 4), padding=(2, 2, 1, 1))

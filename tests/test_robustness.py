@@ -1,5 +1,5 @@
 """Random arguments, valid and not, for every public function: a call returns a result or raises
-ParamError, never anything else (SPEC §0.4: no IndexError from deep inside, no crash, no garbage).
+ParamError, never anything else (docs/semantics.md §0.4: no IndexError from deep inside, no crash, no garbage).
 
 Each operator runs a few hundred seeded random calls mixing good and bad shapes, sizes, flags,
 dtypes and non-finite values; every call that returns a result with finite inputs of ordinary

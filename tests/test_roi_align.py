@@ -1,5 +1,5 @@
-"""roi_align_backward (SPEC §4) against the float64 reference, its forward's adjoint, bad and
-huge boxes, every dtype, threads, out=, strides, and every error of the SPEC."""
+"""roi_align_backward (docs/semantics.md §4) against the float64 reference, its forward's adjoint, bad and
+huge boxes, every dtype, threads, out=, strides, and every error of docs/semantics.md."""
 
 import ml_dtypes
 import numpy as np
@@ -164,7 +164,7 @@ GOOD_BOX = [1, 1.0, 2.0, 9.0, 7.0]
     (-1, None), (2, None), (0.5, 0), (1.9, 1), (-0.5, None), (np.nan, None), (np.inf, None), (-np.inf, None),
 ])
 def test_batch_index(batch_index, image):
-    # SPEC: b = floor(boxes[k, 0]); outside [0, B) or not finite -> the box contributes nothing.
+    # docs/semantics.md: b = floor(boxes[k, 0]); outside [0, B) or not finite -> the box contributes nothing.
     boxes = np.array([GOOD_BOX, [batch_index] + GOOD_BOX[1:]], np.float32)
     grad_output = np.ones((2, 2, 2, 3), np.float32)
     result = roi_bwd(grad_output, boxes, (2, 2, 8, 11), 2, 3, 1.0, 2, False)
@@ -189,7 +189,7 @@ def test_nan_and_inf_in_a_coordinate(column, value):
 
 def test_nan_and_inf_gradients_propagate():
     # Samples clamped to the last row/column still add g * 0 to their "high" pixel: inf * 0 is NaN
-    # there, as in the SPEC loop (and torchvision).
+    # there, as in the loop of docs/semantics.md §4 (and torchvision).
     grad_output = np.array([[[[np.inf, 1.0], [np.nan, -np.inf]]]], np.float32)
     boxes = np.array([[0, -1.0, 0.0, 6.0, 6.0]], np.float32)
     with np.errstate(invalid="ignore"):  # the reference computes inf * 0 too
@@ -327,7 +327,7 @@ def test_large_sampling_ratios_match_reference(sampling_ratio, aligned):
 
 
 def brute_force_backward(grad_output, boxes, input_shape, pooled, spatial_scale, sampling_ratio, aligned):
-    """The SPEC §4 loop in float64 with every (iy, ix) sample scattering its four corners
+    """The docs/semantics.md §4 loop in float64 with every (iy, ix) sample scattering its four corners
     (np.add.at over all gh * gw samples of a bin; vectorised, not collapsed per pixel). Boxes
     are valid and have a fixed sampling_ratio."""
     batch, channels, height, width = input_shape
@@ -518,7 +518,7 @@ def test_matches_the_baselines(sampling_ratio, aligned):
 
 
 # --------------------------------------------------------------------------------------------
-# errors (SPEC §4)
+# errors (docs/semantics.md §4)
 # --------------------------------------------------------------------------------------------
 
 GOOD = dict(grad_output=np.zeros((2, 3, 2, 2), np.float32), boxes=np.zeros((2, 5), np.float32),

@@ -1,4 +1,4 @@
-"""Safe from any caller (SPEC §0.3), caching without failing, and a clean import.
+"""Safe from any caller (docs/semantics.md §0.3), caching without failing, and a clean import.
 
 Each scenario runs in a fresh subprocess with a time limit: the failures guarded against here
 (Numba's workqueue layer aborting on concurrent parallel calls, GNU OpenMP terminating a forked

@@ -395,7 +395,7 @@ def _opinfo_samples(name, variant):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_pytorch_opinfo_samples(name, variant, dtype):
     """PyTorch's own OpInfo sample inputs for these ops: with the bridge enabled every gradient
-    is PyTorch's (to the SPEC tolerance), and at least some are served by fastbwd."""
+    is PyTorch's (to the semantics' tolerance), and at least some are served by fastbwd."""
     opinfo = _opinfo_samples(name, variant)
     if dtype not in opinfo.supported_backward_dtypes("cpu"):
         pytest.skip(f"PyTorch does not differentiate {name} in {dtype}")

@@ -1,4 +1,4 @@
-"""fastbwd.upsample_bilinear2d_backward against the SPEC §1 float64 reference (and PyTorch)."""
+"""fastbwd.upsample_bilinear2d_backward against the docs/semantics.md §1 float64 reference (and PyTorch)."""
 
 import ml_dtypes
 import numpy as np
@@ -23,7 +23,7 @@ def grad_for(rng, input_size, output_size, dtype=np.float32):
 
 
 def check(grad, output_size, input_size, align_corners, scales_h=0.0, scales_w=0.0, **kwargs):
-    """Compare with the float64 reference (whose weights follow SPEC §1's opmath rule, as the
+    """Compare with the float64 reference (whose weights follow docs/semantics.md §1's opmath rule, as the
     kernel's do: the default tolerance, 1 ulp for the half formats)."""
     result = F(grad, output_size, input_size, align_corners, scales_h, scales_w, **kwargs)
     expected = ref.upsample_bilinear2d_backward(np.asarray(grad), output_size, input_size,
@@ -58,7 +58,7 @@ def test_scales_per_axis_and_identity_with_scale():
 @pytest.mark.parametrize("unset", [-2.0, -0.5, -1e-30, float("nan"), float("-inf")], ids=repr)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
 def test_negative_and_nan_scales_mean_unset(unset, dtype):
-    # SPEC §1: "scale = 1 / scales_h if scales_h > 0 else H / OH": a negative or NaN scale is
+    # docs/semantics.md §1: "scale = 1 / scales_h if scales_h > 0 else H / OH": a negative or NaN scale is
     # unset (NaN > 0 is False), exactly like 0 or None, on each axis independently. Sizes that
     # differ on both axes, so that a scale that were used would move the weights.
     rng = np.random.default_rng(11)
@@ -85,7 +85,7 @@ def test_negative_and_nan_scales_mean_unset(unset, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_tiny_scales_put_everything_on_the_last_row(dtype):
     # scales far below out/in send every source position past the last input row: lambda1 is
-    # clamped to 1 there (SPEC §1: min(max(src - h0, 0), 1)), so the last row and column receive
+    # clamped to 1 there (docs/semantics.md §1: min(max(src - h0, 0), 1)), so the last row and column receive
     # the whole gradient, exactly as summed in order. Unclamped, lambda0 = 1 - lambda1 would be
     # a huge negative weight cancelling a huge positive one.
     rng = np.random.default_rng(13)

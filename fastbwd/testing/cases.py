@@ -1,8 +1,8 @@
 """The case registry shared by the benchmarks (``bench/``), the main job (``python -m fastbwd``)
-and the tests: the SPEC §6 shapes, how to build each case's inputs, the PyTorch baselines to
+and the tests: the docs/semantics.md §6 shapes, how to build each case's inputs, the PyTorch baselines to
 compare with, and the minimum bytes each call must move.
 
-One :class:`OpSpec` per operator in :data:`OPS`; its ``cases`` are the canonical (SPEC §6) cases,
+One :class:`OpSpec` per operator in :data:`OPS`; its ``cases`` are the canonical (docs/semantics.md §6) cases,
 ``quick_cases`` small versions of them for ``--quick`` and for smoke runs. ``prepare(case)``
 builds a :class:`Prepared`: zero-argument callables for the fastbwd call (allocating, and with
 ``out=`` where useful) and for each PyTorch baseline (only when torch is importable), plus the
@@ -29,7 +29,7 @@ DTYPES = {
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: an id of SPEC §6 (with a suffix for variants) and its parameters."""
+    """One benchmark case: an id of docs/semantics.md §6 (with a suffix for variants) and its parameters."""
 
     id: str
     op: str
@@ -103,7 +103,7 @@ def _channels_last(array):
 
 
 # --------------------------------------------------------------------------------------------
-# replication_pad2d_backward (SPEC §3)
+# replication_pad2d_backward (docs/semantics.md §3)
 # --------------------------------------------------------------------------------------------
 
 def _prepare_pad(case, with_torch):
@@ -152,7 +152,7 @@ PAD = OpSpec(
 
 
 # --------------------------------------------------------------------------------------------
-# upsample_bilinear2d_backward (SPEC §1)
+# upsample_bilinear2d_backward (docs/semantics.md §1)
 # --------------------------------------------------------------------------------------------
 
 def _prepare_upsample(case, with_torch):
@@ -201,7 +201,7 @@ UPSAMPLE = OpSpec(
 
 
 # --------------------------------------------------------------------------------------------
-# avg_pool2d_backward (SPEC §2)
+# avg_pool2d_backward (docs/semantics.md §2)
 # --------------------------------------------------------------------------------------------
 
 def _prepare_avg_pool(case, with_torch):
@@ -259,7 +259,7 @@ AVG_POOL = OpSpec(
 
 
 # --------------------------------------------------------------------------------------------
-# roi_align_backward (SPEC §4)
+# roi_align_backward (docs/semantics.md §4)
 # --------------------------------------------------------------------------------------------
 
 def roi_boxes(num_boxes, input_shape, spatial_scale, seed=0, dtype=np.float32):
@@ -314,7 +314,7 @@ ROI_ALIGN = OpSpec(
 
 
 # --------------------------------------------------------------------------------------------
-# group_norm_swish_backward (SPEC §5)
+# group_norm_swish_backward (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 
 def group_norm_swish_inputs(shape, num_groups, dtype, seed=0, eps=1e-5, param_dtype=None):
@@ -385,7 +385,7 @@ GROUP_NORM_SWISH = OpSpec(
 
 
 # --------------------------------------------------------------------------------------------
-# group_norm_swish, the forward (SPEC §5.1)
+# group_norm_swish, the forward (docs/semantics.md §5.1)
 # --------------------------------------------------------------------------------------------
 
 def _prepare_group_norm_swish_forward(case, with_torch):
@@ -430,7 +430,7 @@ GROUP_NORM_SWISH_FORWARD = OpSpec(
 )
 
 
-#: Every operator, in the order of the SPEC table (the forward after its backward).
+#: Every operator, in the order of docs/semantics.md table (the forward after its backward).
 OPS = {spec.name: spec for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)}
 
 

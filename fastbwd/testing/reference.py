@@ -1,7 +1,7 @@
-"""Float64 NumPy reference oracle for fastbwd (see SPEC.md).
+"""Float64 NumPy reference oracle for fastbwd (see docs/semantics.md).
 
 This module is the slow, obviously-correct implementation that the fast kernels, the tests and the
-benchmarks compare against. It is written to read like the math of SPEC.md, not to be fast:
+benchmarks compare against. It is written to read like the math of docs/semantics.md, not to be fast:
 
 - only NumPy is used (nothing from fastbwd, no numba, no torch);
 - every array argument is converted to float64 (complex128 for complex input to the pad
@@ -13,13 +13,13 @@ benchmarks compare against. It is written to read like the math of SPEC.md, not 
 For every backward there is the matching forward, so that the pair can be checked with the
 adjoint identity ``<forward(x), g> == <x, backward(g)>`` (see tests/test_reference.py). The
 forwards of the linear operators (pad, upsample, avg_pool) are separate transcriptions of the
-SPEC that share no index or window helper with their backwards: the identity then checks two
-independent readings of the SPEC against each other, not only that one is the other's transpose.
+docs/semantics.md that share no index or window helper with their backwards: the identity then checks two
+independent readings of docs/semantics.md against each other, not only that one is the other's transpose.
 
 Index and weight arithmetic is float64, except upsample's scale, source index and lambdas:
-SPEC §1 prescribes them in float32 for float32/float16/bfloat16 data, and in float64 they differ
+docs/semantics.md §1 prescribes them in float32 for float32/float16/bfloat16 data, and in float64 they differ
 by up to ~4e-6 relative on 100-wide axes (random shapes then exceeded the float32 tolerance and
-1 half-format ulp), so that function follows the SPEC's opmath rule. Elsewhere the kernels'
+1 half-format ulp), so that function follows docs/semantics.md's opmath rule. Elsewhere the kernels'
 float32 index math makes them agree with this oracle to a tolerance, not bitwise.
 """
 
@@ -58,11 +58,11 @@ def _clamp(v, lo, hi):
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §3: replication_pad2d
+# docs/semantics.md §3: replication_pad2d
 # ---------------------------------------------------------------------------------------------
 
 def replication_pad2d_forward(x, padding):
-    """Replication pad of the last two axes (SPEC §3; PyTorch semantics, negative pads crop).
+    """Replication pad of the last two axes (docs/semantics.md §3; PyTorch semantics, negative pads crop).
 
     x: (C, H, W) or (N, C, H, W); padding: (left, right, top, bottom).
     out[..., i, j] = x[..., clamp(i - top, 0, H-1), clamp(j - left, 0, W-1)].
@@ -77,7 +77,7 @@ def replication_pad2d_forward(x, padding):
 
 
 def replication_pad2d_backward(grad_output, input_shape, padding):
-    """Gradient of replication_pad2d_forward: the scatter loop of SPEC §3.
+    """Gradient of replication_pad2d_forward: the scatter loop of docs/semantics.md §3.
 
     grad_output: (..., H + top + bottom, W + left + right); input_shape: (C, H, W) or
     (N, C, H, W); padding: (left, right, top, bottom). Returns an array of input_shape.
@@ -94,16 +94,16 @@ def replication_pad2d_backward(grad_output, input_shape, padding):
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §1: upsample_bilinear2d
+# docs/semantics.md §1: upsample_bilinear2d
 # ---------------------------------------------------------------------------------------------
 
 def upsample_bilinear2d_interp_matrix(in_size, out_size, align_corners, scale=0.0, opmath=np.float64):
-    """Dense (out_size, in_size) interpolation matrix A of one axis (SPEC §1 per-axis formula).
+    """Dense (out_size, in_size) interpolation matrix A of one axis (docs/semantics.md §1 per-axis formula).
 
     ``scale`` is the user's scales_h / scales_w value (0.0 or None = unset). Row ``o`` holds the
     two weights l0, l1 at columns h0, h1 (added, so h0 == h1 gives one entry l0 + l1). Includes
     PyTorch's identity shortcut for out_size == in_size. The scale, ``src`` and the lambdas are
-    computed in ``opmath`` as SPEC §1 prescribes (float32 for float32 and half-format data:
+    computed in ``opmath`` as docs/semantics.md §1 prescribes (float32 for float32 and half-format data:
     ``1 / scale`` divided in float64 and then rounded); the matrix itself is float64.
     """
     H, OH = int(in_size), int(out_size)
@@ -133,12 +133,12 @@ def upsample_bilinear2d_interp_matrix(in_size, out_size, align_corners, scale=0.
 
 
 def _upsample_opmath(array):
-    """SPEC §1's index and weight arithmetic type for data of ``array``'s dtype."""
+    """docs/semantics.md §1's index and weight arithmetic type for data of ``array``'s dtype."""
     return np.float64 if np.asarray(array).dtype == np.float64 else np.float32
 
 
 def _upsample_source(o, in_size, out_size, align_corners, scale, f):
-    """SPEC §1 for one output index of one axis, written out for the forward on its own (it
+    """docs/semantics.md §1 for one output index of one axis, written out for the forward on its own (it
     shares nothing with the backward's matrix): ``(i0, i1, l0, l1)``."""
     if out_size == in_size:
         return o, o, 1.0, 0.0
@@ -162,11 +162,11 @@ def _upsample_source(o, in_size, out_size, align_corners, scale, f):
 
 
 def upsample_bilinear2d_forward(x, output_size, align_corners, scales_h=0.0, scales_w=0.0):
-    """Bilinear upsampling forward (SPEC §1): x (N, C, H, W) -> (N, C, OH, OW).
+    """Bilinear upsampling forward (docs/semantics.md §1): x (N, C, H, W) -> (N, C, OH, OW).
 
     A plain loop over output cells, each the weighted sum of its four source cells. It does not
     use the backward's interpolation matrices, so the adjoint identity between the two checks
-    both (two independent transcriptions of SPEC §1), not merely that one is the other's
+    both (two independent transcriptions of docs/semantics.md §1), not merely that one is the other's
     transpose. Index and lambda arithmetic in the opmath type of x's dtype.
     """
     f = np.dtype(_upsample_opmath(x)).type
@@ -185,9 +185,9 @@ def upsample_bilinear2d_forward(x, output_size, align_corners, scales_h=0.0, sca
 
 def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners,
                                  scales_h=0.0, scales_w=0.0):
-    """Bilinear upsampling backward (SPEC §1): Ah.T @ g @ Aw, shape input_size (N, C, H, W).
+    """Bilinear upsampling backward (docs/semantics.md §1): Ah.T @ g @ Aw, shape input_size (N, C, H, W).
 
-    The weights follow SPEC §1's opmath rule for grad_output's dtype; the sums are float64.
+    The weights follow docs/semantics.md §1's opmath rule for grad_output's dtype; the sums are float64.
     """
     opmath = _upsample_opmath(grad_output)
     g = np.asarray(grad_output, dtype=np.float64)
@@ -200,11 +200,11 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §2: avg_pool2d
+# docs/semantics.md §2: avg_pool2d
 # ---------------------------------------------------------------------------------------------
 
 def avg_pool2d_output_size(in_size, kernel, stride, pad, ceil_mode):
-    """Pooled size of one axis (SPEC §2, PyTorch ``pooling_output_shape``, modern rule)."""
+    """Pooled size of one axis (docs/semantics.md §2, PyTorch ``pooling_output_shape``, modern rule)."""
     H, k, s, p = int(in_size), int(kernel), int(stride), int(pad)
     out = (H + 2 * p - k + ((s - 1) if ceil_mode else 0)) // s + 1   # Python // is floor
     if ceil_mode and (out - 1) * s >= H + p:
@@ -214,7 +214,7 @@ def avg_pool2d_output_size(in_size, kernel, stride, pad, ceil_mode):
 
 def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
                         divisor_override):
-    """Yield (oh, ow, hs, he, ws, we, div) for every output cell: the SPEC §2 windows."""
+    """Yield (oh, ow, hs, he, ws, we, div) for every output cell: the docs/semantics.md §2 windows."""
     kH, kW = (int(v) for v in kernel_size)
     sH, sW = (int(v) for v in stride)
     pH, pW = (int(v) for v in padding)
@@ -240,7 +240,7 @@ def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_inc
 
 def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
                        divisor_override=0):
-    """Average pooling forward, SPEC §2 written out per output cell.
+    """Average pooling forward, docs/semantics.md §2 written out per output cell.
 
     x: (C, H, W) or (N, C, H, W); kernel_size, stride, padding: (h, w) tuples;
     divisor_override: 0 = unset. It does not use the backward's window helper: each window is
@@ -283,7 +283,7 @@ def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include
 
 def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, ceil_mode,
                         count_include_pad, divisor_override=0):
-    """Average pooling backward: the plain scatter loop of SPEC §2.
+    """Average pooling backward: the plain scatter loop of docs/semantics.md §2.
 
     grad_output: (C, OH, OW) or (N, C, OH, OW); input_shape: the forward input's shape (same
     rank). grad_input[..., hs:he, ws:we] += grad_output[..., oh, ow] / div.
@@ -306,7 +306,7 @@ def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, 
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §4: roi_align
+# docs/semantics.md §4: roi_align
 # ---------------------------------------------------------------------------------------------
 
 # Above this many samples along one axis of one bin, the per-axis weights are computed in exact
@@ -322,7 +322,7 @@ def _roi_sample_indices(start, step, n, size):
 
     For ordinary grids this is simply range(n). For huge adaptive grids (a huge box with
     sampling_ratio 0) it is the candidate interval solved from the linear formula and widened
-    by 2 on each side against rounding; the caller still applies the exact SPEC test to every
+    by 2 on each side against rounding; the caller still applies the exact docs/semantics.md test to every
     candidate, so the result is the same as iterating all n samples.
     """
     if n <= _ROI_FULL_LOOP_MAX or not (step > 0):
@@ -599,7 +599,7 @@ def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §5: group_norm_swish
+# docs/semantics.md §5: group_norm_swish
 # ---------------------------------------------------------------------------------------------
 
 def _sigmoid(z):
