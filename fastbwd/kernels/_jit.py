@@ -8,7 +8,7 @@
 * ``nogil=True``; no fastmath flag (it would let LLVM assume away NaN and Inf);
   ``error_model="numpy"`` (IEEE division: no ZeroDivisionError check inside loops);
 * a serial twin of every kernel (``prange`` runs as ``range``, identical arithmetic and order)
-  is used where launching Numba's thread pool is unsafe (SPEC §0.3):
+  is used where launching Numba's thread pool is unsafe (docs/semantics.md §0.3):
 
   - ``workqueue`` threading layer: it aborts the process when two Python threads enter parallel
     code at once, so calls into the pool are serialised with a lock;
