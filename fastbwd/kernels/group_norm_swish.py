@@ -207,6 +207,36 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 
 # ---- the fixed-order reduction ----------------------------------------------------------------
 
+def _two_lane_sums(builder, vector, start, stop, terms):
+    """Code for two sums over positions ``[start, stop)`` in the fixed order of the module doc:
+    ``terms(position, used)`` gives the two vectors that LANES consecutive positions add (lane
+    ``i`` from position ``position + i``; ``used`` masks a last partial vector, else None), each
+    lane summed from +0.0 in order, then the lanes folded by halving. Returns the two totals."""
+    i64 = ir.IntType(64)
+    lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+    sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(2)]
+    for total in sums:
+        builder.store(ir.Constant(vector, None), total)
+
+    def add(position, used):
+        olds = [builder.load(total) for total in sums]
+        news = [builder.fadd(old, term) for old, term in zip(olds, terms(position, used))]
+        if used is not None:  # lanes past the end keep their sums (0 * inf would be NaN)
+            news = [builder.select(used, new, old) for new, old in zip(news, olds)]
+        for total, new in zip(sums, news):
+            builder.store(new, total)
+
+    count = builder.sub(stop, start)
+    whole = builder.sdiv(count, i64(LANES))
+    with cgutils.for_range(builder, whole) as loop:
+        add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
+    tail = builder.add(start, builder.mul(whole, i64(LANES)))
+    remaining = builder.sub(stop, tail)
+    with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
+        add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
+    return [fold_lanes_by_halving(builder, builder.load(total)) for total in sums]
+
+
 @intrinsic
 def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
     """``(sum of gnew, sum of gnew * xhat)`` over positions ``[start, stop)`` of one block, in
@@ -222,39 +252,17 @@ def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
     def codegen(context, builder, signature, args):
         gnew, x = array_structs(context, builder, signature, args, 0, 1)
         start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
-        element = context.get_data_type(signature.args[4])
-        vector = ir.VectorType(element, LANES)
-        i64 = ir.IntType(64)
-        lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+        vector = ir.VectorType(context.get_data_type(signature.args[4]), LANES)
         mean_lanes = splat(builder, vector, mean_value)
         rstd_lanes = splat(builder, vector, rstd_value)
-        sum_g = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
-        sum_gx = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
-        builder.store(ir.Constant(vector, None), sum_g)
-        builder.store(ir.Constant(vector, None), sum_gx)
 
-        def add(position, used):
+        def terms(position, used):
             g = decode_lanes(builder, builder.gep(gnew.data, [position]), "native", vector, used)
             x_value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
-            gx = builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
-            old_g, old_gx = builder.load(sum_g), builder.load(sum_gx)
-            new_g, new_gx = builder.fadd(old_g, g), builder.fadd(old_gx, gx)
-            if used is not None:  # lanes past the end keep their sums (0 * inf would be NaN)
-                new_g, new_gx = builder.select(used, new_g, old_g), builder.select(used, new_gx, old_gx)
-            builder.store(new_g, sum_g)
-            builder.store(new_gx, sum_gx)
+            return g, builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
 
-        count = builder.sub(stop, start)
-        whole = builder.sdiv(count, i64(LANES))
-        with cgutils.for_range(builder, whole) as loop:
-            add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
-        tail = builder.add(start, builder.mul(whole, i64(LANES)))
-        remaining = builder.sub(stop, tail)
-        with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
-            add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
-        total_g = fold_lanes_by_halving(builder, builder.load(sum_g))
-        total_gx = fold_lanes_by_halving(builder, builder.load(sum_gx))
-        return context.make_tuple(builder, signature.return_type, [total_g, total_gx])
+        totals = _two_lane_sums(builder, vector, start, stop, terms)
+        return context.make_tuple(builder, signature.return_type, totals)
 
     return sig, codegen
 
@@ -674,38 +682,16 @@ def _block_moments(typingctx, row, start, stop, center, fmt):
     def codegen(context, builder, signature, args):
         (x,) = array_structs(context, builder, signature, args, 0)
         start, stop, center_value = args[1], args[2], args[3]
-        element = context.get_data_type(signature.args[3])
-        vector = ir.VectorType(element, LANES)
-        i64 = ir.IntType(64)
-        lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+        vector = ir.VectorType(context.get_data_type(signature.args[3]), LANES)
         center_lanes = splat(builder, vector, center_value)
-        sum_d = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
-        sum_dd = cgutils.alloca_once_value(builder, ir.Constant(vector, None))
-        builder.store(ir.Constant(vector, None), sum_d)
-        builder.store(ir.Constant(vector, None), sum_dd)
 
-        def add(position, used):
+        def terms(position, used):
             value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
             deviation = builder.fsub(value, center_lanes)
-            old_d, old_dd = builder.load(sum_d), builder.load(sum_dd)
-            new_d = builder.fadd(old_d, deviation)
-            new_dd = builder.fadd(old_dd, builder.fmul(deviation, deviation))
-            if used is not None:  # lanes past the end keep their sums
-                new_d, new_dd = builder.select(used, new_d, old_d), builder.select(used, new_dd, old_dd)
-            builder.store(new_d, sum_d)
-            builder.store(new_dd, sum_dd)
+            return deviation, builder.fmul(deviation, deviation)
 
-        count = builder.sub(stop, start)
-        whole = builder.sdiv(count, i64(LANES))
-        with cgutils.for_range(builder, whole) as loop:
-            add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
-        tail = builder.add(start, builder.mul(whole, i64(LANES)))
-        remaining = builder.sub(stop, tail)
-        with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
-            add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
-        total_d = fold_lanes_by_halving(builder, builder.load(sum_d))
-        total_dd = fold_lanes_by_halving(builder, builder.load(sum_dd))
-        return context.make_tuple(builder, signature.return_type, [total_d, total_dd])
+        totals = _two_lane_sums(builder, vector, start, stop, terms)
+        return context.make_tuple(builder, signature.return_type, totals)
 
     return sig, codegen
 
