@@ -6,8 +6,8 @@ The one place that knows how a user's array becomes something a kernel can take:
   kernel how to decode and encode them (Numba rejects both dtypes outright);
 * an NCHW-shaped array with channels-last strides is handed over as its C-contiguous NHWC view,
   without a copy (docs/semantics.md §0.1); any other strides are made C-contiguous NCHW;
-* results are allocated here (``np.empty``: cheaper than zero-filled pages, see the foundation
-  issue) or taken from ``out=`` after checking it.
+* results are allocated here (``np.empty``: the kernels write every element, so zero-filling
+  would only add work) or taken from ``out=`` after checking it.
 """
 
 import ml_dtypes

@@ -128,11 +128,10 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux
 def _advise_huge_pages(address, nbytes):
     """Ask for transparent huge pages on the 2 MiB-aligned interior of a large result buffer.
 
-    XLA's CPU allocator hands out fresh 4 KiB pages for large buffers; a kernel writing 51 MB into
-    them spends most of its time in page faults (measured: 44 ms inside the handler for an A1
-    avg-pool gradient, against 9 ms after this advice, the same as a NumPy-allocated result,
-    which NumPy advises the same way). Advice only: contents and ownership are unchanged, and a
-    kernel that ignores it (``THP`` disabled) is merely slower.
+    XLA's CPU allocator hands out fresh 4 KiB pages for large buffers, and a kernel writing into
+    them spends most of its time in page faults; NumPy gives its own large allocations the same
+    advice (numbers in docs/history.md, "fastbwd.jax"). Advice only: contents and ownership are
+    unchanged, and a kernel that ignores it (``THP`` disabled) is merely slower.
     """
     start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
     end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE

@@ -6,7 +6,7 @@ takes the GIL. When a program ends while such a computation is still queued or r
 handler's thread asks for the GIL during interpreter finalisation, where CPython never gives it
 back (3.11 ends the thread inside XLA's pool, later versions block it). The main thread,
 meanwhile, destroys JAX's client, whose thread pool then waits forever for that thread: the
-process never exits (docs/design.md, "fastbwd.jax").
+process never exits (docs/design.md, "The exit gate").
 
 So XLA never calls the Python handler directly. It calls a gate: a few machine instructions,
 built with llvmlite when a target is registered, that
@@ -121,7 +121,7 @@ def _start():
     global _engine, _state, _close
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    # a few instructions per gate: code generation without optimisation builds a batch 2x faster
+    # a few instructions per gate need no optimisation, and a batch builds faster without it
     machine = llvm.Target.from_default_triple().create_target_machine(opt=0)
     _engine = _immortal(llvm.create_mcjit_compiler(llvm.parse_assembly(_STATE_IR), machine))
     _engine.finalize_object()

@@ -50,7 +50,7 @@ class StorageFormat:
     @property
     def _numba_type_(self):
         """Numba's type for this argument, read by its dispatcher's fast path (typing a
-        StorageFormat through ``typeof_impl`` cost about 1.5 us per kernel call)."""
+        StorageFormat through ``typeof_impl`` is a slow fallback, paid on every kernel call)."""
         return _TYPES[self.name]
 
 
@@ -132,8 +132,8 @@ def _format_name(fmt):
 
 
 # load, store and accumulator are intrinsics, not inlined overloads: typing one needs no compiled
-# implementation (an overload compiled one per argument type, a few hundredths of a second each
-# on a kernel's first call), and the IR is exactly what the overloads' bodies lowered to.
+# implementation (an overload compiled one per argument type on a kernel's first call), and the
+# IR is exactly what the overloads' bodies lowered to.
 
 def _decode_ir(builder, bits, format_name):
     """float32 from the 16 stored bits (exact)."""

@@ -34,10 +34,9 @@ from .. import _config
 _OPTIONS = dict(nogil=True, fastmath=False, error_model="numpy", boundscheck=False)
 
 #: Calls touching fewer elements than this (the ``work=`` of :meth:`Kernel.__call__`) run on the
-#: calling thread only. Waking the pool costs more than such a call does (a tiny pad backward:
-#: 6.8 us on one thread, 9.2 us on two), and on a loaded machine a parallel region also waits
-#: for its worker threads to be scheduled: with two busy processes beside it, one round of 3000
-#: tiny calls on two threads had a 90th percentile of 8 ms (one thread: 7.4 us).
+#: calling thread only. Waking the pool costs more than such a call does, and on a loaded machine
+#: a parallel region also waits for its workers to be scheduled (docs/design.md, "Threads, fork
+#: and the threading layers"; the numbers in docs/history.md).
 ONE_THREAD_BELOW = 1 << 15
 
 # ---- thread-pool state, shared by all kernels ----------------------------------------------
@@ -58,8 +57,8 @@ def _launch_pool():
 
             parallel._launch_threads()
             # Numba's own entry points to the launched pool's per-thread count, without the two
-            # locks numba.get/set_num_threads take on every call (2-3 us each, four of them in a
-            # small call); kept public ones if a Numba version names them otherwise.
+            # locks numba.get/set_num_threads take on every call (four such calls in a small
+            # call); kept public ones if a Numba version names them otherwise.
             getter = getattr(parallel, "_get_num_threads", None)
             setter = getattr(parallel, "_set_num_threads", None)
             if callable(getter) and callable(setter):
