@@ -28,6 +28,7 @@ import types as pytypes
 import warnings
 
 import numba
+import numba.extending
 
 from .. import _config
 
@@ -217,6 +218,23 @@ def parallel_kernel(py_func):
 def helper(py_func):
     """An ``@njit`` helper called from kernels (inlined into them by LLVM; compiled with them)."""
     return numba.njit(**_OPTIONS)(py_func)
+
+
+@numba.extending.intrinsic
+def wide_vectors(typingctx):
+    """Let LLVM vectorise the loops of the function this is called in with the widest vectors
+    the CPU has (no-op elsewhere). On AVX-512 CPUs LLVM otherwise prefers 256-bit vectors for
+    its own loops; the width changes no result (each lane does the same IEEE operations and no
+    loop is reassociated), only the speed (docs/design.md, "Vector width"). A helper whose loop
+    vectorises in its own module needs its own call."""
+    signature = numba.core.types.none()
+
+    def codegen(context, builder, signature, args):
+        # a string attribute llvmlite's checked set does not know: added to the set directly
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return signature, codegen
 
 
 def leaf_helper(py_func):

@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
-from ._jit import helper, parallel_kernel
+from ._jit import helper, parallel_kernel, wide_vectors
 from ._simd import LANES, array_structs, copy_out, decode_lanes, fold_lanes_by_halving, prefetch_for_write, splat, store_fence
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
@@ -277,6 +277,7 @@ def _fold_lanes(lanes, width, used):
     -0, so adding +0 is exact). Each level is one contiguous vector loop: the lanes ``[0, count)``
     and ``[h, h + count)`` are two disjoint runs of ``count * width`` elements.
     """
+    wide_vectors()
     h = PARTIAL_SUMS // 2
     while h >= 1:
         if used > h:
@@ -308,6 +309,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     round_size = PREFETCH_ROUND if prefetching else BLOCK  # halves: one round per block
     line = 64 // dx.itemsize
     for task in prange(batch * groups):
+        wide_vectors()
         n = task // groups
         g = task - n * groups
         start = g * group_size
@@ -414,6 +416,7 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     groups = mean.shape[1]
     runs = (groups + groups_per_task - 1) // groups_per_task
     for task in prange(batch * runs):
+        wide_vectors()
         n = task // runs
         run = task - n * runs
         first_group = run * groups_per_task
@@ -434,6 +437,7 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
     order, as :func:`_nhwc_channel_runs`; a loop of PARTIAL_SUMS*C elements instead of C
     keeps the vector loops busy when C is small (C = 64 left a 32-element loop per position:
     about one vector iteration behind its alias checks and remainder)."""
+    wide_vectors()
     _, hw, channels = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
@@ -524,6 +528,7 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
                        first_group, last_group, streaming, fmt):
     """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
     the run's contiguous channels, once per position."""
+    wide_vectors()
     _, hw, channels = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
@@ -614,6 +619,7 @@ def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want
     """
     batch, channels = sum_g.shape
     for c in prange(channels):
+        wide_vectors()
         if want_dgamma:
             acc = sum_gx[0, c]
             for n in range(1, batch):
@@ -717,6 +723,7 @@ def _group_rstd(t1, t2, count, eps, zero, one):
 def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
     """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
     Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
+    wide_vectors()
     if activate_swish:
         for i in range(x_row.shape[0]):
             y_row[i] = store(swish(fma(load(x_row[i], fmt) - mean, scale, beta), swish_scale), fmt)
@@ -743,6 +750,7 @@ def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, 
     count = mean.dtype.type(size)
     flat_x = x.reshape(batch, channels * hw)
     for task in prange(batch * groups):
+        wide_vectors()
         n = task // groups
         g = task - n * groups
         row = flat_x[n]
@@ -782,6 +790,7 @@ def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, 
     groups = mean.shape[1]
     runs = (groups + groups_per_task - 1) // groups_per_task
     for task in prange(batch * runs):
+        wide_vectors()
         n = task // runs
         run = task - n * runs
         first_group = run * groups_per_task
@@ -793,6 +802,7 @@ def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, 
 def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt):
     """``total_d[k] = sum over positions of (x[n, :, start + k] - center[k])`` and ``total_dd``
     of its squares, for the run's channels ``k``; inner loops along the channels."""
+    wide_vectors()
     hw = x.shape[1]
     width = total_d.shape[0]
     total_d[:] = 0
@@ -814,6 +824,7 @@ def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd
 def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group,
                       last_group, fmt):
     """Image ``n``, groups ``[first_group, last_group)`` of the NHWC forward."""
+    wide_vectors()
     _, hw, channels = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
