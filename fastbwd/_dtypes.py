@@ -49,6 +49,19 @@ def compute_dtype(dtype):
     return float32 if dtype in _FORMATS else dtype
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def compute_scalar(value, compute):
+    """The Python float ``value`` as a ``compute`` scalar; beyond float32's range it rounds to an
+    infinity, silently (no overflow warning). ``np.errstate`` is only entered for such values:
+    it costs a few microseconds, which a small call notices."""
+    if compute == float64 or -_FLOAT32_MAX <= value <= _FLOAT32_MAX:
+        return compute.type(value)
+    with np.errstate(over="ignore"):
+        return compute.type(value)
+
+
 # --------------------------------------------------------------------------------------------
 # memory layouts of 4-D (N, C, H, W) arrays
 # --------------------------------------------------------------------------------------------

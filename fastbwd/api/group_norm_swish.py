@@ -250,8 +250,7 @@ def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
     rstd_c = rstd.astype(compute).reshape(batch, groups)
     gamma_c = np.ascontiguousarray(gamma, dtype=compute)
     beta_c = np.ascontiguousarray(beta, dtype=compute)
-    with np.errstate(over="ignore"):  # a huge scale rounds to a float32 infinity: a valid step
-        scale_c = compute.type(swish_scale)
+    scale_c = d.compute_scalar(swish_scale, compute)  # a huge scale: an infinity, a valid step
     sum_g = np.empty((batch, channels), compute)
     sum_gx = np.empty((batch, channels), compute)
     shape = plan.kernel_shape
@@ -452,9 +451,8 @@ def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
     rstd_c = rstd if direct else np.empty((batch, groups), compute)
     gamma_c = d.read_only(np.ascontiguousarray(gamma, dtype=compute))
     beta_c = d.read_only(np.ascontiguousarray(beta, dtype=compute))
-    with np.errstate(over="ignore"):  # a scale or eps beyond float32's range becomes inf
-        scale_c = compute.type(swish_scale)
-        eps_c = compute.type(eps)
+    scale_c = d.compute_scalar(swish_scale, compute)  # beyond float32's range: an infinity
+    eps_c = d.compute_scalar(eps, compute)
     fmt = d.storage_format(x.dtype)
     shape = plan.kernel_shape
     if plan.kernel_nhwc:
