@@ -10,7 +10,6 @@ F = torch.nn.functional
 import fastbwd  # noqa: E402
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.api import roi_align as roi_align_api  # noqa: E402
-from fastbwd.torch import _ops  # noqa: E402
 
 OPS = torch.ops.fastbwd
 CHANNELS_LAST = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -38,7 +37,7 @@ class _Counter:
     def __init__(self, monkeypatch):
         self.calls = {}
         for owner, name in ((roi_align_api, "roi_align_forward"), (fastbwd, "roi_align_backward"),
-                            (_ops, "_forward_kernel"), (fastbwd, "group_norm_swish_backward")):
+                            (fastbwd, "group_norm_swish"), (fastbwd, "group_norm_swish_backward")):
             monkeypatch.setattr(owner, name, self._counting(name, getattr(owner, name)))
 
     def _counting(self, name, function):
@@ -175,7 +174,7 @@ def test_torch_compile_fullgraph_runs_fastbwd_kernels(backend, monkeypatch):
     counter = _Counter(monkeypatch)
     compiled = torch.compile(head, backend=backend, fullgraph=True)  # fullgraph: a break raises
     actual = step(compiled, x)
-    assert counter.calls == {"roi_align_forward": 1, "roi_align_backward": 1, "_forward_kernel": 1,
+    assert counter.calls == {"roi_align_forward": 1, "roi_align_backward": 1, "group_norm_swish": 1,
                              "group_norm_swish_backward": 1}
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
@@ -262,7 +261,7 @@ def test_group_norm_swish_double_backward_is_exact(monkeypatch):
     # without a graph of the backward, the gradient is fastbwd's fused kernel
     counter = _Counter(monkeypatch)
     torch.autograd.grad(function(x, weight, bias).sum(), (x, weight, bias))
-    assert counter.calls == {"_forward_kernel": 1, "group_norm_swish_backward": 1}
+    assert counter.calls == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
 
 
 def test_group_norm_swish_backward_operator_is_differentiable():

@@ -16,7 +16,7 @@ end); the kernels here only translate tensors to arrays and back.
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -181,21 +181,40 @@ def _parameters(input, weight, bias):
 def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
     """``(y, mean, rstd)`` by ``fastbwd.group_norm_swish`` (§5.1), ``y`` in the memory format
     :func:`_convert.memory_format` gives ``input``."""
+    return _forward_arrays(input, weight, bias, num_groups, eps, swish_scale)[0]
+
+
+def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
+    """:func:`_forward_kernel`'s ``(y, mean, rstd)``, and the arrays the backward kernel takes
+    besides ``dy`` (:class:`_KernelArrays`; None for an empty input), which the eager path keeps
+    so that its backward converts only ``dy``."""
     memory_format = c.memory_format(input)
     if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
         x = c.dense(input, memory_format)
         y, mean, rstd = torch.native_group_norm(x, weight, bias, x.shape[0], x.shape[1],
                                                 math.prod(x.shape[2:]), num_groups, eps)
-        return y * torch.sigmoid(swish_scale * y), mean, rstd
+        return (y * torch.sigmoid(swish_scale * y), mean, rstd), None
     channels_last = memory_format == torch.channels_last
     x = c.as_array(c.dense(input, memory_format))
-    gamma, beta = _parameters(input, weight, bias)
+    if channels_last:
+        x = x.transpose(0, 2, 3, 1)
+    gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
     match_torch_threads()
-    y, mean, rstd = fastbwd.group_norm_swish(
-        x.transpose(0, 2, 3, 1) if channels_last else x, c.as_array(gamma), c.as_array(beta),
-        num_groups, "NHWC" if channels_last else "NCHW", eps, True, swish_scale)
+    y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, num_groups,
+                                             "NHWC" if channels_last else "NCHW", eps, True, swish_scale)
     y = c.as_tensor(y)
-    return y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd)
+    outputs = (y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd))
+    return outputs, _KernelArrays(memory_format, x, mean, rstd, gamma, beta)
+
+
+class _KernelArrays(NamedTuple):
+    """What the backward kernel takes besides ``dy``, as the forward's kernel saw it."""
+    memory_format: torch.memory_format
+    x: object  # (N, C, *) array, or the (N, H, W, C) view of channels_last input
+    mean: object
+    rstd: object
+    gamma: object
+    beta: object
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
@@ -224,15 +243,23 @@ def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, s
                 torch.zeros_like(beta) if need_bias else None)
     # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come back
     # as new NumPy arrays, wrapped without a copy (dx channels_last again)
-    channels_last = memory_format == torch.channels_last
-    arrays = [c.as_array(c.dense(t, memory_format)) for t in (grad_output, input)]
+    x = c.as_array(c.dense(input, memory_format))
+    if memory_format == torch.channels_last:
+        x = x.transpose(0, 2, 3, 1)
+    arrays = _KernelArrays(memory_format, x, *(c.as_array(t) for t in (mean, rstd, gamma, beta)))
+    return _backward_from_arrays(grad_output, arrays, num_groups, swish_scale, need_weight, need_bias)
+
+
+def _backward_from_arrays(grad_output, arrays, num_groups, swish_scale, need_weight, need_bias):
+    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`)."""
+    channels_last = arrays.memory_format == torch.channels_last
+    dy = c.as_array(c.dense(grad_output, arrays.memory_format))
     if channels_last:
-        arrays = [a.transpose(0, 2, 3, 1) for a in arrays]
+        dy = dy.transpose(0, 2, 3, 1)
     match_torch_threads()
     grad_input, grad_weight, grad_bias = fastbwd.group_norm_swish_backward(
-        arrays[0], c.as_array(mean), c.as_array(rstd), arrays[1], c.as_array(gamma),
-        c.as_array(beta), num_groups, "NHWC" if channels_last else "NCHW", swish_scale,
-        need_weight, need_bias)
+        dy, arrays.mean, arrays.rstd, arrays.x, arrays.gamma, arrays.beta, num_groups,
+        "NHWC" if channels_last else "NCHW", swish_scale, need_weight, need_bias)
     grad_input = c.as_tensor(grad_input)
     return (grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
             None if grad_weight is None else c.as_tensor(grad_weight),
@@ -292,7 +319,12 @@ def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
     arguments = (grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale)
     if _eager(grad_output, input):
-        grads = _backward_kernel(*arguments, need_weight, need_bias)
+        arrays = getattr(ctx, "kernel_arrays", None)  # kept by the eager path's forward
+        if arrays is None:
+            grads = _backward_kernel(*arguments, need_weight, need_bias)
+        else:
+            grads = _backward_from_arrays(grad_output, arrays, ctx.num_groups, ctx.swish_scale,
+                                          need_weight, need_bias)
     else:
         grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
     return (grads[0] if needs[0] else None, grads[1] if need_weight else None,
@@ -390,7 +422,7 @@ class EagerRoIAlign(torch.autograd.Function):
 class EagerGroupNormSwish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward_kernel(*inputs)
+        output, ctx.kernel_arrays = _forward_arrays(*inputs)
         _group_norm_swish_setup(ctx, inputs, output)
         return output
 
