@@ -31,6 +31,7 @@ import numba
 import numba.extending
 
 from .. import _config
+from . import _halfcalls
 
 _OPTIONS = dict(nogil=True, fastmath=False, error_model="numpy", boundscheck=False)
 
@@ -132,6 +133,7 @@ def thread_count():
 def _dispatcher(py_func, parallel):
     """An njit dispatcher with the project's options; disk cache when a folder is writable."""
     options = dict(_OPTIONS, parallel=parallel)
+    _halfcalls.provide_if_needed()  # before any kernel is built or loaded from the cache
     if _config.CACHE:
         try:
             with warnings.catch_warnings():

@@ -1,0 +1,149 @@
+"""kernels._halfcalls: float16 conversions on targets without F16C give the hardware's bits, and
+a float16 call on ``NUMBA_CPU_NAME=generic`` runs (it used to stop the process: "LLVM ERROR:
+Symbol not found: __extendhfsf2")."""
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import llvmlite.binding as llvm
+import numpy as np
+import pytest
+
+from fastbwd.kernels import _halfcalls
+
+HOST_FEATURES = llvm.get_host_cpu_features().flatten().split(",")
+
+# Loops converting an array with the host's instructions (fpext/fptrunc of half) and with the
+# functions of _halfcalls (declared under other names), side by side.
+_LOOPS = r"""
+declare float @provided_extend(half)
+declare half @provided_trunc(float)
+
+define void @extend(i16* %source, i32* %host, i32* %provided, i64 %count) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %in = getelementptr i16, i16* %source, i64 %i
+  %bits = load i16, i16* %in
+  %half = bitcast i16 %bits to half
+  %wide = fpext half %half to float
+  %wide_bits = bitcast float %wide to i32
+  %host_out = getelementptr i32, i32* %host, i64 %i
+  store i32 %wide_bits, i32* %host_out
+  %ours = call float @provided_extend(half %half)
+  %ours_bits = bitcast float %ours to i32
+  %provided_out = getelementptr i32, i32* %provided, i64 %i
+  store i32 %ours_bits, i32* %provided_out
+  %next = add i64 %i, 1
+  %more = icmp ult i64 %next, %count
+  br i1 %more, label %loop, label %done
+done:
+  ret void
+}
+
+define void @trunc(i32* %source, i16* %host, i16* %provided, i64 %count) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %in = getelementptr i32, i32* %source, i64 %i
+  %bits = load i32, i32* %in
+  %value = bitcast i32 %bits to float
+  %narrow = fptrunc float %value to half
+  %narrow_bits = bitcast half %narrow to i16
+  %host_out = getelementptr i16, i16* %host, i64 %i
+  store i16 %narrow_bits, i16* %host_out
+  %ours = call half @provided_trunc(float %value)
+  %ours_bits = bitcast half %ours to i16
+  %provided_out = getelementptr i16, i16* %provided, i64 %i
+  store i16 %ours_bits, i16* %provided_out
+  %next = add i64 %i, 1
+  %more = icmp ult i64 %next, %count
+  br i1 %more, label %loop, label %done
+done:
+  ret void
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def loops():
+    if "+f16c" not in HOST_FEATURES:
+        pytest.skip("the host has no F16C to compare with")
+    _halfcalls.provide()  # builds the functions even where the target does not need them
+    engine = _halfcalls._engine
+    if not engine:
+        pytest.skip("the process already provides the symbols")
+    llvm.add_symbol("provided_extend", engine.get_function_address("fastbwd_extendhfsf2"))
+    llvm.add_symbol("provided_trunc", engine.get_function_address("fastbwd_truncsfhf2"))
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=",".join(HOST_FEATURES), opt=0)
+    module = llvm.parse_assembly(_LOOPS)
+    assembly = machine.emit_assembly(module)
+    assert not any(name in assembly for name in _halfcalls.NAMES), "the host converts by calls"
+    loop_engine = llvm.create_mcjit_compiler(module, machine)
+    loop_engine.finalize_object()
+    signature = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    loops = {name: signature(loop_engine.get_function_address(name)) for name in ("extend", "trunc")}
+    loops["engine"] = loop_engine  # keeps the code alive
+    return loops
+
+
+def _run(loop, source, out_dtype):
+    host, provided = np.empty(source.size, out_dtype), np.empty(source.size, out_dtype)
+    loop(source.ctypes.data, host.ctypes.data, provided.ctypes.data, source.size)
+    return host, provided
+
+
+def test_extend_equals_the_hardware_on_every_float16(loops):
+    host, provided = _run(loops["extend"], np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), np.uint32)
+    assert np.array_equal(host, provided)
+
+
+def test_trunc_equals_the_hardware(loops):
+    rng = np.random.default_rng(0)
+    edges = np.array([0, 0x7F800000, 0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7F7FFFFF, 1,
+                      0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000,  # around 65504 and 65520
+                      0x387FFFFF, 0x38800000, 0x33000000, 0x33000001, 0x32FFFFFF], np.uint32)
+    # every float32 within 3 ulps of each float16 rounding midpoint and boundary, normal range
+    midpoints = (np.arange(0x33000000 >> 12, 0x47800000 >> 12, dtype=np.int64) << 12)
+    near = (midpoints[:, None] + np.arange(-3, 4)[None, :]).ravel().astype(np.uint32)
+    source = np.concatenate([edges, near, rng.integers(0, 1 << 32, 2_000_000, dtype=np.uint64).astype(np.uint32)])
+    source = np.concatenate([source, source | np.uint32(0x80000000)])
+    host, provided = _run(loops["trunc"], source, np.uint16)
+    differ = np.nonzero(host != provided)[0]
+    assert differ.size == 0, [(hex(source[i]), hex(host[i]), hex(provided[i])) for i in differ[:5]]
+
+
+def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
+    """A float16 and a bfloat16 call of three kernels under NUMBA_CPU_NAME=generic, in a child
+    process, give the bits this process gets."""
+    program = textwrap.dedent("""
+        import ml_dtypes, numpy as np, fastbwd
+        rng = np.random.default_rng(5)
+        results = []
+        for dtype in (np.float16, ml_dtypes.bfloat16):
+            x = rng.uniform(-3, 3, (2, 4, 6, 20)).astype(dtype)
+            gamma, beta = rng.uniform(0.5, 2, 4).astype(dtype), rng.uniform(-1, 1, 4).astype(dtype)
+            y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, 2)
+            dx, dgamma, dbeta = fastbwd.group_norm_swish_backward(y, mean, rstd, x, gamma, beta, 2)
+            up = fastbwd.upsample_bilinear2d_backward(x, (6, 20), (2, 4, 3, 10), False)
+            results += [a.view(np.uint16) for a in (y, mean, rstd, dx, dgamma, dbeta, up)]
+        np.savez(OUT, *results)
+    """)
+    outputs = {}
+    for name, env in (("host", {}), ("generic", {"NUMBA_CPU_NAME": "generic"})):
+        out = tmp_path / f"{name}.npz"
+        child_env = dict(os.environ, **env)
+        child_env.pop("NUMBA_CPU_FEATURES", None)
+        result = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + program], env=child_env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        with np.load(out) as arrays:
+            outputs[name] = [arrays[key] for key in sorted(arrays.files, key=lambda k: int(k.split("_")[1]))]
+    for host, generic in zip(outputs["host"], outputs["generic"]):
+        assert np.array_equal(host, generic)
