@@ -1,6 +1,6 @@
 """fastbwd.jax: JAX programs on CPU get fastbwd's backward kernels (docs/semantics.md §8).
 
-``pip install fastbwd[jax]``. ``import fastbwd`` never imports jax; this module does.
+Needs JAX: ``pip install jax`` (or ``pip install -e ".[jax]"`` in fastbwd's checkout). ``import fastbwd`` never imports jax; this module does.
 
 Each function's forward is written in ``jax.numpy``/``lax`` (XLA fuses it with the rest of the
 program; RoIAlign's forward is fastbwd's kernel) and its gradient is the fastbwd function, through
@@ -19,7 +19,8 @@ try:
     import jax  # noqa: F401
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "fastbwd.jax needs JAX, which is not installed: pip install fastbwd[jax]"
+        "fastbwd.jax needs JAX, which is not installed: pip install jax "
+        "(or pip install -e \".[jax]\" in fastbwd's checkout)"
     ) from error
 
 from ._avg_pool import avg_pool2d

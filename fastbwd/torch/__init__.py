@@ -1,6 +1,6 @@
 """fastbwd.torch: PyTorch models on fastbwd's backward kernels (docs/semantics.md §7).
 
-``pip install fastbwd[torch]``. ``import fastbwd`` never imports torch; this module does.
+Needs PyTorch: ``pip install torch`` (or ``pip install -e ".[torch]"`` in fastbwd's checkout). ``import fastbwd`` never imports torch; this module does.
 
 * :func:`enable` / :func:`disable` / :func:`is_enabled` / :func:`enabled`: route PyTorch's own
   CPU kernels of ``upsample_bilinear2d_backward``, ``avg_pool2d_backward`` and
@@ -17,7 +17,8 @@ try:
     import torch  # noqa: F401
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "fastbwd.torch needs PyTorch, which is not installed: pip install fastbwd[torch]"
+        "fastbwd.torch needs PyTorch, which is not installed: pip install torch "
+        "(or pip install -e \".[torch]\" in fastbwd's checkout)"
     ) from error
 
 from ._fuse import FusionReport, fuse_group_norm_swish
