@@ -1,6 +1,7 @@
 """2-D average pooling for JAX: PyTorch's forward in lax, fastbwd's backward."""
 
 import functools
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +78,9 @@ def _avg_pool_bwd(kernel, stride, padding, ceil_mode, count_include_pad, divisor
 _avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)
 
 
-def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=0):
+def avg_pool2d(x: jax.Array, kernel_size: Union[int, Sequence[int]],
+               stride: Optional[Union[int, Sequence[int]]] = None, padding: Union[int, Sequence[int]] = 0,
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int = 0) -> jax.Array:
     """``F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
     divisor_override or None)``.
 

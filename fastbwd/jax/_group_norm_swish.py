@@ -1,6 +1,7 @@
 """GroupNorm + Swish for JAX: the forward in jax.numpy, fastbwd's fused backward."""
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,8 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_
 _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
 
 
-def group_norm_swish(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0, *, layout="NCHW"):
+def group_norm_swish(x: jax.Array, num_groups: int, weight: Optional[jax.Array], bias: Optional[jax.Array],
+                     eps: float = 1e-5, swish_scale: float = 1.0, *, layout: str = "NCHW") -> jax.Array:
     """GroupNorm (``F.group_norm(x, num_groups, weight, bias, eps)``) followed by Swish,
     ``y * sigmoid(swish_scale * y)`` (SiLU for ``swish_scale=1``).
 

@@ -1,6 +1,7 @@
 """Replication (edge) padding for JAX: ``jnp.pad(mode="edge")`` forward, fastbwd's backward."""
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ def _pad_bwd(padding, input_shape, _, grad_output):
 _pad.defvjp(_pad_fwd, _pad_bwd)
 
 
-def replication_pad2d(x, padding):
+def replication_pad2d(x: jax.Array, padding: Sequence[int]) -> jax.Array:
     """``F.pad(x, padding, mode="replicate")``: edge padding of the last two axes.
 
     Parameters

@@ -2,6 +2,7 @@
 the FFI transport (JAX has no RoIAlign of its own)."""
 
 import functools
+from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,8 @@ def _rois(boxes, dtype):
     return jnp.asarray(boxes)
 
 
-def roi_align(input, boxes, output_size, spatial_scale=1.0, sampling_ratio=-1, aligned=False):
+def roi_align(input: jax.Array, boxes: Union[jax.Array, Sequence[jax.Array]], output_size: Union[int, Sequence[int]],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> jax.Array:
     """``torchvision.ops.roi_align`` (docs/semantics.md §4) on fastbwd's kernels.
 
     Parameters

@@ -1,6 +1,7 @@
 """Bilinear upsampling for JAX: PyTorch's forward in jax.numpy, fastbwd's backward."""
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,8 @@ def _upsample_bwd(output_size, align_corners, layout, input_shape, _, grad_outpu
 _upsample.defvjp(_upsample_fwd, _upsample_bwd)
 
 
-def upsample_bilinear2d(x, output_size, align_corners=False, *, layout="NCHW"):
+def upsample_bilinear2d(x: jax.Array, output_size: Sequence[int], align_corners: bool = False, *,
+                        layout: str = "NCHW") -> jax.Array:
     """``F.interpolate(x, size=output_size, mode="bilinear", align_corners=align_corners)``.
 
     Parameters

@@ -78,7 +78,7 @@ class FusionReport:
         return "\n".join(lines)
 
 
-def fuse_group_norm_swish(module):
+def fuse_group_norm_swish(module: nn.Module) -> FusionReport:
     """Fuse every ``nn.GroupNorm`` of ``module`` whose output goes only into a SiLU.
 
     Two places are searched (``module`` included, recursively):

@@ -1,8 +1,10 @@
 """Fused GroupNorm + Swish for PyTorch on the registered operators ``fastbwd::group_norm_swish``
 and ``fastbwd::group_norm_swish_backward`` (docs/semantics.md §5 and §7)."""
 
+from typing import Optional
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from . import _ops
 
@@ -31,7 +33,8 @@ def _check_input(input, num_groups, weight, bias):
 
 # A leaf of torch.fx.symbolic_trace: the checks above read sizes a Proxy does not have.
 @torch.fx.wrap
-def group_norm_swish(input, num_groups, weight=None, bias=None, eps=1e-5, swish_scale=1.0):
+def group_norm_swish(input: Tensor, num_groups: int, weight: Optional[Tensor] = None,
+                     bias: Optional[Tensor] = None, eps: float = 1e-5, swish_scale: float = 1.0) -> Tensor:
     """``F.group_norm(input, num_groups, weight, bias, eps)`` followed by
     ``y * torch.sigmoid(swish_scale * y)``, as the registered operator
     ``fastbwd::group_norm_swish`` with fastbwd's fused backward.
@@ -74,7 +77,7 @@ class GroupNormSwish(nn.GroupNorm):
         super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
         self.swish_scale = float(swish_scale)
 
-    def forward(self, input):
+    def forward(self, input: Tensor) -> Tensor:
         return group_norm_swish(input, self.num_groups, self.weight, self.bias, self.eps,
                                 self.swish_scale)
 

@@ -29,7 +29,7 @@ import collections
 import contextlib
 import threading
 import warnings
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -272,7 +272,7 @@ def _register():
     _library = library
 
 
-def enable():
+def enable() -> None:
     """Serve PyTorch's CPU ``upsample_bilinear2d_backward``, ``avg_pool2d_backward`` and
     ``replication_pad2d_backward`` (and their ``.grad_input`` overloads) with fastbwd.
 
@@ -287,7 +287,7 @@ def enable():
         _active = True
 
 
-def disable():
+def disable() -> None:
     """Give these operators back to PyTorch's own CPU kernels (the same bits as before
     :func:`enable`). Idempotent and thread-safe, also while other threads run the operators."""
     global _active
@@ -295,13 +295,13 @@ def disable():
         _active = False
 
 
-def is_enabled():
+def is_enabled() -> bool:
     """True while fastbwd serves PyTorch's backward kernels."""
     return _active
 
 
 @contextlib.contextmanager
-def enabled():
+def enabled() -> Iterator[None]:
     """``with fastbwd.torch.enabled(): ...`` enables the routing for the block, then restores
     the state it found (a block inside an enabled region leaves it enabled)."""
     was_enabled = _active
