@@ -175,7 +175,7 @@ def test_import_compiles_nothing_and_never_imports_torch():
 
 _EVERY_KERNEL_PATH = """
 from fastbwd.testing import reference as ref
-from fastbwd.testing.cases import roi_boxes
+from fastbwd._registry import roi_boxes
 rng = np.random.default_rng(0)
 
 def close(actual, want):
@@ -255,7 +255,7 @@ def test_every_kernel_path_within_bounds():
 _MORE_THREADS_THAN_CORES = """
 import itertools, numba
 import ml_dtypes
-from fastbwd.testing.cases import roi_boxes
+from fastbwd._registry import channels_last, roi_boxes
 from fastbwd.testing.checks import assert_thread_invariant, thread_counts
 
 assert numba.config.NUMBA_NUM_THREADS == 4 and thread_counts() == [1, 2, 3, 4], thread_counts()
@@ -277,9 +277,6 @@ def invariant(call):
 
 def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
-
-def channels_last(a):
-    return nhwc(a).transpose(0, 3, 1, 2)
 
 for dtype in (np.float32, np.float64, np.float16, BF16):
     # upsample: row blocks read in place (OW >= 16), staged narrow rows, 16 planes at a time
