@@ -19,6 +19,7 @@ from fastbwd.testing.checks import (
 
 from conftest import BF16, DTYPES, channels_last, random
 
+
 def pair(value):
     return tuple(value) * (2 // len(value)) if isinstance(value, (tuple, list)) else (value, value)
 

@@ -27,6 +27,7 @@ from fastbwd._registry import roi_boxes  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal, raises_param_error  # noqa: E402
 from conftest import BF16, DTYPES, random  # noqa: E402
 
+
 def _x64(dtype):
     """float64 (and complex128) need JAX's x64 mode; the others run with it off, as users do."""
     return jax.enable_x64(np.dtype(dtype).itemsize == 8 or np.dtype(dtype) == np.complex128)

@@ -17,6 +17,8 @@ from fastbwd.testing.checks import (
 from conftest import BF16, COMPLEX, DTYPES, channels_last, random
 
 F = "replication_pad2d_backward"
+
+
 def padded_shape(input_shape, padding):
     left, right, top, bottom = padding
     return (*input_shape[:-2], input_shape[-2] + top + bottom, input_shape[-1] + left + right)

@@ -17,6 +17,7 @@ from fastbwd.testing.checks import (
 
 from conftest import BF16, DTYPES, channels_last
 
+
 def random_boxes(rng, num_boxes, batch, height, width, spatial_scale, outside=0.3):
     """Boxes in image coordinates over the (H, W) feature map, some partly outside it."""
     image_h, image_w = height / spatial_scale, width / spatial_scale
