@@ -4,7 +4,7 @@ rows when torch is installed.
 Run: python -m pytest bench/bench_avg_pool2d.py --benchmark-enable --benchmark-only
 """
 
-from benchutil import standard_benchmarks
+from .benchutil import standard_benchmarks
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
     "avg_pool2d_backward", baselines=["torch", "torch out="])

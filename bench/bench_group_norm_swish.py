@@ -8,7 +8,8 @@ python -m pytest bench/bench_group_norm_swish.py --benchmark-enable --benchmark-
 """
 
 import pytest
-from benchutil import op_cases, prepared_case, standard_benchmarks
+
+from .benchutil import op_cases, prepared_case, standard_benchmarks
 
 NAME = "group_norm_swish_backward"
 
@@ -18,9 +19,9 @@ bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(NAME, bas
 @pytest.mark.parametrize("baseline", ["fastbwd NCHW", "fastbwd NCHW out="])
 @pytest.mark.parametrize("case", [param for param in op_cases(NAME)
                                   if param.values[0].params.get("data_format") == "NHWC"])
-def bench_nchw_of_nhwc_case(case, baseline, measure):
+def bench_nchw_of_nhwc_case(case, baseline, measure, smoke):
     """fastbwd on an NHWC case's values in NCHW (allocating, and out=)."""
-    prepared = prepared_case(case)
+    prepared = prepared_case(case, smoke=smoke)
     measure(case, prepared.baselines[baseline], prepared.nbytes, baseline)
 
 

@@ -1,20 +1,29 @@
 """JAX-bridge benchmarks J1-J5: ``jax.jit(jax.grad(loss))`` through fastbwd.jax against the same
 forward differentiated by JAX (same process), and the transport's per-call cost."""
 
+import functools
+
 import numba
 import pytest
 
 pytest.importorskip("jax")
 
-from fastbwd.testing.jax_cases import cases, transport_overhead  # noqa: E402
+from .jax_cases import cases, transport_overhead  # noqa: E402
 
-CASES = {case.id: case for case in cases()}
+#: J1-J5's ids, the same at both sizes.
+CASE_IDS = [case.id for case in cases(quick=True)]
+
+
+@functools.cache
+def _cases(quick):
+    """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
+    return {case.id: case for case in cases(quick=quick)}
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "jax"])
-@pytest.mark.parametrize("case_id", list(CASES))
-def bench_jax_bridge(case_id, variant, benchmark):
-    case = CASES[case_id]
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def bench_jax_bridge(case_id, variant, benchmark, smoke):
+    case = _cases(smoke)[case_id]
     function = getattr(case, variant)
     if function is None:
         pytest.skip(f"{case.id}: JAX has no such operator to compare with")

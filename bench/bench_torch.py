@@ -1,14 +1,23 @@
 """PyTorch-bridge benchmarks T1-T7 (fastbwd.torch against plain PyTorch, same thread count)."""
 
+import functools
+
 import numba
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
-from fastbwd.testing.torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
 
-CASES = {case.id: case for case in cases()}
+#: T1-T7's ids, the same at both sizes.
+CASE_IDS = [case.id for case in cases(quick=True)]
+
+
+@functools.cache
+def _cases(quick):
+    """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
+    return {case.id: case for case in cases(quick=quick)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,9 +29,9 @@ def _same_threads():
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "torch"])
-@pytest.mark.parametrize("case_id", list(CASES))
-def bench_torch_bridge(case_id, variant, benchmark):
-    case = CASES[case_id]
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def bench_torch_bridge(case_id, variant, benchmark, smoke):
+    case = _cases(smoke)[case_id]
     if variant == "fastbwd":
         case.check()  # gradients agree with plain PyTorch before anything is timed
     function = getattr(case, variant)
@@ -38,31 +47,32 @@ def bench_torch_bridge(case_id, variant, benchmark):
 # "alternating" runs one conv and one fastbwd backward back to back; compared with the two run
 # apart ("torch op", "fastbwd op"), it shows whether either pool slows the other.
 
-def _pool_workloads():
+def _pool_workloads(smoke):
     import numpy as np
     from torch.nn import functional as F
 
     import fastbwd
 
+    n, c, size = (2, 8, 16) if smoke else (8, 64, 64)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, 64, 64, generator=generator)
-    weight = torch.randn(64, 64, 3, 3, generator=generator)
-    grad = np.random.default_rng(0).standard_normal((8, 64, 128, 128)).astype(np.float32)
-    out = np.empty((8, 64, 64, 64), np.float32)
+    x = torch.randn(n, c, size, size, generator=generator)
+    weight = torch.randn(c, c, 3, 3, generator=generator)
+    grad = np.random.default_rng(0).standard_normal((n, c, 2 * size, 2 * size)).astype(np.float32)
+    out = np.empty((n, c, size, size), np.float32)
 
     def torch_op():
         return F.conv2d(x, weight, padding=1)
 
     def fastbwd_op():
-        return fastbwd.upsample_bilinear2d_backward(grad, (128, 128), (8, 64, 64, 64), False, out=out)
+        return fastbwd.upsample_bilinear2d_backward(grad, (2 * size, 2 * size), (n, c, size, size), False, out=out)
 
     return {"torch op": torch_op, "fastbwd op": fastbwd_op,
             "alternating": lambda: (torch_op(), fastbwd_op())}
 
 
 @pytest.mark.parametrize("variant", ["torch op", "fastbwd op", "alternating"])
-def bench_two_pools(variant, benchmark):
-    function = _pool_workloads()[variant]
+def bench_two_pools(variant, benchmark, smoke):
+    function = _pool_workloads(smoke)[variant]
     function()
     benchmark.group = "two thread pools: conv (8,64,64,64) and upsample backward U1"
     benchmark.extra_info.update(variant=variant, threads=numba.get_num_threads(),
@@ -93,7 +103,7 @@ def bench_routing_overhead(case_id, benchmark):
 def bench_unet_fusion(benchmark):
     """fuse_group_norm_swish on a fresh SmallUNet (tracing every block's forward()): its time,
     and the fused and skipped counts in extra_info."""
-    from fastbwd.testing.torch_unet import SmallUNet
+    from .torch_unet import SmallUNet
 
     models = iter([SmallUNet() for _ in range(6)])
     reports = []

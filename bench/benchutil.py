@@ -4,7 +4,7 @@ the standard benchmark functions every operator has."""
 import numba
 import pytest
 
-from fastbwd.testing.cases import OPS
+from .cases import OPS
 
 
 def case_id(case):
@@ -19,13 +19,15 @@ def op_cases(name):
 _PREPARED = {}
 
 
-def prepared_case(case, with_torch=False):
-    """The case's Prepared, built once per case and baseline set (the last few are kept)."""
-    key = (case.op, case.id, case.dtype, case.label, with_torch)
+def prepared_case(case, with_torch=False, smoke=False):
+    """The case's Prepared (at the smoke run's size when ``smoke``), built once per case, size and
+    baseline set (the last few are kept)."""
+    key = (case.op, case.id, case.dtype, case.label, smoke, with_torch)
     if key not in _PREPARED:
         while len(_PREPARED) >= 2:  # canonical inputs are large: keep memory bounded
             _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = OPS[case.op].prepare(case, with_torch)
+        spec = OPS[case.op]
+        _PREPARED[key] = spec.prepare(spec.smoke_case(case) if smoke else case, with_torch)
     return _PREPARED[key]
 
 
@@ -36,21 +38,21 @@ def standard_benchmarks(name, baselines):
     cases = op_cases(name)
 
     @pytest.mark.parametrize("case", cases)
-    def bench_fastbwd(case, measure):
-        prepared = prepared_case(case)
+    def bench_fastbwd(case, measure, smoke):
+        prepared = prepared_case(case, smoke=smoke)
         measure(case, prepared.run, prepared.nbytes, "fastbwd")
 
     @pytest.mark.parametrize("case", cases)
-    def bench_fastbwd_out(case, measure):
-        prepared = prepared_case(case)
+    def bench_fastbwd_out(case, measure, smoke):
+        prepared = prepared_case(case, smoke=smoke)
         measure(case, prepared.run_out, prepared.nbytes, "fastbwd out=")
 
     @pytest.mark.parametrize("baseline", baselines)
     @pytest.mark.parametrize("case", cases)
-    def bench_baseline(case, baseline, measure):
+    def bench_baseline(case, baseline, measure, smoke):
         torch = pytest.importorskip("torch")
         torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
-        prepared = prepared_case(case, with_torch=True)
+        prepared = prepared_case(case, with_torch=True, smoke=smoke)
         if baseline not in prepared.baselines:
             pytest.skip(f"no {baseline!r} baseline for {case.id} {case.dtype}")
         measure(case, prepared.baselines[baseline], prepared.nbytes, baseline)

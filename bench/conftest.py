@@ -3,7 +3,8 @@
 Each benchmark file parametrises over its operator's cases (``benchutil.op_cases``) and calls
 the ``measure`` fixture, which compiles first (a warm-up call outside the timing), times
 the callable, and records threads, threading layer and GB/s in ``extra_info``. With
-``--benchmark-disable`` (the default in pyproject.toml) every benchmark runs once as a smoke test.
+``--benchmark-disable`` (the default in pyproject.toml) every benchmark runs once as a smoke test,
+on small shapes (the ``smoke`` fixture); ``--benchmark-enable`` times the benchmark shapes.
 """
 
 import numba
@@ -26,3 +27,10 @@ def measure(benchmark):
             benchmark.extra_info["gbps"] = nbytes / stats.stats.median / 1e9
 
     return run
+
+
+@pytest.fixture
+def smoke(benchmark):
+    """True when the benchmarks run once each as a smoke test (pytest-benchmark disabled, as
+    ``python -m pytest`` runs them): the cases then take small shapes."""
+    return not benchmark.enabled

@@ -1,4 +1,4 @@
-"""Turn the main job's JSON (``python -m fastbwd --json results.json``) into the README's
+"""Turn the main job's JSON (``python3 -m bench --full --json results.json``) into the README's
 Markdown benchmark table.
 
 Usage: python bench/to_table.py results.json

@@ -23,6 +23,10 @@ float64 = np.dtype(np.float64)
 complex64 = np.dtype(np.complex64)
 complex128 = np.dtype(np.complex128)
 
+#: Every supported dtype by its name (as ``fastbwd.precompile`` and the benchmark cases name them).
+BY_NAME = {"float32": float32, "float16": float16, "bfloat16": bfloat16, "float64": float64,
+           "complex64": complex64, "complex128": complex128}
+
 #: The real floating dtypes every operator accepts.
 FLOATING = (float32, float16, bfloat16, float64)
 #: replication_pad2d_backward also takes complex gradients.

@@ -3,16 +3,12 @@
 ``fastbwd.precompile()`` and ``python -m fastbwd --precompile`` run the :data:`TABLE` below in
 worker processes (one per core): each entry calls one public function on tiny inputs chosen to
 reach one kernel path, for one dtype and one memory layout, so that the kernel behind that call
-compiles (or loads) and lands in the disk cache. Driving the public functions, rather than
-listing Numba signatures, keeps the table right when a kernel's arguments change: whatever the
-api layer passes is what gets compiled.
+compiles (or loads) and lands in the disk cache. The calls are the kernel paths of the
+operators' registry (``fastbwd/_registry.py``), where a new path is added.
 
 Only the parallel kernels are compiled by default; ``serial=True`` adds the serial twins (which
-run after ``fork`` or with ``FASTBWD_SERIAL=1``, see ``kernels/_jit.py``).
-
-Extending the table: write a function ``call(dtype)`` that makes one public call (or a few that
-reach the same kernel) on tiny inputs of that dtype, and :func:`add` it under its operator,
-dtype, layout and path. Nothing here compiles at import.
+run after ``fork`` or with ``FASTBWD_SERIAL=1``, see ``kernels/_jit.py``). Nothing here compiles
+at import.
 """
 
 import os
@@ -21,19 +17,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
-#: dtype names accepted by :func:`precompile`, as the public functions' dtypes.
-DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-}
-HALVES_AND_FLOATS = ("float32", "float16", "bfloat16", "float64")
+from ._dtypes import BY_NAME
+from ._registry import OPERATORS
 
 
 @dataclass(frozen=True)
@@ -41,7 +28,7 @@ class Entry:
     """One kernel path: ``call(dtype)`` reaches it through the public function ``op``."""
 
     op: str  # public function name
-    dtype: str  # key of DTYPES
+    dtype: str  # key of _dtypes.BY_NAME
     layout: str  # "NCHW" or "NHWC" (channels-last memory, however the function is asked for it)
     path: str  # which kernel of the operator the call reaches
     call: Callable[[np.dtype], object]
@@ -54,205 +41,15 @@ class Entry:
         return f"{self.op} {self.dtype} {self.layout} {self.path}"
 
 
-#: Every (operator, dtype, layout, path); :func:`precompile` runs them in :data:`SLOWEST_FIRST`
-#: order, variants last.
-TABLE = []
-
-
-def add(op, dtypes, layout, path, call, *, variant=False):
-    """Register ``call`` for each dtype name in ``dtypes`` (see :class:`Entry`)."""
-    for dtype in dtypes:
-        TABLE.append(Entry(op, dtype, layout, path, call, variant))
+#: Every (operator, dtype, layout, path) of the registry; :func:`precompile` runs them in
+#: :data:`SLOWEST_FIRST` order, variants last.
+TABLE = [Entry(op.name, dtype, path.layout, path.name, path.call, path.variant)
+         for op in OPERATORS.values() for path in op.paths for dtype in path.dtypes]
 
 
 #: Operators in the order their entries start, the slowest to compile first (a short tail).
 SLOWEST_FIRST = ("roi_align_backward", "roi_align_forward", "group_norm_swish_backward", "group_norm_swish",
                  "upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward")
-
-
-# ---- tiny inputs -----------------------------------------------------------------------------
-
-def _array(shape, dtype, seed=0):
-    return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
-
-
-def _channels_last(array):
-    """An NCHW-shaped view with channels-last strides (what PyTorch calls channels_last)."""
-    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-
-
-def _fastbwd():
-    import fastbwd
-
-    return fastbwd
-
-
-# upsample_bilinear2d_backward: the separable engine's three kernels. Row blocks: grad rows at
-# least 16 wide; planes as lanes: grad rows narrower than 16 and at least 128 small planes;
-# NHWC: the layout="NHWC" call and an NCHW-shaped channels-last array reach the same kernel.
-
-def _upsample_row_blocks(dtype):
-    g = _array((1, 2, 6, 20), dtype)
-    return _fastbwd().upsample_bilinear2d_backward(g, (6, 20), (1, 2, 3, 10), False)
-
-
-def _upsample_plane_lanes(dtype):
-    g = _array((1, 128, 4, 6), dtype)
-    return _fastbwd().upsample_bilinear2d_backward(g, (4, 6), (1, 128, 2, 3), False)
-
-
-def _upsample_nhwc(dtype):
-    f = _fastbwd()
-    g = _array((1, 2, 6, 20), dtype)
-    f.upsample_bilinear2d_backward(g.transpose(0, 2, 3, 1).copy(), (6, 20), (1, 2, 3, 10), False, layout="NHWC")
-    return f.upsample_bilinear2d_backward(_channels_last(g), (6, 20), (1, 2, 3, 10), False)
-
-
-add("upsample_bilinear2d_backward", HALVES_AND_FLOATS, "NCHW", "row blocks", _upsample_row_blocks)
-add("upsample_bilinear2d_backward", HALVES_AND_FLOATS, "NCHW", "planes as lanes", _upsample_plane_lanes)
-add("upsample_bilinear2d_backward", HALVES_AND_FLOATS, "NHWC", "channel vectors", _upsample_nhwc)
-
-
-# avg_pool2d_backward: whole rows (NCHW, grad rows of at least LANES; a kernel for width stride 2
-# and one for the others), the engine's three kernels (narrower grad rows and NHWC), and the
-# global-window broadcast kernels.
-
-def _avg_pool(shape, kernel, layout):
-    def call(dtype):
-        f = _fastbwd()
-        out_shape = shape[:2] + tuple((size - kernel) // kernel + 1 for size in shape[2:])
-        g, forward_input = _array(out_shape, dtype), shape
-        if layout == "NHWC":
-            # with a 1 x 1 output the input's memory format decides the layout
-            g, forward_input = _channels_last(g), _channels_last(np.zeros(shape, dtype))
-        return f.avg_pool2d_backward(g, forward_input, kernel)
-
-    return call
-
-
-for _layout in ("NCHW", "NHWC"):
-    if _layout == "NCHW":
-        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "whole rows", _avg_pool((1, 2, 4, 40), 2, _layout))
-        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "whole rows, other strides",
-            _avg_pool((1, 2, 6, 60), 3, _layout))
-        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "row blocks", _avg_pool((1, 2, 4, 20), 2, _layout))
-        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "planes as lanes",
-            _avg_pool((1, 128, 8, 8), 2, _layout))
-    else:
-        add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "channel vectors", _avg_pool((1, 2, 4, 8), 2, _layout))
-    add("avg_pool2d_backward", HALVES_AND_FLOATS, _layout, "global window", _avg_pool((2, 3, 5, 5), 5, _layout))
-
-
-# replication_pad2d_backward: one kernel per layout, and NCHW's for results larger than the
-# cache (streaming stores; reached only by a result of _simd.STREAM_MIN_BYTES, so its call makes one).
-
-def _pad(layout):
-    def call(dtype):
-        g = _array((1, 2, 7, 8), dtype)
-        if layout == "NHWC":
-            g = _channels_last(g)
-        return _fastbwd().replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
-
-    return call
-
-
-def _pad_streaming(dtype):
-    from .kernels import _simd
-
-    rows = -(-_simd.STREAM_MIN_BYTES // (64 * dtype.itemsize))
-    g = np.zeros((1, 1, rows + 1, 65), dtype)
-    return _fastbwd().replication_pad2d_backward(g, (1, 1, rows, 64), (1, 0, 0, 1))
-
-
-for _layout in ("NCHW", "NHWC"):
-    add("replication_pad2d_backward", tuple(DTYPES), _layout, "gather", _pad(_layout))
-add("replication_pad2d_backward", tuple(DTYPES), "NCHW", "gather, streaming stores", _pad_streaming)
-
-
-# roi_align_backward: NCHW only; fixed and adaptive sampling, boxes inside and partly outside.
-
-def _roi_align(dtype):
-    f = _fastbwd()
-    boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
-    g = _array((3, 3, 2, 2), dtype)
-    f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 1.0, 0, True)
-    return f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 0.5, 2, False)
-
-
-add("roi_align_backward", HALVES_AND_FLOATS, "NCHW", "backward", _roi_align)
-
-
-# roi_align_forward (fastbwd.torch.roi_align's forward): one kernel for NCHW and channels-last
-# input; the tables kernels are the backward's (a variant, run after the backward entries).
-
-def _roi_align_forward(layout):
-    def call(dtype):
-        from .api.roi_align import roi_align_forward
-
-        boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
-        x = _array((2, 3, 8, 8), dtype)
-        x = _channels_last(x) if layout == "NHWC" else x
-        roi_align_forward(x, boxes, 2, 2, 1.0, 0, True)
-        return roi_align_forward(x, boxes, 2, 2, 0.5, 2, False)
-
-    return call
-
-
-for _layout in ("NCHW", "NHWC"):
-    add("roi_align_forward", HALVES_AND_FLOATS, _layout, "forward", _roi_align_forward(_layout),
-        variant=True)
-
-
-# group_norm_swish_backward: NCHW and NHWC kernels, parameters in the data's dtype or float32,
-# and the parameter-gradient kernel (in gamma's dtype).
-
-def _group_norm_swish(layout, params):
-    def call(dtype):
-        f = _fastbwd()
-        param_dtype = np.float32 if params == "float32" else dtype
-        x, dy = _array((2, 4, 3, 3), dtype, 1), _array((2, 4, 3, 3), dtype, 2)
-        mean, rstd = np.zeros((2, 2), param_dtype), np.ones((2, 2), param_dtype)
-        gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
-        if layout == "NHWC":
-            # data_format="NHWC", and NCHW-shaped arrays with channels-last strides
-            f.group_norm_swish_backward(_channels_last(dy), mean, rstd, _channels_last(x), gamma, beta, 2)
-            x, dy = x.transpose(0, 2, 3, 1).copy(), dy.transpose(0, 2, 3, 1).copy()
-            return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, "NHWC")
-        return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2)
-
-    return call
-
-
-for _layout in ("NCHW", "NHWC"):
-    add("group_norm_swish_backward", HALVES_AND_FLOATS, _layout, "params in the data dtype",
-        _group_norm_swish(_layout, "same"))
-    add("group_norm_swish_backward", ("float16", "bfloat16", "float64"), _layout, "float32 params",
-        _group_norm_swish(_layout, "float32"), variant=True)
-
-
-
-# group_norm_swish (the forward): NCHW and NHWC kernels, parameters in the data's dtype or
-# float32 (the api converts them to the compute type: the same kernels, statistics rounded after).
-
-def _group_norm_swish_forward(layout, params):
-    def call(dtype):
-        f = _fastbwd()
-        param_dtype = np.float32 if params == "float32" else dtype
-        x = _array((2, 4, 3, 3), dtype, 1)
-        gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
-        if layout == "NHWC":
-            f.group_norm_swish(_channels_last(x), gamma, beta, 2)
-            return f.group_norm_swish(x.transpose(0, 2, 3, 1).copy(), gamma, beta, 2, "NHWC")
-        return f.group_norm_swish(x, gamma, beta, 2)
-
-    return call
-
-
-for _layout in ("NCHW", "NHWC"):
-    add("group_norm_swish", HALVES_AND_FLOATS, _layout, "params in the data dtype",
-        _group_norm_swish_forward(_layout, "same"))
-    add("group_norm_swish", ("float16", "bfloat16", "float64"), _layout, "float32 params",
-        _group_norm_swish_forward(_layout, "float32"), variant=True)
 
 
 # ---- running the table -----------------------------------------------------------------------
@@ -269,7 +66,7 @@ def select(ops=None, dtypes=None, layouts=None):
         return set(values)
 
     ops = names(ops, {entry.op for entry in TABLE}, "operator(s)")
-    dtypes = names(dtypes, set(DTYPES), "dtype(s)")
+    dtypes = names(dtypes, set(BY_NAME), "dtype(s)")
     layouts = names(layouts, {"NCHW", "NHWC"}, "layout(s)")
     return [entry for entry in TABLE
             if (ops is None or entry.op in ops) and (dtypes is None or entry.dtype in dtypes)
@@ -318,7 +115,7 @@ def _run_entry(index, serial):
     start = time.perf_counter()
     try:
         entry = TABLE[index]
-        entry.call(DTYPES[entry.dtype])
+        entry.call(BY_NAME[entry.dtype])
         error = None
     except Exception as exc:  # noqa: BLE001 - reported, never raised into the pool
         error = f"{type(exc).__name__}: {exc}"

@@ -4,7 +4,6 @@ and every error of docs/semantics.md."""
 
 import itertools
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,12 +17,7 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
-
-
-def random(shape, dtype, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+from conftest import BF16, DTYPES, channels_last, random
 
 
 def pair(value):
@@ -40,10 +34,6 @@ def pooled_shape(input_shape, kernel, stride, padding, ceil_mode):
 def reference(grad_output, input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=0):
     return ref.avg_pool2d_backward(grad_output, input_shape, pair(kernel), pair(stride), pair(padding),
                                    ceil_mode, count_include_pad, divisor_override)
-
-
-def channels_last(array):
-    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
 
 def random_case(rng, ndim=None):

@@ -5,7 +5,6 @@ Also the accuracy of the kernel module's vectorisable exp and Swish derivative."
 import itertools
 import warnings
 
-import ml_dtypes
 import numba
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from fastbwd import group_norm_swish_backward as gns_bwd
 from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.testing import reference as ref
-from fastbwd.testing.cases import group_norm_swish_inputs
+from fastbwd._registry import group_norm_swish_inputs
 from fastbwd.testing.checks import (
     assert_matches_reference,
     assert_thread_invariant,
@@ -21,8 +20,9 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
+from conftest import BF16, to_nhwc
+
 F = "group_norm_swish_backward"
-BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 HALVES = [F16, BF16]
 
@@ -53,16 +53,11 @@ def expected(args, groups, scale=1.0):
     return ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, scale)
 
 
-def to_channels_last(array):
-    """(N, C, *spatial) -> C-contiguous (N, *spatial, C)."""
-    return np.ascontiguousarray(np.moveaxis(array, 1, -1))
-
-
 def run(args, groups, data_format, scale):
     """gns_bwd in either layout from NCHW-family args; results returned in NCHW order."""
     if data_format == "NHWC":
         dy, mean, rstd, x, gamma, beta = args
-        dx, dgamma, dbeta = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta,
+        dx, dgamma, dbeta = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta,
                                     groups, "NHWC", scale)
         return np.moveaxis(dx, -1, 1), dgamma, dbeta
     return gns_bwd(*args, groups, data_format, scale)
@@ -323,8 +318,8 @@ def test_nan_propagates():
 def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=13)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
-    nhwc = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta, groups, "NHWC", 0.5)
-    assert nhwc[0].shape == to_channels_last(x).shape and nhwc[0].flags.c_contiguous
+    nhwc = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta, groups, "NHWC", 0.5)
+    assert nhwc[0].shape == to_nhwc(x).shape and nhwc[0].flags.c_contiguous
     assert nhwc[0].dtype == dtype
     assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
@@ -341,7 +336,7 @@ def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
     monkeypatch.setattr(api, "_NHWC_STREAM_MIN_BYTES", x.nbytes)  # dx has x's size: streamed ("at least")
     assert api._nhwc_streaming(x) and not api._nhwc_streaming(x[:1, :1])
-    nhwc = gns_bwd(to_channels_last(dy), mean, rstd, to_channels_last(x), gamma, beta, groups, "NHWC", 0.5)
+    nhwc = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta, groups, "NHWC", 0.5)
     assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
 
@@ -357,7 +352,7 @@ def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch)
 
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=20)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
-    dy_l, x_l = to_channels_last(dy), to_channels_last(x)
+    dy_l, x_l = to_nhwc(dy), to_nhwc(x)
     assert not api._nhwc_streaming(x_l)
     group_size = shape[1] // groups
     for channels in (shape[1], 2 * group_size, group_size):
@@ -372,8 +367,8 @@ def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch)
 def test_channels_last_strides_are_read_in_place_and_kept():
     shape, groups = (2, 8, 6, 7), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=14)
-    x_cl = to_channels_last(x).transpose(0, 3, 1, 2)
-    dy_cl = to_channels_last(dy).transpose(0, 3, 1, 2)
+    x_cl = to_nhwc(x).transpose(0, 3, 1, 2)
+    dy_cl = to_nhwc(dy).transpose(0, 3, 1, 2)
     dx, dgamma, dbeta = gns_bwd(dy_cl, mean, rstd, x_cl, gamma, beta, groups)
     assert dx.transpose(0, 2, 3, 1).flags.c_contiguous and not dx.flags.c_contiguous
     baseline = gns_bwd(dy, mean, rstd, x, gamma, beta, groups)
@@ -397,7 +392,7 @@ def test_thread_count_does_not_change_bits(dtype, data_format):
     shape, groups = (3, 12, 40, 33), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=16)
     if data_format == "NHWC":
-        dy, x = to_channels_last(dy), to_channels_last(x)
+        dy, x = to_nhwc(dy), to_nhwc(x)
     assert_thread_invariant(lambda: gns_bwd(dy, mean, rstd, x, gamma, beta, groups, data_format))
 
 
@@ -407,7 +402,7 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
 
     shape, groups = (3, 24, 17, 9), 6
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=18)
-    dy, x = to_channels_last(dy), to_channels_last(x)
+    dy, x = to_nhwc(dy), to_nhwc(x)
     expected = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
     for channels, per_thread in ((1, 1), (4, 8), (8, 2), (512, 1), (512, 64)):
         monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
@@ -486,7 +481,7 @@ def test_out_entries_may_be_none_and_inputs_are_not_mutated():
 def test_out_channels_last():
     shape, groups = (2, 8, 6, 7), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=20)
-    x_cl, dy_cl = (to_channels_last(a).transpose(0, 3, 1, 2) for a in (x, dy))
+    x_cl, dy_cl = (to_nhwc(a).transpose(0, 3, 1, 2) for a in (x, dy))
     out_cl = np.empty((2, 6, 7, 8), F32).transpose(0, 3, 1, 2)
     assert gns_bwd(dy_cl, mean, rstd, x_cl, gamma, beta, groups, out=(out_cl, None, None))[0] is out_cl
     assert bitwise_equal(np.ascontiguousarray(out_cl), gns_bwd(dy, mean, rstd, x, gamma, beta, groups)[0])

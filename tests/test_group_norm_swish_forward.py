@@ -2,7 +2,6 @@
 PyTorch's native_group_norm; every dtype, layout and flag; eps = 0; threads, strides, out=;
 every error; and the forward's statistics fed to the backward against PyTorch autograd."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,8 +16,9 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
+from conftest import BF16, to_nhwc
+
 F = "group_norm_swish"
-BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
 
@@ -35,14 +35,10 @@ def inputs(shape, groups, dtype, seed=0, param_dtype=None):
     return x, gamma.astype(param_dtype), rng.uniform(-0.5, 0.5, c).astype(param_dtype)
 
 
-def to_channels_last(array):
-    return np.ascontiguousarray(np.moveaxis(array, 1, -1))
-
-
 def run(x, gamma, beta, groups, data_format="NCHW", **kwargs):
     """gns in either layout from NCHW-family x; y returned in NCHW order."""
     if data_format == "NHWC":
-        y, mean, rstd = gns(to_channels_last(x), gamma, beta, groups, "NHWC", **kwargs)
+        y, mean, rstd = gns(to_nhwc(x), gamma, beta, groups, "NHWC", **kwargs)
         return np.moveaxis(y, -1, 1), mean, rstd
     return gns(x, gamma, beta, groups, data_format, **kwargs)
 
@@ -190,7 +186,7 @@ def test_matches_torch_native_group_norm():
 def test_thread_count_does_not_change_bits(dtype, data_format):
     x, gamma, beta = inputs((3, 12, 40, 33), 4, dtype, seed=10)
     if data_format == "NHWC":
-        x = to_channels_last(x)
+        x = to_nhwc(x)
     assert_thread_invariant(lambda: gns(x, gamma, beta, 4, data_format))
 
 
@@ -198,7 +194,7 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
     from fastbwd.api import group_norm_swish as api
 
     x, gamma, beta = inputs((3, 24, 17, 9), 6, F32, seed=11)
-    x = to_channels_last(x)
+    x = to_nhwc(x)
     first = gns(x, gamma, beta, 6, "NHWC")
     for channels, per_thread in ((1, 1), (8, 2), (512, 64)):
         monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
@@ -229,10 +225,10 @@ def test_serial_twin_equals_parallel():
 
 def test_channels_last_strides_strided_views_and_synonyms():
     x, gamma, beta = inputs((2, 8, 6, 7), 4, F32, seed=13)
-    x_cl = to_channels_last(x).transpose(0, 3, 1, 2)
+    x_cl = to_nhwc(x).transpose(0, 3, 1, 2)
     y, mean, rstd = gns(x_cl, gamma, beta, 4)
     assert y.transpose(0, 2, 3, 1).flags.c_contiguous and not y.flags.c_contiguous
-    nhwc = gns(to_channels_last(x), gamma, beta, 4, "NHWC")
+    nhwc = gns(to_nhwc(x), gamma, beta, 4, "NHWC")
     assert bitwise_equal(y.transpose(0, 2, 3, 1), nhwc[0]) and bitwise_equal(mean, nhwc[1])
     assert_all_match((y, mean, rstd), expected(x, gamma, beta, 4))
     big, gamma2, beta2 = inputs((2, 16, 12, 7), 4, F32, seed=14)
@@ -256,7 +252,7 @@ def test_out_entries_and_inputs_not_mutated():
     assert y is out_y and rstd is out_rstd and mean.dtype == F32
     assert all(bitwise_equal(a, b) for a, b in zip((y, mean, rstd), full))
     assert all(bitwise_equal(a, b) for a, b in zip((x, gamma, beta), snapshot))
-    x_cl = to_channels_last(x).transpose(0, 3, 1, 2)
+    x_cl = to_nhwc(x).transpose(0, 3, 1, 2)
     out_cl = np.empty((2, 4, 3, 6), BF16).transpose(0, 3, 1, 2)
     assert gns(x_cl, gamma, beta, 3, out=[out_cl, None, None])[0] is out_cl
 

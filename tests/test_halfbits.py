@@ -4,14 +4,14 @@ Decoding is checked on all 65,536 patterns of each format; encoding against NumP
 ml_dtypes (bfloat16) on 10^6 random floats of every magnitude plus the special values.
 """
 
-import ml_dtypes
 import numpy as np
 import pytest
 from numba import njit, prange
 
 from fastbwd.kernels._halfbits import BFLOAT16, FLOAT16, NATIVE, accumulator, load, store
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+from conftest import BF16
+
 FORMATS = {np.dtype(np.float16): FLOAT16, BF16: BFLOAT16}
 
 

@@ -11,7 +11,6 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -24,18 +23,9 @@ import fastbwd.jax as fj  # noqa: E402
 from fastbwd.api.roi_align import roi_align_forward  # noqa: E402
 from fastbwd.jax import _ffi  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
-from fastbwd.testing.cases import roi_boxes  # noqa: E402
+from fastbwd._registry import roi_boxes  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal, raises_param_error  # noqa: E402
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
-
-
-def _random(shape, dtype, seed):
-    values = np.random.default_rng(seed).standard_normal(shape)
-    if np.dtype(dtype).kind == "c":
-        values = values + 1j * np.random.default_rng(seed + 100).standard_normal(shape)
-    return values.astype(dtype)
+from conftest import BF16, DTYPES, random  # noqa: E402
 
 
 def _x64(dtype):
@@ -64,7 +54,7 @@ def _compute(dtype):
 def upsample_case(dtype, layout="NCHW", align_corners=False):
     n, c, h, w, oh, ow = 2, 3, 5, 7, 9, 12
     shape = (n, h, w, c) if layout == "NHWC" else (n, c, h, w)
-    x = _random(shape, dtype, 1)
+    x = random(shape, dtype, 1)
     a_h = ref.upsample_bilinear2d_interp_matrix(h, oh, align_corners, opmath=_compute(dtype))
     a_w = ref.upsample_bilinear2d_interp_matrix(w, ow, align_corners, opmath=_compute(dtype))
     spec = "oh,nhwc,pw->nopc" if layout == "NHWC" else "oh,nchw,pw->ncop"
@@ -92,7 +82,7 @@ def _pool_matrix(size, kernel, stride, pad, out_size):
 def avg_pool_case(dtype, batched=True, kernel=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True,
                   count_include_pad=False, divisor_override=0):
     shape = (2, 3, 9, 8) if batched else (3, 9, 8)
-    x = _random(shape, dtype, 2)
+    x = random(shape, dtype, 2)
     h, w = shape[-2:]
     oh, ow = (ref.avg_pool2d_output_size(size, k, s, p, ceil_mode)
               for size, k, s, p in zip((h, w), kernel, stride, padding))
@@ -112,7 +102,7 @@ def avg_pool_case(dtype, batched=True, kernel=(3, 2), stride=(2, 1), padding=(1,
 
 def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
     shape = (2, 3, 5, 6) if batched else (3, 5, 6)
-    x = _random(shape, dtype, 3)
+    x = random(shape, dtype, 3)
     left, right, top, bottom = padding
     h, w = shape[-2:]
     rows = np.clip(np.arange(h + top + bottom) - top, 0, h - 1)
@@ -126,7 +116,7 @@ def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
 
 def roi_align_case(dtype, sampling_ratio=2, aligned=True):
     shape, pooled, scale = (2, 3, 10, 12), (3, 2), 0.5
-    x = _random(shape, dtype, 4)
+    x = random(shape, dtype, 4)
     boxes = roi_boxes(6, shape, scale, dtype=np.float64)
     boxes[4, 0] = 5.0  # an image index outside the batch: skipped
     boxes[5, 2] = np.nan  # a NaN coordinate: skipped
@@ -155,9 +145,9 @@ def roi_align_case(dtype, sampling_ratio=2, aligned=True):
 def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scale=1.0):
     groups, eps = 3, 1e-5
     shape = (2, 4, 5, 6) if layout == "NHWC" else (2, 6, 4, 5)
-    x = _random(shape, dtype, 5)
-    weight = _random((6,), parameter_dtype or dtype, 6)
-    bias = _random((6,), parameter_dtype or dtype, 7)
+    x = random(shape, dtype, 5)
+    weight = random((6,), parameter_dtype or dtype, 6)
+    bias = random((6,), parameter_dtype or dtype, 7)
 
     def direct(g, x, weight, bias):
         # The mean and rstd the jitted forward saved, as the handler received them.
@@ -218,7 +208,7 @@ def _vjp(case, dtype, jit=True):
     """``(outputs, gradients, g)`` of ``case.ours`` under jax.jit(jax.vjp) for a random ``g``."""
     args = [jnp.asarray(a) for a in case.args]
     y = jax.eval_shape(case.ours, *args)
-    g = _random(y.shape, y.dtype, 9)
+    g = random(y.shape, y.dtype, 9)
 
     def step(g, *args):
         out, pullback = jax.vjp(case.ours, *args)
@@ -316,7 +306,7 @@ def test_roi_align_forward_is_fastbwds_kernel_and_boxes_get_zero_gradient():
 
 
 def test_roi_align_takes_a_list_of_boxes_per_image():
-    x = jnp.asarray(_random((2, 3, 10, 12), np.float32, 4))
+    x = jnp.asarray(random((2, 3, 10, 12), np.float32, 4))
     per_image = [jnp.asarray([[1.0, 2.0, 9.0, 8.0]], np.float32),
                  jnp.asarray([[0.0, 0.0, 5.0, 5.0], [3.0, 1.0, 11.0, 7.0]], np.float32)]
     rows = jnp.asarray([[0, 1, 2, 9, 8], [1, 0, 0, 5, 5], [1, 3, 1, 11, 7]], np.float32)
@@ -328,10 +318,10 @@ def test_roi_align_takes_a_list_of_boxes_per_image():
 def _per_element_and_vmapped(case, batch_axis):
     """The gradients of a batch of 3 by jax.vmap (batch at ``batch_axis`` of each argument)
     and by the NumPy call one element at a time."""
-    arrays = [np.stack([_random(a.shape, a.dtype, 20 + i) for i in range(3)], axis=batch_axis) for a in case.args]
+    arrays = [np.stack([random(a.shape, a.dtype, 20 + i) for i in range(3)], axis=batch_axis) for a in case.args]
     elements = [[np.take(a, i, batch_axis) for a in arrays] for i in range(3)]
     y = jax.eval_shape(case.ours, *[jnp.asarray(a) for a in elements[0]])
-    gs = np.stack([_random(y.shape, y.dtype, 30 + i) for i in range(3)])
+    gs = np.stack([random(y.shape, y.dtype, 30 + i) for i in range(3)])
 
     def grads(g, *args):
         return jax.vjp(case.ours, *args)[1](g)
@@ -372,7 +362,7 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
         return original(grad_output, *args, **kwargs)
 
     monkeypatch.setattr(fastbwd, "avg_pool2d_backward", spy)
-    x = jnp.asarray(_random((4, 5, 2, 3, 9, 8), np.float32, 1))
+    x = jnp.asarray(random((4, 5, 2, 3, 9, 8), np.float32, 1))
 
     def grad(x):
         return jax.grad(lambda x: jnp.sum(fj.avg_pool2d(x, 2) ** 2))(x)

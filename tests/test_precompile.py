@@ -9,6 +9,7 @@ import pytest
 
 import fastbwd
 from fastbwd import _precompile
+from fastbwd._dtypes import BY_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,6 +20,7 @@ import numpy as np
 from numba.core import event
 import fastbwd
 from fastbwd import _precompile
+from fastbwd._dtypes import BY_NAME
 from fastbwd.kernels import replication_pad2d as k
 
 compiles = []
@@ -29,7 +31,7 @@ class Listener(event.Listener):
         compiles.append(ev.data["dispatcher"].py_func.__name__)
 event.register("numba:compile", Listener())
 for entry in _precompile.select(ops=["replication_pad2d_backward"], dtypes=["float32", "bfloat16"]):
-    entry.call(_precompile.DTYPES[entry.dtype])
+    entry.call(BY_NAME[entry.dtype])
 g = np.ones((1, 2, 7, 8), np.float32)
 g.flags.writeable = False
 fastbwd.replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
@@ -94,8 +96,8 @@ def test_table_covers_every_operator_dtype_and_layout():
     keys = [entry.key for entry in _precompile.TABLE]
     assert len(keys) == len(set(keys))
     pad = {(e.dtype, e.layout, e.path) for e in _precompile.select(ops="replication_pad2d_backward")}
-    assert pad == {(dtype, layout, "gather") for dtype in _precompile.DTYPES for layout in ("NCHW", "NHWC")} | {
-        (dtype, "NCHW", "gather, streaming stores") for dtype in _precompile.DTYPES}
+    assert pad == {(dtype, layout, "gather") for dtype in BY_NAME for layout in ("NCHW", "NHWC")} | {
+        (dtype, "NCHW", "gather, streaming stores") for dtype in BY_NAME}
     with pytest.raises(ValueError, match="unknown dtype"):
         _precompile.select(dtypes=["int8"])
     assert fastbwd.precompile is _precompile.precompile

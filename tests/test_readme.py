@@ -35,7 +35,7 @@ def test_readme_pytorch_example_runs():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     commands = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
-    assert "python3 -m fastbwd" in commands and "python3 -m pytest" in commands
+    assert "python3 -m bench" in commands and "python3 -m pytest" in commands
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install --quiet -e ".[test]"' in ci and "\npython -m pytest\n" in ci
 

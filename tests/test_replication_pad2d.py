@@ -1,7 +1,6 @@
 """replication_pad2d_backward (docs/semantics.md §3) against the float64 reference, its forward's adjoint,
 every dtype and layout, threads, out=, strides, and every error of docs/semantics.md."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,18 +14,9 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
+from conftest import BF16, COMPLEX, DTYPES, channels_last, random
+
 F = "replication_pad2d_backward"
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16,
-          np.dtype(np.complex64), np.dtype(np.complex128)]
-
-
-def random(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal(shape)
-    if np.dtype(dtype).kind == "c":
-        values = values + 1j * rng.standard_normal(shape)
-    return values.astype(dtype)
 
 
 def padded_shape(input_shape, padding):
@@ -74,7 +64,7 @@ def test_corners_sum_their_rectangle():
     assert result[0, 0, 1, 1] == grad_output[0, 0, 2, 3]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_matches_reference_random_cases(dtype):
     rng = np.random.default_rng(7)
     for case in range(25):
@@ -86,9 +76,9 @@ def test_matches_reference_random_cases(dtype):
         assert_matches_reference(result, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_every_cell_written_into_a_nan_filled_out(dtype, channels_last):
+@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
+@pytest.mark.parametrize("strides_channels_last", [False, True])
+def test_every_cell_written_into_a_nan_filled_out(dtype, strides_channels_last):
     # out= prefilled with NaN: a cell that a kernel forgot to write (a cropped-away cell must
     # become 0, not keep what the memory held) shows up whatever the allocator returned.
     # Pads down to -(size - 1) on every side, both kernels (NCHW and NHWC).
@@ -100,9 +90,9 @@ def test_every_cell_written_into_a_nan_filled_out(dtype, channels_last):
             input_shape = (1,) + input_shape
         grad_output = random(padded_shape(input_shape, padding), dtype, 300 + case)
         out = np.full(input_shape, np.nan, dtype)
-        if channels_last:
-            grad_output = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-            out = np.ascontiguousarray(out.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        if strides_channels_last:
+            grad_output = channels_last(grad_output)
+            out = channels_last(out)
         assert pad_bwd(grad_output, input_shape, padding, out=out) is out
         assert_matches_reference(out, ref.replication_pad2d_backward(grad_output, input_shape, padding))
 
@@ -164,9 +154,9 @@ def test_nan_and_inf_propagate():
 def test_channels_last_is_kept_and_equal(dtype):
     input_shape, padding = (2, 5, 6, 7), (2, 1, -1, 3)
     grad_output = random(padded_shape(input_shape, padding), dtype, 3)
-    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    grad_cl = channels_last(grad_output)
     result_nchw = pad_bwd(grad_output, input_shape, padding)
-    result_nhwc = pad_bwd(channels_last, input_shape, padding)
+    result_nhwc = pad_bwd(grad_cl, input_shape, padding)
     assert result_nhwc.transpose(0, 2, 3, 1).flags.c_contiguous
     assert result_nchw.flags.c_contiguous
     assert bitwise_equal(np.ascontiguousarray(result_nhwc), result_nchw)
@@ -196,9 +186,9 @@ def test_inputs_are_not_mutated_and_out_is_overwritten():
 def test_out_channels_last():
     input_shape, padding = (2, 3, 5, 4), (1, 1, 1, 1)
     grad_output = random(padded_shape(input_shape, padding), np.float32, 1)
-    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    grad_cl = channels_last(grad_output)
     out = np.empty((2, 5, 4, 3), np.float32).transpose(0, 3, 1, 2)
-    assert pad_bwd(channels_last, input_shape, padding, out=out) is out
+    assert pad_bwd(grad_cl, input_shape, padding, out=out) is out
     assert bitwise_equal(np.ascontiguousarray(out), pad_bwd(grad_output, input_shape, padding))
     with raises_param_error(r"out must be C-contiguous like the result", param="out"):
         pad_bwd(grad_output, input_shape, padding, out=out)
@@ -233,13 +223,13 @@ def test_out_read_only_and_overlapping():
         pad_bwd(grad_view, (2, 3, 5, 4), (1, 2, 1, 1), out=out_view)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_thread_count_does_not_change_bits(dtype):
     input_shape, padding = (3, 5, 37, 29), (3, 2, 4, 1)
     grad_output = random(padded_shape(input_shape, padding), dtype, 4)
-    channels_last = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    grad_cl = channels_last(grad_output)
     assert_thread_invariant(lambda: pad_bwd(grad_output, input_shape, padding))
-    assert_thread_invariant(lambda: pad_bwd(channels_last, input_shape, padding))
+    assert_thread_invariant(lambda: pad_bwd(grad_cl, input_shape, padding))
 
 
 @pytest.mark.parametrize("kernel", ["replication_pad2d_bwd_nchw", "replication_pad2d_bwd_nchw_streaming"])
@@ -254,7 +244,7 @@ def test_serial_twin_equals_parallel(kernel):
     assert bitwise_equal(parallel, serial)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
     # whole cache line of a row with one source row, edge cells put in, and the line it shares

@@ -6,7 +6,6 @@ dtypes and non-finite values; every call that returns a result with finite input
 size is also checked against the float64 reference (a result is not enough: it must be right).
 """
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,8 +14,9 @@ from fastbwd._validation import pooling_output_size
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference
 
+from conftest import BF16, channels_last
+
 CALLS = 150
-BF16 = ml_dtypes.bfloat16
 
 
 def _size(rng):
@@ -201,7 +201,7 @@ def _valid_pad(rng):
     grad = (grad + 1j * rng.standard_normal(grad_shape) if np.dtype(dtype).kind == "c" else grad).astype(dtype)
     want = ref.replication_pad2d_backward(grad, shape, padding)
     if len(shape) == 4 and rng.random() < 0.5:  # channels-last strides
-        grad = np.ascontiguousarray(grad.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        grad = channels_last(grad)
     return fastbwd.replication_pad2d_backward(grad, shape, padding), want
 
 

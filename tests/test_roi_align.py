@@ -1,7 +1,6 @@
 """roi_align_backward (docs/semantics.md §4) against the float64 reference, its forward's adjoint, bad and
 huge boxes, every dtype, threads, out=, strides, and every error of docs/semantics.md."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,8 +15,7 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
+from conftest import BF16, DTYPES, channels_last
 
 
 def random_boxes(rng, num_boxes, batch, height, width, spatial_scale, outside=0.3):
@@ -439,7 +437,7 @@ def test_serial_twin_equals_parallel(monkeypatch):
 
 def test_strided_and_negative_stride_inputs():
     grad_output, boxes, *rest = big_case()
-    grad_strided = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)[::-1]
+    grad_strided = channels_last(grad_output)[::-1]
     boxes_strided = np.asfortranarray(boxes)[::-1]
     expected = roi_bwd(np.ascontiguousarray(grad_strided), np.ascontiguousarray(boxes_strided), *rest)
     assert bitwise_equal(roi_bwd(grad_strided, boxes_strided, *rest), expected)
@@ -504,7 +502,7 @@ def test_torch_tensors_are_accepted():
 def test_matches_the_baselines(sampling_ratio, aligned):
     # The pure-PyTorch formulation (autograd) and the serial torchvision-style loop.
     pytest.importorskip("torch")
-    from fastbwd.testing.roi_baselines import baselines
+    from bench.roi_baselines import baselines
 
     grad_output, boxes, input_shape, ph, pw, scale, _, _ = big_case()
     boxes[:, 0] = np.abs(boxes[:, 0])  # torchvision truncates the batch index: keep it valid
@@ -657,13 +655,13 @@ def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
     expected = roi_fwd(x, *rest)
     assert_forward_matches(expected, ref.roi_align_forward(x, *rest))
     assert_thread_invariant(lambda: roi_fwd(x, *rest))
-    channels_last = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    assert bitwise_equal(roi_fwd(channels_last, *rest), expected)
-    assert_thread_invariant(lambda: roi_fwd(channels_last, *rest))
+    x_cl = channels_last(x)
+    assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
+    assert_thread_invariant(lambda: roi_fwd(x_cl, *rest))
     for block in (1, 16, 128):
         monkeypatch.setattr(api, "_FORWARD_CHANNEL_BLOCK", block)
         assert bitwise_equal(roi_fwd(x, *rest), expected)
-        assert bitwise_equal(roi_fwd(channels_last, *rest), expected)
+        assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
 
 
 def test_forward_serial_twin_strides_out_and_inputs():
@@ -700,7 +698,7 @@ def test_forward_empty_cases():
 def test_forward_matches_the_pure_pytorch_formulation():
     # An independent formulation (torch gathers and index_add, roi_baselines) as a cross-check.
     pytest.importorskip("torch")
-    from fastbwd.testing.roi_baselines import torch_forward
+    from bench.roi_baselines import torch_forward
 
     x, boxes, ph, pw, scale, _, aligned = forward_big_case()
     boxes[:, 0] = np.clip(boxes[:, 0], 0, 2)  # torchvision truncates the batch index: keep it valid

@@ -175,7 +175,7 @@ def test_import_compiles_nothing_and_never_imports_torch():
 
 _EVERY_KERNEL_PATH = """
 from fastbwd.testing import reference as ref
-from fastbwd.testing.cases import roi_boxes
+from fastbwd._registry import roi_boxes
 rng = np.random.default_rng(0)
 
 def close(actual, want):
@@ -244,18 +244,24 @@ print("ok")
 """
 
 
+#: The bounds-checked kernels' disk cache: a folder of their own (the ordinary cache holds kernels
+#: compiled without the checks), so each kernel compiles with them once, not on every run. Under
+#: ``FASTBWD_CACHE=0`` (the mutation check) they compile afresh.
+BOUNDSCHECK_CACHE = os.path.join(ROOT, "tests", "__pycache__", "numba-boundscheck")
+
+
 def test_every_kernel_path_within_bounds():
-    # Compiled afresh with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
+    # Compiled with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
     # raises instead of corrupting memory. (It caught a scratch size that Numba's allocation
     # hoisting got wrong; the intrinsics of kernels._simd are not checked.)
-    assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "FASTBWD_CACHE": "0"},
+    assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": BOUNDSCHECK_CACHE},
                               timeout=900)
 
 
 _MORE_THREADS_THAN_CORES = """
 import itertools, numba
 import ml_dtypes
-from fastbwd.testing.cases import roi_boxes
+from fastbwd._registry import channels_last, roi_boxes
 from fastbwd.testing.checks import assert_thread_invariant, thread_counts
 
 assert numba.config.NUMBA_NUM_THREADS == 4 and thread_counts() == [1, 2, 3, 4], thread_counts()
@@ -277,9 +283,6 @@ def invariant(call):
 
 def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
-
-def channels_last(a):
-    return nhwc(a).transpose(0, 3, 1, 2)
 
 for dtype in (np.float32, np.float64, np.float16, BF16):
     # upsample: row blocks read in place (OW >= 16), staged narrow rows, 16 planes at a time

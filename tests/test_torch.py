@@ -643,7 +643,7 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
 
 def test_roi_align_matches_pure_pytorch_formulation():
     """An independent check: torchvision's semantics written with torch ops (no fastbwd code)."""
-    from fastbwd.testing import roi_baselines
+    from bench import roi_baselines
 
     x = _randn((2, 3, 11, 13), torch.float64, 28).requires_grad_()
     boxes = _roi_boxes(torch.float64)

@@ -1,6 +1,5 @@
 """fastbwd.upsample_bilinear2d_backward against the docs/semantics.md §1 float64 reference (and PyTorch)."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -13,8 +12,9 @@ from fastbwd.testing.checks import (
     raises_param_error,
 )
 
+from conftest import BF16
+
 F = fastbwd.upsample_bilinear2d_backward
-BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def grad_for(rng, input_size, output_size, dtype=np.float32):

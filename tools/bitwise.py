@@ -17,7 +17,10 @@ only one of them (a renamed case), which a reviewer checks by hand.
 
 import hashlib
 import json
+import os
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _digest(result):
@@ -33,22 +36,22 @@ def _digest(result):
 
 
 def _registry():
-    """The case registry and precompile table, wherever this tree keeps them."""
-    try:
-        from bench import cases  # after the harness moved beside the package
-    except ImportError:
-        from fastbwd.testing import cases
+    """The case registry (bench/cases.py, beside the package) and the precompile table."""
+    sys.path.insert(0, ROOT)
+    from bench import cases
     from fastbwd import _precompile
 
     return cases, _precompile
 
 
 def snapshot():
+    from fastbwd._dtypes import BY_NAME
+
     cases, precompile = _registry()
     results = {}
     for entry in precompile.TABLE:
         key = f"table/{entry.op}/{entry.dtype}/{entry.layout}/{entry.path}"
-        results[key] = _digest(entry.call(precompile.DTYPES[entry.dtype]))
+        results[key] = _digest(entry.call(BY_NAME[entry.dtype]))
     for spec in cases.OPS.values():
         for kind, case_list in (("case", spec.cases), ("quick", spec.quick_cases)):
             for case in case_list:

@@ -3,8 +3,8 @@ parallel streamed write (the floor of a kernel whose traffic is mostly its resul
 
 from numba import prange
 
-from ._jit import parallel_kernel
-from ._simd import copy_out, store_fence
+from fastbwd.kernels._jit import parallel_kernel
+from fastbwd.kernels._simd import copy_out, store_fence
 
 #: :func:`parallel_stream_fill` writes its destination in this many fixed shares.
 FILL_GROUPS = 64

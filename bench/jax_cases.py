@@ -1,4 +1,4 @@
-"""The JAX-bridge benchmark cases J1-J5 (bench/bench_jax.py and ``python -m fastbwd``).
+"""The JAX-bridge benchmark cases J1-J5 (bench/bench_jax.py and ``python3 -m bench``).
 
 Each case builds, at full size (or ``quick`` small size), zero-argument callables over the same
 arrays: ``fastbwd``, ``jax.jit(jax.grad(loss))`` with the operator from :mod:`fastbwd.jax`, and
@@ -17,7 +17,7 @@ import numpy as np
 
 import fastbwd.jax as fj
 from fastbwd.jax import _avg_pool, _group_norm_swish, _pad, _upsample
-from fastbwd.testing.cases import roi_boxes
+from fastbwd._registry import roi_boxes
 
 
 @dataclass

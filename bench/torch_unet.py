@@ -1,4 +1,4 @@
-"""The small UNet of benchmark T7 (bench/bench_torch.py and ``python -m fastbwd``), written the way
+"""The small UNet of benchmark T7 (bench/bench_torch.py and ``python3 -m bench``), written the way
 diffusion models write theirs: residual blocks that call GroupNorm, SiLU and conv in
 ``forward()`` (the activation a module attribute in one place, ``F.silu`` in another), an
 optional time embedding, avg-pool downsampling and bilinear upsampling. Nothing in it knows

@@ -1,30 +1,24 @@
-"""The case registry shared by the benchmarks (``bench/``), the main job (``python -m fastbwd``)
-and the tests: the docs/semantics.md §6 shapes, how to build each case's inputs, the PyTorch baselines to
-compare with, and the minimum bytes each call must move.
+"""The benchmark side of the operators' registry, shared by the benchmarks (``bench/bench_*.py``),
+the main job (``python3 -m bench``) and the tests: each operator of ``fastbwd/_registry.py``
+(its kernel paths and self-check) extended with the docs/semantics.md §6 shapes, how to build
+each case's inputs, the PyTorch baselines to compare with, and the minimum bytes each call must
+move.
 
 One :class:`OpSpec` per operator in :data:`OPS`; its ``cases`` are the canonical (docs/semantics.md §6) cases,
-``quick_cases`` small versions of them for ``--quick`` and for smoke runs. ``prepare(case)``
+``quick_cases`` small versions of them for the main job without ``--full``. ``prepare(case)``
 builds a :class:`Prepared`: zero-argument callables for the fastbwd call (allocating, and with
 ``out=`` where useful) and for each PyTorch baseline (only when torch is importable), plus the
 byte count. Nothing here imports torch at module import.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 import fastbwd
-
-DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-}
+from fastbwd._dtypes import BY_NAME
+from fastbwd._registry import OPERATORS, Operator, channels_last, group_norm_swish_inputs, roi_boxes
 
 
 @dataclass(frozen=True)
@@ -51,16 +45,30 @@ class Prepared:
     baselines: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class OpSpec:
-    name: str  # public function name in fastbwd
+@dataclass(frozen=True, kw_only=True)
+class OpSpec(Operator):
+    """An operator of the registry (``fastbwd/_registry.py``) with its benchmark cases."""
+
     prepare: Callable[[Case, bool], Prepared]  # (case, with_torch) -> Prepared
     cases: tuple
     quick_cases: tuple
+    #: a case's params -> the same case at a small size: the benchmark files' smoke run
+    #: (``python -m pytest`` without ``--benchmark-enable``) runs every case this size
+    smoke: Callable[[dict], dict]
 
     @property
     def implemented(self):
         return hasattr(fastbwd, self.name)
+
+    def smoke_case(self, case):
+        """``case`` (same id, dtype, layout and parameters) at the smoke run's size."""
+        return replace(case, params=self.smoke(case.params))
+
+
+def extend(name, **benchmark):
+    """The registry's operator ``name`` with the benchmark fields of :class:`OpSpec`."""
+    operator = OPERATORS[name]
+    return OpSpec(**{f.name: getattr(operator, f.name) for f in fields(Operator)}, **benchmark)
 
 
 def _torch():
@@ -81,7 +89,7 @@ def _random(shape, dtype, seed=0, low=-1.0, high=1.0):
 
 def _to_torch(torch, array):
     """A torch tensor sharing ``array``'s memory (bfloat16 via an int16 view)."""
-    if array.dtype == DTYPES["bfloat16"]:
+    if array.dtype == BY_NAME["bfloat16"]:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
@@ -97,24 +105,19 @@ def _nbytes(*arrays):
     return int(sum(a.nbytes for a in arrays))
 
 
-def _channels_last(array):
-    """The same NCHW values with channels-last strides (a copy made once, at preparation)."""
-    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-
-
 # --------------------------------------------------------------------------------------------
 # replication_pad2d_backward (docs/semantics.md §3)
 # --------------------------------------------------------------------------------------------
 
 def _prepare_pad(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     input_shape = tuple(p["input_shape"])
     left, right, top, bottom = p["padding"]
     n, c, h, w = input_shape
     grad_output = _random((n, c, h + top + bottom, w + left + right), dtype)
     if p.get("channels_last"):
-        grad_output = _channels_last(grad_output)
+        grad_output = channels_last(grad_output)
     run, run_out, out = fastbwd_calls(fastbwd.replication_pad2d_backward, grad_output, input_shape, p["padding"])
     prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, out))
     torch = _torch() if with_torch else None
@@ -133,9 +136,16 @@ def _prepare_pad(case, with_torch):
 
 _P1 = dict(input_shape=(16, 64, 128, 128), padding=(3, 3, 3, 3))
 _P1_QUICK = dict(input_shape=(2, 16, 64, 64), padding=(3, 3, 3, 3))
-PAD = OpSpec(
-    name="replication_pad2d_backward",
+
+
+def _smoke_pad(p):
+    return dict(p, input_shape=(2, 4, 16, 16))
+
+
+PAD = extend(
+    "replication_pad2d_backward",
     prepare=_prepare_pad,
+    smoke=_smoke_pad,
     cases=(
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1),
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "complex64"),
@@ -157,7 +167,7 @@ PAD = OpSpec(
 
 def _prepare_upsample(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     n, c, h, w = p["input_size"]
     oh, ow = p["output_size"]
     align_corners = p["align_corners"]
@@ -179,9 +189,17 @@ def _prepare_upsample(case, with_torch):
 
 _U1 = dict(input_size=(8, 64, 64, 64), output_size=(128, 128), align_corners=False)
 _U1_QUICK = dict(input_size=(2, 16, 32, 32), output_size=(64, 64), align_corners=False)
-UPSAMPLE = OpSpec(
-    name="upsample_bilinear2d_backward",
+
+
+def _smoke_upsample(p):
+    (n, c, h, w), (oh, ow) = p["input_size"], p["output_size"]
+    return dict(p, input_size=(min(n, 2), min(c, 4), -(-h // 8), -(-w // 8)), output_size=(-(-oh // 8), -(-ow // 8)))
+
+
+UPSAMPLE = extend(
+    "upsample_bilinear2d_backward",
     prepare=_prepare_upsample,
+    smoke=_smoke_upsample,
     cases=(
         Case("U1", "upsample_bilinear2d_backward", "(8,64,128,128) -> (8,64,64,64)", _U1),
         Case("U2", "upsample_bilinear2d_backward", "U1, align_corners", dict(_U1, align_corners=True)),
@@ -206,21 +224,21 @@ UPSAMPLE = OpSpec(
 
 def _prepare_avg_pool(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     input_shape = tuple(p["input_shape"])
     kernel, stride, padding = p["kernel_size"], p["stride"], p["padding"]
     ceil_mode, count_include_pad = p.get("ceil_mode", False), p.get("count_include_pad", True)
     divisor_override = p.get("divisor_override", 0)
     x = np.zeros(input_shape, dtype)
     if p.get("channels_last"):
-        x = _channels_last(x)
+        x = channels_last(x)
     from fastbwd._validation import pooling_output_size
 
     oh = pooling_output_size(input_shape[2], kernel[0], stride[0], padding[0], ceil_mode)
     ow = pooling_output_size(input_shape[3], kernel[1], stride[1], padding[1], ceil_mode)
     grad_output = _random((input_shape[0], input_shape[1], oh, ow), dtype)
     if p.get("channels_last"):
-        grad_output = _channels_last(grad_output)
+        grad_output = channels_last(grad_output)
     args = (grad_output, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
     run, run_out, out = fastbwd_calls(fastbwd.avg_pool2d_backward, *args)
     prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, out))
@@ -239,9 +257,16 @@ def _prepare_avg_pool(case, with_torch):
 _A1 = dict(input_shape=(32, 128, 56, 56), kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
            count_include_pad=False)
 _A1_QUICK = dict(_A1, input_shape=(4, 32, 28, 28))
-AVG_POOL = OpSpec(
-    name="avg_pool2d_backward",
+
+
+def _smoke_avg_pool(p):
+    return dict(p, input_shape=(2, 8) + tuple(p["input_shape"][2:]))
+
+
+AVG_POOL = extend(
+    "avg_pool2d_backward",
     prepare=_prepare_avg_pool,
+    smoke=_smoke_avg_pool,
     cases=(
         Case("A1", "avg_pool2d_backward", "(32,128,56,56) k3 s2 p1, no pad count", _A1),
         Case("A2", "avg_pool2d_backward", "(32,128,56,56) k2 s2",
@@ -262,23 +287,9 @@ AVG_POOL = OpSpec(
 # roi_align_backward (docs/semantics.md §4)
 # --------------------------------------------------------------------------------------------
 
-def roi_boxes(num_boxes, input_shape, spatial_scale, seed=0, dtype=np.float32):
-    """Detection-head-like boxes ``(K, 5)`` spread over the batch, in input-image coordinates."""
-    rng = np.random.default_rng(seed)
-    batch, _, height, width = input_shape
-    image_h, image_w = height / spatial_scale, width / spatial_scale
-    x1 = rng.uniform(0, image_w * 0.8, num_boxes)
-    y1 = rng.uniform(0, image_h * 0.8, num_boxes)
-    bw = rng.uniform(min(16, image_w * 0.1), image_w * 0.5, num_boxes)
-    bh = rng.uniform(min(16, image_h * 0.1), image_h * 0.5, num_boxes)
-    b = np.arange(num_boxes) % batch
-    boxes = np.stack([b, x1, y1, np.minimum(x1 + bw, image_w), np.minimum(y1 + bh, image_h)], axis=1)
-    return boxes.astype(dtype)
-
-
 def _prepare_roi_align(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     input_shape = tuple(p["input_shape"])
     k, ph, pw = p["num_boxes"], p["pooled_height"], p["pooled_width"]
     boxes = roi_boxes(k, input_shape, p["spatial_scale"], dtype=dtype)
@@ -300,9 +311,16 @@ def _prepare_roi_align(case, with_torch):
 _R1 = dict(input_shape=(2, 256, 200, 304), num_boxes=512, pooled_height=7, pooled_width=7,
            spatial_scale=0.25, sampling_ratio=2, aligned=True)
 _R1_QUICK = dict(_R1, input_shape=(2, 32, 50, 76), num_boxes=64)
-ROI_ALIGN = OpSpec(
-    name="roi_align_backward",
+
+
+def _smoke_roi_align(p):
+    return dict(p, input_shape=(2, 8, 50, 76), num_boxes=16)
+
+
+ROI_ALIGN = extend(
+    "roi_align_backward",
     prepare=_prepare_roi_align,
+    smoke=_smoke_roi_align,
     cases=(
         Case("R1", "roi_align_backward", "(2,256,200,304), 512 boxes 7x7, sampling 2", _R1),
         Case("R2", "roi_align_backward", "R1, adaptive sampling", dict(_R1, sampling_ratio=0)),
@@ -317,25 +335,9 @@ ROI_ALIGN = OpSpec(
 # group_norm_swish_backward (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
 
-def group_norm_swish_inputs(shape, num_groups, dtype, seed=0, eps=1e-5, param_dtype=None):
-    """dy, mean, rstd, x, gamma, beta for an NCHW-family ``shape``; mean/rstd from x in float64."""
-    rng = np.random.default_rng(seed)
-    param_dtype = dtype if param_dtype is None else param_dtype
-    x64 = rng.standard_normal(shape) * 2.0 + 0.5
-    x = x64.astype(dtype)
-    n, c = shape[0], shape[1]
-    grouped = x.astype(np.float64).reshape(n, num_groups, -1)
-    mean = grouped.mean(axis=2)
-    rstd = 1.0 / np.sqrt(grouped.var(axis=2) + eps)
-    gamma = rng.uniform(0.5, 1.5, c).astype(param_dtype)
-    beta = rng.uniform(-0.5, 0.5, c).astype(param_dtype)
-    dy = rng.standard_normal(shape).astype(dtype)
-    return dy, mean.astype(param_dtype), rstd.astype(param_dtype), x, gamma, beta
-
-
 def _prepare_group_norm_swish(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     shape, groups, scale = tuple(p["shape"]), p["num_groups"], p.get("swish_scale", 1.0)
     dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype)
     data_format = p.get("data_format", "NCHW")
@@ -366,9 +368,16 @@ def _prepare_group_norm_swish(case, with_torch):
 
 _G1 = dict(shape=(8, 512, 32, 32), num_groups=32)
 _G1_QUICK = dict(shape=(2, 64, 16, 16), num_groups=8)
-GROUP_NORM_SWISH = OpSpec(
-    name="group_norm_swish_backward",
+
+
+def _smoke_group_norm_swish(p):
+    return dict(p, shape=(2, 2 * p["num_groups"], 8, 8))
+
+
+GROUP_NORM_SWISH = extend(
+    "group_norm_swish_backward",
     prepare=_prepare_group_norm_swish,
+    smoke=_smoke_group_norm_swish,
     cases=(
         Case("G1", "group_norm_swish_backward", "x (8,512,32,32), 32 groups", _G1),
         Case("G3", "group_norm_swish_backward", "x (2,320,64,64), 32 groups",
@@ -390,7 +399,7 @@ GROUP_NORM_SWISH = OpSpec(
 
 def _prepare_group_norm_swish_forward(case, with_torch):
     p = case.params
-    dtype = DTYPES[case.dtype]
+    dtype = BY_NAME[case.dtype]
     shape, groups = tuple(p["shape"]), p["num_groups"]
     _, _, _, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype)
     data_format = p.get("data_format", "NCHW")
@@ -415,9 +424,10 @@ def _prepare_group_norm_swish_forward(case, with_torch):
     return prepared
 
 
-GROUP_NORM_SWISH_FORWARD = OpSpec(
-    name="group_norm_swish",
+GROUP_NORM_SWISH_FORWARD = extend(
+    "group_norm_swish",
     prepare=_prepare_group_norm_swish_forward,
+    smoke=_smoke_group_norm_swish,
     cases=(
         Case("G1f", "group_norm_swish", "x (8,512,32,32), 32 groups", _G1),
         Case("G3f", "group_norm_swish", "x (2,320,64,64), 32 groups", dict(shape=(2, 320, 64, 64), num_groups=32)),

@@ -1,4 +1,4 @@
-"""The PyTorch-bridge benchmark cases T1-T7 (bench/bench_torch.py and ``python -m fastbwd``).
+"""The PyTorch-bridge benchmark cases T1-T7 (bench/bench_torch.py and ``python3 -m bench``).
 
 Each case builds, at full size (or ``quick`` small size), a pair of zero-argument callables over
 the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plain PyTorch), plus
@@ -15,8 +15,9 @@ from torch.nn import functional as F
 
 import fastbwd
 import fastbwd.torch as ft
-from fastbwd.testing.cases import roi_boxes
-from fastbwd.testing.roi_baselines import torch_roi_align
+from fastbwd._registry import roi_boxes
+
+from .roi_baselines import torch_roi_align
 
 
 @dataclass
@@ -96,7 +97,9 @@ def _group_norm_swish_case(shape, groups, target):
 #: T6/T6f's shapes (issue 29): diffusion and segmentation activations, (x shape, groups).
 MODULE_SHAPES = [((8, 64, 32, 32), 32), ((8, 128, 16, 16), 32), ((8, 256, 16, 16), 32),
                  ((8, 64, 64, 64), 32), ((8, 32, 128, 128), 16), ((8, 512, 32, 32), 32)]
-MODULE_SHAPES_QUICK = [((2, 64, 8, 8), 32), ((2, 32, 16, 16), 16)]
+#: small versions of the six (the same ids T6.1-T6.6 and T6f.1-T6f.6)
+MODULE_SHAPES_QUICK = [((2, 64, 8, 8), 32), ((2, 32, 16, 16), 16), ((2, 128, 4, 4), 32), ((2, 16, 16, 16), 8),
+                       ((2, 8, 32, 32), 4), ((2, 128, 8, 8), 32)]
 
 
 def _module_case(index, shape, groups, forward_only, target):
@@ -132,7 +135,7 @@ def _module_case(index, shape, groups, forward_only, target):
 
 
 def module_cases(quick=False, forward_only=False):
-    """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: two small)."""
+    """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: small ones)."""
     shapes = MODULE_SHAPES_QUICK if quick else MODULE_SHAPES
     big = (8, 512, 32, 32)
     return [_module_case(index, shape, groups, forward_only,
@@ -312,12 +315,12 @@ def measure_overhead(case, calls=2000):
 
 
 def _unet_training_case(batch, size, channels, groups, target):
-    """T7: a training step of the small UNet of :mod:`fastbwd.testing.torch_unet` (GroupNorm +
+    """T7: a training step of the small UNet of bench/torch_unet.py (GroupNorm +
     SiLU inside its blocks' forward()), plain PyTorch vs ``fuse_group_norm_swish`` + ``enabled()``
     (bilinear upsampling and avg-pool backward routed to fastbwd)."""
     import copy
 
-    from fastbwd.testing.torch_unet import SmallUNet
+    from .torch_unet import SmallUNet
 
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
