@@ -1,6 +1,7 @@
 """fastbwd.torch (docs/semantics.md §7): routing PyTorch's own backward kernels, GroupNormSwish,
 the RoIAlign drop-in. Everything here skips cleanly without torch."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -452,6 +453,21 @@ def test_import_fastbwd_does_not_import_torch_and_bridge_says_how_to_install():
             "try:\n    import fastbwd.torch\nexcept ImportError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install torch" in result.stdout
+
+
+def test_starting_the_kernels_pool_keeps_torchs_thread_count():
+    """Numba's OpenMP pool can share PyTorch's OpenMP runtime, whose thread count its launch
+    sets: a program's torch.set_num_threads(1) must survive fastbwd's first call (in a process of
+    its own: the pool starts once per process)."""
+    code = ("import torch\n"
+            "torch.set_num_threads(1)\n"
+            "from fastbwd.torch import GroupNormSwish\n"
+            "x = torch.randn(8, 128, 16, 16, requires_grad=True)\n"
+            "GroupNormSwish(32, 128)(x).sum().backward()\n"
+            "print(torch.get_num_threads())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env=dict(os.environ, NUMBA_NUM_THREADS="2"), timeout=600)
+    assert result.stdout.split() == ["1"]
 
 
 def test_numba_threads_follow_torch():

@@ -23,6 +23,7 @@ serial twin and any thread count give bitwise identical results.
 """
 
 import os
+import sys
 import threading
 import types as pytypes
 import warnings
@@ -57,7 +58,13 @@ def _launch_pool():
         if _threading_layer is None:
             from numba.np.ufunc import parallel
 
+            # Numba's OpenMP pool may share PyTorch's OpenMP runtime, and its launch sets that
+            # runtime's thread count: keep the one the program gave PyTorch.
+            torch = sys.modules.get("torch")
+            torch_threads = torch.get_num_threads() if torch is not None else None
             parallel._launch_threads()
+            if torch_threads is not None and torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
             # Numba's own entry points to the launched pool's per-thread count, without the two
             # locks numba.get/set_num_threads take on every call (four such calls in a small
             # call); kept public ones if a Numba version names them otherwise.
