@@ -389,12 +389,12 @@ def test_whole_rows_tasks_that_start_past_the_last_window():
 
 
 def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
-    # The api hands the whole-rows kernels, per task of rows_per_task consecutive grad_input rows
+    # backward_loops hands the whole-rows kernels, per task of rows_per_task consecutive grad_input rows
     # (of the P*H), the grad_output rows [first, stop) (of the P*OH) it reads: from the lowest
     # window covering one of its rows to the highest, every plane crossed in between whole; and
     # `depth`, the kernels' products scratch, the most any task reads. Checked against the
     # windows' definition (docs/semantics.md §2), row by row.
-    from fastbwd.api import avg_pool2d as api
+    from fastbwd.kernels import avg_pool2d as kernels
 
     seen = set()
     for kernel, stride, ceil_mode, height in itertools.product(range(1, 6), range(1, 4), (False, True), (5, 7, 12)):
@@ -406,7 +406,7 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
             windows = [(max(start, 0), min(start + kernel, height + pad, height)) for start in starts]
             # rows per task: 20, 11, 4 and 1 (wider rows than a task's bytes)
             for planes, width, itemsize in ((3, 100, 8), (5, 700, 2), (2, 1000, 4), (4, 5000, 4)):
-                *_, (rows_per_task, _, depth), task_sources = api._rows_geometry(
+                *_, (rows_per_task, _, depth), task_sources = kernels._rows_geometry(
                     planes, height, width, out_height, 20, kernel, stride, pad, 3, 2, 1, itemsize)
                 rows = planes * height
                 case = (planes, height, width, kernel, stride, pad, ceil_mode, itemsize)

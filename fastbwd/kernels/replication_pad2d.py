@@ -9,6 +9,7 @@ rounded once. Both layouts use the same rule and order, so they agree bitwise.
 import numpy as np
 from numba import prange
 
+from . import _simd
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
 from ._jit import leaf_helper, parallel_kernel
@@ -227,6 +228,14 @@ def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_l
         _stream_pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left,
                          column_sums, READ_AHEAD_LINES * cells_per_line(grad_output), fmt)
         store_fence()
+
+
+def backward_nchw(grad_output, grad_input, pad_top, pad_left, fmt, work):
+    """The api's NCHW entry, (P, OH, OW) -> (P, H, W): a result of ``_simd.STREAM_MIN_BYTES`` or
+    more (larger than the cache) is written by the streaming kernel."""
+    kernel = (replication_pad2d_bwd_nchw_streaming if grad_input.nbytes >= _simd.STREAM_MIN_BYTES
+              else replication_pad2d_bwd_nchw)
+    kernel(grad_output, grad_input, pad_top, pad_left, fmt, work=work)
 
 
 @parallel_kernel
