@@ -538,7 +538,7 @@ MUTANTS = [
            "                mean = np.float64(bin_origin) + (0.5 * (first + last) + 0.5) * step64",
            "                mean = np.float64(bin_origin) + (0.5 * (first + last)) * step64",
            T_ROI, "a long run's closed-form mean position misses the half-sample offset"),
-    Mutant("roi-api-batch-trunc", "roi_align", A_ROI,
+    Mutant("roi-api-batch-trunc", "roi_align", K_ROI,
            "    image = np.floor(boxes[:, 0])",
            "    image = np.trunc(boxes[:, 0])",
            T_ROI, "batch index truncated instead of floored (docs/semantics.md: floor)"),
