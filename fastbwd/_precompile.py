@@ -144,7 +144,7 @@ for _layout in ("NCHW", "NHWC"):
 
 
 # replication_pad2d_backward: one kernel per layout, and NCHW's for results larger than the
-# cache (streaming stores; reached only by a result of _simd.STREAM_MIN_BYTES, so its call makes one).
+# cache (streaming stores; reached only by a result of _memory.STREAM_MIN_BYTES, so its call makes one).
 
 def _pad(layout):
     def call(dtype):
@@ -157,9 +157,9 @@ def _pad(layout):
 
 
 def _pad_streaming(dtype):
-    from .kernels import _simd
+    from .kernels import _memory
 
-    rows = -(-_simd.STREAM_MIN_BYTES // (64 * dtype.itemsize))
+    rows = -(-_memory.STREAM_MIN_BYTES // (64 * dtype.itemsize))
     g = np.zeros((1, 1, rows + 1, 65), dtype)
     return _fastbwd().replication_pad2d_backward(g, (1, 1, rows, 64), (1, 0, 0, 1))
 

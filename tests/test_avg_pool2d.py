@@ -433,17 +433,17 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
-    from fastbwd.kernels import _simd
+    from fastbwd.kernels import _memory
 
     # width stride 2 and 3: the two whole-rows kernels
     for input_shape, args in (((2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)),
                               ((2, 3, 37, 100), ((3, 4), (2, 3), (1, 2), True, False))):
         grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 16 << 20)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
         expected = pool_bwd(grad_output, input_shape, *args)
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
         size = int(np.prod(input_shape))
-        for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+        for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
             out = buffer[offset:offset + size].reshape(input_shape)
             assert pool_bwd(grad_output, input_shape, *args, out=out) is out

@@ -17,12 +17,12 @@ import math
 import numpy as np
 from numba import prange
 
-from . import _simd
+from . import _memory
 from ._halfbits import load, store
 from ._jit import parallel_kernel
 from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
-from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums,
-                    line_offset, lanes_shifted_sum, store_fence)
+from ._lanes import LANES, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
+from ._memory import copy_out, line_offset, store_fence
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
@@ -73,7 +73,7 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
                                 residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
     """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
     classes of 16 positions at once and interleaves them into 32 cells in registers
-    (``_simd.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
+    (``_lanes.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
     sums, and a generic one). Same arguments, same results; a kernel of its own so that a call
     compiles only the width pass it runs. valgrind on A1 float32 (serial kernel): 41.2M
     instructions per call, 180 per grad_input row (bfloat16 53.6M, 234; 305 per row before the
@@ -148,7 +148,7 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
     ``task_sources`` (int64, one row per task), the grad_output rows ``[first, stop)`` (of the
     P*OH) each task reads.
 
-    A task runs in phases, each one loop nest in 16-lane registers (``_simd``): the products
+    A task runs in phases, each one loop nest in 16-lane registers (``_lanes``): the products
     ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
     ``depth`` rows; rows ``2m`` and ``2m + 1`` of A1 share ``g[m]``'s: the same product, so the
     same bits); ``lanes_scaled_window_sums``, V of every row (straight-line sums for 1-3
@@ -267,10 +267,10 @@ def backward_global_nhwc(grad_output, grad_input, tables, fmt):
 
 def backward_rows(grad_output, grad_input, tables, fmt):
     """NCHW with grad rows of at least LANES cells, whole rows at a time: ``tables = (kernel,
-    *its tables)``. A result of ``_simd.STREAM_MIN_BYTES`` or more is stored with streaming stores."""
+    *its tables)``. A result of ``_memory.STREAM_MIN_BYTES`` or more is stored with streaming stores."""
     rows_kernel, *tables = tables
     rows_kernel(grad_output.reshape(-1, *grad_output.shape[-2:]), grad_input.reshape(-1, *grad_input.shape[-2:]),
-                *tables, grad_input.nbytes >= _simd.STREAM_MIN_BYTES, fmt, work=grad_output.size + grad_input.size)
+                *tables, grad_input.nbytes >= _memory.STREAM_MIN_BYTES, fmt, work=grad_output.size + grad_input.size)
 
 
 def backward_separable_nchw(grad_output, grad_input, tables, fmt):

@@ -40,7 +40,7 @@ from numba.extending import intrinsic
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
+from ._lanes import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
 #: longer runs use the closed form of their arithmetic progression.
