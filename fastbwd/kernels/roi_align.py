@@ -614,7 +614,7 @@ def _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_w
     y_slots = np.zeros((box_order.size, pooled_height), np.int64)
     x_slots = np.zeros((box_order.size, pooled_width), np.int64)
     # the serial twin: a few operations per (box, bin) gain nothing from the thread pool, and it
-    # compiles faster than the parallel kernel (docs/design.md)
+    # compiles faster than the parallel kernel
     roi_align_sample_counts.serial(boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned,
                                    height, width, y_slots, x_slots)
     y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
