@@ -77,9 +77,32 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)
-    plan = _PLANS(_plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
+    return run(plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                    aligned, out),
+               grad_output, boxes, out)
+
+
+def plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
+         out):
+    """The validated plan of a call with the public function's arguments, ``grad_output`` and
+    ``boxes`` NumPy arrays (ParamError as the public function raises it): remembered per
+    metadata (:mod:`fastbwd.api._plans`; the boxes' values are not part of it), and what
+    :func:`run` takes."""
+    return _PLANS(_plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
                   sampling_ratio, aligned, out)
-    return _run(plan, grad_output, boxes, out)
+
+
+def run(plan, grad_output, boxes, out):
+    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
+    (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
+    the boxes' tables and the kernels. Returns the result."""
+    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype,
+                                  inputs=(("grad_output", grad_output), ("boxes", boxes)), checked=True)
+    if result.size == 0:
+        return result
+    kernels.backward(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input),
+                     *plan.scalars, plan.compute, plan.fmt)
+    return result
 
 
 _PLANS = _plans.Plans()
@@ -95,7 +118,7 @@ class _Plan(NamedTuple):
 
 def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
           out):
-    """Validate every argument but the arrays' values (errors in the documented order)."""
+    """Validate every argument (errors in the documented order); the arrays' values are not read."""
     input_shape = v.int_tuple(FUNC, "input_shape", input_shape, (4,))
     pooled_height = v.int_value(FUNC, "pooled_height", pooled_height)
     pooled_width = v.int_value(FUNC, "pooled_width", pooled_width)
@@ -117,17 +140,6 @@ def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_
     d.check_out(FUNC, out, input_shape, dtype, d.NCHW)
     return _Plan(input_shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
 
-
-def _run(plan, grad_output, boxes, out):
-    """The call ``plan`` describes: the per-call checks (``out`` overlapping neither input),
-    then the tables of the boxes and the kernels. Returns the result."""
-    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype,
-                                  inputs=(("grad_output", grad_output), ("boxes", boxes)), checked=True)
-    if result.size == 0:
-        return result
-    kernels.backward(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input),
-                     *plan.scalars, plan.compute, plan.fmt)
-    return result
 
 
 def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
@@ -203,7 +215,7 @@ class _ForwardPlan(NamedTuple):
 
 
 def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
-    """Validate every argument but the arrays' values (errors in the documented order)."""
+    """Validate the forward's arguments (errors in the documented order); the arrays' values are not read."""
     pooled_height = v.int_value(FORWARD, "pooled_height", pooled_height)
     pooled_width = v.int_value(FORWARD, "pooled_width", pooled_width)
     scalars = _scalars(FORWARD, spatial_scale, sampling_ratio, aligned)

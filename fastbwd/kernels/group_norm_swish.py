@@ -60,7 +60,7 @@ PREFETCH_ROUND = 256
 #: rows and 0.66-0.73x flat (two threads, alternating processes; G1 flat was no faster).
 WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
-#: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).
+#: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
 PARTIAL_SUMS = LANES
 
 # ---- exp(a) for a <= 0 in float32 (Cephes expf: exp(a) = 2^k * p(r), |r| <= ln2/2) -----------
@@ -403,7 +403,7 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     overwrites each gnew with its dx; ``streaming`` is ignored), else in a scratch array. With a
     scratch, the second pass stores dx directly, or when ``streaming`` (the api decides by size)
     computes each round's dx into a small buffer and copies it out with streaming stores
-    (``_memory.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
+    (``_simd.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
     rows ``i % PARTIAL_SUMS``, the same folds and blocks).
 
     A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
