@@ -9,6 +9,9 @@ order, so their results are bitwise equal. The global case (docs/semantics.md §
 covering the whole input, a 1x1 grad_output) has its own kernels here: every grad_input cell of
 a plane is the plane's single gradient divided by the integer divisor, exactly as PyTorch
 computes it.
+
+The api calls :func:`backward_loops` once per geometry (it remembers the plan): it chooses the
+loop nest and builds the tables that nest reads, in NumPy.
 """
 
 import functools
@@ -20,9 +23,9 @@ from numba import prange
 from . import _memory
 from ._halfbits import load, store
 from ._jit import parallel_kernel
-from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
 from ._lanes import LANES, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
 from ._memory import copy_out, line_offset, store_fence
+from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
@@ -230,7 +233,6 @@ def backward_loops(channels_last, input_shape, out_height, out_width, kernel, st
     # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
     override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
-    taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
     if not channels_last and out_width >= LANES:
         # whole rows at a time, the width axis as strided windows (same operations, same bits)
         weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
@@ -245,6 +247,7 @@ def backward_loops(channels_last, input_shape, out_height, out_width, kernel, st
                                weight_w,
                                *_rows_geometry(planes, height, width, out_height, out_width, kernel[0], stride[0],
                                                padding[0], kernel[1], stride[1], padding[1], dtype.itemsize))
+    taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return (backward_separable_nhwc if channels_last else backward_separable_nchw), (*taps_h, *taps_w)
 

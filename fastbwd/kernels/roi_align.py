@@ -27,6 +27,9 @@ one table per axis (torchvision's ``pre_calc``, factored and collapsed per pixel
    entries in the same order, the same products ``wy * wx``, summed per bin instead of scattered
    (the adjoint of 2).
 
+The api's entries, :func:`backward` and :func:`forward`, build a call's tables (they depend on
+the boxes' values, so on every call) and run 1 and then 2 or 3.
+
 Coordinates, sample tests and clamping are computed in the boxes' dtype (float32 for float32,
 float16 and bfloat16 data; float64 for float64), as torchvision does; the tables' weights and the
 accumulations are of that compute type.
