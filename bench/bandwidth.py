@@ -4,7 +4,7 @@ parallel streamed write (the floor of a kernel whose traffic is mostly its resul
 from numba import prange
 
 from fastbwd.kernels._jit import parallel_kernel
-from fastbwd.kernels._simd import copy_out, store_fence
+from fastbwd.kernels._memory import copy_out, store_fence
 
 #: :func:`parallel_stream_fill` writes its destination in this many fixed shares.
 FILL_GROUPS = 64
@@ -20,7 +20,7 @@ def parallel_copy(source, destination):
 @parallel_kernel
 def parallel_stream_fill(destination, pattern):
     """destination[i] = pattern[(i - start of i's share) % len(pattern)] (1-D, one element type,
-    ``len(pattern) > 0``): FILL_GROUPS fixed shares, each written with ``_simd.copy_out``'s
+    ``len(pattern) > 0``): FILL_GROUPS fixed shares, each written with ``_memory.copy_out``'s
     streaming stores from ``pattern`` (small: it stays in the cache), then fenced. A kernel that
     writes a large result from registers or the cache has no faster way to put it in memory."""
     size = destination.shape[0]

@@ -177,7 +177,7 @@ AVG_POOL = Operator("avg_pool2d_backward", (
 # --------------------------------------------------------------------------------------------
 # replication_pad2d_backward (docs/semantics.md §3): one kernel per layout, and NCHW's for
 # results larger than the cache (streaming stores; reached only by a result of
-# _simd.STREAM_MIN_BYTES, so its call makes one).
+# _memory.STREAM_MIN_BYTES, so its call makes one).
 # --------------------------------------------------------------------------------------------
 
 def _pad(layout):
@@ -191,9 +191,9 @@ def _pad(layout):
 
 
 def _pad_streaming(dtype):
-    from .kernels import _simd
+    from .kernels import _memory
 
-    rows = -(-_simd.STREAM_MIN_BYTES // (64 * dtype.itemsize))
+    rows = -(-_memory.STREAM_MIN_BYTES // (64 * dtype.itemsize))
     g = np.zeros((1, 1, rows + 1, 65), dtype)
     return _fastbwd().replication_pad2d_backward(g, (1, 1, rows, 64), (1, 0, 0, 1))
 

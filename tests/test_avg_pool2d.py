@@ -379,12 +379,12 @@ def test_whole_rows_tasks_that_start_past_the_last_window():
 
 
 def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
-    # The api hands the whole-rows kernels, per task of rows_per_task consecutive grad_input rows
+    # backward_loops hands the whole-rows kernels, per task of rows_per_task consecutive grad_input rows
     # (of the P*H), the grad_output rows [first, stop) (of the P*OH) it reads: from the lowest
     # window covering one of its rows to the highest, every plane crossed in between whole; and
     # `depth`, the kernels' products scratch, the most any task reads. Checked against the
     # windows' definition (docs/semantics.md §2), row by row.
-    from fastbwd.api import avg_pool2d as api
+    from fastbwd.kernels import avg_pool2d as kernels
 
     seen = set()
     for kernel, stride, ceil_mode, height in itertools.product(range(1, 6), range(1, 4), (False, True), (5, 7, 12)):
@@ -396,7 +396,7 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
             windows = [(max(start, 0), min(start + kernel, height + pad, height)) for start in starts]
             # rows per task: 20, 11, 4 and 1 (wider rows than a task's bytes)
             for planes, width, itemsize in ((3, 100, 8), (5, 700, 2), (2, 1000, 4), (4, 5000, 4)):
-                *_, (rows_per_task, _, depth), task_sources = api._rows_geometry(
+                *_, (rows_per_task, _, depth), task_sources = kernels._rows_geometry(
                     planes, height, width, out_height, 20, kernel, stride, pad, 3, 2, 1, itemsize)
                 rows = planes * height
                 case = (planes, height, width, kernel, stride, pad, ceil_mode, itemsize)
@@ -423,17 +423,17 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
 def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
-    from fastbwd.kernels import _simd
+    from fastbwd.kernels import _memory
 
     # width stride 2 and 3: the two whole-rows kernels
     for input_shape, args in (((2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)),
                               ((2, 3, 37, 100), ((3, 4), (2, 3), (1, 2), True, False))):
         grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 16 << 20)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
         expected = pool_bwd(grad_output, input_shape, *args)
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
         size = int(np.prod(input_shape))
-        for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+        for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
             out = buffer[offset:offset + size].reshape(input_shape)
             assert pool_bwd(grad_output, input_shape, *args, out=out) is out

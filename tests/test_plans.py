@@ -7,6 +7,7 @@ import pytest
 import fastbwd
 from fastbwd.api import _plans
 from fastbwd.api import group_norm_swish as gn_api
+from fastbwd.api import roi_align as roi_api
 from fastbwd.api import upsample_bilinear2d as up_api
 
 
@@ -157,3 +158,27 @@ def test_pool_and_pad_plans_check_every_call(rng, op):
     channels_last = np.empty((2, 6, 7, 3), np.float32).transpose(0, 3, 1, 2)
     with pytest.raises(fastbwd.ParamError, match="must be C-contiguous like the result"):
         call(out=channels_last)
+
+
+def test_roi_align_plan_keeps_no_box_values(rng):
+    # The plan holds the validated metadata only: the boxes' values (their tables) are read on
+    # every call, and the overlap of out= is checked on every call.
+    memory = rng.standard_normal(2 * 3 * 8 * 8).astype(np.float32)
+    grad_output = memory[:2 * 3 * 2 * 2].reshape(2, 3, 2, 2)
+    boxes = np.array([[0, 1, 1, 6, 5], [1, 0, 0, 3, 4]], np.float32)
+    other_boxes = np.array([[1, 2, 0, 7, 3], [0, 0, 2, 5, 6]], np.float32)
+
+    def call(boxes=boxes, spatial_scale=0.5, out=None):
+        return fastbwd.roi_align_backward(grad_output, boxes, (2, 3, 8, 8), 2, 2, spatial_scale, 2, True, out=out)
+
+    roi_api._PLANS.clear()
+    first = call()
+    assert len(roi_api._PLANS) == 1
+    np.testing.assert_array_equal(call(), first)
+    moved = call(other_boxes)
+    assert len(roi_api._PLANS) == 1
+    assert not np.array_equal(moved, first)
+    with pytest.raises(fastbwd.ParamError, match="spatial_scale must be greater than FLT_MIN"):
+        call(spatial_scale=float("nan"))
+    with pytest.raises(fastbwd.ParamError, match="must not overlap grad_output"):
+        call(out=memory.reshape(first.shape))  # the metadata of a valid out=

@@ -252,7 +252,7 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # out, pads of either sign and rows shorter than a line give the bits of plain stores, and
     # nothing outside out is touched. More rows than the kernel's 256 runs put several rows in a
     # run, so that rows share lines.
-    from fastbwd.kernels import _simd
+    from fastbwd.kernels import _memory
 
     cases = [((2, 3, 21, 70), (3, 4, 2, 5)),     # rows of several lines, one per run
              ((2, 5, 60, 70), (3, 4, 2, 5)),     # two or three rows per run: shared lines
@@ -264,12 +264,12 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
              ((1, 3, 6, 5), (2, 1, 1, 2))]       # rows shorter than a line
     for input_shape, padding in cases:
         grad_output = random(padded_shape(input_shape, padding), dtype, 12)
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 16 << 20)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
         expected = pad_bwd(grad_output, input_shape, padding)
         assert_matches_reference(expected, ref.replication_pad2d_backward(grad_output, input_shape, padding))
-        monkeypatch.setattr(_simd, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
         size = int(np.prod(input_shape))
-        for offset in range(_simd.LINE_BYTES // np.dtype(dtype).itemsize + 1):
+        for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
             out = buffer[offset:offset + size].reshape(input_shape)
             assert pad_bwd(grad_output, input_shape, padding, out=out) is out

@@ -7,6 +7,7 @@ import pytest
 import fastbwd
 from fastbwd import roi_align_backward as roi_bwd
 from fastbwd.api import roi_align as api
+from fastbwd.kernels import roi_align as kernels
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import (
     assert_matches_reference,
@@ -407,8 +408,8 @@ def test_task_partition_does_not_change_bits(monkeypatch):
     args = big_case()
     expected = check_against_reference(args)
     for block, scratch in ((1, 1), (5, 4000), (64, 1 << 30)):
-        monkeypatch.setattr(api, "_CHANNEL_BLOCK", block)
-        monkeypatch.setattr(api, "_SCRATCH_BYTES", scratch)
+        monkeypatch.setattr(kernels, "CHANNEL_BLOCK", block)
+        monkeypatch.setattr(kernels, "SCRATCH_BYTES", scratch)
         assert bitwise_equal(roi_bwd(*args), expected)
 
 
@@ -422,7 +423,7 @@ def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
     grad_output = rng.standard_normal((9, 37, 2, 18)).astype(dtype)
     args = (grad_output, boxes, (2, 37, 9, 3), 2, 18, 1.0, 2, False)
     expected = check_against_reference(args)
-    monkeypatch.setattr(api, "_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(kernels, "SCRATCH_BYTES", 1)
     assert bitwise_equal(roi_bwd(*args), expected)
 
 
@@ -659,7 +660,7 @@ def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
     assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
     assert_thread_invariant(lambda: roi_fwd(x_cl, *rest))
     for block in (1, 16, 128):
-        monkeypatch.setattr(api, "_FORWARD_CHANNEL_BLOCK", block)
+        monkeypatch.setattr(kernels, "FORWARD_CHANNEL_BLOCK", block)
         assert bitwise_equal(roi_fwd(x, *rest), expected)
         assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
 

@@ -253,7 +253,7 @@ BOUNDSCHECK_CACHE = os.path.join(ROOT, "tests", "__pycache__", "numba-boundschec
 def test_every_kernel_path_within_bounds():
     # Compiled with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
     # raises instead of corrupting memory. (It caught a scratch size that Numba's allocation
-    # hoisting got wrong; the intrinsics of kernels._simd are not checked.)
+    # hoisting got wrong; the intrinsics of kernels._lanes and kernels._memory are not checked.)
     assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": BOUNDSCHECK_CACHE},
                               timeout=900)
 

@@ -1,4 +1,5 @@
-"""The explicit vector intrinsics of fastbwd/kernels/_simd.py: exact, and bitwise the scalar loops."""
+"""The explicit vector and memory intrinsics of fastbwd/kernels/_lanes.py and _memory.py: exact, and
+bitwise the scalar loops."""
 
 import ml_dtypes
 import numpy as np
@@ -7,11 +8,10 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._halfbits import store
-from fastbwd.kernels._simd import (LANES, LINE_BYTES, cells_per_line, copy_out, copy_out_reading_ahead,
-                                   copy_part_line, decode_transpose_lanes, gather_transpose_lanes,
-                                   interleaved_shifted_sums, lanes_axpy, lanes_gather_sum, lanes_scaled_gather_sums,
-                                   lanes_shifted_sum, prefetch, prefetch_for_write, store_fence, stream_line_with_ends,
-                                   transpose_lanes)
+from fastbwd.kernels._lanes import (LANES, decode_transpose_lanes, gather_transpose_lanes, lanes_axpy,
+                                    lanes_gather_sum, lanes_shifted_sum, transpose_lanes)
+from fastbwd.kernels._memory import (LINE_BYTES, cells_per_line, copy_out, copy_out_reading_ahead, copy_part_line,
+                                     prefetch, prefetch_for_write, store_fence, stream_line_with_ends)
 
 
 @njit
@@ -179,38 +179,8 @@ def test_prefetch_is_only_a_hint(dtype):
 
 
 @njit
-def _scaled_gather_sums(destination, row, shift, source, index, weights, start, stop, first, second, scale, fmt):
-    lanes_scaled_gather_sums(destination, row, shift, source, index, weights, start, stop, first, second, scale, fmt)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
-def test_scaled_gather_sums_are_the_scalar_sums_times_the_scale(dtype):
-    rng = np.random.default_rng(5)
-    compute = d.compute_dtype(dtype)
-    source = rng.standard_normal((6, LANES + 9)).astype(dtype)
-    source[4, 7] = np.inf
-    index = np.array([3, 0, 4, 5], np.int64)
-    weights = rng.standard_normal(4).astype(compute)
-    scale = rng.standard_normal((1, LANES + 9)).astype(compute)
-    destination = np.full((3, LANES + 14), 7, compute)
-    # two overlapping columns (a last partial vector), stored `shift` columns further right
-    _scaled_gather_sums(destination, 1, 3, d.kernel_view(source), index, weights, 0, 4, 0, 9, scale,
-                        d.storage_format(dtype))
-    expected = np.full((3, LANES + 14), 7, compute)
-    for column in (0, 9):
-        expected[1, 3 + column:3 + column + LANES] = (
-            scale[0, column:column + LANES] * _scalar_gathered_sum(source, index, weights, 0, 4, column))
-    assert destination.tobytes() == expected.tobytes()
-
-
-@njit
 def _shifted_sum(destination, row, column, source, source_row, source_column, count):
     lanes_shifted_sum(destination, row, column, source, source_row, source_column, count)
-
-
-@njit
-def _interleaved_sums(destination, row, column, source, even_column, even_count, odd_column, odd_count, fmt):
-    interleaved_shifted_sums(destination, row, column, source, even_column, even_count, odd_column, odd_count, fmt)
 
 
 def _scalar_shifted_sum(row, column, count):
@@ -231,25 +201,6 @@ def test_shifted_sum_is_the_scalar_loop(dtype):
         expected = np.full((3, LANES + 4), 7, dtype)
         expected[2, 1:1 + LANES] = _scalar_shifted_sum(source[1], 5, count)
         assert destination.tobytes() == expected.tobytes()
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
-def test_interleaved_shifted_sums_interleave_and_encode_like_store(dtype):
-    rng = np.random.default_rng(7)
-    compute = d.compute_dtype(dtype)
-    source = (rng.standard_normal((1, 3 * LANES)) * 1e3).astype(compute)
-    source[0, 6], source[0, 20] = np.nan, 1e6  # NaN, overflow past the half formats
-    fmt = d.storage_format(dtype)
-    destination = d.kernel_view(np.zeros((2, 2 * LANES + 5), dtype))
-    _interleaved_sums(destination, 1, 3, source, 4, 2, 7, 1, fmt)
-    pairs = np.empty(2 * LANES, compute)
-    pairs[0::2] = _scalar_shifted_sum(source[0], 4, 2)
-    pairs[1::2] = _scalar_shifted_sum(source[0], 7, 1)
-    expected = np.empty(2 * LANES, destination.dtype)
-    _store_each(expected, pairs, fmt)
-    assert destination[1, 3:3 + 2 * LANES].tobytes() == expected.tobytes()
-    destination[1, 3:3 + 2 * LANES] = 0
-    assert not destination.any(), "wrote outside the 2 LANES elements"
 
 
 @njit

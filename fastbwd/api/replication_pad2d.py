@@ -5,7 +5,6 @@ from typing import NamedTuple
 
 from .. import _dtypes as d
 from .. import _validation as v
-from ..kernels import _simd
 from ..kernels import replication_pad2d as kernels
 from . import _plans
 
@@ -75,11 +74,8 @@ def run(plan, grad_output, input_array, out):
         kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt,
                                            work=work)
     else:
-        # a result larger than the cache: its rows with streaming stores
-        kernel = (kernels.replication_pad2d_bwd_nchw_streaming if grad_input.nbytes >= _simd.STREAM_MIN_BYTES
-                  else kernels.replication_pad2d_bwd_nchw)
-        kernel(source.reshape(plan.kernel_shapes[0]), d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top,
-               left, plan.fmt, work=work)
+        kernels.backward_nchw(source.reshape(plan.kernel_shapes[0]),
+                              d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top, left, plan.fmt, work)
     return result
 
 

@@ -1,24 +1,20 @@
 """fastbwd.roi_align_backward (aclnnRoiAlignV2Backward, docs/semantics.md §4) and the RoIAlign
 forward ``roi_align_forward`` (for fastbwd.torch; not exported by fastbwd)."""
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import roi_align as kernels
+from . import _plans
 
 FUNC = "roi_align_backward"
+FORWARD = "roi_align_forward"
 
 #: The smallest normal float32 (docs/semantics.md §4: spatial_scale must exceed it).
 FLT_MIN = float(np.finfo(np.float32).tiny)
-
-#: Channels per task of the scatter kernel, at most (see ``_channel_block``): each sample's
-#: offsets and weights are shared by this many channels (16 -> 64 made R2 1.6x faster).
-_CHANNEL_BLOCK = 64
-#: Channels per task of the forward gather, at most.
-_FORWARD_CHANNEL_BLOCK = 64
-#: Bytes of each scatter task's scratch, about (see ``_band_rows``).
-_SCRATCH_BYTES = 1 << 20
 
 
 def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
@@ -81,10 +77,52 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)
+    return run(plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                    aligned, out),
+               grad_output, boxes, out)
+
+
+def plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
+         out):
+    """The validated plan of a call with the public function's arguments, ``grad_output`` and
+    ``boxes`` NumPy arrays (ParamError as the public function raises it): remembered per
+    metadata (:mod:`fastbwd.api._plans`; the boxes' values are not part of it), and what
+    :func:`run` takes."""
+    return _PLANS(_plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
+                  sampling_ratio, aligned, out)
+
+
+def run(plan, grad_output, boxes, out):
+    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
+    (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
+    the boxes' tables and the kernels. Returns the result."""
+    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype,
+                                  inputs=(("grad_output", grad_output), ("boxes", boxes)), checked=True)
+    if result.size == 0:
+        return result
+    kernels.backward(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input),
+                     *plan.scalars, plan.compute, plan.fmt)
+    return result
+
+
+_PLANS = _plans.Plans()
+
+
+class _Plan(NamedTuple):
+    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    input_shape: tuple
+    scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
+    compute: np.dtype
+    fmt: object
+
+
+def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
+          out):
+    """Validate every argument (errors in the documented order); the arrays' values are not read."""
     input_shape = v.int_tuple(FUNC, "input_shape", input_shape, (4,))
     pooled_height = v.int_value(FUNC, "pooled_height", pooled_height)
     pooled_width = v.int_value(FUNC, "pooled_width", pooled_width)
-    spatial_scale, sampling_ratio, aligned = _scalars(FUNC, spatial_scale, sampling_ratio, aligned)
+    scalars = _scalars(FUNC, spatial_scale, sampling_ratio, aligned)
 
     v.check_ndim(FUNC, "grad_output", grad_output, (4,))
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
@@ -93,34 +131,15 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     for axis, size in enumerate(input_shape):
         if size < 0:
             v.fail(FUNC, f"input_shape[{axis}]", "must be >= 0", size)
-    batch, _, height, width = input_shape
     if input_shape[1] != channels:
         v.fail(FUNC, "input_shape[1]", f"must be {channels} (C of grad_output)", input_shape[1])
     v.check_dim(FUNC, "grad_output", 2, grad_output.shape[2], pooled_height, "pooled_height")
     v.check_dim(FUNC, "grad_output", 3, grad_output.shape[3], pooled_width, "pooled_width")
-    _check_ranges(FUNC, spatial_scale, sampling_ratio)
-
+    _check_ranges(FUNC, *scalars[:2])
     dtype = grad_output.dtype
-    result, grad_input = d.output(FUNC, out, input_shape, dtype,
-                                  inputs=(("grad_output", grad_output), ("boxes", boxes)))
-    if result.size == 0:
-        return result
-    if grad_output.size == 0:
-        grad_input.fill(0)
-        return result
-    tables = _weight_tables(boxes, dtype, batch, height, width, pooled_height, pooled_width,
-                            spatial_scale, sampling_ratio, aligned)
-    if tables is None:
-        grad_input.fill(0)
-        return result
-    box_order, image_start, box_rows, y_table, x_table = tables
-    compute = d.compute_dtype(dtype)
-    block = _channel_block(channels)
-    kernels.roi_align_bwd(d.kernel_view(np.ascontiguousarray(grad_output)), box_order, image_start,
-                          box_rows, d.kernel_view(grad_input).reshape(batch, channels, height * width),
-                          width, block, _band_rows(width, block, compute), d.storage_format(dtype),
-                          *y_table, *x_table, work=grad_input.size + grad_output.size)
-    return result
+    d.check_out(FUNC, out, input_shape, dtype, d.NCHW)
+    return _Plan(input_shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
+
 
 
 def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
@@ -177,35 +196,51 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
         sampling_ratio is negative or not an integer, aligned is not a bool, a dtype is
         unsupported or differs between input and boxes, or ``out`` is unusable.
     """
-    func = "roi_align_forward"
-    input = v.as_array(func, "input", input)
-    boxes = v.as_array(func, "boxes", boxes)
-    pooled_height = v.int_value(func, "pooled_height", pooled_height)
-    pooled_width = v.int_value(func, "pooled_width", pooled_width)
-    spatial_scale, sampling_ratio, aligned = _scalars(func, spatial_scale, sampling_ratio, aligned)
+    input = v.as_array(FORWARD, "input", input)
+    boxes = v.as_array(FORWARD, "boxes", boxes)
+    plan = _FORWARD_PLANS(_forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
+                          aligned, out)
+    return _run_forward(plan, input, boxes, out)
 
-    v.check_ndim(func, "input", input, (4,))
-    v.check_dtype(func, "input", input, d.FLOATING)
-    _check_boxes(func, boxes, None, None, "input", input.dtype)
+
+_FORWARD_PLANS = _plans.Plans()
+
+
+class _ForwardPlan(NamedTuple):
+    """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    shape: tuple  # of the result
+    scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
+    compute: np.dtype
+    fmt: object
+
+
+def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+    """Validate the forward's arguments (errors in the documented order); the arrays' values are not read."""
+    pooled_height = v.int_value(FORWARD, "pooled_height", pooled_height)
+    pooled_width = v.int_value(FORWARD, "pooled_width", pooled_width)
+    scalars = _scalars(FORWARD, spatial_scale, sampling_ratio, aligned)
+
+    v.check_ndim(FORWARD, "input", input, (4,))
+    v.check_dtype(FORWARD, "input", input, d.FLOATING)
+    _check_boxes(FORWARD, boxes, None, None, "input", input.dtype)
     for name, size in (("pooled_height", pooled_height), ("pooled_width", pooled_width)):
         if size <= 0:
-            v.fail(func, name, "must be > 0", size)
-    _check_ranges(func, spatial_scale, sampling_ratio)
-
-    batch, channels, height, width = input.shape
+            v.fail(FORWARD, name, "must be > 0", size)
+    _check_ranges(FORWARD, *scalars[:2])
     dtype = input.dtype
-    shape = (boxes.shape[0], channels, pooled_height, pooled_width)
-    result, pooled = d.output(func, out, shape, dtype, inputs=(("input", input), ("boxes", boxes)))
+    shape = (boxes.shape[0], input.shape[1], pooled_height, pooled_width)
+    d.check_out(FORWARD, out, shape, dtype, d.NCHW)
+    return _ForwardPlan(shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
+
+
+def _run_forward(plan, input, boxes, out):
+    """The forward call ``plan`` describes: the per-call checks, the layout of ``input``, then the
+    tables of the boxes and the kernels. Returns the result."""
+    result, pooled = d.output(FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)),
+                              checked=True)
     if result.size == 0:
         return result
-    tables = _weight_tables(boxes, dtype, batch, height, width, pooled_height, pooled_width,
-                            spatial_scale, sampling_ratio, aligned)
-    if tables is None or input.size == 0:
-        pooled.fill(0)
-        return result
-    box_order, image_start, box_rows, y_table, x_table = tables
-    skipped = np.setdiff1d(np.arange(boxes.shape[0]), box_order).astype(np.int64)
-    target = d.kernel_view(pooled).reshape(shape[0], channels, pooled_height * pooled_width)
+    batch, channels, height, width = input.shape
     # A channels-last input (its NHWC transpose C-contiguous) is read in place, in that memory
     # order; any other layout through a C-contiguous copy.
     channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
@@ -213,9 +248,8 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
         source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
     else:
         source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
-    kernels.roi_align_fwd(d.kernel_view(source), channels_last, height, width, box_order, image_start,
-                          box_rows, skipped, target, pooled_height, pooled_width, _forward_channel_block(channels),
-                          d.storage_format(dtype), *y_table, *x_table, work=input.size + result.size)
+    kernels.forward(d.kernel_view(source), channels_last, height, width, boxes, d.kernel_view(pooled),
+                    *plan.scalars, plan.compute, plan.fmt)
     return result
 
 
@@ -245,84 +279,3 @@ def _check_ranges(func, spatial_scale, sampling_ratio):
         v.fail(func, "spatial_scale", f"must be greater than FLT_MIN ({FLT_MIN:.9g})", spatial_scale)
     if sampling_ratio < 0:
         v.fail(func, "sampling_ratio", "must be >= 0 (0 means adaptive)", sampling_ratio)
-
-
-def _weight_tables(boxes, dtype, batch, height, width, pooled_height, pooled_width, spatial_scale,
-                   sampling_ratio, aligned):
-    """The boxes that contribute and their per-axis weight tables (kernels.roi_align):
-    ``(box_order, image_start, box_rows, y_table, x_table)``, or None when no box contributes."""
-    compute = d.compute_dtype(dtype)
-    # Half-format boxes become float32 (exact); the kernels compute in this dtype.
-    boxes = np.ascontiguousarray(boxes, dtype=compute)
-    box_order, image_start = _boxes_by_image(boxes, batch)
-    if box_order.size == 0 or height == 0 or width == 0:
-        return None
-    with np.errstate(over="ignore"):
-        # Rounded to the compute type like torchvision; a huge scale becomes inf and then every
-        # box is skipped by the kernels' finiteness test.
-        scale = compute.type(spatial_scale)
-    # sampling_ratio travels as a float: any Python int is accepted, none overflows.
-    ratio = float(sampling_ratio)
-    y_slots = np.zeros((box_order.size, pooled_height), np.int64)
-    x_slots = np.zeros((box_order.size, pooled_width), np.int64)
-    # the serial twin: a few operations per (box, bin), 6-8 us for R1's 512 boxes either way,
-    # and the first call compiles about 3 s of CPU less than with the parallel one
-    kernels.roi_align_sample_counts.serial(boxes, box_order, pooled_height, pooled_width, scale, ratio,
-                                    aligned, height, width, y_slots, x_slots)
-    y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
-    box_rows = np.empty((box_order.size, 2), np.int64)
-    kernels.roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, scale, ratio,
-                                    aligned, height, width, box_rows, *y_table, *x_table,
-                                    work=y_table[3].size + x_table[3].size)
-    return box_order, image_start, box_rows, _entries(y_table), _entries(x_table)
-
-
-def _boxes_by_image(boxes, batch):
-    """The boxes that contribute, grouped by image: ``(box_order, image_start)``.
-
-    A box contributes when its five values are finite and ``floor(batch_index)`` is in
-    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). ``box_order`` lists them sorted by
-    image with a stable sort, so within an image they keep their given order;
-    image ``b`` owns ``box_order[image_start[b]:image_start[b + 1]]``.
-    """
-    image = np.floor(boxes[:, 0])
-    valid = np.isfinite(boxes).all(axis=1) & (image >= 0) & (image < batch)
-    image = image[valid].astype(np.int64)
-    box_order = np.flatnonzero(valid)[np.argsort(image, kind="stable")]
-    image_start = np.zeros(batch + 1, np.int64)
-    np.cumsum(np.bincount(image, minlength=batch), out=image_start[1:])
-    return box_order.astype(np.int64), image_start
-
-
-def _weight_table(slots, compute):
-    """One axis's weight table for the slot counts per (box, bin):
-    ``(start, slots, used, pixel, weight)`` (see kernels.roi_align)."""
-    start = np.zeros(slots.size, np.int64)
-    np.cumsum(slots.ravel()[:-1], out=start[1:])
-    total = int(slots.sum())
-    return (start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64),
-            np.empty(total, compute))
-
-
-def _entries(table):
-    """What the scatter and gather read of a table: ``(start, used, pixel, weight)``."""
-    start, _, used, pixel, weight = table
-    return start, used, pixel, weight
-
-
-def _channel_block(channels):
-    """Channels per task: sample offsets and weights are shared across them, and one pixel's
-    block is one contiguous (vectorised) run of the channels-last scratch."""
-    return min(channels, _CHANNEL_BLOCK)
-
-
-def _band_rows(width, channel_block, compute):
-    """Rows per task: the task's channels-last scratch stays within ``_SCRATCH_BYTES`` (cache).
-    Fixed by the problem size; any banding gives the same bits (each element's order is fixed)."""
-    row_bytes = width * channel_block * compute.itemsize
-    return max(1, _SCRATCH_BYTES // row_bytes)
-
-
-def _forward_channel_block(channels):
-    """Channels per forward task: its channels-last scratch holds that many values per pixel."""
-    return min(channels, _FORWARD_CHANNEL_BLOCK)

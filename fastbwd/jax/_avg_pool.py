@@ -11,7 +11,7 @@ from jax import lax
 import fastbwd
 from .. import _dtypes as d
 from .. import _validation as v
-from ..api.avg_pool2d import _axis_windows
+from ..kernels.avg_pool2d import axis_windows
 from . import _common as c
 from . import _ffi
 
@@ -32,7 +32,7 @@ def _divisors(size, kernel, stride, pad, out_size, count_include_pad):
     """Per output index of one axis: the window's extent within the padded input (PyTorch's
     ``pool_size`` factor) or within the input (``count_include_pad=False``), from the windows
     the backward uses."""
-    start, stop, padded = _axis_windows(size, kernel, stride, pad, out_size)
+    start, stop, padded = axis_windows(size, kernel, stride, pad, out_size)
     return padded if count_include_pad else stop - start
 
 

@@ -24,7 +24,7 @@ equal, and the task partition never changes a bit (it does not depend on the thr
 
 How, with task-local scratch that stays in cache and no atomics. Both passes work in *gather
 form* (tables from :func:`gather_table`: each input index adds its sources, in the order above)
-with 16-lane register sums (``_simd`` intrinsics; LLVM keeps neither a runtime-length sum nor a
+with 16-lane register sums (``_lanes`` intrinsics; LLVM keeps neither a runtime-length sum nor a
 16 x 16 tile in registers by itself):
 
 * NCHW, large planes: a task is one block of LANES input rows of one plane. The height pass sums
@@ -54,8 +54,8 @@ from numba import prange
 
 from ._halfbits import NATIVE, accumulator, load, store
 from ._jit import helper, parallel_kernel
-from ._simd import (LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, prefetch, prefetch_for_write,
-                    transpose_lanes)
+from ._lanes import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
+from ._memory import prefetch, prefetch_for_write
 
 #: NCHW planes with grad_output rows narrower than LANES, whose grad_output, height-pass and
 #: result planes together hold at most this many elements (x LANES planes: 512 KiB of float32,

@@ -9,15 +9,23 @@ order, so their results are bitwise equal. The global case (docs/semantics.md §
 covering the whole input, a 1x1 grad_output) has its own kernels here: every grad_input cell of
 a plane is the plane's single gradient divided by the integer divisor, exactly as PyTorch
 computes it.
+
+The api calls :func:`backward_loops` once per geometry (it remembers the plan): it chooses the
+loop nest and builds the tables that nest reads, in NumPy.
 """
+
+import functools
+import math
 
 import numpy as np
 from numba import prange
 
+from . import _memory
 from ._halfbits import load, store
 from ._jit import parallel_kernel
-from ._simd import (LANES, copy_out, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums,
-                    line_offset, lanes_shifted_sum, store_fence)
+from ._lanes import LANES, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
+from ._memory import copy_out, line_offset, store_fence
+from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
@@ -68,11 +76,9 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
                                 residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
     """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
     classes of 16 positions at once and interleaves them into 32 cells in registers
-    (``_simd.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
+    (``_lanes.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
     sums, and a generic one). Same arguments, same results; a kernel of its own so that a call
-    compiles only the width pass it runs. valgrind on A1 float32 (serial kernel): 41.2M
-    instructions per call, 180 per grad_input row (bfloat16 53.6M, 234; 305 per row before the
-    phases)."""
+    compiles only the width pass it runs."""
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     source = grad_output.reshape((planes * out_height, out_width))
@@ -135,15 +141,15 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
     sum of V[ow]`` over the windows covering ``w``, ascending. The last sum is taken per residue
     class: ``w = stride * j + r`` is covered by ``residue_taps[r]`` consecutive windows, the
     shifted copies of V starting ``residue_base[r]`` before ``j`` in V's zero-padded row (zero
-    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit). The api
-    computes those tables and the layouts (:func:`fastbwd.api.avg_pool2d._rows_geometry`):
+    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit).
+    :func:`_rows_geometry` computes those tables and the layouts:
     ``columns_layout = (lead, span, residue_width)``, V of a block's row ``r`` at ``[r * span +
     lead, r * span + lead + OW)`` and each residue class summed in whole vectors over
     ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``; and
     ``task_sources`` (int64, one row per task), the grad_output rows ``[first, stop)`` (of the
     P*OH) each task reads.
 
-    A task runs in phases, each one loop nest in 16-lane registers (``_simd``): the products
+    A task runs in phases, each one loop nest in 16-lane registers (``_lanes``): the products
     ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
     ``depth`` rows; rows ``2m`` and ``2m + 1`` of A1 share ``g[m]``'s: the same product, so the
     same bits); ``lanes_scaled_window_sums``, V of every row (straight-line sums for 1-3
@@ -201,3 +207,187 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
                     copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
                     copied = ready
         store_fence()
+
+
+# ---- the api's entries: which loop nest a call runs, and the tables it reads -------------------
+
+def backward_loops(channels_last, input_shape, out_height, out_width, kernel, stride, padding, count_include_pad,
+                   divisor_override, dtype, compute):
+    """The loop nest of a non-empty call (its geometry validated by the api) and the tables it
+    reads: ``(entry, tables)``, run as ``entry(grad_output, grad_input, tables, fmt)`` on the
+    kernel views of grad_output and grad_input in their memory order (NHWC when
+    ``channels_last``); ``divisor_override`` 0 means not set; ``dtype`` is the data's dtype and
+    ``compute`` its compute dtype."""
+    height, width = input_shape[-2:]
+    start_h, stop_h, extent_h = axis_windows(height, kernel[0], stride[0], padding[0], out_height)
+    start_w, stop_w, extent_w = axis_windows(width, kernel[1], stride[1], padding[1], out_width)
+    if out_height == out_width == 1 and start_h[0] == start_w[0] == 0 and stop_h[0] == height and stop_w[0] == width:
+        if divisor_override != 0:
+            divisor = divisor_override
+        elif count_include_pad:
+            divisor = int(extent_h[0]) * int(extent_w[0])
+        else:
+            divisor = height * width
+        return (backward_global_nhwc if channels_last else backward_global_nchw), (compute.type(divisor),)
+
+    # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
+    # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
+    override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
+    if not channels_last and out_width >= LANES:
+        # whole rows at a time, the width axis as strided windows (same operations, same bits)
+        weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
+                                 compute)
+        windows = _row_windows(height, kernel[0], stride[0], padding[0], out_height)
+        # stride 2 has a kernel of its own (its width pass in registers); each compiles only its pass
+        rows_kernel = avg_pool2d_bwd_rows_s2_nchw if stride[1] == 2 else avg_pool2d_bwd_rows_nchw
+        planes = math.prod(input_shape[:-2])
+        return backward_rows, (rows_kernel, *windows,
+                               _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad,
+                                             override_h, compute),
+                               weight_w,
+                               *_rows_geometry(planes, height, width, out_height, out_width, kernel[0], stride[0],
+                                               padding[0], kernel[1], stride[1], padding[1], dtype.itemsize))
+    taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
+    taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
+    return (backward_separable_nhwc if channels_last else backward_separable_nchw), (*taps_h, *taps_w)
+
+
+def backward_global_nchw(grad_output, grad_input, tables, fmt):
+    """Global pooling (one window covers the whole input), NCHW: ``tables = (divisor,)``."""
+    height, width = grad_input.shape[-2:]
+    global_avg_pool2d_bwd_nchw(grad_output.reshape(-1), grad_input.reshape(-1, height * width), *tables, fmt,
+                               work=grad_output.size + grad_input.size)
+
+
+def backward_global_nhwc(grad_output, grad_input, tables, fmt):
+    """Global pooling, NHWC (N, H, W, C): ``tables = (divisor,)``."""
+    batch, channels = grad_input.shape[0], grad_input.shape[-1]
+    global_avg_pool2d_bwd_nhwc(grad_output.reshape(batch, channels), grad_input.reshape(batch, -1, channels), *tables,
+                               fmt, work=grad_output.size + grad_input.size)
+
+
+def backward_rows(grad_output, grad_input, tables, fmt):
+    """NCHW with grad rows of at least LANES cells, whole rows at a time: ``tables = (kernel,
+    *its tables)``. A result of ``_memory.STREAM_MIN_BYTES`` or more is stored with streaming stores."""
+    rows_kernel, *tables = tables
+    rows_kernel(grad_output.reshape(-1, *grad_output.shape[-2:]), grad_input.reshape(-1, *grad_input.shape[-2:]),
+                *tables, grad_input.nbytes >= _memory.STREAM_MIN_BYTES, fmt, work=grad_output.size + grad_input.size)
+
+
+def backward_separable_nchw(grad_output, grad_input, tables, fmt):
+    """NCHW on the separable engine: ``tables`` the H and W tap tables."""
+    separable_bwd_nchw(grad_output.reshape(-1, *grad_output.shape[-2:]),
+                       grad_input.reshape(-1, *grad_input.shape[-2:]), *tables, fmt)
+
+
+def backward_separable_nhwc(grad_output, grad_input, tables, fmt):
+    """NHWC (N, H, W, C) on the separable engine: ``tables`` the H and W tap tables."""
+    separable_bwd_nhwc(grad_output, grad_input, *tables, fmt)
+
+
+def axis_windows(size, kernel, stride, pad, out_size):
+    """The docs/semantics.md §2 windows of one axis, per output index: ``(start, stop, pool_extent)``
+    (the JAX forward divides by them too).
+
+    ``[start, stop)`` is the window clipped to the input; ``pool_extent`` is its length
+    counting the padding but not the part of a ceil-mode window beyond the padding (so a
+    last window overhanging ``size + pad`` is divided by less than ``kernel``).
+    """
+    start = np.arange(out_size, dtype=np.int64) * stride - pad
+    stop = np.minimum(start + kernel, size + pad)
+    pool_extent = stop - start
+    return np.maximum(start, 0), np.minimum(stop, size), pool_extent
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """Every window's weight on one axis, ``1 / divisor`` in the compute type, the divisor being
+    ``divisor`` when given, else the window's extent (counting the padding or not). Memoised: a
+    training loop calls with the same geometry every step (the tables are internal and never
+    written)."""
+    start, stop, extent = axis_windows(size, kernel, stride, pad, out_size)
+    if divisor is not None:
+        divisors = np.full(out_size, divisor, np.int64)
+    elif count_include_pad:
+        divisors = extent
+    else:
+        divisors = stop - start
+    return np.divide(1, divisors.astype(compute), dtype=compute)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_windows(size, kernel, stride, pad, out_size):
+    """``(first, stop)``: input row ``h`` of one axis lies in the clipped windows
+    ``[first[h], stop[h])`` (ascending, consecutive: the windows' clipped starts and stops both
+    increase with the window; empty when no window covers the row). Memoised like
+    :func:`_axis_weights`."""
+    start, stop, _ = axis_windows(size, kernel, stride, pad, out_size)
+    rows = np.arange(size, dtype=np.int64)
+    # the windows that start at or before h, minus those that stop at or before it
+    return (np.searchsorted(stop, rows, side="right").astype(np.int64),
+            np.searchsorted(start, rows, side="right").astype(np.int64))
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w,
+                   itemsize):
+    """The whole-rows kernels' width tables, layouts and task sources
+    (:func:`avg_pool2d_bwd_rows_nchw`): ``(residue_taps, residue_base, (lead, span,
+    residue_width), (rows_per_task, piece_rows, depth), task_sources)``. Memoised like
+    :func:`_axis_weights`.
+
+    The cell ``w = stride * j + r`` is covered by the windows ``[m - a, m]``, ``m = j + (r + pad)
+    // stride``, ``a = (kernel - 1 - q) // stride``, ``q = (r + pad) % stride``: residue ``r``
+    sums ``residue_taps[r] = a + 1`` shifted copies of V, the first at ``residue_base[r] + j``
+    in V's zero-padded row (V at ``[lead, lead + OW)``, ``lead`` the most windows covering one
+    cell minus one, ``span`` long, so that every class's whole vectors of ``residue_width``
+    cells stay inside it). A task is a run of ``rows_per_task`` consecutive rows of the P*H rows
+    of grad_input (the last one shorter); ``task_sources[t] = (first, stop)``: task ``t`` reads the
+    grad_output rows (of the P*OH) ``[first, stop)``, from its first row's first window to its
+    last row's last (every plane it crosses in between whole; empty when no window covers its
+    rows); ``depth`` is the most any task reads.
+    """
+    lead = (kernel_w - 1) // stride_w
+    residue = np.arange(stride_w, dtype=np.int64)
+    q = (residue + pad_w) % stride_w
+    residue_taps = np.maximum(0, (kernel_w - 1 - q) // stride_w + 1)
+    residue_base = lead + (residue + pad_w) // stride_w - (kernel_w - 1 - q) // stride_w
+    # each residue class is summed in whole vectors, past its end into scratch that is never stored
+    residue_width = (width + stride_w - 1) // stride_w
+    residue_width = (residue_width + LANES - 1) // LANES * LANES
+    # residue r reads V's row at [base, base + taps - 1 + residue_width), 0 <= base <= lead + (stride - 1 + pad)
+    # // stride - taps + 1
+    span = lead + max(out_width, (stride_w - 1 + pad_w) // stride_w + residue_width)
+    rows_per_task = max(1, TASK_BYTES // (width * itemsize))
+    piece_rows = max(1, PIECE_BYTES // (width * itemsize))
+    window_first, window_stop = _row_windows(height, kernel_h, stride_h, pad_h, out_height)
+    rows = planes * height
+    first = np.arange(0, rows, rows_per_task, dtype=np.int64)
+    last = np.minimum(first + rows_per_task, rows) - 1
+    # the planes of each task's first and last rows (q above is a residue's phase, not a plane)
+    first_plane, last_plane = first // height, last // height
+    task_sources = np.stack((first_plane * out_height + window_first[first - first_plane * height],
+                             last_plane * out_height + window_stop[last - last_plane * height]), axis=1)
+    depth = max(1, int(np.max(task_sources[:, 1] - task_sources[:, 0])))
+    return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth),
+            task_sources)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
+    """The separable engine's tap table of one axis: every window's clipped cells, each with the
+    window's weight (:func:`_axis_weights`). Memoised like it."""
+    start, stop, _ = axis_windows(size, kernel, stride, pad, out_size)
+    weights = _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute)
+    return _window_taps(start, stop, weights, compute)
+
+
+def _window_taps(start, stop, window_weight, compute):
+    """The forward tap table of one axis for the separable engine: output ``o`` reads the cells
+    ``[start[o], stop[o])`` of its clipped window, each with the window's weight (unused taps of
+    shorter windows are -1)."""
+    taps = max(1, int(np.max(stop - start)))
+    index = start[:, None] + np.arange(taps)[None, :]
+    index = np.where(index < stop[:, None], index, -1)
+    weight = np.broadcast_to(window_weight[:, None], index.shape)
+    return tap_table(index, weight, compute)

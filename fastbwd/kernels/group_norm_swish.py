@@ -44,7 +44,8 @@ from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
 from ._jit import helper, parallel_kernel, wide_vectors
-from ._simd import LANES, array_structs, copy_out, decode_lanes, fold_lanes_by_halving, prefetch_for_write, splat, store_fence
+from ._lanes import LANES, array_structs, decode_lanes, fold_lanes_by_halving, splat
+from ._memory import copy_out, prefetch_for_write, store_fence
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
@@ -59,7 +60,7 @@ PREFETCH_ROUND = 256
 #: rows and 0.66-0.73x flat (two threads, alternating processes; G1 flat was no faster).
 WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
-#: (kernels._simd.LANES); a power of two (the lanes are folded by halving).
+#: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).
 PARTIAL_SUMS = LANES
 
 # ---- exp(a) for a <= 0 in float32 (Cephes expf: exp(a) = 2^k * p(r), |r| <= ln2/2) -----------
@@ -404,7 +405,7 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     overwrites each gnew with its dx; ``streaming`` is ignored), else in a scratch array. With a
     scratch, the second pass stores dx directly, or when ``streaming`` (the api decides by size)
     computes each round's dx into a small buffer and copies it out with streaming stores
-    (``_simd.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
+    (``_memory.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
     rows ``i % PARTIAL_SUMS``, the same folds and blocks).
 
     A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS

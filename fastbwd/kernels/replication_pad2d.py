@@ -9,11 +9,12 @@ rounded once. Both layouts use the same rule and order, so they agree bitwise.
 import numpy as np
 from numba import prange
 
+from . import _memory
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
 from ._jit import leaf_helper, parallel_kernel
-from ._simd import (LINE_BYTES, cells_per_line, copy_out_reading_ahead, copy_part_line, line_offset, prefetch,
-                    store_fence, stream_line_with_ends)
+from ._memory import (LINE_BYTES, cells_per_line, copy_out_reading_ahead, copy_part_line, line_offset, prefetch,
+                      store_fence, stream_line_with_ends)
 
 #: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
 #: are fewer rows); a group allocates its scratch once. Results do not depend on it.
@@ -69,7 +70,7 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, f
     With one source row, the interior is a copy and the two edge cells sum their strips. The
     copy has plain stores when ``read_ahead`` is None (the branch is dropped at compile time);
     else it streams its whole cache lines, asking for grad_output ``read_ahead`` elements ahead
-    (``_simd.copy_out_reading_ahead``; the kernel fences). With
+    (``_memory.copy_out_reading_ahead``; the kernel fences). With
     several (the top and bottom edges) or none (cropped away), each interior column sums its
     cells of those rows, one whole source row after the other into ``column_sums`` (compute-type
     scratch of at least ``width``): the order of the cell-by-cell sum. The other cells (edges,
@@ -133,7 +134,7 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
     """:func:`_pad_rows` with streaming stores. When no column is cropped away (``pad_left >=
     0``, ``pad_right >= 0``), rows are at least a cache line wide and grad_input is aligned to
     its element size, every whole cache line of a row with one source row is streamed, its two
-    edge cells put in in registers (``_simd.stream_line_with_ends``, asking for grad_output
+    edge cells put in in registers (``_memory.stream_line_with_ends``, asking for grad_output
     ``read_ahead`` elements ahead), and so is the line such a row shares with the next row of
     the run when that row also has one source row: only the rows with several sources (the top
     and bottom edges of a plane) and the lines a run shares with its neighbours take plain
@@ -227,6 +228,14 @@ def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_l
         _stream_pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left,
                          column_sums, READ_AHEAD_LINES * cells_per_line(grad_output), fmt)
         store_fence()
+
+
+def backward_nchw(grad_output, grad_input, pad_top, pad_left, fmt, work):
+    """The api's NCHW entry, (P, OH, OW) -> (P, H, W): a result of ``_memory.STREAM_MIN_BYTES`` or
+    more (larger than the cache) is written by the streaming kernel."""
+    kernel = (replication_pad2d_bwd_nchw_streaming if grad_input.nbytes >= _memory.STREAM_MIN_BYTES
+              else replication_pad2d_bwd_nchw)
+    kernel(grad_output, grad_input, pad_top, pad_left, fmt, work=work)
 
 
 @parallel_kernel

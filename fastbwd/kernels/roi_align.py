@@ -27,6 +27,9 @@ one table per axis (torchvision's ``pre_calc``, factored and collapsed per pixel
    entries in the same order, the same products ``wy * wx``, summed per bin instead of scattered
    (the adjoint of 2).
 
+The api's entries, :func:`backward` and :func:`forward`, build a call's tables (they depend on
+the boxes' values, so on every call) and run 1 and then 2 or 3.
+
 Coordinates, sample tests and clamping are computed in the boxes' dtype (float32 for float32,
 float16 and bfloat16 data; float64 for float64), as torchvision does; the tables' weights and the
 accumulations are of that compute type.
@@ -40,7 +43,7 @@ from numba.extending import intrinsic
 
 from ._halfbits import load, store
 from ._jit import helper, parallel_kernel
-from ._simd import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
+from ._lanes import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
 #: longer runs use the closed form of their arithmetic progression.
@@ -543,3 +546,133 @@ def roi_align_fwd(source, channels_last, height, width, box_order, image_start, 
             _gather_box(scratch, first_row, width, acc, j, pooled_height,
                         pooled_width, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
             _store_box(acc, out[box_order[j]], c0, fmt)
+
+
+# ---- the api's entries: the weight tables of a call's boxes, then the kernels ------------------
+
+#: Channels per task of the scatter kernel, at most (see :func:`_channel_block`): each sample's
+#: offsets and weights are shared by this many channels.
+CHANNEL_BLOCK = 64
+#: Channels per task of the forward gather, at most.
+FORWARD_CHANNEL_BLOCK = 64
+#: Bytes of each scatter task's scratch, about (see :func:`_band_rows`).
+SCRATCH_BYTES = 1 << 20
+
+
+def backward(grad_output, boxes, grad_input, spatial_scale, sampling_ratio, aligned, compute, fmt):
+    """The backward of a call the api validated: grad_output (K, C, PH, PW) -> grad_input (B, C,
+    H, W) (kernel views, C-contiguous, grad_input not empty), ``boxes`` (K, 5) of the data's
+    dtype; ``compute`` is the compute dtype. Zero where no box contributes."""
+    batch, channels, height, width = grad_input.shape
+    pooled_height, pooled_width = grad_output.shape[2:]
+    if grad_output.size == 0:
+        grad_input.fill(0)
+        return
+    tables = _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
+                            sampling_ratio, aligned)
+    if tables is None:
+        grad_input.fill(0)
+        return
+    box_order, image_start, box_rows, y_table, x_table = tables
+    block = _channel_block(channels)
+    roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input.reshape(batch, channels, height * width),
+                  width, block, _band_rows(width, block, compute), fmt, *y_table, *x_table,
+                  work=grad_input.size + grad_output.size)
+
+
+def forward(source, channels_last, height, width, boxes, out, spatial_scale, sampling_ratio, aligned, compute, fmt):
+    """The forward of a call the api validated: ``source`` the input's (B, C, H*W) kernel view,
+    or (B, H*W, C) when ``channels_last``, -> ``out`` (K, C, PH, PW) (a C-contiguous kernel
+    view, not empty), ``boxes`` (K, 5) of the data's dtype; ``compute`` is the compute dtype.
+    Zero for the boxes that contribute nothing."""
+    batch = source.shape[0]
+    num_boxes, channels, pooled_height, pooled_width = out.shape
+    tables = _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
+                            sampling_ratio, aligned)
+    if tables is None or source.size == 0:
+        out.fill(0)
+        return
+    box_order, image_start, box_rows, y_table, x_table = tables
+    skipped = np.setdiff1d(np.arange(num_boxes), box_order).astype(np.int64)
+    roi_align_fwd(source, channels_last, height, width, box_order, image_start, box_rows, skipped,
+                  out.reshape(num_boxes, channels, pooled_height * pooled_width), pooled_height, pooled_width,
+                  _forward_channel_block(channels), fmt, *y_table, *x_table, work=source.size + out.size)
+
+
+def _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
+                   sampling_ratio, aligned):
+    """The boxes that contribute and their per-axis weight tables (module doc, 1):
+    ``(box_order, image_start, box_rows, y_table, x_table)``, or None when no box contributes."""
+    # Half-format boxes become float32 (exact); the kernels compute in this dtype.
+    boxes = np.ascontiguousarray(boxes, dtype=compute)
+    box_order, image_start = _boxes_by_image(boxes, batch)
+    if box_order.size == 0 or height == 0 or width == 0:
+        return None
+    with np.errstate(over="ignore"):
+        # Rounded to the compute type like torchvision; a huge scale becomes inf and then every
+        # box is skipped by the kernels' finiteness test.
+        scale = compute.type(spatial_scale)
+    # sampling_ratio travels as a float: any Python int is accepted, none overflows.
+    ratio = float(sampling_ratio)
+    y_slots = np.zeros((box_order.size, pooled_height), np.int64)
+    x_slots = np.zeros((box_order.size, pooled_width), np.int64)
+    # the serial twin: a few operations per (box, bin) gain nothing from the thread pool, and it
+    # compiles faster than the parallel kernel
+    roi_align_sample_counts.serial(boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned,
+                                   height, width, y_slots, x_slots)
+    y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
+    box_rows = np.empty((box_order.size, 2), np.int64)
+    roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned, height, width,
+                            box_rows, *y_table, *x_table, work=y_table[3].size + x_table[3].size)
+    return box_order, image_start, box_rows, _entries(y_table), _entries(x_table)
+
+
+def _boxes_by_image(boxes, batch):
+    """The boxes that contribute, grouped by image: ``(box_order, image_start)``.
+
+    A box contributes when its five values are finite and ``floor(batch_index)`` is in
+    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). ``box_order`` lists them sorted by
+    image with a stable sort, so within an image they keep their given order;
+    image ``b`` owns ``box_order[image_start[b]:image_start[b + 1]]``.
+    """
+    image = np.floor(boxes[:, 0])
+    valid = np.isfinite(boxes).all(axis=1) & (image >= 0) & (image < batch)
+    image = image[valid].astype(np.int64)
+    box_order = np.flatnonzero(valid)[np.argsort(image, kind="stable")]
+    image_start = np.zeros(batch + 1, np.int64)
+    np.cumsum(np.bincount(image, minlength=batch), out=image_start[1:])
+    return box_order.astype(np.int64), image_start
+
+
+def _weight_table(slots, compute):
+    """One axis's weight table for the slot counts per (box, bin):
+    ``(start, slots, used, pixel, weight)`` (module doc, 1)."""
+    start = np.zeros(slots.size, np.int64)
+    np.cumsum(slots.ravel()[:-1], out=start[1:])
+    total = int(slots.sum())
+    return (start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64),
+            np.empty(total, compute))
+
+
+def _entries(table):
+    """What the scatter and gather read of a table: ``(start, used, pixel, weight)``."""
+    start, _, used, pixel, weight = table
+    return start, used, pixel, weight
+
+
+def _channel_block(channels):
+    """Channels per task: sample offsets and weights are shared across them, and one pixel's
+    block is one contiguous (vectorised) run of the channels-last scratch."""
+    return min(channels, CHANNEL_BLOCK)
+
+
+def _band_rows(width, channel_block, compute):
+    """Rows per task: the task's channels-last scratch stays within ``SCRATCH_BYTES`` (cache).
+    Fixed by the problem size; any banding gives the same bits (each element's order is fixed)."""
+    row_bytes = width * channel_block * compute.itemsize
+    return max(1, SCRATCH_BYTES // row_bytes)
+
+
+def _forward_channel_block(channels):
+    """Channels per forward task: its channels-last scratch holds that many values per pixel."""
+    return min(channels, FORWARD_CHANNEL_BLOCK)
