@@ -59,6 +59,7 @@ def bench_import_fastbwd(record):
     record("import fastbwd", lambda: _import_seconds("fastbwd"))
 
 
+@pytest.mark.slow
 def bench_cold_compile(record):
     # in-memory compile of one operator for one dtype (no disk cache): target <= 3 s
     record("cold compile (pad, float32)", lambda: _child(_FIRST_CALL, {"FASTBWD_CACHE": "0"})[1])

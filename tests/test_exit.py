@@ -18,6 +18,9 @@ import pytest
 
 import fastbwd._config
 
+#: Each test runs whole programs in processes of their own: the full run's (.ci/run), not the quick one's.
+pytestmark = pytest.mark.slow
+
 #: A program that ends well has exited in a few seconds; a hang runs into this.
 LIMIT = 30
 

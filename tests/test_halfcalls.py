@@ -119,6 +119,7 @@ def test_trunc_equals_the_hardware(loops):
     assert differ.size == 0, [(hex(source[i]), hex(host[i]), hex(provided[i])) for i in differ[:5]]
 
 
+@pytest.mark.slow
 def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
     """A float16 and a bfloat16 call of three kernels under NUMBA_CPU_NAME=generic, in a child
     process, give the bits this process gets."""

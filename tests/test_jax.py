@@ -220,6 +220,7 @@ def _vjp(case, dtype, jit=True):
 
 # ---- gradients: bitwise the NumPy call; close to the pure-JAX reference ----------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradient_equals_the_numpy_call_bitwise(name, dtype):

@@ -49,6 +49,7 @@ def _run(args, env, **kwargs):
                           timeout=600, **kwargs)
 
 
+@pytest.mark.slow
 def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path)}
     command = ["-m", "fastbwd", "--precompile", "--ops", "replication_pad2d_backward", "--dtypes", "float32",

@@ -32,12 +32,16 @@ def test_readme_pytorch_example_runs():
     assert namespace["ft"].is_enabled() is False  # the example's `with enabled():` block ended
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_command_and_the_slow_tests():
     readme = (ROOT / "README.md").read_text()
     commands = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
-    assert "python3 -m bench" in commands and "python3 -m pytest" in commands
+    assert "python3 -m bench" in commands
+    readme_set = re.search(r"&& python3 -m pytest(.*)$", commands, re.M).group(1).strip()
+    assert readme_set == '-m "not slow"'
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install --quiet -e ".[test]"' in ci and "\npython -m pytest\n" in ci
+    assert 'pip install --quiet -e ".[test]"' in ci
+    # the README's set, then its complement: every test runs in CI
+    assert f"\npython -m pytest {readme_set}\npython -m pytest -m slow\n" in ci
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -116,6 +116,7 @@ def test_multiprocessing_fork_pool():
     assert "pool ok" in run_script(body)
 
 
+@pytest.mark.slow
 def test_runs_without_a_writable_cache_folder():
     body = """
     import numba.core.caching as caching
@@ -139,6 +140,7 @@ def test_cache_dir_that_cannot_be_created(tmp_path):
     assert "bad cache dir ok" in run_script(body, env={"NUMBA_CACHE_DIR": str(blocker / "cache")})
 
 
+@pytest.mark.slow
 def test_serial_switch():
     body = """
     import numba.np.ufunc.parallel as parallel
@@ -250,6 +252,7 @@ print("ok")
 BOUNDSCHECK_CACHE = os.path.join(ROOT, "tests", "__pycache__", "numba-boundscheck")
 
 
+@pytest.mark.slow
 def test_every_kernel_path_within_bounds():
     # Compiled with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
     # raises instead of corrupting memory. (It caught a scratch size that Numba's allocation

@@ -51,6 +51,7 @@ ENGINE_SHAPES = [(9, 13, 7, 11, 3), (37, 21, 50, 45, 19), (33, 16, 16, 48, 16), 
                  (20, 33, 17, 16, 35), (40, 70, 45, 130, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16, np.float16])
 def test_engine_matches_dense(dtype, shape):

@@ -89,6 +89,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_full_batch(tmp_path):
     result_path = tmp_path / "parameters.pt"
     mp.spawn(_worker, args=(2, _free_port(), str(result_path)), nprocs=2, join=True)

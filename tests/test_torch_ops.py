@@ -49,6 +49,7 @@ class _Counter:
 
 # ---- opcheck ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(CHANNELS_LAST))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("boxes", ["tensor", "list", "none"])
@@ -67,6 +68,7 @@ def test_opcheck_roi_align(boxes, dtype, layout):
 @pytest.mark.parametrize("dtype, params, layout", [
     (torch.float32, torch.float32, "nchw"), (torch.float64, torch.float64, "channels_last"),
     (torch.bfloat16, torch.bfloat16, "nchw"), (torch.bfloat16, torch.float32, "channels_last")], ids=str)
+@pytest.mark.slow
 def test_opcheck_group_norm_swish(dtype, params, layout):
     x = _randn((2, 6, 4, 5), dtype, 3, CHANNELS_LAST[layout]).requires_grad_()
     weight = _randn((6,), params, 4).requires_grad_()

@@ -326,6 +326,7 @@ def test_errors(call, match, param, status):
         call()
 
 
+@pytest.mark.slow
 def test_random_shapes_every_dtype_and_layout():
     # Sizes up to 150: wide enough for the float32 source index to round (the oracle had
     # float64 weights once, and random shapes like these exposed the difference), the engine's
