@@ -1,7 +1,10 @@
 """fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, docs/semantics.md §2)."""
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -18,8 +21,11 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def avg_pool2d_backward(grad_output, input, kernel_size, stride=None, padding=0, ceil_mode=False,
-                        count_include_pad=True, divisor_override=0, cube_math_type=0, *, out=None):
+def avg_pool2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, Sequence[int]],
+                        kernel_size: Union[int, Sequence[int]], stride: Optional[Union[int, Sequence[int]]] = None,
+                        padding: Union[int, Sequence[int]] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                        divisor_override: int = 0, cube_math_type: int = 0, *,
+                        out: Optional[np.ndarray] = None) -> np.ndarray:
     """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
 
     Every output cell ``(oh, ow)`` pools the window ``[oh*sH - pH, oh*sH - pH + kH)`` x

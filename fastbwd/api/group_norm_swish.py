@@ -2,9 +2,10 @@
 fastbwd.group_norm_swish (aclnnGroupNormSwish, §5.1), which share their validation."""
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -40,9 +41,11 @@ _NHWC_TASKS_PER_THREAD = 2
 _NHWC_STREAM_MIN_BYTES = 4 << 20
 
 
-def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, data_format="NCHW",
-                              swish_scale=1.0, dgamma_is_require=True, dbeta_is_require=True,
-                              *, out=None):
+def group_norm_swish_backward(dy: ArrayLike, mean: ArrayLike, rstd: ArrayLike, x: ArrayLike, gamma: ArrayLike,
+                              beta: ArrayLike, num_groups: int, data_format: str = "NCHW", swish_scale: float = 1.0,
+                              dgamma_is_require: bool = True, dbeta_is_require: bool = True, *,
+                              out: Optional[Sequence[Optional[np.ndarray]]] = None,
+                              ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
@@ -316,8 +319,9 @@ def _nhwc_streaming(dx):
 
 # ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
 
-def group_norm_swish(x, gamma, beta, num_groups, data_format="NCHW", eps=1e-5, activate_swish=True,
-                     swish_scale=1.0, *, out=None):
+def group_norm_swish(x: ArrayLike, gamma: ArrayLike, beta: ArrayLike, num_groups: int, data_format: str = "NCHW",
+                     eps: float = 1e-5, activate_swish: bool = True, swish_scale: float = 1.0, *,
+                     out: Optional[Sequence[Optional[np.ndarray]]] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
 
     Per sample n and group g of ``D = C/G`` channels (``M = D * HxW`` elements)::

@@ -1,7 +1,10 @@
 """fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, docs/semantics.md §3)."""
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -11,7 +14,8 @@ from . import _plans
 FUNC = "replication_pad2d_backward"
 
 
-def replication_pad2d_backward(grad_output, input, padding, *, out=None):
+def replication_pad2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, Sequence[int]], padding: Sequence[int], *,
+                               out: Optional[np.ndarray] = None) -> np.ndarray:
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
 
     Every grad_input cell receives the sum of the grad_output cells that replicate it: interior

@@ -1,9 +1,10 @@
 """fastbwd.roi_align_backward (aclnnRoiAlignV2Backward, docs/semantics.md §4) and the RoIAlign
 forward ``roi_align_forward`` (for fastbwd.torch; not exported by fastbwd)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -17,8 +18,9 @@ FORWARD = "roi_align_forward"
 FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
-def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
-                       spatial_scale, sampling_ratio, aligned, *, out=None):
+def roi_align_backward(grad_output: ArrayLike, boxes: ArrayLike, input_shape: Sequence[int], pooled_height: int,
+                       pooled_width: int, spatial_scale: float, sampling_ratio: int, aligned: bool, *,
+                       out: Optional[np.ndarray] = None) -> np.ndarray:
     """Gradient of torchvision's ``roi_align`` with respect to its input (docs/semantics.md §4).
 
     For every box ``k`` with batch index ``b = floor(boxes[k, 0])``, every channel and every

@@ -1,8 +1,9 @@
 """fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, docs/semantics.md §1)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -13,8 +14,9 @@ FUNC = "upsample_bilinear2d_backward"
 LAYOUTS = (d.NCHW, d.NHWC)
 
 
-def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners=False,
-                                 scales_h=0.0, scales_w=0.0, *, layout="NCHW", out=None):
+def upsample_bilinear2d_backward(grad_output: ArrayLike, output_size: Sequence[int], input_size: Sequence[int],
+                                 align_corners: bool = False, scales_h: float = 0.0, scales_w: float = 0.0, *,
+                                 layout: str = "NCHW", out: Optional[np.ndarray] = None) -> np.ndarray:
     """Gradient of ``torch.nn.functional.interpolate(input, output_size, mode="bilinear")``.
 
     Every grad_output cell ``(oh, ow)`` is spread over the (up to) four input cells it was
