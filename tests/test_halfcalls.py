@@ -18,56 +18,35 @@ HOST_FEATURES = llvm.get_host_cpu_features().flatten().split(",")
 
 # Loops converting an array with the host's instructions (fpext/fptrunc of half) and with the
 # functions of _halfcalls (declared under other names), side by side.
-_LOOPS = r"""
-declare float @provided_extend(half)
-declare half @provided_trunc(float)
-
-define void @extend(i16* %source, i32* %host, i32* %provided, i64 %count) {
+_LOOP = r"""
+define void @{name}({source}* %source, {result}* %host, {result}* %provided, i64 %count) {{
 entry:
   br label %loop
 loop:
   %i = phi i64 [0, %entry], [%next, %loop]
-  %in = getelementptr i16, i16* %source, i64 %i
-  %bits = load i16, i16* %in
-  %half = bitcast i16 %bits to half
-  %wide = fpext half %half to float
-  %wide_bits = bitcast float %wide to i32
-  %host_out = getelementptr i32, i32* %host, i64 %i
-  store i32 %wide_bits, i32* %host_out
-  %ours = call float @provided_extend(half %half)
-  %ours_bits = bitcast float %ours to i32
-  %provided_out = getelementptr i32, i32* %provided, i64 %i
-  store i32 %ours_bits, i32* %provided_out
+  %in = getelementptr {source}, {source}* %source, i64 %i
+  %bits = load {source}, {source}* %in
+  %value = bitcast {source} %bits to {source_float}
+  %converted = {instruction} {source_float} %value to {result_float}
+  %converted_bits = bitcast {result_float} %converted to {result}
+  %host_out = getelementptr {result}, {result}* %host, i64 %i
+  store {result} %converted_bits, {result}* %host_out
+  %ours = call {result_float} @provided_{name}({source_float} %value)
+  %ours_bits = bitcast {result_float} %ours to {result}
+  %provided_out = getelementptr {result}, {result}* %provided, i64 %i
+  store {result} %ours_bits, {result}* %provided_out
   %next = add i64 %i, 1
   %more = icmp ult i64 %next, %count
   br i1 %more, label %loop, label %done
 done:
   ret void
-}
-
-define void @trunc(i32* %source, i16* %host, i16* %provided, i64 %count) {
-entry:
-  br label %loop
-loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
-  %in = getelementptr i32, i32* %source, i64 %i
-  %bits = load i32, i32* %in
-  %value = bitcast i32 %bits to float
-  %narrow = fptrunc float %value to half
-  %narrow_bits = bitcast half %narrow to i16
-  %host_out = getelementptr i16, i16* %host, i64 %i
-  store i16 %narrow_bits, i16* %host_out
-  %ours = call half @provided_trunc(float %value)
-  %ours_bits = bitcast half %ours to i16
-  %provided_out = getelementptr i16, i16* %provided, i64 %i
-  store i16 %ours_bits, i16* %provided_out
-  %next = add i64 %i, 1
-  %more = icmp ult i64 %next, %count
-  br i1 %more, label %loop, label %done
-done:
-  ret void
-}
+}}
+declare {result_float} @provided_{name}({source_float})
 """
+_LOOPS = (_LOOP.format(name="extend", source="i16", source_float="half", result="i32", result_float="float",
+                       instruction="fpext")
+          + _LOOP.format(name="trunc", source="i32", source_float="float", result="i16", result_float="half",
+                         instruction="fptrunc"))
 
 
 @pytest.fixture(scope="module")
