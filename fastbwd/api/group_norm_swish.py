@@ -22,22 +22,17 @@ CHANNELS_LAST_FORMAT = "NHWC"
 #: The documents' limit on channels per group.
 MAX_GROUP_SIZE = 4000
 MAX_RANK = 8
-#: Channels an NHWC task aims to span (its inner loops run along them, once per position).
-#: Narrow runs measured slow: on x (2, 64, 128, 128), 32 groups, 32-64 channels per task ran
-#: 7-9x faster than the 8 channels a former 1 MB cache budget per task allowed, and G1 in NHWC
-#: 1.3x faster with 512 channels than with 128 (keeping dy and x in cache mattered less).
+#: Channels an NHWC task aims to span (its inner loops run along them, once per position):
+#: narrow runs are slow, and keeping dy and x in cache matters less (docs/history.md).
 _NHWC_TASK_CHANNELS = 512
 #: Tasks per thread the NHWC runs are split into at least, when the batch alone gives fewer.
 _NHWC_TASKS_PER_THREAD = 2
 #: An NHWC dx of float16 or bfloat16 (a float32 or float64 dx holds gnew between the kernel's
-#: passes and is overwritten in place: 1.1-1.15x faster than streaming, docs/design.md) of at
-#: least this many bytes is written with streaming (non-temporal) stores. An NHWC task's x and
-#: gnew (a whole image's channels) outgrow L2 and are reread from L3 in its second pass; a plain
-#: dx store first reads its line and then evicts them. Single-threaded CPU time, same process
-#: (float32, when it still had a scratch): G1, G3, x (2, 64, 128, 128) and x (16, 32, 64, 64)
-#: ran 0.94, 0.98, 0.94 and 0.89x the time streaming (dx 8-16 MB). One image repeated with its
-#: data in cache: 1.13x slower at 320 KB, 0.94x at 1.3 MB, 0.87x at 5 MB; the floor is kept
-#: above that crossover so that a smaller dx stays in cache for whatever reads it next.
+#: passes and is overwritten in place) of at least this many bytes is written with streaming
+#: (non-temporal) stores. An NHWC task's x and gnew (a whole image's channels) outgrow L2 and are
+#: reread from L3 in its second pass; a plain dx store first reads its line and then evicts
+#: them. The floor is kept above the size where streaming starts to win, so that a smaller dx
+#: stays in cache for whatever reads it next (docs/history.md).
 _NHWC_STREAM_MIN_BYTES = 4 << 20
 
 
@@ -304,7 +299,7 @@ def _nhwc_groups_per_task(groups, group_size, batch, threads):
     only until there are ``_NHWC_TASKS_PER_THREAD`` tasks per thread, never fewer than one group.
     Any choice gives the same bits (every per-(n, c) sum has a fixed order)."""
     if groups * group_size <= kernels.WHOLE_ROWS_MAX_CHANNELS and batch >= threads:
-        return groups  # whole rows: the kernel's flat loops (narrow runs were 1.4-2x slower)
+        return groups  # whole rows: the kernel's flat loops (narrow runs are slower)
     by_width = -(-_NHWC_TASK_CHANNELS // group_size)
     runs_per_image = -(-_NHWC_TASKS_PER_THREAD * threads // batch)
     by_tasks = -(-groups // runs_per_image)

@@ -33,10 +33,9 @@ with 16-lane register sums (``_lanes`` intrinsics; LLVM keeps neither a runtime-
   columns of the block's rows and transposes back; the rows are stored, rounded once. Memory
   works while the core computes: after each tile a few cache lines of the next task's source
   rows are prefetched (height pass) or of its destination rows, for writing (width pass).
-  Without the prefetches, reading the rows in place was 1.5x slower than first copying them
-  in one sequential read (16-column chunks of many rows defeat the hardware prefetcher); with
-  them it is 1.3x faster than that copy, and all the prefetches at once at a task's start did
-  nothing. Tasks run in TASK_GROUPS fixed groups, each allocating its scratch once. A last
+  Without the prefetches, reading the rows in place is slower than first copying them in one
+  sequential read (16-column chunks of many rows defeat the hardware prefetcher); with them it
+  is faster than that copy (docs/history.md). Tasks run in TASK_GROUPS fixed groups, each allocating its scratch once. A last
   partial tile starts LANES columns before the end and recomputes the columns it shares with
   its neighbour (the same operations, so the same bits); rows narrower than LANES are staged
   into zero-padded rows instead.
@@ -59,9 +58,8 @@ from ._memory import prefetch, prefetch_for_write
 
 #: NCHW planes with grad_output rows narrower than LANES, whose grad_output, height-pass and
 #: result planes together hold at most this many elements (x LANES planes: 512 KiB of float32,
-#: inside L2), run LANES planes at a time... Measured: avg-pool planes of 7 to 28 pixels a side
-#: (grad rows of 4 to 14) ran 1.1-1.4x faster that way than as row blocks, which stage such
-#: rows; from 16-wide grad rows on, row blocks read in place and win (upsample 8 -> 16: 1.6x).
+#: inside L2), run LANES planes at a time: faster than row blocks, which stage such narrow
+#: rows; from 16-wide grad rows on, row blocks read in place and win (docs/history.md).
 PLANE_LANES_SCRATCH = 8192
 #: ... when there are enough planes to keep every thread busy that way.
 PLANE_LANES_MIN_PLANES = 8 * LANES
@@ -69,8 +67,7 @@ PLANE_LANES_MIN_PLANES = 8 * LANES
 #: there are fewer tasks); a group allocates its scratch once. Results do not depend on it.
 TASK_GROUPS = 64
 #: Row-block tasks prefetch the next task's source and destination rows when a grad_output row
-#: has at least this many bytes: U1-like rows (512 B) ran 1.3x faster, A1's short rows (112 B)
-#: 1.1x slower.
+#: has at least this many bytes: long rows gain, short rows lose (docs/history.md).
 PREFETCH_MIN_ROW_BYTES = 256
 
 
@@ -369,7 +366,7 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
     In gather form (tables from :func:`gather_table`): the row's height-pass sum ``U`` (OW x C)
     adds its source rows one after the other, then each ``w`` sums its ``U`` columns as
     16-channel vectors in a register, while the source rows new to the next task are
-    prefetched, and its destination row for writing (U3 1.2-1.3x faster together). Same
+    prefetched, and its destination row for writing. Same
     operations, same order as the NCHW kernels. A last partial vector starts LANES channels
     before the end (recomputing the shared ones, bit for bit); fewer than LANES channels run as
     scalar loops.
@@ -384,8 +381,8 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
         n = task // height
         h = task - n * height
         # 1. height pass: U = sum of the source rows, ascending, one whole row after the other
-        #    (a single sequential stream; summing 16 elements of all of them at a time in a
-        #    register measured 35% slower from DRAM, and no faster once prefetched)
+        #    (a single sequential stream: summing 16 elements of all of them at a time in a
+        #    register was slower from DRAM)
         partial = np.full(row_length, zero)
         for j in range(start_h[h], start_h[h + 1]):
             c = weight_h[j]

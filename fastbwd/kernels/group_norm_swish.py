@@ -17,21 +17,20 @@ NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
 then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
-NHWC tasks read whole rows (all C channels of a position) wherever they can: on the 2-core VM
-this was measured on, a narrow channel strip of an NHWC array streams from memory several times
-slower than whole rows (docs/design.md), which ruled out transposing L2-sized channel strips
-into NCHW-shaped scratch. So an NHWC task's x and gnew span the whole image and its second pass
+NHWC tasks read whole rows (all C channels of a position) wherever they can: a narrow channel
+strip of an NHWC array streams from memory several times slower than whole rows, which ruled out
+transposing L2-sized channel strips into NCHW-shaped scratch (docs/design.md). So an NHWC task's x and gnew span the whole image and its second pass
 rereads them from L3 or memory. When dx has the compute type (float32, float64) the task keeps
 gnew in its own dx elements, and the second pass overwrites each with its dx: the dx lines are
 read for ownership once, in the first pass, and no separate scratch passes through the caches
-(1.1-1.15x faster single-threaded than a scratch with streaming dx stores). float16 and
+(faster than a scratch with streaming dx stores). float16 and
 bfloat16 keep gnew (float32) in a scratch array and write dx with streaming stores when the api
 asks (large dx), so that the dx lines are neither read first nor evict x and gnew.
 
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
 float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
 and integer operations only (about 1e-7 relative error; subnormal results flushed to 0, which
-made the kernel ~14% faster than scaling into the subnormal range). float64 data uses ``math.exp``.
+is faster than scaling into the subnormal range). float64 data uses ``math.exp``.
 """
 
 import math
@@ -50,14 +49,12 @@ from ._memory import copy_out, prefetch_for_write, store_fence
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
 #: The NCHW first pass prefetches the dx lines of every round of this many positions for
-#: writing, right after computing them: G1 and G3 in float32 ran 1.15-1.2x faster.
+#: writing, right after computing them, so the second pass's stores find their lines.
 PREFETCH_ROUND = 256
 #: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
 #: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
-#: elements, 120 KB at C = 320 in float32) stay in L2. Measured single-threaded,
-#: (2,64,128,128) ran 1.4x faster flat, but G1 (C = 512, 192 KB of tiles) 1.2x slower than by
-#: rows. G3 (C = 320, 160-channel runs of 4096 positions) ran at 0.35-0.46x its NCHW speed by
-#: rows and 0.66-0.73x flat (two threads, alternating processes; G1 flat was no faster).
+#: elements, 120 KB at C = 320 in float32) stay in L2; wider, the flat path loses to channel
+#: runs (docs/history.md, "Numbers that were in code comments").
 WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).

@@ -139,9 +139,8 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
     the run when that row also has one source row: only the rows with several sources (the top
     and bottom edges of a plane) and the lines a run shares with its neighbours take plain
     stores. A line written partly by plain stores is read from memory first, and between
-    streaming stores that costs more than the line: rows offset from the cache lines (a NumPy
-    array's data starts 16 bytes into a page) ran 1.5-2x slower with their shared lines stored
-    plainly. Other geometries go row by row (:func:`_pad_row`, interiors streamed)."""
+    streaming stores that costs more than the line, as for rows offset from the cache lines (a
+    NumPy array's data starts 16 bytes into a page) with their shared lines stored plainly. Other geometries go row by row (:func:`_pad_row`, interiors streamed)."""
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     per_line = cells_per_line(grad_input)

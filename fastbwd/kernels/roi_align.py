@@ -422,7 +422,7 @@ def _store_band(target, plane, c0, first, fmt):
     Whole 16-channel blocks go by 16 x 16 register transposes (``transpose_lanes``), a block's
     pixel tiles in order, the last tile overlapping its neighbour: reading the scratch one channel
     at a time (a 4-byte load per cache line) had cost about as much as the scatter's output
-    stream itself (R1 1.25x faster). Leftover channels, and bands under 16 pixels, go one by one.
+    stream itself. Leftover channels, and bands under 16 pixels, go one by one.
     """
     pixels, channels = target.shape
     tiled = channels // LANES * LANES if pixels >= LANES else 0
@@ -449,8 +449,8 @@ def _gather_box(source, first_row, width, acc, j, pooled_height, pooled_width,
     ``source`` is a channels-last ``(rows * W, nc)`` matrix of the compute type holding the rows
     from ``first_row`` on; ``acc`` ``(PH * PW, nc)``. The products
     ``wy * wx`` are those of the backward scatter. Whole 16-channel groups go by ``lanes_axpy``
-    (a multiply then an add per lane, as the plain loop; 2.5-3.5x faster than it on R2, which
-    LLVM did not vectorise well), leftover channels one by one.
+    (a multiply then an add per lane, as the plain loop, which LLVM did not vectorise well),
+    leftover channels one by one.
     """
     channels = acc.shape[1]
     tiled = channels // LANES * LANES

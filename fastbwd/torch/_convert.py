@@ -85,10 +85,9 @@ def dense(tensor, memory_format):
 def empty(shape, dtype, memory_format=torch.contiguous_format):
     """A new CPU tensor for fastbwd to write into, in ``memory_format``.
 
-    Its memory comes from NumPy (``np.empty``, wrapped without a copy): on these machines a
-    large ``torch.empty`` is 3-4x slower to first touch than the same ``np.empty`` (51 MB: about
-    27-35 ms against 8 ms, filled once), which would cost an allocating backward more than the
-    kernel itself. The tensor behaves like any other CPU tensor.
+    Its memory comes from NumPy (``np.empty``, wrapped without a copy): a large ``torch.empty``
+    is several times slower to first touch than the same ``np.empty`` (NumPy asks for huge pages;
+    docs/history.md), which would cost an allocating backward more than the kernel itself. The tensor behaves like any other CPU tensor.
     """
     channels_last = memory_format == torch.channels_last and len(shape) == 4
     physical = (shape[0], shape[2], shape[3], shape[1]) if channels_last else tuple(shape)

@@ -248,7 +248,7 @@ def _kernel(name, overload):
 # be calling that operator (a call can read a half-replaced table entry). So the kernels are
 # registered once, by the first enable(), and stay: enable() and disable() only flip the switch
 # they read. Disabled, each call goes straight to PyTorch's own kernel (the same bits as
-# before enable(), for about 6 us of Python dispatch per call).
+# before enable(), for a few microseconds of Python dispatch per call).
 
 _lock = threading.Lock()
 _library = None
