@@ -88,11 +88,19 @@ def run(args):
         torch.set_num_threads(numba.get_num_threads())
 
     machine = dict(
-        fastbwd=fastbwd.__version__, numba=numba.__version__, numpy=np.__version__,
-        python=platform.python_version(), cpu=_cpu_name(), threads=numba.get_num_threads(),
-        threading_layer=threading_layer(), torch=getattr(torch, "__version__", None))
-    say(f"fastbwd {machine['fastbwd']} | numba {machine['numba']} | {machine['threads']} threads "
-        f"({machine['threading_layer']}) | {machine['cpu']} | torch {machine['torch'] or 'not installed'}")
+        fastbwd=fastbwd.__version__,
+        numba=numba.__version__,
+        numpy=np.__version__,
+        python=platform.python_version(),
+        cpu=_cpu_name(),
+        threads=numba.get_num_threads(),
+        threading_layer=threading_layer(),
+        torch=getattr(torch, "__version__", None),
+    )
+    say(
+        f"fastbwd {machine['fastbwd']} | numba {machine['numba']} | {machine['threads']} threads "
+        f"({machine['threading_layer']}) | {machine['cpu']} | torch {machine['torch'] or 'not installed'}"
+    )
     say("measuring memory bandwidth (parallel copy) ... ", end="")
     yardstick_bytes = CASE_SIZE_COPY_BYTES if quick else 512 << 20
     bandwidth = copy_bandwidth(yardstick_bytes)
@@ -102,23 +110,29 @@ def run(args):
     # shapes' yardstick is already that copy).
     case_size_bandwidth = bandwidth if quick else copy_bandwidth(CASE_SIZE_COPY_BYTES)
     write_bandwidth = stream_write_bandwidth(CASE_SIZE_COPY_BYTES)
-    say(f"{bandwidth:.1f} GB/s ({yardstick_bytes >> 20} MB); a 64 MB copy: {case_size_bandwidth:.1f} GB/s; "
-        f"a 64 MB streamed write: {write_bandwidth:.1f} GB/s written")
+    say(
+        f"{bandwidth:.1f} GB/s ({yardstick_bytes >> 20} MB); a 64 MB copy: {case_size_bandwidth:.1f} GB/s; "
+        f"a 64 MB streamed write: {write_bandwidth:.1f} GB/s written"
+    )
 
     rows = []
-    header = (f"{'operator':<29} {'case':<8} {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}"
-              f"  {'baseline':<18} {'ms':>8} {'speed-up':>8}")
+    header = (
+        f"{'operator':<29} {'case':<8} {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}"
+        f"  {'baseline':<18} {'ms':>8} {'speed-up':>8}"
+    )
     for spec in implemented_ops():
         if args.ops and spec.name not in args.ops:
             continue
-        say(f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds; "
+        say(
+            f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds; "
             "python -m fastbwd --precompile compiles everything ahead) ... ",
-            end="")
+            end="",
+        )
         t0 = time.perf_counter()
         verdict = small_check(spec.name)
         say(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
         say(header)
-        for case in (spec.quick_cases if quick else spec.cases):
+        for case in spec.quick_cases if quick else spec.cases:
             t0 = time.perf_counter()
             prepared = spec.prepare(case, torch is not None)
             setup = time.perf_counter() - t0
@@ -126,8 +140,12 @@ def run(args):
             # fastbwd's variants and the baselines in alternating rounds: the load of a shared
             # machine moves within a case, and sequential medians put a change on one side
             named = variants + list(prepared.baselines.items())
-            seconds_of = dict(zip([name for name, _ in named],
-                                  _alternating_medians([fn for _, fn in named], args.repeats, args.seconds)))
+            seconds_of = dict(
+                zip(
+                    [name for name, _ in named],
+                    _alternating_medians([fn for _, fn in named], args.repeats, args.seconds),
+                )
+            )
             timings = {name: seconds_of[name] for name, _ in variants}
             baselines = {name: seconds_of[name] for name in prepared.baselines}
             for variant, seconds in timings.items():
@@ -138,19 +156,36 @@ def run(args):
                     matching = {"": None}
                 for index, (baseline, base_seconds) in enumerate(matching.items()):
                     first = index == 0
-                    row = dict(op=spec.name, case=case.id, label=case.label, dtype=case.dtype, variant=variant,
-                               ms=seconds * 1e3, gbps=gbps, pct_bandwidth=100 * gbps / bandwidth,
-                               baseline=baseline or None,
-                               baseline_ms=None if base_seconds is None else base_seconds * 1e3,
-                               speedup=None if base_seconds is None else base_seconds / seconds,
-                               setup_s=setup)
+                    row = dict(
+                        op=spec.name,
+                        case=case.id,
+                        label=case.label,
+                        dtype=case.dtype,
+                        variant=variant,
+                        ms=seconds * 1e3,
+                        gbps=gbps,
+                        pct_bandwidth=100 * gbps / bandwidth,
+                        baseline=baseline or None,
+                        baseline_ms=None if base_seconds is None else base_seconds * 1e3,
+                        speedup=None if base_seconds is None else base_seconds / seconds,
+                        setup_s=setup,
+                    )
                     rows.append(row)
-                    left = (f"{spec.name:<29} {case.id:<8} {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} "
-                            f"{gbps:6.1f} {row['pct_bandwidth']:4.0f}%") if first else " " * 78
+                    left = (
+                        (
+                            f"{spec.name:<29} {case.id:<8} {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} "
+                            f"{gbps:6.1f} {row['pct_bandwidth']:4.0f}%"
+                        )
+                        if first
+                        else " " * 78
+                    )
                     # two decimals below 1 (the NHWC/NCHW ratio has a target of 0.8)
-                    right = (f"  {baseline:<18} {row['baseline_ms']:8.2f} "
-                             f"{row['speedup']:7.{2 if row['speedup'] < 1 else 1}f}x"
-                             if base_seconds is not None else "")
+                    right = (
+                        f"  {baseline:<18} {row['baseline_ms']:8.2f} "
+                        f"{row['speedup']:7.{2 if row['speedup'] < 1 else 1}f}x"
+                        if base_seconds is not None
+                        else ""
+                    )
                     say(left + right)
             del prepared
     if torch is not None and (not args.ops or "torch" in args.ops):
@@ -160,9 +195,18 @@ def run(args):
         rows.extend(jax_rows)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(dict(machine=machine, bandwidth_gbps=bandwidth, case_size_copy_gbps=case_size_bandwidth,
-                           stream_write_gbps=write_bandwidth,
-                           quick=quick, rows=rows), handle, indent=1)
+            json.dump(
+                dict(
+                    machine=machine,
+                    bandwidth_gbps=bandwidth,
+                    case_size_copy_gbps=case_size_bandwidth,
+                    stream_write_gbps=write_bandwidth,
+                    quick=quick,
+                    rows=rows,
+                ),
+                handle,
+                indent=1,
+            )
         say(f"\nresults saved to {args.json}")
     return 0
 
@@ -172,32 +216,58 @@ def torch_bridge(args):
     gradients against plain PyTorch, then both are timed; returns the rows."""
     from .torch_cases import cases
 
-    say("\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
-        "against plain PyTorch, then timing both in alternating rounds")
+    say(
+        "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
+        "against plain PyTorch, then timing both in alternating rounds"
+    )
     say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'torch ms':>9} {'speed-up':>8}  target")
     rows = []
     for case in cases(quick=not args.full):
         case.check()
-        fastbwd_seconds, torch_seconds = _alternating_medians((case.fastbwd, case.torch), args.repeats,
-                                                              args.seconds)
+        fastbwd_seconds, torch_seconds = _alternating_medians((case.fastbwd, case.torch), args.repeats, args.seconds)
         speedup = torch_seconds / fastbwd_seconds
-        say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
-            f"{speedup:7.2f}x  {case.target}")
-        rows.append(dict(op="fastbwd.torch", case=case.id, label=case.label, dtype="float32",
-                         variant="autograd", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
-                         baseline="torch", baseline_ms=torch_seconds * 1e3, speedup=speedup,
-                         target=case.target))
+        say(
+            f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
+            f"{speedup:7.2f}x  {case.target}"
+        )
+        rows.append(
+            dict(
+                op="fastbwd.torch",
+                case=case.id,
+                label=case.label,
+                dtype="float32",
+                variant="autograd",
+                ms=fastbwd_seconds * 1e3,
+                gbps=None,
+                pct_bandwidth=None,
+                baseline="torch",
+                baseline_ms=torch_seconds * 1e3,
+                speedup=speedup,
+                target=case.target,
+            )
+        )
     from .torch_cases import measure_overhead, overhead_cases
 
     say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
     say(f"{'case':<5} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8}")
     for case in overhead_cases():
         us = measure_overhead(case)
-        say(f"{case.id:<5} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
-            f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f}")
-        rows.append(dict(op="fastbwd.torch overhead", case=case.id, label=case.label, dtype="float32",
-                         variant="routed", routed_us=us["routed"], direct_us=us["direct"],
-                         torch_us=us["torch"]))
+        say(
+            f"{case.id:<5} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
+            f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f}"
+        )
+        rows.append(
+            dict(
+                op="fastbwd.torch overhead",
+                case=case.id,
+                label=case.label,
+                dtype="float32",
+                variant="routed",
+                routed_us=us["routed"],
+                direct_us=us["direct"],
+                torch_us=us["torch"],
+            )
+        )
     return rows
 
 
@@ -230,28 +300,59 @@ def jax_bridge(args):
         return None, []
     from .jax_cases import cases, transport_overhead
 
-    say(f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
-        "each case's gradients against JAX's own, then timing both")
+    say(
+        f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
+        "each case's gradients against JAX's own, then timing both"
+    )
     say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'jax ms':>9} {'speed-up':>8}  target")
     rows = []
     for case in cases(quick=not args.full):
         case.check()
         fastbwd_seconds, jax_seconds = _alternating_medians((case.fastbwd, case.jax), args.repeats, args.seconds)
         speedup = None if jax_seconds is None else jax_seconds / fastbwd_seconds
-        say(f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
+        say(
+            f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
             + (f"{jax_seconds * 1e3:9.2f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
-            + f"  {case.target}")
-        rows.append(dict(op="fastbwd.jax", case=case.id, label=case.label, dtype="float32",
-                         variant="jit(grad)", ms=fastbwd_seconds * 1e3, gbps=None, pct_bandwidth=None,
-                         baseline="jax" if jax_seconds else None,
-                         baseline_ms=jax_seconds and jax_seconds * 1e3, speedup=speedup, target=case.target))
+            + f"  {case.target}"
+        )
+        rows.append(
+            dict(
+                op="fastbwd.jax",
+                case=case.id,
+                label=case.label,
+                dtype="float32",
+                variant="jit(grad)",
+                ms=fastbwd_seconds * 1e3,
+                gbps=None,
+                pct_bandwidth=None,
+                baseline="jax" if jax_seconds else None,
+                baseline_ms=jax_seconds and jax_seconds * 1e3,
+                speedup=speedup,
+                target=case.target,
+            )
+        )
     one, many = _alternating_medians(tuple(transport_overhead().values()), 200, 0.4)
     per_call = (many - one) / 10
-    say(f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
-        f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us)")
-    rows.append(dict(op="fastbwd.jax", case="overhead", label="per FFI call (11 vs 1 chained no-op calls, 4 KB)",
-                     dtype="float32", variant="ffi call", ms=per_call * 1e3, gbps=None, pct_bandwidth=None,
-                     baseline="1-call program", baseline_ms=one * 1e3, speedup=None, target="report"))
+    say(
+        f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
+        f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us)"
+    )
+    rows.append(
+        dict(
+            op="fastbwd.jax",
+            case="overhead",
+            label="per FFI call (11 vs 1 chained no-op calls, 4 KB)",
+            dtype="float32",
+            variant="ffi call",
+            ms=per_call * 1e3,
+            gbps=None,
+            pct_bandwidth=None,
+            baseline="1-call program",
+            baseline_ms=one * 1e3,
+            speedup=None,
+            target="report",
+        )
+    )
     return jax.__version__, rows
 
 
@@ -268,11 +369,17 @@ def _cpu_name():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true",
-                        help="the full-size docs/semantics.md §6 shapes (the README's table; minutes per operator)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="the full-size docs/semantics.md §6 shapes (the README's table; minutes per operator)",
+    )
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
-    parser.add_argument("--ops", nargs="*", help="only these operators (public names; 'torch' for the "
-                        "PyTorch bridge's cases, 'jax' for the JAX bridge's)")
+    parser.add_argument(
+        "--ops",
+        nargs="*",
+        help="only these operators (public names; 'torch' for the PyTorch bridge's cases, 'jax' for the JAX bridge's)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     parser.add_argument("--no-jax", action="store_true", help="skip the fastbwd.jax section")
     parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")

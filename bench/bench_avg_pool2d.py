@@ -7,4 +7,5 @@ Run: python -m pytest bench/bench_avg_pool2d.py --benchmark-enable --benchmark-o
 from .benchutil import standard_benchmarks
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
-    "avg_pool2d_backward", baselines=["torch", "torch out="])
+    "avg_pool2d_backward", baselines=["torch", "torch out="]
+)

@@ -17,8 +17,9 @@ bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(NAME, bas
 
 
 @pytest.mark.parametrize("baseline", ["fastbwd NCHW", "fastbwd NCHW out="])
-@pytest.mark.parametrize("case", [param for param in op_cases(NAME)
-                                  if param.values[0].params.get("data_format") == "NHWC"])
+@pytest.mark.parametrize(
+    "case", [param for param in op_cases(NAME) if param.values[0].params.get("data_format") == "NHWC"]
+)
 def bench_nchw_of_nhwc_case(case, baseline, measure, smoke):
     """fastbwd on an NHWC case's values in NCHW (allocating, and out=)."""
     prepared = prepared_case(case, smoke=smoke)
@@ -29,4 +30,5 @@ def bench_nchw_of_nhwc_case(case, baseline, measure, smoke):
 # against nn.GroupNorm then nn.SiLU without autograd. Minimum bytes per call: read x, write y.
 
 bench_forward, bench_forward_out, bench_forward_baseline = standard_benchmarks(
-    "group_norm_swish", baselines=["torch GroupNorm+SiLU"])
+    "group_norm_swish", baselines=["torch GroupNorm+SiLU"]
+)

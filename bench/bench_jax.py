@@ -31,8 +31,7 @@ def bench_jax_bridge(case_id, variant, benchmark, smoke):
         case.check()  # gradients agree with JAX's own before anything is timed
     function()  # warm-up (compiles)
     benchmark.group = f"{case.id} {case.label}"
-    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target,
-                                threads=numba.get_num_threads())
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
     benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
 
 

@@ -6,4 +6,5 @@ Run: python -m pytest bench/bench_replication_pad2d.py --benchmark-enable --benc
 from .benchutil import standard_benchmarks
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
-    "replication_pad2d_backward", baselines=["torch", "torch out="])
+    "replication_pad2d_backward", baselines=["torch", "torch out="]
+)

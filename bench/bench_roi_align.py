@@ -19,21 +19,41 @@ from .benchutil import case_id, standard_benchmarks
 from .cases import OPS, Case, Prepared, fastbwd_calls
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
-    "roi_align_backward", baselines=["torch (pure PyTorch)", "serial loop"])
+    "roi_align_backward", baselines=["torch (pure PyTorch)", "serial loop"]
+)
 
 #: One box of about 1e7 feature-map pixels (3163 x 3163 at scale 0.25) around the R1 image:
 #: adaptive sampling gives 452 x 452 samples per bin, of which only those in the image are visited.
-HUGE = Case("R-huge", "roi_align_backward", "(2,256,200,304), one 1e7-pixel box, adaptive",
-            dict(input_shape=(2, 256, 200, 304), pooled_height=7, pooled_width=7, spatial_scale=0.25,
-                 sampling_ratio=0, aligned=True, box=(1, -5520.0, -5920.0, 7132.0, 6732.0)))
+HUGE = Case(
+    "R-huge",
+    "roi_align_backward",
+    "(2,256,200,304), one 1e7-pixel box, adaptive",
+    dict(
+        input_shape=(2, 256, 200, 304),
+        pooled_height=7,
+        pooled_width=7,
+        spatial_scale=0.25,
+        sampling_ratio=0,
+        aligned=True,
+        box=(1, -5520.0, -5920.0, 7132.0, 6732.0),
+    ),
+)
 
 
 def _prepare_huge(case):
     p = case.params
     boxes = np.array([p["box"]], np.float32)
     grad_output = np.random.default_rng(0).uniform(-1, 1, (1, p["input_shape"][1], 7, 7)).astype(np.float32)
-    args = (grad_output, boxes, p["input_shape"], p["pooled_height"], p["pooled_width"],
-            p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    args = (
+        grad_output,
+        boxes,
+        p["input_shape"],
+        p["pooled_height"],
+        p["pooled_width"],
+        p["spatial_scale"],
+        p["sampling_ratio"],
+        p["aligned"],
+    )
     run, run_out, out = fastbwd_calls(fastbwd.roi_align_backward, *args)
     return Prepared(run=run, run_out=run_out, nbytes=grad_output.nbytes + out.nbytes)
 
@@ -47,9 +67,13 @@ def bench_fastbwd_huge_box(case, measure, smoke):
 # ---- the forward --------------------------------------------------------------------------------
 
 FORWARD_CASES = [
-    pytest.param(Case(case.id + "-fwd", "roi_align_forward", case.label + ", forward", case.params, case.dtype),
-                 layout, id=f"{case_id(case)}-fwd-{layout}")
-    for case in OPS["roi_align_backward"].cases for layout in ("NCHW", "NHWC")
+    pytest.param(
+        Case(case.id + "-fwd", "roi_align_forward", case.label + ", forward", case.params, case.dtype),
+        layout,
+        id=f"{case_id(case)}-fwd-{layout}",
+    )
+    for case in OPS["roi_align_backward"].cases
+    for layout in ("NCHW", "NHWC")
 ]
 
 

@@ -28,8 +28,9 @@ print(t1 - t0, t2 - t1, t2 - t0)
 def _child(code, env=None):
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     environment.update(env or {})
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
-                            check=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=True, cwd=ROOT
+    )
     return [float(x) for x in result.stdout.split()]
 
 

@@ -37,8 +37,7 @@ def bench_torch_bridge(case_id, variant, benchmark, smoke):
     function = getattr(case, variant)
     function()  # warm-up (compiles)
     benchmark.group = f"{case.id} {case.label}"
-    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target,
-                                threads=numba.get_num_threads())
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
     benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
 
 
@@ -46,6 +45,7 @@ def bench_torch_bridge(case_id, variant, benchmark, smoke):
 # A training step alternates PyTorch ops (its intra-op pool) and fastbwd kernels (Numba's pool).
 # "alternating" runs one conv and one fastbwd backward back to back; compared with the two run
 # apart ("torch op", "fastbwd op"), it shows whether either pool slows the other.
+
 
 def _pool_workloads(smoke):
     import numpy as np
@@ -66,8 +66,7 @@ def _pool_workloads(smoke):
     def fastbwd_op():
         return fastbwd.upsample_bilinear2d_backward(grad, (2 * size, 2 * size), (n, c, size, size), False, out=out)
 
-    return {"torch op": torch_op, "fastbwd op": fastbwd_op,
-            "alternating": lambda: (torch_op(), fastbwd_op())}
+    return {"torch op": torch_op, "fastbwd op": fastbwd_op, "alternating": lambda: (torch_op(), fastbwd_op())}
 
 
 @pytest.mark.parametrize("variant", ["torch op", "fastbwd op", "alternating"])
@@ -75,8 +74,7 @@ def bench_two_pools(variant, benchmark, smoke):
     function = _pool_workloads(smoke)[variant]
     function()
     benchmark.group = "two thread pools: conv (8,64,64,64) and upsample backward U1"
-    benchmark.extra_info.update(variant=variant, threads=numba.get_num_threads(),
-                                torch_threads=torch.get_num_threads())
+    benchmark.extra_info.update(variant=variant, threads=numba.get_num_threads(), torch_threads=torch.get_num_threads())
     benchmark.pedantic(function, rounds=15, warmup_rounds=1, iterations=1)
 
 
@@ -100,6 +98,7 @@ def bench_routing_overhead(case_id, benchmark):
 # ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------
 # (T7's training steps themselves run in bench_torch_bridge above, from torch_cases.cases()).
 
+
 def bench_unet_fusion(benchmark):
     """fuse_group_norm_swish on a fresh SmallUNet (tracing every block's forward()): its time,
     and the fused and skipped counts in extra_info."""
@@ -108,7 +107,8 @@ def bench_unet_fusion(benchmark):
     models = iter([SmallUNet() for _ in range(6)])
     reports = []
     benchmark.group = "T7 fusion: fuse_group_norm_swish(SmallUNet())"
-    benchmark.pedantic(lambda: reports.append(ft.fuse_group_norm_swish(next(models))), rounds=5,
-                       warmup_rounds=1, iterations=1)
+    benchmark.pedantic(
+        lambda: reports.append(ft.fuse_group_norm_swish(next(models))), rounds=5, warmup_rounds=1, iterations=1
+    )
     benchmark.extra_info.update(fused=reports[-1].count, skipped=len(reports[-1].skipped))
     assert reports[-1].count == 15 and not reports[-1].skipped

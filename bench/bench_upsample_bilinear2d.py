@@ -6,4 +6,5 @@ Run: python -m pytest bench/bench_upsample_bilinear2d.py --benchmark-enable --be
 from .benchutil import standard_benchmarks
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
-    "upsample_bilinear2d_backward", baselines=["torch"])
+    "upsample_bilinear2d_backward", baselines=["torch"]
+)

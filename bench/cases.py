@@ -109,6 +109,7 @@ def _nbytes(*arrays):
 # replication_pad2d_backward (docs/semantics.md §3)
 # --------------------------------------------------------------------------------------------
 
+
 def _prepare_pad(case, with_torch):
     p = case.params
     dtype = BY_NAME[case.dtype]
@@ -130,7 +131,8 @@ def _prepare_pad(case, with_torch):
         pad = list(p["padding"])
         prepared.baselines["torch"] = lambda: torch.ops.aten.replication_pad2d_backward(g, x, pad)
         prepared.baselines["torch out="] = lambda: torch.ops.aten.replication_pad2d_backward.grad_input(
-            g, x, pad, grad_input=t_out)
+            g, x, pad, grad_input=t_out
+        )
     return prepared
 
 
@@ -151,8 +153,12 @@ PAD = extend(
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "complex64"),
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "float64"),
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "bfloat16"),
-        Case("P1-NHWC", "replication_pad2d_backward", "(16,64,128,128) pad 3, channels-last",
-             dict(_P1, channels_last=True)),
+        Case(
+            "P1-NHWC",
+            "replication_pad2d_backward",
+            "(16,64,128,128) pad 3, channels-last",
+            dict(_P1, channels_last=True),
+        ),
     ),
     quick_cases=(
         Case("P1q", "replication_pad2d_backward", "(2,16,64,64) pad 3", _P1_QUICK),
@@ -164,6 +170,7 @@ PAD = extend(
 # --------------------------------------------------------------------------------------------
 # upsample_bilinear2d_backward (docs/semantics.md §1)
 # --------------------------------------------------------------------------------------------
+
 
 def _prepare_upsample(case, with_torch):
     p = case.params
@@ -183,7 +190,8 @@ def _prepare_upsample(case, with_torch):
         if layout == "NHWC":
             g = g.permute(0, 3, 1, 2)  # an NCHW tensor with channels_last strides
         prepared.baselines["torch"] = lambda: torch.ops.aten.upsample_bilinear2d_backward(
-            g, [oh, ow], [n, c, h, w], align_corners, None, None)
+            g, [oh, ow], [n, c, h, w], align_corners, None, None
+        )
     return prepared
 
 
@@ -204,11 +212,19 @@ UPSAMPLE = extend(
         Case("U1", "upsample_bilinear2d_backward", "(8,64,128,128) -> (8,64,64,64)", _U1),
         Case("U2", "upsample_bilinear2d_backward", "U1, align_corners", dict(_U1, align_corners=True)),
         Case("U3", "upsample_bilinear2d_backward", "U1, NHWC", dict(_U1, layout="NHWC")),
-        Case("U4", "upsample_bilinear2d_backward", "(4,32,173,173) -> (4,32,100,100)",
-             dict(input_size=(4, 32, 100, 100), output_size=(173, 173), align_corners=False)),
+        Case(
+            "U4",
+            "upsample_bilinear2d_backward",
+            "(4,32,173,173) -> (4,32,100,100)",
+            dict(input_size=(4, 32, 100, 100), output_size=(173, 173), align_corners=False),
+        ),
         Case("U5", "upsample_bilinear2d_backward", "U1 in bfloat16", _U1, "bfloat16"),
-        Case("U6", "upsample_bilinear2d_backward", "(1,3,1024,1024) -> (1,3,512,512), small N*C",
-             dict(input_size=(1, 3, 512, 512), output_size=(1024, 1024), align_corners=False)),
+        Case(
+            "U6",
+            "upsample_bilinear2d_backward",
+            "(1,3,1024,1024) -> (1,3,512,512), small N*C",
+            dict(input_size=(1, 3, 512, 512), output_size=(1024, 1024), align_corners=False),
+        ),
     ),
     quick_cases=(
         Case("U1q", "upsample_bilinear2d_backward", "(2,16,64,64) -> (2,16,32,32)", _U1_QUICK),
@@ -221,6 +237,7 @@ UPSAMPLE = extend(
 # --------------------------------------------------------------------------------------------
 # avg_pool2d_backward (docs/semantics.md §2)
 # --------------------------------------------------------------------------------------------
+
 
 def _prepare_avg_pool(case, with_torch):
     p = case.params
@@ -246,16 +263,24 @@ def _prepare_avg_pool(case, with_torch):
     if torch is not None:
         g, tx = _to_torch(torch, grad_output), _to_torch(torch, x)
         t_out = torch.empty_like(tx)
-        t_args = (g, tx, list(kernel), list(stride), list(padding), ceil_mode, count_include_pad,
-                  divisor_override or None)
+        t_args = (
+            g,
+            tx,
+            list(kernel),
+            list(stride),
+            list(padding),
+            ceil_mode,
+            count_include_pad,
+            divisor_override or None,
+        )
         prepared.baselines["torch"] = lambda: torch.ops.aten.avg_pool2d_backward(*t_args)
         prepared.baselines["torch out="] = lambda: torch.ops.aten.avg_pool2d_backward.grad_input(
-            *t_args, grad_input=t_out)
+            *t_args, grad_input=t_out
+        )
     return prepared
 
 
-_A1 = dict(input_shape=(32, 128, 56, 56), kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
-           count_include_pad=False)
+_A1 = dict(input_shape=(32, 128, 56, 56), kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), count_include_pad=False)
 _A1_QUICK = dict(_A1, input_shape=(4, 32, 28, 28))
 
 
@@ -269,10 +294,18 @@ AVG_POOL = extend(
     smoke=_smoke_avg_pool,
     cases=(
         Case("A1", "avg_pool2d_backward", "(32,128,56,56) k3 s2 p1, no pad count", _A1),
-        Case("A2", "avg_pool2d_backward", "(32,128,56,56) k2 s2",
-             dict(input_shape=(32, 128, 56, 56), kernel_size=(2, 2), stride=(2, 2), padding=(0, 0))),
-        Case("A3", "avg_pool2d_backward", "(32,512,7,7) k7 s1, global",
-             dict(input_shape=(32, 512, 7, 7), kernel_size=(7, 7), stride=(1, 1), padding=(0, 0))),
+        Case(
+            "A2",
+            "avg_pool2d_backward",
+            "(32,128,56,56) k2 s2",
+            dict(input_shape=(32, 128, 56, 56), kernel_size=(2, 2), stride=(2, 2), padding=(0, 0)),
+        ),
+        Case(
+            "A3",
+            "avg_pool2d_backward",
+            "(32,512,7,7) k7 s1, global",
+            dict(input_shape=(32, 512, 7, 7), kernel_size=(7, 7), stride=(1, 1), padding=(0, 0)),
+        ),
         Case("A1", "avg_pool2d_backward", "A1 in bfloat16", _A1, "bfloat16"),
         Case("A1-NHWC", "avg_pool2d_backward", "A1, channels-last", dict(_A1, channels_last=True)),
     ),
@@ -286,6 +319,7 @@ AVG_POOL = extend(
 # --------------------------------------------------------------------------------------------
 # roi_align_backward (docs/semantics.md §4)
 # --------------------------------------------------------------------------------------------
+
 
 def _prepare_roi_align(case, with_torch):
     p = case.params
@@ -308,8 +342,15 @@ def _prepare_roi_align(case, with_torch):
     return prepared
 
 
-_R1 = dict(input_shape=(2, 256, 200, 304), num_boxes=512, pooled_height=7, pooled_width=7,
-           spatial_scale=0.25, sampling_ratio=2, aligned=True)
+_R1 = dict(
+    input_shape=(2, 256, 200, 304),
+    num_boxes=512,
+    pooled_height=7,
+    pooled_width=7,
+    spatial_scale=0.25,
+    sampling_ratio=2,
+    aligned=True,
+)
 _R1_QUICK = dict(_R1, input_shape=(2, 32, 50, 76), num_boxes=64)
 
 
@@ -325,15 +366,14 @@ ROI_ALIGN = extend(
         Case("R1", "roi_align_backward", "(2,256,200,304), 512 boxes 7x7, sampling 2", _R1),
         Case("R2", "roi_align_backward", "R1, adaptive sampling", dict(_R1, sampling_ratio=0)),
     ),
-    quick_cases=(
-        Case("R1q", "roi_align_backward", "(2,32,50,76), 64 boxes 7x7", _R1_QUICK),
-    ),
+    quick_cases=(Case("R1q", "roi_align_backward", "(2,32,50,76), 64 boxes 7x7", _R1_QUICK),),
 )
 
 
 # --------------------------------------------------------------------------------------------
 # group_norm_swish_backward (docs/semantics.md §5)
 # --------------------------------------------------------------------------------------------
+
 
 def _prepare_group_norm_swish(case, with_torch):
     p = case.params
@@ -361,8 +401,7 @@ def _prepare_group_norm_swish(case, with_torch):
         tdy = _to_torch(torch, dy)
         y = torch.nn.functional.group_norm(tx, groups, tg, tb, 1e-5)
         swish = torch.nn.functional.silu(y) if scale == 1.0 else y * torch.sigmoid(scale * y)
-        prepared.baselines["torch autograd"] = lambda: torch.autograd.grad(
-            swish, (tx, tg, tb), tdy, retain_graph=True)
+        prepared.baselines["torch autograd"] = lambda: torch.autograd.grad(swish, (tx, tg, tb), tdy, retain_graph=True)
     return prepared
 
 
@@ -380,8 +419,9 @@ GROUP_NORM_SWISH = extend(
     smoke=_smoke_group_norm_swish,
     cases=(
         Case("G1", "group_norm_swish_backward", "x (8,512,32,32), 32 groups", _G1),
-        Case("G3", "group_norm_swish_backward", "x (2,320,64,64), 32 groups",
-             dict(shape=(2, 320, 64, 64), num_groups=32)),
+        Case(
+            "G3", "group_norm_swish_backward", "x (2,320,64,64), 32 groups", dict(shape=(2, 320, 64, 64), num_groups=32)
+        ),
         Case("G1", "group_norm_swish_backward", "G1 in bfloat16", _G1, "bfloat16"),
         Case("G1-NHWC", "group_norm_swish_backward", "G1, NHWC", dict(_G1, data_format="NHWC")),
     ),
@@ -392,10 +432,10 @@ GROUP_NORM_SWISH = extend(
 )
 
 
-
 # --------------------------------------------------------------------------------------------
 # group_norm_swish, the forward (docs/semantics.md §5.1)
 # --------------------------------------------------------------------------------------------
+
 
 def _prepare_group_norm_swish_forward(case, with_torch):
     p = case.params
@@ -434,9 +474,7 @@ GROUP_NORM_SWISH_FORWARD = extend(
         Case("G1f", "group_norm_swish", "G1f in bfloat16", _G1, "bfloat16"),
         Case("G1f-NHWC", "group_norm_swish", "G1f, NHWC", dict(_G1, data_format="NHWC")),
     ),
-    quick_cases=(
-        Case("G1fq", "group_norm_swish", "x (2,64,16,16), 8 groups", _G1_QUICK),
-    ),
+    quick_cases=(Case("G1fq", "group_norm_swish", "x (2,64,16,16), 8 groups", _G1_QUICK),),
 )
 
 

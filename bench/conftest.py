@@ -19,8 +19,14 @@ def measure(benchmark):
         function()  # warm-up: compile and fault in pages outside the timing
         benchmark.group = f"{case.id} {case.dtype}"
         benchmark.extra_info.update(
-            case=case.id, label=case.label, dtype=case.dtype, variant=variant,
-            threads=numba.get_num_threads(), threading_layer=threading_layer(), nbytes=nbytes)
+            case=case.id,
+            label=case.label,
+            dtype=case.dtype,
+            variant=variant,
+            threads=numba.get_num_threads(),
+            threading_layer=threading_layer(),
+            nbytes=nbytes,
+        )
         benchmark.pedantic(function, rounds=15, warmup_rounds=1, iterations=1)
         stats = getattr(benchmark, "stats", None)
         if stats is not None:  # absent when benchmarks are disabled (smoke run)

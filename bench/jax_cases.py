@@ -36,8 +36,10 @@ def _randn(shape, seed, dtype=np.float32):
 
 def _ready(function, *args):
     """``function(*args)`` run to completion (JAX dispatches asynchronously)."""
+
     def run():
         return jax.block_until_ready(function(*args))
+
     return run
 
 
@@ -50,7 +52,8 @@ def _assert_close(actual, expected, rtol, atol, what):
         scale = float(np.abs(e).max())
         error = float(np.abs(a - e).max())
         assert error <= max(rtol * scale, atol * overall), (
-            f"{what}: gradient {index} max error {error:.3g} (its scale {scale:.3g}, overall {overall:.3g})")
+            f"{what}: gradient {index} max error {error:.3g} (its scale {scale:.3g}, overall {overall:.3g})"
+        )
 
 
 def _grad_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, atol=2e-6, extra=()):
@@ -91,45 +94,94 @@ def _roi_align_case(input_shape, num_boxes, target):
 
     def check():
         np_x, np_boxes, np_g = np.asarray(x), np.asarray(boxes), np.asarray(g)
-        expected = fastbwd.roi_align_backward(np_g, np_boxes, input_shape, pooled, pooled, spatial_scale,
-                                              sampling_ratio, aligned)
+        expected = fastbwd.roi_align_backward(
+            np_g, np_boxes, input_shape, pooled, pooled, spatial_scale, sampling_ratio, aligned
+        )
         assert np.array_equal(np.asarray(step(x, boxes, g)[1]), expected), "J5: gradient differs from the NumPy call"
         pooled_out = roi_align_forward(np_x, np_boxes, pooled, pooled, spatial_scale, sampling_ratio, aligned)
         assert np.array_equal(np.asarray(forward(x, boxes)), pooled_out), "J5: forward differs from the NumPy call"
 
-    return JaxCase("J5", f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 (R1)",
-                   _ready(step, x, boxes, g), None, check, target)
+    return JaxCase(
+        "J5",
+        f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 (R1)",
+        _ready(step, x, boxes, g),
+        None,
+        check,
+        target,
+    )
 
 
 def cases(quick=False):
     """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
     upsample without align_corners); ``quick`` uses small shapes."""
     if quick:
-        up, pool, pad, norm, roi = ((2, 8, 16, 16), (2, 8, 14, 14), (2, 8, 16, 16), ((2, 64, 8, 8), 32),
-                                    ((2, 16, 25, 38), 32))
+        up, pool, pad, norm, roi = (
+            (2, 8, 16, 16),
+            (2, 8, 14, 14),
+            (2, 8, 16, 16),
+            ((2, 64, 8, 8), 32),
+            ((2, 16, 25, 38), 32),
+        )
     else:
-        up, pool, pad, norm, roi = ((8, 64, 64, 64), (32, 128, 56, 56), (16, 64, 128, 128),
-                                    ((8, 512, 32, 32), 32), ((2, 256, 200, 304), 512))
+        up, pool, pad, norm, roi = (
+            (8, 64, 64, 64),
+            (32, 128, 56, 56),
+            (16, 64, 128, 128),
+            ((8, 512, 32, 32), 32),
+            ((2, 256, 200, 304), 512),
+        )
     up_size = (2 * up[2], 2 * up[3])
     norm_shape, groups = norm
     weight, bias = _randn((norm_shape[1],), 32), _randn((norm_shape[1],), 33)
     return [
-        _grad_case("J1", f"upsample_bilinear2d x2 grad, input {up} (U1)",
-                   lambda x: fj.upsample_bilinear2d(x, up_size),
-                   lambda x: _upsample._forward(x, up_size, False, "NCHW"), up, ">= 5x", 21),
-        _grad_case("J1r", "J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
-                   lambda x: fj.upsample_bilinear2d(x, up_size),
-                   lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"), up, ">= 5x", 21),
-        _grad_case("J2", f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
-                   lambda x: fj.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
-                   lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0), pool, ">= 5x", 23),
-        _grad_case("J3", f"replication_pad2d (3, 3, 3, 3) grad, input {pad} (P1)",
-                   lambda x: fj.replication_pad2d(x, (3, 3, 3, 3)),
-                   lambda x: _pad._forward(x, (3, 3, 3, 3)), pad, ">= 5x", 25),
-        _grad_case("J4", f"group_norm_swish grad (x, weight, bias), x {norm_shape}, {groups} groups (G1)",
-                   lambda x, w, b: fj.group_norm_swish(x, groups, w, b),
-                   lambda x, w, b: _group_norm_swish._forward(x, w, b, groups, 1e-5, 1.0, "NCHW")[0],
-                   norm_shape, ">= 3x", 31, rtol=1e-4, atol=1e-5, extra=(weight, bias)),
+        _grad_case(
+            "J1",
+            f"upsample_bilinear2d x2 grad, input {up} (U1)",
+            lambda x: fj.upsample_bilinear2d(x, up_size),
+            lambda x: _upsample._forward(x, up_size, False, "NCHW"),
+            up,
+            ">= 5x",
+            21,
+        ),
+        _grad_case(
+            "J1r",
+            "J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
+            lambda x: fj.upsample_bilinear2d(x, up_size),
+            lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"),
+            up,
+            ">= 5x",
+            21,
+        ),
+        _grad_case(
+            "J2",
+            f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
+            lambda x: fj.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+            lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0),
+            pool,
+            ">= 5x",
+            23,
+        ),
+        _grad_case(
+            "J3",
+            f"replication_pad2d (3, 3, 3, 3) grad, input {pad} (P1)",
+            lambda x: fj.replication_pad2d(x, (3, 3, 3, 3)),
+            lambda x: _pad._forward(x, (3, 3, 3, 3)),
+            pad,
+            ">= 5x",
+            25,
+        ),
+        _grad_case(
+            "J4",
+            f"group_norm_swish grad (x, weight, bias), x {norm_shape}, {groups} groups (G1)",
+            lambda x, w, b: fj.group_norm_swish(x, groups, w, b),
+            lambda x, w, b: _group_norm_swish._forward(x, w, b, groups, 1e-5, 1.0, "NCHW")[0],
+            norm_shape,
+            ">= 3x",
+            31,
+            rtol=1e-4,
+            atol=1e-5,
+            extra=(weight, bias),
+        ),
         _roi_align_case(*roi, "report"),
     ]
 
@@ -151,6 +203,7 @@ def transport_overhead(shape=(1024,), calls=11):
             for _ in range(count):
                 (x,) = _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"probe": 1})
             return x
+
         return jax.jit(program)
 
     x = jnp.zeros(shape, jnp.float32)

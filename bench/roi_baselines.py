@@ -32,6 +32,7 @@ def _like(value, template):
         return lambda value, template: np.float32(value)
     return lambda value, template: np.float64(value)
 
+
 #: The pure-PyTorch formulation materialises C values per sample corner; above this many bytes
 #: of gathered values it is left out (adaptive sampling of large boxes would need many GB).
 _TORCH_MAX_BYTES = 3 << 30
@@ -91,18 +92,29 @@ def torchvision_serial_backward(grad_output, rois, spatial_scale, sampling_ratio
                     bin_size_h = roi_height / like(pooled_height, zero)
                     bin_size_w = roi_width / like(pooled_width, zero)
                     grad_output_this_bin = grad_output[n, c, ph, pw]
-                    grid_h = sampling_ratio if sampling_ratio > 0 else int(np.ceil(roi_height / like(pooled_height, zero)))
-                    grid_w = sampling_ratio if sampling_ratio > 0 else int(np.ceil(roi_width / like(pooled_width, zero)))
+                    grid_h = (
+                        sampling_ratio if sampling_ratio > 0 else int(np.ceil(roi_height / like(pooled_height, zero)))
+                    )
+                    grid_w = (
+                        sampling_ratio if sampling_ratio > 0 else int(np.ceil(roi_width / like(pooled_width, zero)))
+                    )
                     count = like(grid_h * grid_w, zero)
                     plane = grad_input[roi_batch_ind, c]
                     for iy in range(grid_h):
-                        y = (roi_start_h + like(ph, zero) * bin_size_h
-                             + (like(iy, zero) + like(0.5, zero)) * bin_size_h / like(grid_h, zero))
+                        y = (
+                            roi_start_h
+                            + like(ph, zero) * bin_size_h
+                            + (like(iy, zero) + like(0.5, zero)) * bin_size_h / like(grid_h, zero)
+                        )
                         for ix in range(grid_w):
-                            x = (roi_start_w + like(pw, zero) * bin_size_w
-                                 + (like(ix, zero) + like(0.5, zero)) * bin_size_w / like(grid_w, zero))
+                            x = (
+                                roi_start_w
+                                + like(pw, zero) * bin_size_w
+                                + (like(ix, zero) + like(0.5, zero)) * bin_size_w / like(grid_w, zero)
+                            )
                             w1, w2, w3, w4, x_low, x_high, y_low, y_high = _bilinear_interpolate_gradient(
-                                height, width, y, x)
+                                height, width, y, x
+                            )
                             g1 = grad_output_this_bin * w1 / count
                             g2 = grad_output_this_bin * w2 / count
                             g3 = grad_output_this_bin * w3 / count
@@ -114,8 +126,9 @@ def torchvision_serial_backward(grad_output, rois, spatial_scale, sampling_ratio
                                 plane[y_high, x_high] += g4
 
 
-def _torch_samples(torch, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
-                   sampling_ratio, aligned, dtype=None):
+def _torch_samples(
+    torch, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, dtype=None
+):
     """Every sample of every box as flat tensors, built with torch ops (coordinates in ``dtype``,
     float32 by default): ``(bin_id, corner_index (4, S), corner_weight (4, S))`` where ``bin_id``
     is ``k * PH * PW + ph * PW + pw`` and the weights are already divided by the bin's count."""
@@ -149,8 +162,14 @@ def _torch_samples(torch, boxes, input_shape, pooled_height, pooled_width, spati
         ly, lx = y - y_low, x - x_low
         hy, hx = 1 - ly, 1 - lx
         base = b * height * width
-        corner = torch.stack([base + y_low * width + x_low, base + y_low * width + x_high,
-                              base + y_high * width + x_low, base + y_high * width + x_high])
+        corner = torch.stack(
+            [
+                base + y_low * width + x_low,
+                base + y_low * width + x_high,
+                base + y_high * width + x_low,
+                base + y_high * width + x_high,
+            ]
+        )
         weight = torch.stack([hy * hx, hy * lx, ly * hx, ly * lx]) / (gh * gw)
         rows = torch.arange(pooled_height).repeat_interleave(gh)[:, None]
         cols = torch.arange(pooled_width).repeat_interleave(gw)[None, :]
@@ -161,12 +180,14 @@ def _torch_samples(torch, boxes, input_shape, pooled_height, pooled_width, spati
     return torch.cat(bins), torch.cat(indices, 1), torch.cat(weights, 1)
 
 
-def _torch_baseline(torch, grad_output, boxes, input_shape, pooled_height, pooled_width,
-                    spatial_scale, sampling_ratio, aligned):
+def _torch_baseline(
+    torch, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+):
     """The autograd callable of the pure-PyTorch formulation, or None if it would not fit."""
     batch, channels, height, width = input_shape
     bin_id, corner_index, corner_weight = _torch_samples(
-        torch, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
+        torch, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+    )
     if 4 * corner_index.shape[1] * channels * 4 > _TORCH_MAX_BYTES:
         return None
     g = torch.from_numpy(np.ascontiguousarray(grad_output, np.float32))
@@ -192,12 +213,13 @@ def torch_roi_align(input, boxes, pooled_height, pooled_width, spatial_scale, sa
     batch, channels, height, width = input.shape
     boxes = boxes.detach().cpu().numpy() if isinstance(boxes, torch.Tensor) else np.asarray(boxes)
     bin_id, corner_index, corner_weight = _torch_samples(
-        torch, boxes, input.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-        aligned, input.dtype)
+        torch, boxes, input.shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, input.dtype
+    )
     planes = input.transpose(0, 1).reshape(channels, batch * height * width)
     sampled = sum(planes.index_select(1, corner_index[i]) * corner_weight[i] for i in range(4))
-    pooled = torch.zeros((channels, boxes.shape[0] * pooled_height * pooled_width),
-                         dtype=input.dtype).index_add(1, bin_id, sampled)
+    pooled = torch.zeros((channels, boxes.shape[0] * pooled_height * pooled_width), dtype=input.dtype).index_add(
+        1, bin_id, sampled
+    )
     return pooled.reshape(channels, boxes.shape[0], pooled_height, pooled_width).transpose(0, 1)
 
 
@@ -207,12 +229,12 @@ def torch_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling
     import torch
 
     x = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-    return torch_roi_align(x, np.asarray(boxes, np.float32), pooled_height, pooled_width,
-                           spatial_scale, sampling_ratio, aligned).numpy()
+    return torch_roi_align(
+        x, np.asarray(boxes, np.float32), pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+    ).numpy()
 
 
-def baselines(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
-              sampling_ratio, aligned):
+def baselines(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """name -> zero-argument callable computing grad_input, for the cases of ``cases.py``.
 
     The pure-PyTorch row needs float32 data and torch; the serial loop takes float32/float64.
@@ -235,8 +257,9 @@ def baselines(grad_output, boxes, input_shape, pooled_height, pooled_width, spat
     except ImportError:
         return result
     if grad_output.dtype == np.float32:
-        run = _torch_baseline(torch, grad_output, boxes, input_shape, pooled_height, pooled_width,
-                              spatial_scale, sampling_ratio, aligned)
+        run = _torch_baseline(
+            torch, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+        )
         if run is not None:
             result["torch (pure PyTorch)"] = run
     return result

@@ -37,9 +37,11 @@ def _randn(shape, seed, dtype=torch.float32, requires_grad=False):
 
 def _routed(function):
     """``function`` run with the routing enabled (and left disabled afterwards)."""
+
     def run():
         with ft.enabled():
             return function()
+
     return run
 
 
@@ -52,7 +54,8 @@ def _assert_close(actual, expected, rtol, atol, what):
         scale = float(e.abs().max())
         error = float((a.double() - e.double()).abs().max())
         assert error <= max(rtol * scale, atol * overall), (
-            f"{what}: gradient {index} max error {error:.3g} (its scale {scale:.3g}, overall {overall:.3g})")
+            f"{what}: gradient {index} max error {error:.3g} (its scale {scale:.3g}, overall {overall:.3g})"
+        )
 
 
 def _routed_backward(id, label, forward, input_shape, target, seed):
@@ -90,16 +93,34 @@ def _group_norm_swish_case(shape, groups, target):
     def check():
         _assert_close(fastbwd_backward(), torch_backward(), 1e-4, 1e-5, "T3")
 
-    return TorchCase("T3", f"GroupNormSwish vs GroupNorm+SiLU backward {shape}, {groups} groups",
-                     fastbwd_backward, torch_backward, check, target)
+    return TorchCase(
+        "T3",
+        f"GroupNormSwish vs GroupNorm+SiLU backward {shape}, {groups} groups",
+        fastbwd_backward,
+        torch_backward,
+        check,
+        target,
+    )
 
 
 #: T6/T6f's shapes (issue 29): diffusion and segmentation activations, (x shape, groups).
-MODULE_SHAPES = [((8, 64, 32, 32), 32), ((8, 128, 16, 16), 32), ((8, 256, 16, 16), 32),
-                 ((8, 64, 64, 64), 32), ((8, 32, 128, 128), 16), ((8, 512, 32, 32), 32)]
+MODULE_SHAPES = [
+    ((8, 64, 32, 32), 32),
+    ((8, 128, 16, 16), 32),
+    ((8, 256, 16, 16), 32),
+    ((8, 64, 64, 64), 32),
+    ((8, 32, 128, 128), 16),
+    ((8, 512, 32, 32), 32),
+]
 #: small versions of the six (the same ids T6.1-T6.6 and T6f.1-T6f.6)
-MODULE_SHAPES_QUICK = [((2, 64, 8, 8), 32), ((2, 32, 16, 16), 16), ((2, 128, 4, 4), 32), ((2, 16, 16, 16), 8),
-                       ((2, 8, 32, 32), 4), ((2, 128, 8, 8), 32)]
+MODULE_SHAPES_QUICK = [
+    ((2, 64, 8, 8), 32),
+    ((2, 32, 16, 16), 16),
+    ((2, 128, 4, 4), 32),
+    ((2, 16, 16, 16), 8),
+    ((2, 8, 32, 32), 4),
+    ((2, 128, 8, 8), 32),
+]
 
 
 def _module_case(index, shape, groups, forward_only, target):
@@ -120,6 +141,7 @@ def _module_case(index, shape, groups, forward_only, target):
             if forward_only:
                 return (y,)
             return (y,) + torch.autograd.grad(y, (x,) + parameters, g)
+
         return run
 
     fastbwd_step = step(fused, (fused.weight, fused.bias))
@@ -130,17 +152,21 @@ def _module_case(index, shape, groups, forward_only, target):
         _assert_close(fastbwd_step(), torch_step(), 1e-4, 1e-5, id)
 
     what = "forward" if forward_only else "forward + backward"
-    return TorchCase(id, f"GroupNormSwish vs GroupNorm+SiLU {what} {shape}, {groups} groups",
-                     fastbwd_step, torch_step, check, target)
+    return TorchCase(
+        id, f"GroupNormSwish vs GroupNorm+SiLU {what} {shape}, {groups} groups", fastbwd_step, torch_step, check, target
+    )
 
 
 def module_cases(quick=False, forward_only=False):
     """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: small ones)."""
     shapes = MODULE_SHAPES_QUICK if quick else MODULE_SHAPES
     big = (8, 512, 32, 32)
-    return [_module_case(index, shape, groups, forward_only,
-                         ">= 1.5x" if shape == big else ("report" if forward_only else ">= 1.0x"))
-            for index, (shape, groups) in enumerate(shapes, 1)]
+    return [
+        _module_case(
+            index, shape, groups, forward_only, ">= 1.5x" if shape == big else ("report" if forward_only else ">= 1.0x")
+        )
+        for index, (shape, groups) in enumerate(shapes, 1)
+    ]
 
 
 def _roi_align_case(input_shape, num_boxes, target):
@@ -161,8 +187,14 @@ def _roi_align_case(input_shape, num_boxes, target):
     def check():
         _assert_close(fastbwd_step(), torch_step(), 1e-4, 1e-5, "T4")
 
-    return TorchCase("T4", f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 "
-                     "vs pure PyTorch", fastbwd_step, torch_step, check, target)
+    return TorchCase(
+        "T4",
+        f"roi_align forward + backward, input {input_shape}, {num_boxes} boxes 7x7 vs pure PyTorch",
+        fastbwd_step,
+        torch_step,
+        check,
+        target,
+    )
 
 
 class DecoderBlock(nn.Module):
@@ -172,8 +204,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, channels, fused):
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.norm = (ft.GroupNormSwish(32, channels) if fused
-                     else nn.Sequential(nn.GroupNorm(32, channels), nn.SiLU()))
+        self.norm = ft.GroupNormSwish(32, channels) if fused else nn.Sequential(nn.GroupNorm(32, channels), nn.SiLU())
         self.up = nn.Upsample(scale_factor=2, mode="bilinear")
         self.pad = nn.ReplicationPad2d(1)
         self.conv2 = nn.Conv2d(channels, channels, 3)
@@ -200,6 +231,7 @@ def _training_step_case(batch, channels, size, target):
                 for p in model.parameters():
                     p.add_(p.grad, alpha=-1e-3)
             return [p.grad for p in model.parameters()]
+
         return run
 
     fastbwd_step, torch_step = _routed(step(fused)), step(plain)
@@ -210,24 +242,47 @@ def _training_step_case(batch, channels, size, target):
         plain.norm[0].load_state_dict(fused.norm.state_dict())
         _assert_close(fastbwd_step(), torch_step(), 1e-3, 1e-4, "T5")
 
-    return TorchCase("T5", f"training step, decoder block (batch {batch}, {channels} ch, {size}x{size})",
-                     fastbwd_step, torch_step, check, target)
+    return TorchCase(
+        "T5",
+        f"training step, decoder block (batch {batch}, {channels} ch, {size}x{size})",
+        fastbwd_step,
+        torch_step,
+        check,
+        target,
+    )
 
 
 def cases(quick=False):
     """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes) and T7; ``quick`` uses
     small shapes."""
     if quick:
-        up, pool, norm, roi, block = ((2, 8, 16, 16), (2, 8, 14, 14), ((2, 64, 8, 8), 32),
-                                      ((2, 16, 25, 38), 32), (2, 32, 16))
+        up, pool, norm, roi, block = (
+            (2, 8, 16, 16),
+            (2, 8, 14, 14),
+            ((2, 64, 8, 8), 32),
+            ((2, 16, 25, 38), 32),
+            (2, 32, 16),
+        )
     else:
-        up, pool, norm, roi, block = ((8, 64, 64, 64), (32, 128, 56, 56), ((8, 512, 32, 32), 32),
-                                      ((2, 256, 200, 304), 512), (8, 64, 64))
+        up, pool, norm, roi, block = (
+            (8, 64, 64, 64),
+            (32, 128, 56, 56),
+            ((8, 512, 32, 32), 32),
+            ((2, 256, 200, 304), 512),
+            (8, 64, 64),
+        )
     return [
-        _routed_backward("T1", f"F.interpolate bilinear x2 backward {up}",
-                         lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), up, ">= 5x", 21),
-        _routed_backward("T2", f"F.avg_pool2d k3 s2 p1 backward {pool}",
-                         lambda x: F.avg_pool2d(x, 3, 2, 1), pool, ">= 3x", 23),
+        _routed_backward(
+            "T1",
+            f"F.interpolate bilinear x2 backward {up}",
+            lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+            up,
+            ">= 5x",
+            21,
+        ),
+        _routed_backward(
+            "T2", f"F.avg_pool2d k3 s2 p1 backward {pool}", lambda x: F.avg_pool2d(x, 3, 2, 1), pool, ">= 3x", 23
+        ),
         _group_norm_swish_case(*norm, ">= 1.4x"),
         _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
@@ -242,6 +297,7 @@ class OverheadCase:
     """One routed operator on a tiny input: the aten ``.grad_input`` call (served by fastbwd
     while the routing is enabled, by PyTorch's own kernel while it is disabled) and the public
     fastbwd function with ``out=`` on the same memory."""
+
     id: str
     label: str
     aten: Callable[[], object]
@@ -263,20 +319,28 @@ def overhead_cases():
     # the direct calls get arrays, as a NumPy caller has them (viewing is not part of the call)
     x_array, up_array, pool_array, pad_array = map(_convert.as_array, (x, up, pool, pad))
     calls = [
-        ("O1", "upsample_bilinear2d_backward (2,3,16,20) -> (2,3,8,10)",
-         lambda: A.upsample_bilinear2d_backward.grad_input(up, [16, 20], [2, 3, 8, 10], False, None, None,
-                                                           grad_input=grad_input),
-         lambda: fastbwd.upsample_bilinear2d_backward(up_array, [16, 20], [2, 3, 8, 10], False,
-                                                      None, None, out=out)),
-        ("O2", "avg_pool2d_backward k3 s2 p1, input (2,3,8,10)",
-         lambda: A.avg_pool2d_backward.grad_input(pool, x, [3, 3], [2, 2], [1, 1], False, True, None,
-                                                  grad_input=grad_input),
-         lambda: fastbwd.avg_pool2d_backward(pool_array, x_array, [3, 3], [2, 2],
-                                             [1, 1], False, True, 0, out=out)),
-        ("O3", "replication_pad2d_backward pad (2,2,1,1), input (2,3,8,10)",
-         lambda: A.replication_pad2d_backward.grad_input(pad, x, [2, 2, 1, 1], grad_input=grad_input),
-         lambda: fastbwd.replication_pad2d_backward(pad_array, x_array, [2, 2, 1, 1],
-                                                    out=out)),
+        (
+            "O1",
+            "upsample_bilinear2d_backward (2,3,16,20) -> (2,3,8,10)",
+            lambda: A.upsample_bilinear2d_backward.grad_input(
+                up, [16, 20], [2, 3, 8, 10], False, None, None, grad_input=grad_input
+            ),
+            lambda: fastbwd.upsample_bilinear2d_backward(up_array, [16, 20], [2, 3, 8, 10], False, None, None, out=out),
+        ),
+        (
+            "O2",
+            "avg_pool2d_backward k3 s2 p1, input (2,3,8,10)",
+            lambda: A.avg_pool2d_backward.grad_input(
+                pool, x, [3, 3], [2, 2], [1, 1], False, True, None, grad_input=grad_input
+            ),
+            lambda: fastbwd.avg_pool2d_backward(pool_array, x_array, [3, 3], [2, 2], [1, 1], False, True, 0, out=out),
+        ),
+        (
+            "O3",
+            "replication_pad2d_backward pad (2,2,1,1), input (2,3,8,10)",
+            lambda: A.replication_pad2d_backward.grad_input(pad, x, [2, 2, 1, 1], grad_input=grad_input),
+            lambda: fastbwd.replication_pad2d_backward(pad_array, x_array, [2, 2, 1, 1], out=out),
+        ),
     ]
     return [OverheadCase(*call) for call in calls]
 
@@ -302,8 +366,11 @@ def measure_overhead(case, calls=2000):
         case.direct()
         assert torch.equal(routed_result, case.aten()), f"{case.id}: routed and direct results differ"
         for _ in range(max(1, calls // 100)):
-            for way, enabled, function in (("routed", True, case.aten), ("direct", True, case.direct),
-                                           ("torch", False, case.aten)):
+            for way, enabled, function in (
+                ("routed", True, case.aten),
+                ("direct", True, case.direct),
+                ("torch", False, case.aten),
+            ):
                 (ft.enable if enabled else ft.disable)()
                 for _ in range(100):
                     start = time.perf_counter()
@@ -338,6 +405,7 @@ def _unet_training_case(batch, size, channels, groups, target):
                 for p in model.parameters():
                     p.add_(p.grad, alpha=-1e-3)
             return [p.grad for p in model.parameters()]
+
         return run
 
     fastbwd_step, torch_step = _routed(step(fused)), step(plain)
@@ -350,5 +418,12 @@ def _unet_training_case(batch, size, channels, groups, target):
             _assert_close([_routed(lambda: fused(x, temb))()], [plain(x, temb)], 1e-4, 1e-5, "T7 output")
         _assert_close(fastbwd_step(), torch_step(), 1e-3, 1e-4, "T7")
 
-    return TorchCase("T7", f"training step, small UNet (batch {batch}, {size}x{size}, {channels}): "
-                     f"{report.count} of {norms} GroupNorms fused", fastbwd_step, torch_step, check, target)
+    return TorchCase(
+        "T7",
+        f"training step, small UNet (batch {batch}, {size}x{size}, {channels}): "
+        f"{report.count} of {norms} GroupNorms fused",
+        fastbwd_step,
+        torch_step,
+        check,
+        target,
+    )

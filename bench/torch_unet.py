@@ -43,8 +43,9 @@ class SmallUNet(nn.Module):
     def __init__(self, in_channels=3, channels=(32, 64, 128), temb_channels=128, groups=16):
         super().__init__()
         self.temb_channels = temb_channels
-        self.time_mlp = nn.Sequential(nn.Linear(temb_channels, temb_channels), nn.SiLU(),
-                                      nn.Linear(temb_channels, temb_channels))
+        self.time_mlp = nn.Sequential(
+            nn.Linear(temb_channels, temb_channels), nn.SiLU(), nn.Linear(temb_channels, temb_channels)
+        )
         self.conv_in = nn.Conv2d(in_channels, channels[0], 3, padding=1)
         self.down = nn.ModuleList()
         previous = channels[0]

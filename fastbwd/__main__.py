@@ -22,7 +22,7 @@ SMALL_CHECKS = {op.name: op.check for op in OPERATORS.values() if op.check is no
 
 
 def small_check(name):
-    """"matches the float64 reference", or "MISMATCH: ..." with the first line of the difference."""
+    """ "matches the float64 reference", or "MISMATCH: ..." with the first line of the difference."""
     actual, expected = SMALL_CHECKS[name]()
     if not isinstance(actual, tuple):
         actual, expected = (actual,), (expected,)
@@ -36,8 +36,11 @@ def small_check(name):
 
 def self_check(ops=None):
     """Check each operator (of ``ops``, default all) and print one line each; returns the exit status."""
-    print(f"fastbwd {fastbwd.__version__}: each operator on a small float32 case against the float64 "
-          "reference (a first run compiles, which takes seconds per operator)", flush=True)
+    print(
+        f"fastbwd {fastbwd.__version__}: each operator on a small float32 case against the float64 "
+        "reference (a first run compiles, which takes seconds per operator)",
+        flush=True,
+    )
     failed = 0
     for name in SMALL_CHECKS:
         if ops and name not in ops:
@@ -53,18 +56,23 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastbwd", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="*", help="only these operators (public names)")
     group = parser.add_argument_group("precompiling", "fill the disk cache instead of checking")
-    group.add_argument("--precompile", action="store_true",
-                       help="compile every kernel (of --ops, --dtypes, --layouts) into the disk cache and exit")
-    group.add_argument("--dtypes", nargs="*", help="only these dtypes (float32 float16 bfloat16 float64 complex64 "
-                       "complex128)")
+    group.add_argument(
+        "--precompile",
+        action="store_true",
+        help="compile every kernel (of --ops, --dtypes, --layouts) into the disk cache and exit",
+    )
+    group.add_argument(
+        "--dtypes", nargs="*", help="only these dtypes (float32 float16 bfloat16 float64 complex64 complex128)"
+    )
     group.add_argument("--layouts", nargs="*", help="only these layouts (NCHW NHWC)")
     group.add_argument("--serial", action="store_true", help="also the serial twins (used after fork)")
     group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     args = parser.parse_args(argv)
     if args.precompile:
         try:
-            result = fastbwd.precompile(args.ops or None, args.dtypes or None, args.layouts or None,
-                                        serial=args.serial, workers=args.workers)
+            result = fastbwd.precompile(
+                args.ops or None, args.dtypes or None, args.layouts or None, serial=args.serial, workers=args.workers
+            )
         except ValueError as error:
             parser.error(str(error))
         return 1 if result["errors"] else 0

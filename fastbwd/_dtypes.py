@@ -24,8 +24,14 @@ complex64 = np.dtype(np.complex64)
 complex128 = np.dtype(np.complex128)
 
 #: Every supported dtype by its name (as ``fastbwd.precompile`` and the benchmark cases name them).
-BY_NAME = {"float32": float32, "float16": float16, "bfloat16": bfloat16, "float64": float64,
-           "complex64": complex64, "complex128": complex128}
+BY_NAME = {
+    "float32": float32,
+    "float16": float16,
+    "bfloat16": bfloat16,
+    "float64": float64,
+    "complex64": complex64,
+    "complex128": complex128,
+}
 
 #: The real floating dtypes every operator accepts.
 FLOATING = (float32, float16, bfloat16, float64)
@@ -108,6 +114,7 @@ def logical(array, layout):
 # --------------------------------------------------------------------------------------------
 # outputs
 # --------------------------------------------------------------------------------------------
+
 
 def _physical_shape(shape, layout):
     if layout == NHWC:

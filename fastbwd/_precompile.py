@@ -43,19 +43,32 @@ class Entry:
 
 #: Every (operator, dtype, layout, path) of the registry; :func:`precompile` runs them in
 #: :data:`SLOWEST_FIRST` order, variants last.
-TABLE = [Entry(op.name, dtype, path.layout, path.name, path.call, path.variant)
-         for op in OPERATORS.values() for path in op.paths for dtype in path.dtypes]
+TABLE = [
+    Entry(op.name, dtype, path.layout, path.name, path.call, path.variant)
+    for op in OPERATORS.values()
+    for path in op.paths
+    for dtype in path.dtypes
+]
 
 
 #: Operators in the order their entries start, the slowest to compile first (a short tail).
-SLOWEST_FIRST = ("roi_align_backward", "roi_align_forward", "group_norm_swish_backward", "group_norm_swish",
-                 "upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward")
+SLOWEST_FIRST = (
+    "roi_align_backward",
+    "roi_align_forward",
+    "group_norm_swish_backward",
+    "group_norm_swish",
+    "upsample_bilinear2d_backward",
+    "avg_pool2d_backward",
+    "replication_pad2d_backward",
+)
 
 
 # ---- running the table -----------------------------------------------------------------------
 
+
 def select(ops=None, dtypes=None, layouts=None):
     """The table entries for these operators, dtype names and layouts (None: all)."""
+
     def names(values, known, what):
         if values is None:
             return None
@@ -68,9 +81,13 @@ def select(ops=None, dtypes=None, layouts=None):
     ops = names(ops, {entry.op for entry in TABLE}, "operator(s)")
     dtypes = names(dtypes, set(BY_NAME), "dtype(s)")
     layouts = names(layouts, {"NCHW", "NHWC"}, "layout(s)")
-    return [entry for entry in TABLE
-            if (ops is None or entry.op in ops) and (dtypes is None or entry.dtype in dtypes)
-            and (layouts is None or entry.layout in layouts)]
+    return [
+        entry
+        for entry in TABLE
+        if (ops is None or entry.op in ops)
+        and (dtypes is None or entry.dtype in dtypes)
+        and (layouts is None or entry.layout in layouts)
+    ]
 
 
 def cache_folder():
@@ -158,6 +175,7 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
     if folder is None:
         say(f"fastbwd precompile: {reason}; nothing compiled")
         return dict(entries=0, compiled=0, seconds=0.0, cache=None, errors=[], skipped=reason)
+
     def order(entry):
         rank = SLOWEST_FIRST.index(entry.op) if entry.op in SLOWEST_FIRST else len(SLOWEST_FIRST)
         return entry.variant, rank
@@ -165,8 +183,10 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
     indices = [TABLE.index(entry) for entry in sorted(entries, key=order)]
     runs = [(index, False) for index in indices] + ([(index, True) for index in indices] if serial else [])
     workers = max(1, min(workers or os.cpu_count() or 1, len(runs) or 1))
-    say(f"fastbwd precompile: {len(runs)} kernel paths{' (parallel and serial twins)' if serial else ''} "
-        f"with {workers} worker process(es) into {folder}")
+    say(
+        f"fastbwd precompile: {len(runs)} kernel paths{' (parallel and serial twins)' if serial else ''} "
+        f"with {workers} worker process(es) into {folder}"
+    )
     import multiprocessing
 
     start = time.perf_counter()
@@ -188,6 +208,8 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
                 status = f"cached ({seconds:.2f} s)"
             say(f"[{done:>{width}}/{len(runs)}] {entry.key}{twin}: {status}", flush=True)
     seconds = time.perf_counter() - start
-    say(f"fastbwd precompile: {len(runs)} kernel paths, {compiled} kernels compiled, {len(errors)} errors, "
-        f"{seconds:.1f} s")
+    say(
+        f"fastbwd precompile: {len(runs)} kernel paths, {compiled} kernels compiled, {len(errors)} errors, "
+        f"{seconds:.1f} s"
+    )
     return dict(entries=len(runs), compiled=compiled, seconds=seconds, cache=folder, errors=errors)

@@ -45,6 +45,7 @@ class Operator:
 
 # ---- inputs ----------------------------------------------------------------------------------
 
+
 def _array(shape, dtype, seed=0):
     return np.random.default_rng(seed).uniform(-1, 1, shape).astype(dtype)
 
@@ -107,6 +108,7 @@ def _reference():
 # reach the same kernel.
 # --------------------------------------------------------------------------------------------
 
+
 def _upsample_row_blocks(dtype):
     g = _array((1, 2, 6, 20), dtype)
     return _fastbwd().upsample_bilinear2d_backward(g, (6, 20), (1, 2, 3, 10), False)
@@ -130,11 +132,15 @@ def _check_upsample():
     return _fastbwd().upsample_bilinear2d_backward(g, *args), _reference().upsample_bilinear2d_backward(g, *args)
 
 
-UPSAMPLE = Operator("upsample_bilinear2d_backward", (
-    Path(HALVES_AND_FLOATS, "NCHW", "row blocks", _upsample_row_blocks),
-    Path(HALVES_AND_FLOATS, "NCHW", "planes as lanes", _upsample_plane_lanes),
-    Path(HALVES_AND_FLOATS, "NHWC", "channel vectors", _upsample_nhwc),
-), _check_upsample)
+UPSAMPLE = Operator(
+    "upsample_bilinear2d_backward",
+    (
+        Path(HALVES_AND_FLOATS, "NCHW", "row blocks", _upsample_row_blocks),
+        Path(HALVES_AND_FLOATS, "NCHW", "planes as lanes", _upsample_plane_lanes),
+        Path(HALVES_AND_FLOATS, "NHWC", "channel vectors", _upsample_nhwc),
+    ),
+    _check_upsample,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +148,7 @@ UPSAMPLE = Operator("upsample_bilinear2d_backward", (
 # kernel for width stride 2 and one for the others), the engine's three kernels (narrower grad
 # rows and NHWC), and the global-window broadcast kernels.
 # --------------------------------------------------------------------------------------------
+
 
 def _avg_pool(shape, kernel, layout):
     def call(dtype):
@@ -159,19 +166,25 @@ def _avg_pool(shape, kernel, layout):
 def _check_avg_pool():
     g = _rng_array((2, 3, 5, 7))
     params = ((3, 2), (2, 1), (1, 0), True, False, 0)
-    return (_fastbwd().avg_pool2d_backward(g, (2, 3, 9, 8), *params),
-            _reference().avg_pool2d_backward(g, (2, 3, 9, 8), *params))
+    return (
+        _fastbwd().avg_pool2d_backward(g, (2, 3, 9, 8), *params),
+        _reference().avg_pool2d_backward(g, (2, 3, 9, 8), *params),
+    )
 
 
-AVG_POOL = Operator("avg_pool2d_backward", (
-    Path(HALVES_AND_FLOATS, "NCHW", "whole rows", _avg_pool((1, 2, 4, 40), 2, "NCHW")),
-    Path(HALVES_AND_FLOATS, "NCHW", "whole rows, other strides", _avg_pool((1, 2, 6, 60), 3, "NCHW")),
-    Path(HALVES_AND_FLOATS, "NCHW", "row blocks", _avg_pool((1, 2, 4, 20), 2, "NCHW")),
-    Path(HALVES_AND_FLOATS, "NCHW", "planes as lanes", _avg_pool((1, 128, 8, 8), 2, "NCHW")),
-    Path(HALVES_AND_FLOATS, "NCHW", "global window", _avg_pool((2, 3, 5, 5), 5, "NCHW")),
-    Path(HALVES_AND_FLOATS, "NHWC", "channel vectors", _avg_pool((1, 2, 4, 8), 2, "NHWC")),
-    Path(HALVES_AND_FLOATS, "NHWC", "global window", _avg_pool((2, 3, 5, 5), 5, "NHWC")),
-), _check_avg_pool)
+AVG_POOL = Operator(
+    "avg_pool2d_backward",
+    (
+        Path(HALVES_AND_FLOATS, "NCHW", "whole rows", _avg_pool((1, 2, 4, 40), 2, "NCHW")),
+        Path(HALVES_AND_FLOATS, "NCHW", "whole rows, other strides", _avg_pool((1, 2, 6, 60), 3, "NCHW")),
+        Path(HALVES_AND_FLOATS, "NCHW", "row blocks", _avg_pool((1, 2, 4, 20), 2, "NCHW")),
+        Path(HALVES_AND_FLOATS, "NCHW", "planes as lanes", _avg_pool((1, 128, 8, 8), 2, "NCHW")),
+        Path(HALVES_AND_FLOATS, "NCHW", "global window", _avg_pool((2, 3, 5, 5), 5, "NCHW")),
+        Path(HALVES_AND_FLOATS, "NHWC", "channel vectors", _avg_pool((1, 2, 4, 8), 2, "NHWC")),
+        Path(HALVES_AND_FLOATS, "NHWC", "global window", _avg_pool((2, 3, 5, 5), 5, "NHWC")),
+    ),
+    _check_avg_pool,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +192,7 @@ AVG_POOL = Operator("avg_pool2d_backward", (
 # results larger than the cache (streaming stores; reached only by a result of
 # _memory.STREAM_MIN_BYTES, so its call makes one).
 # --------------------------------------------------------------------------------------------
+
 
 def _pad(layout):
     def call(dtype):
@@ -201,15 +215,21 @@ def _pad_streaming(dtype):
 def _check_pad():
     g = _rng_array((2, 3, 9, 7))
     shape, padding = (2, 3, 6, 5), (1, 1, 2, 1)
-    return (_fastbwd().replication_pad2d_backward(g, shape, padding),
-            _reference().replication_pad2d_backward(g, shape, padding))
+    return (
+        _fastbwd().replication_pad2d_backward(g, shape, padding),
+        _reference().replication_pad2d_backward(g, shape, padding),
+    )
 
 
-PAD = Operator("replication_pad2d_backward", (
-    Path(tuple(BY_NAME), "NCHW", "gather", _pad("NCHW")),
-    Path(tuple(BY_NAME), "NHWC", "gather", _pad("NHWC")),
-    Path(tuple(BY_NAME), "NCHW", "gather, streaming stores", _pad_streaming),
-), _check_pad)
+PAD = Operator(
+    "replication_pad2d_backward",
+    (
+        Path(tuple(BY_NAME), "NCHW", "gather", _pad("NCHW")),
+        Path(tuple(BY_NAME), "NHWC", "gather", _pad("NHWC")),
+        Path(tuple(BY_NAME), "NCHW", "gather, streaming stores", _pad_streaming),
+    ),
+    _check_pad,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +237,7 @@ PAD = Operator("replication_pad2d_backward", (
 # inside and partly outside. roi_align_forward (fastbwd.torch.roi_align's forward): one kernel
 # for NCHW and channels-last input; its tables kernels are the backward's (a variant).
 # --------------------------------------------------------------------------------------------
+
 
 def _roi_align(dtype):
     f = _fastbwd()
@@ -244,17 +265,20 @@ def _check_roi_align():
     boxes = roi_boxes(6, shape, 0.5)
     g = _rng_array((6, 3, 3, 2))
     params = (3, 2, 0.5, 0, True)
-    return (_fastbwd().roi_align_backward(g, boxes, shape, *params),
-            _reference().roi_align_backward(g, boxes, shape, *params))
+    return (
+        _fastbwd().roi_align_backward(g, boxes, shape, *params),
+        _reference().roi_align_backward(g, boxes, shape, *params),
+    )
 
 
-ROI_ALIGN = Operator("roi_align_backward", (
-    Path(HALVES_AND_FLOATS, "NCHW", "backward", _roi_align),
-), _check_roi_align)
-ROI_ALIGN_FORWARD = Operator("roi_align_forward", (
-    Path(HALVES_AND_FLOATS, "NCHW", "forward", _roi_align_forward("NCHW"), variant=True),
-    Path(HALVES_AND_FLOATS, "NHWC", "forward", _roi_align_forward("NHWC"), variant=True),
-))
+ROI_ALIGN = Operator("roi_align_backward", (Path(HALVES_AND_FLOATS, "NCHW", "backward", _roi_align),), _check_roi_align)
+ROI_ALIGN_FORWARD = Operator(
+    "roi_align_forward",
+    (
+        Path(HALVES_AND_FLOATS, "NCHW", "forward", _roi_align_forward("NCHW"), variant=True),
+        Path(HALVES_AND_FLOATS, "NHWC", "forward", _roi_align_forward("NHWC"), variant=True),
+    ),
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +287,7 @@ ROI_ALIGN_FORWARD = Operator("roi_align_forward", (
 # group_norm_swish (§5.1): NCHW and NHWC kernels, parameters in the data's dtype or float32
 # (the api converts them to the compute type: the same kernels, statistics rounded after).
 # --------------------------------------------------------------------------------------------
+
 
 def _group_norm_swish(layout, params):
     def call(dtype):
@@ -302,8 +327,10 @@ def _check_group_norm_swish():
     gamma, beta = _rng_array((6,), 3), _rng_array((6,), 4)
     _, mean, rstd = ref.group_norm_swish_forward(x, gamma, beta, 3)
     mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
-    return (_fastbwd().group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3),
-            ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3))
+    return (
+        _fastbwd().group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3),
+        ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 3),
+    )
 
 
 def _check_group_norm_swish_forward():
@@ -313,19 +340,40 @@ def _check_group_norm_swish_forward():
 
 
 _HALVES_AND_FLOAT64 = ("float16", "bfloat16", "float64")
-GROUP_NORM_SWISH = Operator("group_norm_swish_backward", tuple(
-    path for layout in ("NCHW", "NHWC") for path in (
-        Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish(layout, "same")),
-        Path(_HALVES_AND_FLOAT64, layout, "float32 params", _group_norm_swish(layout, "float32"), variant=True),
-    )), _check_group_norm_swish)
-GROUP_NORM_SWISH_FORWARD = Operator("group_norm_swish", tuple(
-    path for layout in ("NCHW", "NHWC") for path in (
-        Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish_forward(layout, "same")),
-        Path(_HALVES_AND_FLOAT64, layout, "float32 params", _group_norm_swish_forward(layout, "float32"),
-             variant=True),
-    )), _check_group_norm_swish_forward)
+GROUP_NORM_SWISH = Operator(
+    "group_norm_swish_backward",
+    tuple(
+        path
+        for layout in ("NCHW", "NHWC")
+        for path in (
+            Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish(layout, "same")),
+            Path(_HALVES_AND_FLOAT64, layout, "float32 params", _group_norm_swish(layout, "float32"), variant=True),
+        )
+    ),
+    _check_group_norm_swish,
+)
+GROUP_NORM_SWISH_FORWARD = Operator(
+    "group_norm_swish",
+    tuple(
+        path
+        for layout in ("NCHW", "NHWC")
+        for path in (
+            Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish_forward(layout, "same")),
+            Path(
+                _HALVES_AND_FLOAT64,
+                layout,
+                "float32 params",
+                _group_norm_swish_forward(layout, "float32"),
+                variant=True,
+            ),
+        )
+    ),
+    _check_group_norm_swish_forward,
+)
 
 
 #: Every operator, in the order of docs/semantics.md's table (each forward after its backward).
-OPERATORS = {op.name: op for op in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, ROI_ALIGN_FORWARD, GROUP_NORM_SWISH,
-                                    GROUP_NORM_SWISH_FORWARD)}
+OPERATORS = {
+    op.name: op
+    for op in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, ROI_ALIGN_FORWARD, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)
+}

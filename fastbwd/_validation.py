@@ -55,6 +55,7 @@ def require(func, param, value):
 # arrays
 # --------------------------------------------------------------------------------------------
 
+
 def _from_torch(value):
     """A NumPy view of a CPU torch tensor (bfloat16 included), or None if ``value`` is not one.
 
@@ -157,7 +158,9 @@ def input_shape_like(func, input, grad_output, allowed_ndim):
     input_shape, input_dtype = shape_or_array(func, "input", input, allowed_ndim)
     ndim = len(input_shape)
     if grad_output.ndim != ndim:
-        fail(func, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}")
+        fail(
+            func, "grad_output", f"must be {ndim}-D like input", f"{grad_output.ndim}-D with shape {grad_output.shape}"
+        )
     if input_dtype is not None:
         check_same_dtype(func, "input", input_dtype, "grad_output", grad_output.dtype)
     return input_shape
@@ -166,6 +169,7 @@ def input_shape_like(func, input, grad_output, allowed_ndim):
 # --------------------------------------------------------------------------------------------
 # host-side scalars and sizes
 # --------------------------------------------------------------------------------------------
+
 
 def _is_integer(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -235,6 +239,7 @@ def choice(func, param, value, options):
 # --------------------------------------------------------------------------------------------
 # pooling geometry (shared by avg_pool2d_backward; PyTorch's pooling_output_shape)
 # --------------------------------------------------------------------------------------------
+
 
 def pooling_output_size(input_size, kernel, stride, pad, ceil_mode):
     """Output length of one pooled axis (docs/semantics.md §2, PyTorch ``pooling_output_shape``, dilation 1)."""

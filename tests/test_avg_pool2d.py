@@ -27,13 +27,24 @@ def pair(value):
 def pooled_shape(input_shape, kernel, stride, padding, ceil_mode):
     (kh, kw), (sh, sw), (ph, pw) = pair(kernel), pair(stride), pair(padding)
     height, width = input_shape[-2:]
-    return (*input_shape[:-2], ref.avg_pool2d_output_size(height, kh, sh, ph, ceil_mode),
-            ref.avg_pool2d_output_size(width, kw, sw, pw, ceil_mode))
+    return (
+        *input_shape[:-2],
+        ref.avg_pool2d_output_size(height, kh, sh, ph, ceil_mode),
+        ref.avg_pool2d_output_size(width, kw, sw, pw, ceil_mode),
+    )
 
 
 def reference(grad_output, input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override=0):
-    return ref.avg_pool2d_backward(grad_output, input_shape, pair(kernel), pair(stride), pair(padding),
-                                   ceil_mode, count_include_pad, divisor_override)
+    return ref.avg_pool2d_backward(
+        grad_output,
+        input_shape,
+        pair(kernel),
+        pair(stride),
+        pair(padding),
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    )
 
 
 def random_case(rng, ndim=None):
@@ -55,6 +66,7 @@ def random_case(rng, ndim=None):
 # --------------------------------------------------------------------------------------------
 # canonical cases from other frameworks' bug reports
 # --------------------------------------------------------------------------------------------
+
 
 def test_ceil_mode_window_overhanging_the_input_1x5():
     # Windows [0,2), [2,4), [4,6): the last one holds one input cell and no padding, so its
@@ -97,18 +109,21 @@ def test_stride_larger_than_kernel_leaves_zeros():
     assert_matches_reference(result, reference(grad_output, (2, 3, 11, 10), (2, 3), (4, 6), 0, False, True))
 
 
-@pytest.mark.parametrize("ceil_mode, count_include_pad, divisor_override",
-                         list(itertools.product([False, True], [False, True], [0, 5, -3])))
+@pytest.mark.parametrize(
+    "ceil_mode, count_include_pad, divisor_override", list(itertools.product([False, True], [False, True], [0, 5, -3]))
+)
 def test_divisor_override_x_count_include_pad_x_ceil_mode(ceil_mode, count_include_pad, divisor_override):
     input_shape, kernel, stride, padding = (2, 3, 8, 11), (3, 4), (2, 3), (1, 2)
     grad_output = random(pooled_shape(input_shape, kernel, stride, padding, ceil_mode), np.float32, 4)
-    result = pool_bwd(grad_output, input_shape, kernel, stride, padding, ceil_mode, count_include_pad,
-                      divisor_override)
-    assert_matches_reference(result, reference(grad_output, input_shape, kernel, stride, padding, ceil_mode,
-                                               count_include_pad, divisor_override))
+    result = pool_bwd(grad_output, input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    assert_matches_reference(
+        result,
+        reference(grad_output, input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override),
+    )
     if divisor_override:  # count_include_pad no longer matters
-        other = pool_bwd(grad_output, input_shape, kernel, stride, padding, ceil_mode, not count_include_pad,
-                         divisor_override)
+        other = pool_bwd(
+            grad_output, input_shape, kernel, stride, padding, ceil_mode, not count_include_pad, divisor_override
+        )
         assert bitwise_equal(result, other)
 
 
@@ -125,7 +140,8 @@ def test_output_shape_agreement_grid():
             if torch is not None:
                 try:
                     expected = torch.nn.functional.avg_pool2d(
-                        torch.zeros(1, 1, size, 2), (k, 1), (s, 1), (p, 0), ceil_mode).shape[2]
+                        torch.zeros(1, 1, size, 2), (k, 1), (s, 1), (p, 0), ceil_mode
+                    ).shape[2]
                 except RuntimeError:  # torch: output size too small
                     assert expected < 1, (size, k, s, p, ceil_mode)
             if expected < 1:
@@ -134,15 +150,19 @@ def test_output_shape_agreement_grid():
                 continue
             grad_output = np.arange(1.0, expected + 1).reshape(1, 1, expected, 1) * np.ones(2)
             result = pool_bwd(grad_output, (1, 1, size, 2), (k, 1), (s, 1), (p, 0), ceil_mode, False)
-            assert_matches_reference(result, reference(grad_output, (1, 1, size, 2), (k, 1), (s, 1), (p, 0),
-                                                       ceil_mode, False))
-            with raises_param_error(rf"grad_output\.shape\[2\] must be {expected} \(output height", param="grad_output"):
+            assert_matches_reference(
+                result, reference(grad_output, (1, 1, size, 2), (k, 1), (s, 1), (p, 0), ceil_mode, False)
+            )
+            with raises_param_error(
+                rf"grad_output\.shape\[2\] must be {expected} \(output height", param="grad_output"
+            ):
                 pool_bwd(np.zeros((1, 1, expected + 1, 2)), (1, 1, size, 2), (k, 1), (s, 1), (p, 0), ceil_mode)
 
 
 # --------------------------------------------------------------------------------------------
 # values
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_reference_random_cases(dtype):
@@ -162,8 +182,7 @@ def test_adjoint_of_the_forward():
         input_shape, kernel, stride, padding, ceil_mode, include_pad, override = random_case(rng)
         x = random(input_shape, np.float64, 100 + case)
         g = random(pooled_shape(input_shape, kernel, stride, padding, ceil_mode), np.float64, 200 + case)
-        forward = ref.avg_pool2d_forward(x, pair(kernel), pair(stride), pair(padding), ceil_mode, include_pad,
-                                         override)
+        forward = ref.avg_pool2d_forward(x, pair(kernel), pair(stride), pair(padding), ceil_mode, include_pad, override)
         backward = pool_bwd(g, input_shape, kernel, stride, padding, ceil_mode, include_pad, override)
         lhs, rhs = np.sum(g * forward), np.sum(backward * x)
         assert np.isclose(lhs, rhs, rtol=1e-12, atol=1e-12 * np.sum(np.abs(g))), case
@@ -216,8 +235,12 @@ def test_global_pooling_divides_exactly_in_both_layouts(dtype):
     # once, exactly as PyTorch does: bit for bit g / d, never g * (1 / d) (1 ulp apart for many g).
     grad_output = random((3, 37, 1, 1), dtype, 23)
     compute = np.float64 if dtype == np.float64 else np.float32
-    for kernel, padding, include_pad, override, divisor in [((7, 8), (1, 1), True, 0, 56), ((5, 6), 0, True, 0, 30),
-                                                          ((7, 8), (1, 1), False, 0, 30), ((5, 6), 0, True, -7, -7)]:
+    for kernel, padding, include_pad, override, divisor in [
+        ((7, 8), (1, 1), True, 0, 56),
+        ((5, 6), 0, True, 0, 30),
+        ((7, 8), (1, 1), False, 0, 30),
+        ((5, 6), 0, True, -7, -7),
+    ]:
         want = (grad_output.astype(compute) / compute(divisor)).astype(dtype)
         want = np.broadcast_to(want, (3, 37, 5, 6))
         for x in (np.zeros((3, 37, 5, 6), dtype), channels_last(np.zeros((3, 37, 5, 6), dtype))):
@@ -241,11 +264,11 @@ def test_global_pooling_every_dtype_and_layout(dtype, layout):
 # 1x1 outputs whose single window misses rows or columns (or both): not global pooling. The
 # uncovered cells get no gradient. (input (H, W), kernel, stride, padding, ceil_mode)
 PARTIAL_1X1 = [
-    ((5, 3), (3, 3), (3, 3), (0, 0), False),   # misses rows 3-4
-    ((3, 5), (3, 3), (3, 3), (0, 0), False),   # misses columns 3-4
-    ((4, 4), (3, 3), (5, 5), (1, 1), False),   # padded window [-1, 2): misses rows and columns 2-3
-    ((3, 6), (4, 2), (9, 9), (1, 1), True),    # rows covered with padding, columns 1-5 missed
-    ((6, 3), (2, 4), (9, 9), (1, 1), True),    # columns covered with padding, rows 1-5 missed
+    ((5, 3), (3, 3), (3, 3), (0, 0), False),  # misses rows 3-4
+    ((3, 5), (3, 3), (3, 3), (0, 0), False),  # misses columns 3-4
+    ((4, 4), (3, 3), (5, 5), (1, 1), False),  # padded window [-1, 2): misses rows and columns 2-3
+    ((3, 6), (4, 2), (9, 9), (1, 1), True),  # rows covered with padding, columns 1-5 missed
+    ((6, 3), (2, 4), (9, 9), (1, 1), True),  # columns covered with padding, rows 1-5 missed
 ]
 
 
@@ -253,8 +276,9 @@ PARTIAL_1X1 = [
 @pytest.mark.parametrize("count_include_pad, divisor_override", [(True, 0), (False, 0), (True, -3)])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=str)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_1x1_output_with_partial_coverage_is_not_global(size, kernel, stride, padding, ceil_mode,
-                                                       count_include_pad, divisor_override, dtype, layout):
+def test_1x1_output_with_partial_coverage_is_not_global(
+    size, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, dtype, layout
+):
     input_shape = (2, 3) + size
     assert pooled_shape(input_shape, kernel, stride, padding, ceil_mode)[-2:] == (1, 1)
     grad_output = random((2, 3, 1, 1), dtype, 21)
@@ -280,8 +304,7 @@ def test_global_pooling_with_padding_divisor(count_include_pad, layout):
         x = channels_last(x)
     result = pool_bwd(grad_output, x, (4, 7), 9, (1, 2), False, count_include_pad)
     divisor = np.float32(28 if count_include_pad else 15)
-    assert bitwise_equal(np.ascontiguousarray(result),
-                         np.broadcast_to(grad_output / divisor, (2, 4, 3, 5)).copy())
+    assert bitwise_equal(np.ascontiguousarray(result), np.broadcast_to(grad_output / divisor, (2, 4, 3, 5)).copy())
 
 
 @pytest.mark.parametrize("dtype, half_ulp", [(np.float16, 2.0**-11), (BF16, 2.0**-8)], ids=str)
@@ -309,6 +332,7 @@ def test_nan_and_inf_propagate():
 # layouts, strides, out=, threads
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_channels_last_is_kept_and_equal(dtype):
     input_shape, kernel, stride, padding = (2, 5, 9, 8), (3, 2), (2, 1), (1, 1)
@@ -320,9 +344,16 @@ def test_channels_last_is_kept_and_equal(dtype):
     assert_matches_reference(result_nchw, reference(grad_output, input_shape, kernel, stride, padding, True, False))
 
 
-@pytest.mark.parametrize("kernel, stride, padding, ceil_mode", [
-    (3, 1, 1, False), ((2, 3), 2, (1, 1), True), ((3, 4), (2, 3), (1, 2), True), (5, 4, 2, False), (2, 5, 0, True),
-])
+@pytest.mark.parametrize(
+    "kernel, stride, padding, ceil_mode",
+    [
+        (3, 1, 1, False),
+        ((2, 3), 2, (1, 1), True),
+        ((3, 4), (2, 3), (1, 2), True),
+        (5, 4, 2, False),
+        (2, 5, 0, True),
+    ],
+)
 def test_nchw_and_nhwc_engines_agree_bitwise(kernel, stride, padding, ceil_mode):
     # The separable engine's NCHW and NHWC loop nests: same sums, same order, same bits.
     input_shape = (2, 3, 23, 45)
@@ -397,15 +428,20 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
             # rows per task: 20, 11, 4 and 1 (wider rows than a task's bytes)
             for planes, width, itemsize in ((3, 100, 8), (5, 700, 2), (2, 1000, 4), (4, 5000, 4)):
                 *_, (rows_per_task, _, depth), task_sources = kernels._rows_geometry(
-                    planes, height, width, out_height, 20, kernel, stride, pad, 3, 2, 1, itemsize)
+                    planes, height, width, out_height, 20, kernel, stride, pad, 3, 2, 1, itemsize
+                )
                 rows = planes * height
                 case = (planes, height, width, kernel, stride, pad, ceil_mode, itemsize)
                 assert task_sources.dtype == np.int64 and task_sources.shape == (-(-rows // rows_per_task), 2), case
                 most = 1
                 for task, (first, stop) in enumerate(task_sources.tolist()):
                     task_rows = range(task * rows_per_task, min((task + 1) * rows_per_task, rows))
-                    reads = [r // height * out_height + oh for r in task_rows
-                             for oh, (low, high) in enumerate(windows) if low <= r % height < high]
+                    reads = [
+                        r // height * out_height + oh
+                        for r in task_rows
+                        for oh, (low, high) in enumerate(windows)
+                        if low <= r % height < high
+                    ]
                     if reads:
                         assert (first, stop) == (min(reads), max(reads) + 1), (case, task)
                     else:
@@ -426,8 +462,10 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     from fastbwd.kernels import _memory
 
     # width stride 2 and 3: the two whole-rows kernels
-    for input_shape, args in (((2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)),
-                              ((2, 3, 37, 100), ((3, 4), (2, 3), (1, 2), True, False))):
+    for input_shape, args in (
+        ((2, 3, 37, 70), ((3, 3), (2, 2), (1, 1), False, False)),
+        ((2, 3, 37, 100), ((3, 4), (2, 3), (1, 2), True, False)),
+    ):
         grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
         expected = pool_bwd(grad_output, input_shape, *args)
@@ -435,7 +473,7 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
-            out = buffer[offset:offset + size].reshape(input_shape)
+            out = buffer[offset : offset + size].reshape(input_shape)
             assert pool_bwd(grad_output, input_shape, *args, out=out) is out
             assert bitwise_equal(out, expected), (input_shape, offset)
             assert np.isnan(buffer[:offset].astype(np.float32)).all() and np.isnan(float(buffer[-1]))
@@ -481,12 +519,15 @@ def test_out_channels_last():
         pool_bwd(grad_output, (2, 3, 6, 8), 2, out=out)
 
 
-@pytest.mark.parametrize("bad_out, message", [
-    (np.empty((2, 3, 6, 9), np.float32), r"out\.shape must be \(2, 3, 6, 8\), but got \(2, 3, 6, 9\)"),
-    (np.empty((2, 3, 6, 8), np.float64), r"out\.dtype must be float32, but got float64"),
-    ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-    (np.empty((2, 3, 6, 16), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-])
+@pytest.mark.parametrize(
+    "bad_out, message",
+    [
+        (np.empty((2, 3, 6, 9), np.float32), r"out\.shape must be \(2, 3, 6, 8\), but got \(2, 3, 6, 9\)"),
+        (np.empty((2, 3, 6, 8), np.float64), r"out\.dtype must be float32, but got float64"),
+        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
+        (np.empty((2, 3, 6, 16), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
+    ],
+)
 def test_bad_out_is_rejected_and_untouched(bad_out, message):
     snapshot = np.array(bad_out, copy=True)
     with raises_param_error(message, param="out"):
@@ -501,7 +542,7 @@ def test_out_read_only_and_overlapping():
     with raises_param_error(r"out must be writeable, but got a read-only array"):
         pool_bwd(grad_output, (2, 3, 6, 8), 2, out=read_only)
     big = np.zeros(2 * 3 * 6 * 8 * 2, np.float32)
-    grad_view, out_view = big[:72].reshape(2, 3, 3, 4), big[50:50 + 288].reshape(2, 3, 6, 8)
+    grad_view, out_view = big[:72].reshape(2, 3, 3, 4), big[50 : 50 + 288].reshape(2, 3, 6, 8)
     with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
         pool_bwd(grad_view, (2, 3, 6, 8), 2, out=out_view)
     x = np.zeros((2, 3, 6, 8), np.float32)
@@ -539,11 +580,16 @@ def test_serial_twin_equals_parallel():
 # argument forms
 # --------------------------------------------------------------------------------------------
 
+
 def test_argument_forms_are_equivalent():
     grad_output = random((2, 3, 4, 3), np.float64, 1)
     expected = pool_bwd(grad_output, (2, 3, 8, 6), (2, 2), (2, 2), (0, 0), False, True, 0, 0)
-    for kernel, stride, padding in [(2, None, 0), ([2], [], [0]), (np.int64(2), (), (0,)),
-                                    (np.array([2, 2]), 2, np.array([0]))]:
+    for kernel, stride, padding in [
+        (2, None, 0),
+        ([2], [], [0]),
+        (np.int64(2), (), (0,)),
+        (np.array([2, 2]), 2, np.array([0])),
+    ]:
         assert bitwise_equal(pool_bwd(grad_output, (2, 3, 8, 6), kernel, stride, padding), expected)
     assert bitwise_equal(pool_bwd(grad_output, np.zeros((2, 3, 8, 6)), 2, divisor_override=None), expected)
     assert bitwise_equal(pool_bwd(grad_output, (2, 3, 8, 6), 2, cube_math_type=3), expected)
@@ -579,17 +625,32 @@ def test_matches_torch(dtype):
     rng = np.random.default_rng(3)
     for case in range(12):
         input_shape, kernel, stride, padding, ceil_mode, include_pad, override = random_case(rng, ndim=4)
-        grad = torch.randn(pooled_shape(input_shape, kernel, stride, padding, ceil_mode), dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(case)).to(torch_dtype)
+        grad = torch.randn(
+            pooled_shape(input_shape, kernel, stride, padding, ceil_mode),
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(case),
+        ).to(torch_dtype)
         x = torch.empty(input_shape, dtype=torch_dtype)
-        expected = torch.ops.aten.avg_pool2d_backward(grad, x, list(pair(kernel)), list(pair(stride)),
-                                                      list(pair(padding)), ceil_mode, include_pad, override or None)
+        expected = torch.ops.aten.avg_pool2d_backward(
+            grad,
+            x,
+            list(pair(kernel)),
+            list(pair(stride)),
+            list(pair(padding)),
+            ceil_mode,
+            include_pad,
+            override or None,
+        )
         result = pool_bwd(grad, x, kernel, stride, padding, ceil_mode, include_pad, override)
         if dtype == "bfloat16":
             # torch's CPU kernel accumulates bfloat16 in bfloat16 (rounding at every addition), so
             # it may stray a little further from the exact value than fastbwd's single rounding.
-            assert_matches_reference(result, reference(grad.double().numpy(), input_shape, kernel, stride, padding,
-                                                       ceil_mode, include_pad, override))
+            assert_matches_reference(
+                result,
+                reference(
+                    grad.double().numpy(), input_shape, kernel, stride, padding, ceil_mode, include_pad, override
+                ),
+            )
             expected = expected.float().numpy()
             assert np.allclose(result.astype(np.float32), expected, rtol=2**-6, atol=2**-6 * np.abs(expected).max())
         else:
@@ -607,76 +668,136 @@ def call(**changes):
     return pool_bwd(**dict(GOOD, **changes))
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(grad_output=np.zeros((4, 3), np.float32)), r"grad_output must be 3-D or 4-D, but got 2-D", "grad_output"),
-    (dict(input=(8, 6)), r"input must have length 3 or 4, but got length 2", "input"),
-    (dict(input=np.zeros((1, 2, 3, 5, 4))), r"input must be 3-D or 4-D, but got 5-D", "input"),
-    (dict(grad_output=np.zeros((3, 4, 3), np.float32)), r"grad_output must be 4-D like input, but got 3-D", "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 4, 3), np.int32)),
-     r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, but got int32", "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 4, 3), np.complex64)),
-     r"grad_output\.dtype must be one of .*, but got complex64", "grad_output"),
-    (dict(input=np.zeros((2, 3, 8, 6), np.float64)),
-     r"input\.dtype must equal grad_output\.dtype \(float32\), but got float64", "input"),
-    (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
-    (dict(kernel_size=()), r"kernel_size must have length 1 or 2, but got length 0", "kernel_size"),
-    (dict(kernel_size=(2, 2, 2)), r"kernel_size must have length 1 or 2, but got length 3", "kernel_size"),
-    (dict(kernel_size=(2, 0)), r"kernel_size\[1\] must be > 0, but got 0", "kernel_size"),
-    (dict(kernel_size=-2), r"kernel_size\[0\] must be > 0, but got -2", "kernel_size"),
-    (dict(kernel_size=2.0), r"kernel_size must be a sequence of integers, but got 2.0 \(a float\)", "kernel_size"),
-    (dict(kernel_size=(2, True)), r"kernel_size\[1\] must be an integer, but got True \(a bool\)", "kernel_size"),
-    (dict(kernel_size=2**31), r"kernel_size\[0\] must be at most 2147483647, but got 2147483648", "kernel_size"),
-    (dict(stride=(1, 2, 3)), r"stride must have length 0 or 1 or 2, but got length 3", "stride"),
-    (dict(stride=(2, 0)), r"stride\[1\] must be > 0, but got 0", "stride"),
-    (dict(stride=-1), r"stride\[0\] must be > 0, but got -1", "stride"),
-    (dict(stride=(1.5,)), r"stride\[0\] must be an integer, but got 1.5 \(a float\)", "stride"),
-    (dict(padding=()), r"padding must have length 1 or 2, but got length 0", "padding"),
-    (dict(padding=(0, 0, 0)), r"padding must have length 1 or 2, but got length 3", "padding"),
-    (dict(padding=-1), r"padding\[0\] must be >= 0, but got -1", "padding"),
-    (dict(padding=(0, 2)), r"padding\[1\] must be at most half of kernel_size\[1\] = 2, but got 2", "padding"),
-    (dict(kernel_size=(3, 2), padding=(2, 1)), r"padding\[0\] must be at most half of kernel_size\[0\] = 3, but got 2",
-     "padding"),
-    (dict(ceil_mode=1), r"ceil_mode must be a bool, but got 1", "ceil_mode"),
-    (dict(count_include_pad="yes"), r"count_include_pad must be a bool, but got 'yes'", "count_include_pad"),
-    (dict(divisor_override=2.0), r"divisor_override must be an integer, but got 2.0 \(a float\)", "divisor_override"),
-    (dict(divisor_override=True), r"divisor_override must be an integer, but got True \(a bool\)", "divisor_override"),
-    (dict(divisor_override=2**63), r"divisor_override must fit in int64, but got 9223372036854775808",
-     "divisor_override"),
-    (dict(cube_math_type=4), r"cube_math_type must be one of 0, 1, 2, 3, but got 4", "cube_math_type"),
-    (dict(cube_math_type=-1), r"cube_math_type must be one of 0, 1, 2, 3, but got -1", "cube_math_type"),
-    (dict(cube_math_type=1.0), r"cube_math_type must be an integer, but got 1.0 \(a float\)", "cube_math_type"),
-    (dict(input=(2, 65536, 8, 6), grad_output=np.zeros((2, 65536, 4, 3), np.float32)),
-     r"input\.shape\[1\] \(channels\) must be at most 65535, but got 65536", "input"),
-    (dict(input=(2, 0, 8, 6), grad_output=np.zeros((2, 0, 4, 3), np.float32)),
-     r"input\.shape\[1\] must be > 0 \(only the batch dimension of a 4-D input may be empty\), but got 0", "input"),
-    (dict(input=(2, 3, 0, 6), kernel_size=(2, 2), padding=(1, 0), grad_output=np.zeros((2, 3, 1, 3), np.float32)),
-     r"input\.shape\[2\] must be > 0", "input"),
-    (dict(input=(0, 8, 6), grad_output=np.zeros((0, 4, 3), np.float32)), r"input\.shape\[0\] must be > 0", "input"),
-    (dict(input=(2, 3, -8, 6)), r"input\[2\] must be >= 0, but got -8", "input"),
-    (dict(input=(2, 3, 1, 6)),
-     r"kernel_size\[0\] must leave an output height >= 1 \(input height 1, stride 2, padding 0, ceil_mode False\), "
-     r"but got 2 \(output height 0\)", "kernel_size"),
-    (dict(input=(2, 3, 8, 6), kernel_size=(2, 9), stride=2),
-     r"kernel_size\[1\] must leave an output width >= 1 \(input width 6, stride 2, padding 0, ceil_mode False\), "
-     r"but got 9 \(output width -1\)", "kernel_size"),
-    (dict(grad_output=np.zeros((3, 3, 4, 3), np.float32)), r"grad_output\.shape\[0\] must be 2 \(as input\), but got 3",
-     "grad_output"),
-    (dict(grad_output=np.zeros((2, 4, 4, 3), np.float32)), r"grad_output\.shape\[1\] must be 3 \(as input\), but got 4",
-     "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 5, 3), np.float32)),
-     r"grad_output\.shape\[2\] must be 4 \(output height for input height 8, stride 2, padding 0, ceil_mode False, "
-     r"kernel 2\), but got 5", "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 4, 2), np.float32)),
-     r"grad_output\.shape\[3\] must be 3 \(output width for input width 6, stride 2, padding 0, ceil_mode False, "
-     r"kernel 2\), but got 2", "grad_output"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(grad_output=np.zeros((4, 3), np.float32)), r"grad_output must be 3-D or 4-D, but got 2-D", "grad_output"),
+        (dict(input=(8, 6)), r"input must have length 3 or 4, but got length 2", "input"),
+        (dict(input=np.zeros((1, 2, 3, 5, 4))), r"input must be 3-D or 4-D, but got 5-D", "input"),
+        (
+            dict(grad_output=np.zeros((3, 4, 3), np.float32)),
+            r"grad_output must be 4-D like input, but got 3-D",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 4, 3), np.int32)),
+            r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 4, 3), np.complex64)),
+            r"grad_output\.dtype must be one of .*, but got complex64",
+            "grad_output",
+        ),
+        (
+            dict(input=np.zeros((2, 3, 8, 6), np.float64)),
+            r"input\.dtype must equal grad_output\.dtype \(float32\), but got float64",
+            "input",
+        ),
+        (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
+        (dict(kernel_size=()), r"kernel_size must have length 1 or 2, but got length 0", "kernel_size"),
+        (dict(kernel_size=(2, 2, 2)), r"kernel_size must have length 1 or 2, but got length 3", "kernel_size"),
+        (dict(kernel_size=(2, 0)), r"kernel_size\[1\] must be > 0, but got 0", "kernel_size"),
+        (dict(kernel_size=-2), r"kernel_size\[0\] must be > 0, but got -2", "kernel_size"),
+        (dict(kernel_size=2.0), r"kernel_size must be a sequence of integers, but got 2.0 \(a float\)", "kernel_size"),
+        (dict(kernel_size=(2, True)), r"kernel_size\[1\] must be an integer, but got True \(a bool\)", "kernel_size"),
+        (dict(kernel_size=2**31), r"kernel_size\[0\] must be at most 2147483647, but got 2147483648", "kernel_size"),
+        (dict(stride=(1, 2, 3)), r"stride must have length 0 or 1 or 2, but got length 3", "stride"),
+        (dict(stride=(2, 0)), r"stride\[1\] must be > 0, but got 0", "stride"),
+        (dict(stride=-1), r"stride\[0\] must be > 0, but got -1", "stride"),
+        (dict(stride=(1.5,)), r"stride\[0\] must be an integer, but got 1.5 \(a float\)", "stride"),
+        (dict(padding=()), r"padding must have length 1 or 2, but got length 0", "padding"),
+        (dict(padding=(0, 0, 0)), r"padding must have length 1 or 2, but got length 3", "padding"),
+        (dict(padding=-1), r"padding\[0\] must be >= 0, but got -1", "padding"),
+        (dict(padding=(0, 2)), r"padding\[1\] must be at most half of kernel_size\[1\] = 2, but got 2", "padding"),
+        (
+            dict(kernel_size=(3, 2), padding=(2, 1)),
+            r"padding\[0\] must be at most half of kernel_size\[0\] = 3, but got 2",
+            "padding",
+        ),
+        (dict(ceil_mode=1), r"ceil_mode must be a bool, but got 1", "ceil_mode"),
+        (dict(count_include_pad="yes"), r"count_include_pad must be a bool, but got 'yes'", "count_include_pad"),
+        (
+            dict(divisor_override=2.0),
+            r"divisor_override must be an integer, but got 2.0 \(a float\)",
+            "divisor_override",
+        ),
+        (
+            dict(divisor_override=True),
+            r"divisor_override must be an integer, but got True \(a bool\)",
+            "divisor_override",
+        ),
+        (
+            dict(divisor_override=2**63),
+            r"divisor_override must fit in int64, but got 9223372036854775808",
+            "divisor_override",
+        ),
+        (dict(cube_math_type=4), r"cube_math_type must be one of 0, 1, 2, 3, but got 4", "cube_math_type"),
+        (dict(cube_math_type=-1), r"cube_math_type must be one of 0, 1, 2, 3, but got -1", "cube_math_type"),
+        (dict(cube_math_type=1.0), r"cube_math_type must be an integer, but got 1.0 \(a float\)", "cube_math_type"),
+        (
+            dict(input=(2, 65536, 8, 6), grad_output=np.zeros((2, 65536, 4, 3), np.float32)),
+            r"input\.shape\[1\] \(channels\) must be at most 65535, but got 65536",
+            "input",
+        ),
+        (
+            dict(input=(2, 0, 8, 6), grad_output=np.zeros((2, 0, 4, 3), np.float32)),
+            r"input\.shape\[1\] must be > 0 \(only the batch dimension of a 4-D input may be empty\), but got 0",
+            "input",
+        ),
+        (
+            dict(
+                input=(2, 3, 0, 6), kernel_size=(2, 2), padding=(1, 0), grad_output=np.zeros((2, 3, 1, 3), np.float32)
+            ),
+            r"input\.shape\[2\] must be > 0",
+            "input",
+        ),
+        (dict(input=(0, 8, 6), grad_output=np.zeros((0, 4, 3), np.float32)), r"input\.shape\[0\] must be > 0", "input"),
+        (dict(input=(2, 3, -8, 6)), r"input\[2\] must be >= 0, but got -8", "input"),
+        (
+            dict(input=(2, 3, 1, 6)),
+            r"kernel_size\[0\] must leave an output height >= 1 \(input height 1, stride 2, padding 0, ceil_mode False\), "
+            r"but got 2 \(output height 0\)",
+            "kernel_size",
+        ),
+        (
+            dict(input=(2, 3, 8, 6), kernel_size=(2, 9), stride=2),
+            r"kernel_size\[1\] must leave an output width >= 1 \(input width 6, stride 2, padding 0, ceil_mode False\), "
+            r"but got 9 \(output width -1\)",
+            "kernel_size",
+        ),
+        (
+            dict(grad_output=np.zeros((3, 3, 4, 3), np.float32)),
+            r"grad_output\.shape\[0\] must be 2 \(as input\), but got 3",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 4, 4, 3), np.float32)),
+            r"grad_output\.shape\[1\] must be 3 \(as input\), but got 4",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 5, 3), np.float32)),
+            r"grad_output\.shape\[2\] must be 4 \(output height for input height 8, stride 2, padding 0, ceil_mode False, "
+            r"kernel 2\), but got 5",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 4, 2), np.float32)),
+            r"grad_output\.shape\[3\] must be 3 \(output width for input width 6, stride 2, padding 0, ceil_mode False, "
+            r"kernel 2\), but got 2",
+            "grad_output",
+        ),
+    ],
+)
 def test_errors(changes, message, param):
     with raises_param_error(message, param=param):
         call(**changes)
 
 
-@pytest.mark.parametrize("name", ["grad_output", "input", "kernel_size", "padding", "ceil_mode", "count_include_pad",
-                                  "cube_math_type"])
+@pytest.mark.parametrize(
+    "name", ["grad_output", "input", "kernel_size", "padding", "ceil_mode", "count_include_pad", "cube_math_type"]
+)
 def test_none_is_nullptr(name):
     with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
         call(**{name: None})
@@ -727,6 +848,7 @@ def test_channels_last_torch_input_gives_a_channels_last_result():
     result = fastbwd.avg_pool2d_backward(g, tensor, 3)
     assert result.strides == expected.strides
     np.testing.assert_array_equal(result, expected)
-    reference = torch.ops.aten.avg_pool2d_backward(torch.from_numpy(g), tensor, [3, 3], [3, 3], [0, 0], False, True,
-                                                   None)
+    reference = torch.ops.aten.avg_pool2d_backward(
+        torch.from_numpy(g), tensor, [3, 3], [3, 3], [0, 0], False, True, None
+    )
     assert reference.is_contiguous(memory_format=torch.channels_last)

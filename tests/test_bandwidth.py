@@ -21,20 +21,20 @@ def _expected_fill(size, pattern):
 def test_stream_fill_values_and_bounds(size, shift, kernel):
     pattern = np.random.default_rng(size).standard_normal(37).astype(np.float32)
     raw = np.full(size + 32, np.nan, np.float32)
-    destination = raw[shift:shift + size]  # several element offsets inside a cache line
+    destination = raw[shift : shift + size]  # several element offsets inside a cache line
     getattr(bandwidth.parallel_stream_fill, kernel)(destination, pattern)
     np.testing.assert_array_equal(destination, _expected_fill(size, pattern))
-    assert np.isnan(raw[:shift]).all() and np.isnan(raw[shift + size:]).all()  # nothing outside
+    assert np.isnan(raw[:shift]).all() and np.isnan(raw[shift + size :]).all()  # nothing outside
 
 
 def test_stream_fill_misaligned_elements():
     # a destination not aligned to its element size takes plain stores throughout
     pattern = np.arange(1, 20, dtype=np.float32)
     raw = np.zeros(4 * 2000 + 8, np.uint8)
-    destination = raw[1:1 + 4 * 2000].view(np.float32)
+    destination = raw[1 : 1 + 4 * 2000].view(np.float32)
     bandwidth.parallel_stream_fill(destination, pattern)
     np.testing.assert_array_equal(destination, _expected_fill(2000, pattern))
-    assert raw[0] == 0 and (raw[1 + 4 * 2000:] == 0).all()
+    assert raw[0] == 0 and (raw[1 + 4 * 2000 :] == 0).all()
 
 
 def test_copy():

@@ -34,8 +34,14 @@ def run_program(code, expect_status=0, limit=LIMIT):
     ``limit`` seconds, and return the finished process."""
     start = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                timeout=limit, stdin=subprocess.DEVNULL, env=CHILD_ENV)
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            stdin=subprocess.DEVNULL,
+            env=CHILD_ENV,
+        )
     except subprocess.TimeoutExpired as timeout:
         pytest.fail(f"the program did not exit within {limit} s (stderr: {timeout.stderr!r})")
     elapsed = time.monotonic() - start
@@ -77,9 +83,11 @@ JAX_LOSSES = {
     "replication_pad2d": "fj.replication_pad2d(x, (1, 1, 1, 1))",
     "roi_align": "fj.roi_align(x, boxes, 7, spatial_scale=0.5, sampling_ratio=2, aligned=True)",
     "group_norm_swish": "fj.group_norm_swish(x, 32, weight, bias)",
-    "all five": ("fj.roi_align(fj.avg_pool2d(fj.replication_pad2d(fj.upsample_bilinear2d("
-                 "fj.group_norm_swish(x, 32, weight, bias), (64, 64)), (1, 1, 1, 1)), 2), boxes, 7, "
-                 "spatial_scale=0.5, sampling_ratio=2, aligned=True)"),
+    "all five": (
+        "fj.roi_align(fj.avg_pool2d(fj.replication_pad2d(fj.upsample_bilinear2d("
+        "fj.group_norm_swish(x, 32, weight, bias), (64, 64)), (1, 1, 1, 1)), 2), boxes, 7, "
+        "spatial_scale=0.5, sampling_ratio=2, aligned=True)"
+    ),
 }
 
 
@@ -119,7 +127,8 @@ def test_the_users_atexit_handlers_still_run_and_see_the_results():
     pytest.importorskip("jax")
     program = jax_program(JAX_LOSSES["avg_pool2d"])
     warm(program)
-    code = textwrap.dedent("""
+    code = (
+        textwrap.dedent("""
         import atexit
         import numpy as np
 
@@ -127,7 +136,9 @@ def test_the_users_atexit_handlers_still_run_and_see_the_results():
             print("atexit handler:", np.asarray(grads[0]).shape, flush=True)
 
         atexit.register(report)
-        """) + program
+        """)
+        + program
+    )
     result = run_program(code)
     assert "atexit handler: (2, 64, 32, 32)" in result.stdout
 
@@ -208,7 +219,8 @@ def test_a_forked_child_starts_with_no_calls_in_flight():
 
 def test_the_torch_bridge_with_enabled_exits():
     pytest.importorskip("torch")
-    warm_and_run(textwrap.dedent("""
+    warm_and_run(
+        textwrap.dedent("""
         import torch, torch.nn as nn, torch.nn.functional as F
         import fastbwd.torch as ft
 
@@ -218,12 +230,15 @@ def test_the_torch_bridge_with_enabled_exits():
         with ft.enabled():
             model(x).square().sum().backward()
         assert x.grad.shape == x.shape
-        """))
+        """)
+    )
 
 
 def test_a_plain_numpy_call_exits():
-    warm_and_run(textwrap.dedent("""
+    warm_and_run(
+        textwrap.dedent("""
         import numpy as np, fastbwd
         g = fastbwd.replication_pad2d_backward(np.ones((1, 1, 7), np.float32), (1, 1, 5), (1, 1, 0, 0))
         assert g.tolist() == [[[2, 1, 1, 1, 2]]]
-        """))
+        """)
+    )

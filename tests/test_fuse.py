@@ -84,8 +84,7 @@ class Model(nn.Module):
         self.block1 = ResnetBlock(8, 16, temb_channels=6)
         self.block2 = ResnetBlock(16, 16)
         self.head = SegmentationHead(16)
-        self.tail = nn.Sequential(nn.GroupNorm(4, 16), nn.SiLU(), nn.Conv2d(16, 8, 1), nn.GroupNorm(2, 8),
-                                  nn.ReLU())
+        self.tail = nn.Sequential(nn.GroupNorm(4, 16), nn.SiLU(), nn.Conv2d(16, 8, 1), nn.GroupNorm(2, 8), nn.ReLU())
         self.odd = DataDependent()
 
     def forward(self, x, temb=None):
@@ -113,8 +112,15 @@ def test_fuses_pairs_inside_forward_and_keeps_parameters_and_keys():
     keys = list(model.state_dict())
     parameters = list(model.parameters())
     report = ft.fuse_group_norm_swish(model)
-    assert [f.name for f in report.fused] == ["block1.norm1", "block1.norm2", "block2.norm1", "block2.norm2",
-                                              "head.norms.0", "head.norms.1", "tail.0"]
+    assert [f.name for f in report.fused] == [
+        "block1.norm1",
+        "block1.norm2",
+        "block2.norm1",
+        "block2.norm2",
+        "head.norms.0",
+        "head.norms.1",
+        "tail.0",
+    ]
     skipped = dict(report.skipped)
     assert set(skipped) == {"head.shared", "tail.3", "odd.norm"}
     assert "used 2 times" in skipped["head.shared"]

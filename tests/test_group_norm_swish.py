@@ -31,8 +31,7 @@ def inputs(shape, groups, dtype, seed=0, param_dtype=None):
     """dy, mean, rstd, x, gamma, beta (NCHW family) from the shared case builder, with gamma
     redrawn from [-1.5, 1.5] and every fifth channel's gamma 0 (from the third): a kernel that
     dropped gamma's sign (or used |gamma|) anywhere must fail."""
-    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype, seed=seed,
-                                                             param_dtype=param_dtype)
+    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs(shape, groups, dtype, seed=seed, param_dtype=param_dtype)
     signed = np.random.default_rng(seed + 1000).uniform(-1.5, 1.5, gamma.shape)
     signed[2::5] = 0.0
     return dy, mean, rstd, x, signed.astype(gamma.dtype), beta
@@ -57,8 +56,7 @@ def run(args, groups, data_format, scale):
     """gns_bwd in either layout from NCHW-family args; results returned in NCHW order."""
     if data_format == "NHWC":
         dy, mean, rstd, x, gamma, beta = args
-        dx, dgamma, dbeta = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta,
-                                    groups, "NHWC", scale)
+        dx, dgamma, dbeta = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta, groups, "NHWC", scale)
         return np.moveaxis(dx, -1, 1), dgamma, dbeta
     return gns_bwd(*args, groups, data_format, scale)
 
@@ -83,6 +81,7 @@ CASES = [
 # --------------------------------------------------------------------------------------------
 # values
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=str)
 @pytest.mark.parametrize("shape, groups, scale", CASES)
@@ -166,7 +165,8 @@ def test_matches_torch_autograd(scale):
     y = torch.nn.functional.group_norm(tx, groups, tg, tb, eps)
     torch_grads = torch.autograd.grad(y * torch.sigmoid(scale * y), (tx, tg, tb), torch.tensor(dy))
     _, mean, rstd = torch.ops.aten.native_group_norm(
-        torch.tensor(x), torch.tensor(gamma), torch.tensor(beta), shape[0], shape[1], 30, groups, eps)
+        torch.tensor(x), torch.tensor(gamma), torch.tensor(beta), shape[0], shape[1], 30, groups, eps
+    )
     for dtype, rtol in ((np.float64, 1e-11), (np.float32, 2e-5)):
         cast = [np.asarray(a, dtype) for a in (dy, mean.numpy(), rstd.numpy(), x, gamma, beta)]
         results = gns_bwd(*cast, groups, "NCHW", scale)
@@ -312,9 +312,11 @@ def test_nan_propagates():
 # layouts, strides, threads
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
-@pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32),
-                                           ((2, 160, 5, 7), 32)])
+@pytest.mark.parametrize(
+    "shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32), ((2, 160, 5, 7), 32)]
+)
 def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=13)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
@@ -386,8 +388,9 @@ def test_strided_and_negative_stride_inputs():
     assert all(bitwise_equal(a, b) for a, b in zip(result, contiguous))
 
 
-@pytest.mark.parametrize("dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW"), (F64, "NHWC"),
-                                                (BF16, "NHWC")], ids=str)
+@pytest.mark.parametrize(
+    "dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW"), (F64, "NHWC"), (BF16, "NHWC")], ids=str
+)
 def test_thread_count_does_not_change_bits(dtype, data_format):
     shape, groups = (3, 12, 40, 33), 4
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=16)
@@ -418,9 +421,21 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
     for groups_per_task, streaming in itertools.product((1, 2, 4, 5, 6), (False, True)):
         dx = np.empty_like(x)
         sum_g, sum_gx = np.empty((3, 24), F32), np.empty((3, 24), F32)
-        kernels.group_norm_swish_bwd_nhwc(dy.reshape(3, -1, 24), x.reshape(3, -1, 24), mean, rstd, gamma, beta,
-                                          np.float32(1.0), dx.reshape(3, -1, 24), sum_g, sum_gx,
-                                          groups_per_task, streaming, NATIVE)
+        kernels.group_norm_swish_bwd_nhwc(
+            dy.reshape(3, -1, 24),
+            x.reshape(3, -1, 24),
+            mean,
+            rstd,
+            gamma,
+            beta,
+            np.float32(1.0),
+            dx.reshape(3, -1, 24),
+            sum_g,
+            sum_gx,
+            groups_per_task,
+            streaming,
+            NATIVE,
+        )
         assert bitwise_equal(np.moveaxis(dx, -1, 1), dx_expected), (groups_per_task, streaming)
         sums.append((sum_g, sum_gx))
     assert all(bitwise_equal(a[0], sums[0][0]) and bitwise_equal(a[1], sums[0][1]) for a in sums)
@@ -442,6 +457,7 @@ def test_serial_twin_equals_parallel():
 # flags and out=
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("want_dgamma, want_dbeta", [(True, True), (True, False), (False, True), (False, False)])
 def test_require_flags(want_dgamma, want_dbeta):
     shape, groups = (2, 6, 4, 3), 3
@@ -458,8 +474,10 @@ def test_require_flags(want_dgamma, want_dbeta):
     out = tuple(np.full_like(a, np.nan) for a in full)
     returned = gns_bwd(*args, groups, "NCHW", 1.0, want_dgamma, want_dbeta, out=out)
     assert returned[0] is out[0] and bitwise_equal(out[0], full[0])
-    for want, given, got, reference in ((want_dgamma, out[1], returned[1], full[1]),
-                                        (want_dbeta, out[2], returned[2], full[2])):
+    for want, given, got, reference in (
+        (want_dgamma, out[1], returned[1], full[1]),
+        (want_dbeta, out[2], returned[2], full[2]),
+    ):
         if want:
             assert got is given and bitwise_equal(given, reference)
         else:
@@ -528,6 +546,7 @@ def test_torch_tensors_are_accepted():
 # the vectorisable exp and Swish derivative
 # --------------------------------------------------------------------------------------------
 
+
 @numba.njit
 def _map_exp(values):
     out = np.empty_like(values)
@@ -560,8 +579,9 @@ def test_polynomial_exp_accuracy():
 def test_swish_derivative_accuracy_and_limits():
     """sig*(1 + z*(1-sig)) in float32 for any z: close to the float64 formula everywhere,
     exactly 1 / 0 at +-inf and beyond the clamp, NaN for NaN, never inf or NaN otherwise."""
-    z = np.concatenate([np.linspace(-120, 120, 400_001), np.geomspace(1e-30, 3e38, 20_000),
-                        -np.geomspace(1e-30, 3e38, 20_000)]).astype(F32)
+    z = np.concatenate(
+        [np.linspace(-120, 120, 400_001), np.geomspace(1e-30, 3e38, 20_000), -np.geomspace(1e-30, 3e38, 20_000)]
+    ).astype(F32)
     result = _map_swish(z).astype(F64)
     z64 = z.astype(F64)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -594,50 +614,81 @@ def zeros(shape, dtype=F32):
     return np.zeros(shape, dtype)
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(x=zeros((6,)), dy=zeros((6,))), r"x must have rank 2 to 8, but got 1-D with shape \(6,\)", "x"),
-    (dict(x=zeros((2, 6) + (1,) * 7), dy=zeros((2, 6) + (1,) * 7)), r"x must have rank 2 to 8, but got 9-D", "x"),
-    (dict(dy=zeros((2, 6, 4, 4))), r"dy\.shape must be \(2, 6, 4, 3\) \(as x\), but got \(2, 6, 4, 4\)", "dy"),
-    (dict(x=zeros((0, 6, 4, 3)), dy=zeros((0, 6, 4, 3))), r"x\.shape\[0\] \(N\) must be > 0 \(empty tensors are not "
-     r"supported\), but got 0", "x"),
-    (dict(x=zeros((2, 0, 4, 3)), dy=zeros((2, 0, 4, 3))), r"x\.shape\[1\] \(C\) must be > 0", "x"),
-    (dict(x=zeros((2, 6, 4, 0)), dy=zeros((2, 6, 4, 0))), r"x\.shape\[3\] \(spatial\) must be > 0", "x"),
-    (dict(x=zeros((2, 4, 3, 0)), dy=zeros((2, 4, 3, 0)), data_format="NHWC"),
-     r"x\.shape\[3\] \(C\) must be > 0", "x"),
-    (dict(num_groups=0), r"num_groups must be > 0, but got 0", "num_groups"),
-    (dict(num_groups=-3), r"num_groups must be > 0, but got -3", "num_groups"),
-    (dict(num_groups=4), r"num_groups must divide the channel count C = 6, but got 4", "num_groups"),
-    (dict(num_groups=3.0), r"num_groups must be an integer, but got 3.0 \(a float\)", "num_groups"),
-    (dict(num_groups=True), r"num_groups must be an integer, but got True \(a bool\)", "num_groups"),
-    (dict(x=zeros((1, 4001, 1)), dy=zeros((1, 4001, 1)), gamma=zeros(4001), beta=zeros(4001),
-          mean=zeros((1, 1)), rstd=zeros((1, 1)), num_groups=1),
-     r"num_groups must leave at most 4000 channels per group \(C = 4001\), but got 1 \(4001 channels per group\)",
-     "num_groups"),
-    (dict(mean=zeros((2, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(2, 2\)", "mean"),
-    (dict(mean=zeros((3, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(3, 2\)", "mean"),
-    (dict(mean=zeros(7)), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(7,\)", "mean"),
-    (dict(rstd=zeros(6)), r"rstd\.shape must be \(2, 3\) \(as mean\), but got \(6,\)", "rstd"),
-    (dict(gamma=zeros(5)), r"gamma\.shape must be \(6,\) \(one per channel\), but got \(5,\)", "gamma"),
-    (dict(beta=zeros((6, 1))), r"beta\.shape must be \(6,\) \(one per channel\), but got \(6, 1\)", "beta"),
-    (dict(x=zeros((2, 6, 4, 3), np.int32)),
-     r"x\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
-     "x"),
-    (dict(dy=zeros((2, 6, 4, 3), F64)), r"dy\.dtype must equal x\.dtype \(float32\), but got float64", "dy"),
-    (dict(gamma=zeros(6, F64)), r"gamma\.dtype must be x's dtype \(float32\) or float32, but got float64", "gamma"),
-    (dict(x=zeros((2, 6, 4, 3), BF16), dy=zeros((2, 6, 4, 3), BF16), mean=zeros((2, 3), F16)),
-     r"mean\.dtype must be x's dtype \(bfloat16\) or float32, but got float16", "mean"),
-    (dict(rstd=zeros((2, 3), F16)), r"rstd\.dtype must be x's dtype \(float32\) or float32, but got float16", "rstd"),
-    (dict(beta=zeros(6, np.int64)), r"beta\.dtype must be x's dtype \(float32\) or float32, but got int64", "beta"),
-    (dict(data_format="NDHWC"), r"data_format must be one of 'NCHW', 'ND', 'NCL', 'NCDHW', 'NHWC', but got 'NDHWC'",
-     "data_format"),
-    (dict(data_format=1), r"data_format must be one of .*, but got 1", "data_format"),
-    (dict(swish_scale="1"), r"swish_scale must be a real number, but got '1'", "swish_scale"),
-    (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
-    (dict(dgamma_is_require=1), r"dgamma_is_require must be a bool, but got 1", "dgamma_is_require"),
-    (dict(dbeta_is_require="no"), r"dbeta_is_require must be a bool, but got 'no'", "dbeta_is_require"),
-    (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
-    (dict(gamma=object()), r"gamma must be a numeric array", "gamma"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(x=zeros((6,)), dy=zeros((6,))), r"x must have rank 2 to 8, but got 1-D with shape \(6,\)", "x"),
+        (dict(x=zeros((2, 6) + (1,) * 7), dy=zeros((2, 6) + (1,) * 7)), r"x must have rank 2 to 8, but got 9-D", "x"),
+        (dict(dy=zeros((2, 6, 4, 4))), r"dy\.shape must be \(2, 6, 4, 3\) \(as x\), but got \(2, 6, 4, 4\)", "dy"),
+        (
+            dict(x=zeros((0, 6, 4, 3)), dy=zeros((0, 6, 4, 3))),
+            r"x\.shape\[0\] \(N\) must be > 0 \(empty tensors are not "
+            r"supported\), but got 0",
+            "x",
+        ),
+        (dict(x=zeros((2, 0, 4, 3)), dy=zeros((2, 0, 4, 3))), r"x\.shape\[1\] \(C\) must be > 0", "x"),
+        (dict(x=zeros((2, 6, 4, 0)), dy=zeros((2, 6, 4, 0))), r"x\.shape\[3\] \(spatial\) must be > 0", "x"),
+        (
+            dict(x=zeros((2, 4, 3, 0)), dy=zeros((2, 4, 3, 0)), data_format="NHWC"),
+            r"x\.shape\[3\] \(C\) must be > 0",
+            "x",
+        ),
+        (dict(num_groups=0), r"num_groups must be > 0, but got 0", "num_groups"),
+        (dict(num_groups=-3), r"num_groups must be > 0, but got -3", "num_groups"),
+        (dict(num_groups=4), r"num_groups must divide the channel count C = 6, but got 4", "num_groups"),
+        (dict(num_groups=3.0), r"num_groups must be an integer, but got 3.0 \(a float\)", "num_groups"),
+        (dict(num_groups=True), r"num_groups must be an integer, but got True \(a bool\)", "num_groups"),
+        (
+            dict(
+                x=zeros((1, 4001, 1)),
+                dy=zeros((1, 4001, 1)),
+                gamma=zeros(4001),
+                beta=zeros(4001),
+                mean=zeros((1, 1)),
+                rstd=zeros((1, 1)),
+                num_groups=1,
+            ),
+            r"num_groups must leave at most 4000 channels per group \(C = 4001\), but got 1 \(4001 channels per group\)",
+            "num_groups",
+        ),
+        (dict(mean=zeros((2, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(2, 2\)", "mean"),
+        (dict(mean=zeros((3, 2))), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(3, 2\)", "mean"),
+        (dict(mean=zeros(7)), r"mean\.shape must be \(2, 3\) or \(6,\) \(N, G\), but got \(7,\)", "mean"),
+        (dict(rstd=zeros(6)), r"rstd\.shape must be \(2, 3\) \(as mean\), but got \(6,\)", "rstd"),
+        (dict(gamma=zeros(5)), r"gamma\.shape must be \(6,\) \(one per channel\), but got \(5,\)", "gamma"),
+        (dict(beta=zeros((6, 1))), r"beta\.shape must be \(6,\) \(one per channel\), but got \(6, 1\)", "beta"),
+        (
+            dict(x=zeros((2, 6, 4, 3), np.int32)),
+            r"x\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
+            "x",
+        ),
+        (dict(dy=zeros((2, 6, 4, 3), F64)), r"dy\.dtype must equal x\.dtype \(float32\), but got float64", "dy"),
+        (dict(gamma=zeros(6, F64)), r"gamma\.dtype must be x's dtype \(float32\) or float32, but got float64", "gamma"),
+        (
+            dict(x=zeros((2, 6, 4, 3), BF16), dy=zeros((2, 6, 4, 3), BF16), mean=zeros((2, 3), F16)),
+            r"mean\.dtype must be x's dtype \(bfloat16\) or float32, but got float16",
+            "mean",
+        ),
+        (
+            dict(rstd=zeros((2, 3), F16)),
+            r"rstd\.dtype must be x's dtype \(float32\) or float32, but got float16",
+            "rstd",
+        ),
+        (dict(beta=zeros(6, np.int64)), r"beta\.dtype must be x's dtype \(float32\) or float32, but got int64", "beta"),
+        (
+            dict(data_format="NDHWC"),
+            r"data_format must be one of 'NCHW', 'ND', 'NCL', 'NCDHW', 'NHWC', but got 'NDHWC'",
+            "data_format",
+        ),
+        (dict(data_format=1), r"data_format must be one of .*, but got 1", "data_format"),
+        (dict(swish_scale="1"), r"swish_scale must be a real number, but got '1'", "swish_scale"),
+        (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
+        (dict(dgamma_is_require=1), r"dgamma_is_require must be a bool, but got 1", "dgamma_is_require"),
+        (dict(dbeta_is_require="no"), r"dbeta_is_require must be a bool, but got 'no'", "dbeta_is_require"),
+        (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
+        (dict(gamma=object()), r"gamma must be a numeric array", "gamma"),
+    ],
+)
 def test_errors(changes, message, param):
     with raises_param_error(message, param=param):
         call(**changes)

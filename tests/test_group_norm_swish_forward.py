@@ -47,8 +47,9 @@ def expected(x, gamma, beta, groups, eps=1e-5, scale=1.0, activate=True):
     """The float64 reference from the same (upcast) inputs; the scale as the kernel uses it."""
     if np.asarray(x).dtype != F64:
         scale = float(np.float32(scale))
-    return ref.group_norm_swish_forward(*(np.asarray(a).astype(F64) for a in (x, gamma, beta)), groups, eps,
-                                        scale, activate)
+    return ref.group_norm_swish_forward(
+        *(np.asarray(a).astype(F64) for a in (x, gamma, beta)), groups, eps, scale, activate
+    )
 
 
 def assert_all_match(results, references, **tolerance):
@@ -121,8 +122,10 @@ def test_statistics_stay_exact_far_from_zero(data_format):
     """Groups at 1000 with a spread of 0.003-1 (float32 spacing there: 6e-5): the variance comes
     from centred sums, and corrects for the rounding of the mean it is centred on."""
     rng = np.random.default_rng(24)
-    x = (1000 + rng.standard_normal((2, 8, 20, 30)) * np.array([0.01, 0.1, 1, 0.003])[None, :, None, None]
-         .repeat(2, axis=1)).astype(F32)
+    x = (
+        1000
+        + rng.standard_normal((2, 8, 20, 30)) * np.array([0.01, 0.1, 1, 0.003])[None, :, None, None].repeat(2, axis=1)
+    ).astype(F32)
     gamma, beta = np.ones(8, F32), np.zeros(8, F32)
     _, mean, rstd = run(x, gamma, beta, 4, data_format)
     _, ref_mean, ref_rstd = expected(x, gamma, beta, 4)
@@ -164,8 +167,9 @@ def test_matches_torch_native_group_norm():
     t_grads = torch.autograd.grad(t_out, (tx, tg, tb), torch.tensor(dy))
     y, mean, rstd = gns(x, gamma, beta, groups, eps=eps, swish_scale=scale)
     # float32 sums of data up to |x| ~ 6 round at ~1e-7 of that, whichever the order
-    np.testing.assert_allclose(mean, t_mean.detach().numpy().reshape(mean.shape), rtol=1e-6,
-                               atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(
+        mean, t_mean.detach().numpy().reshape(mean.shape), rtol=1e-6, atol=1e-6 * np.abs(x).max()
+    )
     np.testing.assert_allclose(rstd, t_rstd.detach().numpy().reshape(rstd.shape), rtol=2e-6)
     np.testing.assert_allclose(y, t_out.detach().numpy(), rtol=1e-5, atol=1e-6)
     grads = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", scale)
@@ -181,8 +185,10 @@ def test_matches_torch_native_group_norm():
 # layouts, strides, threads
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW"), (F64, "NHWC"),
-                                                (F16, "NHWC")], ids=str)
+
+@pytest.mark.parametrize(
+    "dtype, data_format", [(F32, "NCHW"), (F32, "NHWC"), (BF16, "NCHW"), (F64, "NHWC"), (F16, "NHWC")], ids=str
+)
 def test_thread_count_does_not_change_bits(dtype, data_format):
     x, gamma, beta = inputs((3, 12, 40, 33), 4, dtype, seed=10)
     if data_format == "NHWC":
@@ -202,8 +208,19 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
         assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, 6, "NHWC"), first))
     for groups_per_task in (1, 4, 6):  # the kernel itself, runs of every width
         y, mean, rstd = np.empty_like(x), np.empty((3, 6), F32), np.empty((3, 6), F32)
-        kernels.group_norm_swish_fwd_nhwc(x.reshape(3, -1, 24), gamma, beta, F32.type(1e-5), True, F32.type(1),
-                                          y.reshape(3, -1, 24), mean, rstd, groups_per_task, kernels_native())
+        kernels.group_norm_swish_fwd_nhwc(
+            x.reshape(3, -1, 24),
+            gamma,
+            beta,
+            F32.type(1e-5),
+            True,
+            F32.type(1),
+            y.reshape(3, -1, 24),
+            mean,
+            rstd,
+            groups_per_task,
+            kernels_native(),
+        )
         assert all(bitwise_equal(a, b) for a, b in zip((y, mean, rstd), first)), groups_per_task
 
 
@@ -242,6 +259,7 @@ def test_channels_last_strides_strided_views_and_synonyms():
 # --------------------------------------------------------------------------------------------
 # out=
 # --------------------------------------------------------------------------------------------
+
 
 def test_out_entries_and_inputs_not_mutated():
     x, gamma, beta = inputs((2, 6, 4, 3), 3, BF16, seed=15, param_dtype=F32)
@@ -297,42 +315,61 @@ def zeros(shape, dtype=F32):
     return np.zeros(shape, dtype)
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(x=zeros((6,))), r"x must have rank 2 to 8, but got 1-D with shape \(6,\)", "x"),
-    (dict(x=zeros((2, 6) + (1,) * 7)), r"x must have rank 2 to 8, but got 9-D", "x"),
-    (dict(x=zeros((0, 6, 4, 3))), r"x\.shape\[0\] \(N\) must be > 0 \(empty tensors are not supported\), but got 0",
-     "x"),
-    (dict(x=zeros((2, 6, 4, 0))), r"x\.shape\[3\] \(spatial\) must be > 0", "x"),
-    (dict(x=zeros((2, 4, 3, 0)), data_format="NHWC"), r"x\.shape\[3\] \(C\) must be > 0", "x"),
-    (dict(num_groups=0), r"num_groups must be > 0, but got 0", "num_groups"),
-    (dict(num_groups=4), r"num_groups must divide the channel count C = 6, but got 4", "num_groups"),
-    (dict(num_groups=3.0), r"num_groups must be an integer, but got 3.0 \(a float\)", "num_groups"),
-    (dict(x=zeros((1, 4001, 1)), gamma=zeros(4001), beta=zeros(4001), num_groups=1),
-     r"num_groups must leave at most 4000 channels per group \(C = 4001\)", "num_groups"),
-    (dict(gamma=zeros(5)), r"gamma\.shape must be \(6,\) \(one per channel\), but got \(5,\)", "gamma"),
-    (dict(beta=zeros((6, 1))), r"beta\.shape must be \(6,\) \(one per channel\), but got \(6, 1\)", "beta"),
-    (dict(x=zeros((2, 6, 4, 3), np.int32)), r"x\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
-     "x"),
-    (dict(gamma=zeros(6, F64)), r"gamma\.dtype must be x's dtype \(float32\) or float32, but got float64", "gamma"),
-    (dict(x=zeros((2, 6, 4, 3), BF16), beta=zeros(6, F16)),
-     r"beta\.dtype must be x's dtype \(bfloat16\) or float32, but got float16", "beta"),
-    (dict(data_format="NDHWC"), r"data_format must be one of 'NCHW', 'ND', 'NCL', 'NCDHW', 'NHWC', but got 'NDHWC'",
-     "data_format"),
-    (dict(eps=-1e-5), r"eps must be a finite number >= 0, but got -1e-05", "eps"),
-    (dict(eps=np.inf), r"eps must be a finite number >= 0, but got inf", "eps"),
-    (dict(eps=np.nan), r"eps must be a finite number >= 0, but got nan", "eps"),
-    (dict(eps="1"), r"eps must be a real number, but got '1'", "eps"),
-    (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
-    (dict(activate_swish=1), r"activate_swish must be a bool, but got 1", "activate_swish"),
-    (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(x=zeros((6,))), r"x must have rank 2 to 8, but got 1-D with shape \(6,\)", "x"),
+        (dict(x=zeros((2, 6) + (1,) * 7)), r"x must have rank 2 to 8, but got 9-D", "x"),
+        (
+            dict(x=zeros((0, 6, 4, 3))),
+            r"x\.shape\[0\] \(N\) must be > 0 \(empty tensors are not supported\), but got 0",
+            "x",
+        ),
+        (dict(x=zeros((2, 6, 4, 0))), r"x\.shape\[3\] \(spatial\) must be > 0", "x"),
+        (dict(x=zeros((2, 4, 3, 0)), data_format="NHWC"), r"x\.shape\[3\] \(C\) must be > 0", "x"),
+        (dict(num_groups=0), r"num_groups must be > 0, but got 0", "num_groups"),
+        (dict(num_groups=4), r"num_groups must divide the channel count C = 6, but got 4", "num_groups"),
+        (dict(num_groups=3.0), r"num_groups must be an integer, but got 3.0 \(a float\)", "num_groups"),
+        (
+            dict(x=zeros((1, 4001, 1)), gamma=zeros(4001), beta=zeros(4001), num_groups=1),
+            r"num_groups must leave at most 4000 channels per group \(C = 4001\)",
+            "num_groups",
+        ),
+        (dict(gamma=zeros(5)), r"gamma\.shape must be \(6,\) \(one per channel\), but got \(5,\)", "gamma"),
+        (dict(beta=zeros((6, 1))), r"beta\.shape must be \(6,\) \(one per channel\), but got \(6, 1\)", "beta"),
+        (
+            dict(x=zeros((2, 6, 4, 3), np.int32)),
+            r"x\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
+            "x",
+        ),
+        (dict(gamma=zeros(6, F64)), r"gamma\.dtype must be x's dtype \(float32\) or float32, but got float64", "gamma"),
+        (
+            dict(x=zeros((2, 6, 4, 3), BF16), beta=zeros(6, F16)),
+            r"beta\.dtype must be x's dtype \(bfloat16\) or float32, but got float16",
+            "beta",
+        ),
+        (
+            dict(data_format="NDHWC"),
+            r"data_format must be one of 'NCHW', 'ND', 'NCL', 'NCDHW', 'NHWC', but got 'NDHWC'",
+            "data_format",
+        ),
+        (dict(eps=-1e-5), r"eps must be a finite number >= 0, but got -1e-05", "eps"),
+        (dict(eps=np.inf), r"eps must be a finite number >= 0, but got inf", "eps"),
+        (dict(eps=np.nan), r"eps must be a finite number >= 0, but got nan", "eps"),
+        (dict(eps="1"), r"eps must be a real number, but got '1'", "eps"),
+        (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
+        (dict(activate_swish=1), r"activate_swish must be a bool, but got 1", "activate_swish"),
+        (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
+    ],
+)
 def test_errors(changes, message, param):
     with raises_param_error(message, param=param):
         gns(**dict(GOOD, **changes))
 
 
-@pytest.mark.parametrize("name", ["x", "gamma", "beta", "num_groups", "data_format", "eps", "activate_swish",
-                                  "swish_scale"])
+@pytest.mark.parametrize(
+    "name", ["x", "gamma", "beta", "num_groups", "data_format", "eps", "activate_swish", "swish_scale"]
+)
 def test_none_is_nullptr(name):
     with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
         gns(**dict(GOOD, **{name: None}))

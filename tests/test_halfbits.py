@@ -37,11 +37,30 @@ def _sum(array, fmt):
 
 def _special_floats():
     f32 = np.finfo(np.float32)
-    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, f32.max, -f32.max, f32.tiny, -f32.tiny,
-                f32.smallest_subnormal, -f32.smallest_subnormal, 65504.0, 65519.99, 65520.0, -65520.0,
-                1.0, -1.0, 0.5, 3.0e38]
+    specials = [
+        0.0,
+        -0.0,
+        np.inf,
+        -np.inf,
+        np.nan,
+        -np.nan,
+        f32.max,
+        -f32.max,
+        f32.tiny,
+        -f32.tiny,
+        f32.smallest_subnormal,
+        -f32.smallest_subnormal,
+        65504.0,
+        65519.99,
+        65520.0,
+        -65520.0,
+        1.0,
+        -1.0,
+        0.5,
+        3.0e38,
+    ]
     # float16 subnormals and the boundary to zero
-    specials += [2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0000001, 2.0 ** -14, 2.0 ** -15 * 1.5]
+    specials += [2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14, 2.0**-15 * 1.5]
     # exact ties between adjacent half values (round to even both ways) and their neighbours
     for dtype in FORMATS:
         halves = np.arange(0, 0x7C00 if dtype == np.float16 else 0x7F80, 37, dtype=np.uint16).view(dtype)
@@ -82,7 +101,8 @@ def test_encode_matches_numpy_and_ml_dtypes(dtype):
         expected = values.astype(dtype).view(np.uint16)
     nan = np.isnan(values)
     assert np.array_equal(out[~nan], expected[~nan]), (
-        f"first mismatch at {values[~nan][out[~nan] != expected[~nan]][:5]}")
+        f"first mismatch at {values[~nan][out[~nan] != expected[~nan]][:5]}"
+    )
     decoded = out[nan].view(dtype).astype(np.float32)
     assert np.isnan(decoded).all(), "NaN must encode to a NaN"
     assert np.array_equal(np.signbit(decoded), np.signbit(values[nan])), "NaN keeps its sign"
@@ -110,9 +130,15 @@ def test_encode_rounds_to_nearest_even_at_ties():
     assert list(out.view(np.float16).astype(np.float32)) == [1.0, 1 + 2.0**-9]
 
 
-@pytest.mark.parametrize("dtype, tiny, exact", [
-    (np.float32, 2.0**-30, False), (np.float64, 2.0**-30, True),
-    (np.complex64, 2.0**-30, False), (np.complex128, 2.0**-30, True)])
+@pytest.mark.parametrize(
+    "dtype, tiny, exact",
+    [
+        (np.float32, 2.0**-30, False),
+        (np.float64, 2.0**-30, True),
+        (np.complex64, 2.0**-30, False),
+        (np.complex128, 2.0**-30, True),
+    ],
+)
 def test_native_accumulator_precision(dtype, tiny, exact):
     # 1 + tiny survives only in a float64 / complex128 accumulator
     total = _sum(np.array([1.0, tiny], dtype), NATIVE)

@@ -43,10 +43,11 @@ done:
 }}
 declare {result_float} @provided_{name}({source_float})
 """
-_LOOPS = (_LOOP.format(name="extend", source="i16", source_float="half", result="i32", result_float="float",
-                       instruction="fpext")
-          + _LOOP.format(name="trunc", source="i32", source_float="float", result="i16", result_float="half",
-                         instruction="fptrunc"))
+_LOOPS = _LOOP.format(
+    name="extend", source="i16", source_float="half", result="i32", result_float="float", instruction="fpext"
+) + _LOOP.format(
+    name="trunc", source="i32", source_float="float", result="i16", result_float="half", instruction="fptrunc"
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def loops():
     llvm.add_symbol("provided_extend", engine.get_function_address("fastbwd_extendhfsf2"))
     llvm.add_symbol("provided_trunc", engine.get_function_address("fastbwd_truncsfhf2"))
     machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=",".join(HOST_FEATURES), opt=0)
+        cpu=llvm.get_host_cpu_name(), features=",".join(HOST_FEATURES), opt=0
+    )
     module = llvm.parse_assembly(_LOOPS)
     assembly = machine.emit_assembly(module)
     assert not any(name in assembly for name in _halfcalls.NAMES), "the host converts by calls"
@@ -85,11 +87,29 @@ def test_extend_equals_the_hardware_on_every_float16(loops):
 
 def test_trunc_equals_the_hardware(loops):
     rng = np.random.default_rng(0)
-    edges = np.array([0, 0x7F800000, 0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7F7FFFFF, 1,
-                      0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000,  # around 65504 and 65520
-                      0x387FFFFF, 0x38800000, 0x33000000, 0x33000001, 0x32FFFFFF], np.uint32)
+    edges = np.array(
+        [
+            0,
+            0x7F800000,
+            0x7FC00000,
+            0x7F800001,
+            0x7FBFFFFF,
+            0x7F7FFFFF,
+            1,
+            0x477FEFFF,
+            0x477FF000,
+            0x477FF001,
+            0x47800000,  # around 65504 and 65520
+            0x387FFFFF,
+            0x38800000,
+            0x33000000,
+            0x33000001,
+            0x32FFFFFF,
+        ],
+        np.uint32,
+    )
     # every float32 within 3 ulps of each float16 rounding midpoint and boundary, normal range
-    midpoints = (np.arange(0x33000000 >> 12, 0x47800000 >> 12, dtype=np.int64) << 12)
+    midpoints = np.arange(0x33000000 >> 12, 0x47800000 >> 12, dtype=np.int64) << 12
     near = (midpoints[:, None] + np.arange(-3, 4)[None, :]).ravel().astype(np.uint32)
     source = np.concatenate([edges, near, rng.integers(0, 1 << 32, 2_000_000, dtype=np.uint64).astype(np.uint32)])
     source = np.concatenate([source, source | np.uint32(0x80000000)])
@@ -120,8 +140,13 @@ def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
         out = tmp_path / f"{name}.npz"
         child_env = dict(os.environ, **env)
         child_env.pop("NUMBA_CPU_FEATURES", None)
-        result = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + program], env=child_env,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-c", f"OUT = {str(out)!r}\n" + program],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         with np.load(out) as arrays:
             outputs[name] = [arrays[key] for key in sorted(arrays.files, key=lambda k: int(k.split("_")[1]))]

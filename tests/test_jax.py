@@ -35,11 +35,13 @@ def _x64(dtype):
 
 # ---- the case table --------------------------------------------------------------------------
 
+
 @dataclass
 class Case:
     """One operator configuration: ``args`` (NumPy, all differentiated), ``ours(*args)`` through
     fastbwd.jax, ``direct(g, *args)`` the gradients by the NumPy call, ``reference(*args)`` an
     independent pure-JAX forward (float64 where the data is)."""
+
     args: tuple
     ours: Callable
     direct: Callable
@@ -62,7 +64,8 @@ def upsample_case(dtype, layout="NCHW", align_corners=False):
         (x,),
         lambda x: fj.upsample_bilinear2d(x, (oh, ow), align_corners, layout=layout),
         lambda g, x: fastbwd.upsample_bilinear2d_backward(g, (oh, ow), (n, c, h, w), align_corners, layout=layout),
-        lambda x: jnp.einsum(spec, a_h, x, a_w))
+        lambda x: jnp.einsum(spec, a_h, x, a_w),
+    )
 
 
 def _pool_matrix(size, kernel, stride, pad, out_size):
@@ -74,18 +77,27 @@ def _pool_matrix(size, kernel, stride, pad, out_size):
         start = o * stride - pad
         end = min(start + kernel, size + pad)
         padded[o] = end - start
-        member[o, max(start, 0):min(end, size)] = 1
+        member[o, max(start, 0) : min(end, size)] = 1
         inside[o] = min(end, size) - max(start, 0)
     return member, padded, inside
 
 
-def avg_pool_case(dtype, batched=True, kernel=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True,
-                  count_include_pad=False, divisor_override=0):
+def avg_pool_case(
+    dtype,
+    batched=True,
+    kernel=(3, 2),
+    stride=(2, 1),
+    padding=(1, 0),
+    ceil_mode=True,
+    count_include_pad=False,
+    divisor_override=0,
+):
     shape = (2, 3, 9, 8) if batched else (3, 9, 8)
     x = random(shape, dtype, 2)
     h, w = shape[-2:]
-    oh, ow = (ref.avg_pool2d_output_size(size, k, s, p, ceil_mode)
-              for size, k, s, p in zip((h, w), kernel, stride, padding))
+    oh, ow = (
+        ref.avg_pool2d_output_size(size, k, s, p, ceil_mode) for size, k, s, p in zip((h, w), kernel, stride, padding)
+    )
     m_h, pad_h, in_h = _pool_matrix(h, kernel[0], stride[0], padding[0], oh)
     m_w, pad_w, in_w = _pool_matrix(w, kernel[1], stride[1], padding[1], ow)
     if divisor_override:
@@ -97,7 +109,8 @@ def avg_pool_case(dtype, batched=True, kernel=(3, 2), stride=(2, 1), padding=(1,
         (x,),
         lambda x: fj.avg_pool2d(x, *args),
         lambda g, x: fastbwd.avg_pool2d_backward(g, x.shape, *args),
-        lambda x: jnp.einsum("oh,...hw,pw->...op", m_h, x, m_w) / divisor)
+        lambda x: jnp.einsum("oh,...hw,pw->...op", m_h, x, m_w) / divisor,
+    )
 
 
 def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
@@ -111,7 +124,8 @@ def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
         (x,),
         lambda x: fj.replication_pad2d(x, padding),
         lambda g, x: fastbwd.replication_pad2d_backward(g, x.shape, padding),
-        lambda x: x[..., rows, :][..., cols])
+        lambda x: x[..., rows, :][..., cols],
+    )
 
 
 def roi_align_case(dtype, sampling_ratio=2, aligned=True):
@@ -131,15 +145,20 @@ def roi_align_case(dtype, sampling_ratio=2, aligned=True):
             rows.append((b, wy / count, wx))
 
     def reference(x):
-        out = [jnp.zeros((shape[1],) + pooled, x.dtype) if row is None
-               else jnp.einsum("ph,chw,qw->cpq", row[1], x[row[0]], row[2]) for row in rows]
+        out = [
+            jnp.zeros((shape[1],) + pooled, x.dtype)
+            if row is None
+            else jnp.einsum("ph,chw,qw->cpq", row[1], x[row[0]], row[2])
+            for row in rows
+        ]
         return jnp.stack(out)
 
     return Case(
         (x,),
         lambda x: fj.roi_align(x, boxes, pooled, scale, sampling_ratio, aligned),
         lambda g, x: fastbwd.roi_align_backward(g, boxes, shape, *pooled, scale, sampling_ratio, aligned),
-        reference)
+        reference,
+    )
 
 
 def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scale=1.0):
@@ -167,7 +186,10 @@ def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scal
     return Case(
         (x, weight, bias),
         lambda x, w, b: fj.group_norm_swish(x, groups, w, b, eps, swish_scale, layout=layout),
-        direct, reference, rtol=1e-4)
+        direct,
+        reference,
+        rtol=1e-4,
+    )
 
 
 CASES = {
@@ -219,6 +241,7 @@ def _vjp(case, dtype, jit=True):
 
 
 # ---- gradients: bitwise the NumPy call; close to the pure-JAX reference ----------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -308,13 +331,16 @@ def test_roi_align_forward_is_fastbwds_kernel_and_boxes_get_zero_gradient():
 
 def test_roi_align_takes_a_list_of_boxes_per_image():
     x = jnp.asarray(random((2, 3, 10, 12), np.float32, 4))
-    per_image = [jnp.asarray([[1.0, 2.0, 9.0, 8.0]], np.float32),
-                 jnp.asarray([[0.0, 0.0, 5.0, 5.0], [3.0, 1.0, 11.0, 7.0]], np.float32)]
+    per_image = [
+        jnp.asarray([[1.0, 2.0, 9.0, 8.0]], np.float32),
+        jnp.asarray([[0.0, 0.0, 5.0, 5.0], [3.0, 1.0, 11.0, 7.0]], np.float32),
+    ]
     rows = jnp.asarray([[0, 1, 2, 9, 8], [1, 0, 0, 5, 5], [1, 3, 1, 11, 7]], np.float32)
     assert bitwise_equal(np.asarray(fj.roi_align(x, per_image, 2)), np.asarray(fj.roi_align(x, rows, 2)))
 
 
 # ---- jax.vmap ---------------------------------------------------------------------------------
+
 
 def _per_element_and_vmapped(case, batch_axis):
     """The gradients of a batch of 3 by jax.vmap (batch at ``batch_axis`` of each argument)
@@ -328,8 +354,11 @@ def _per_element_and_vmapped(case, batch_axis):
         return jax.vjp(case.ours, *args)[1](g)
 
     _RECORDED_STATISTICS.clear()
-    vmapped = jax.block_until_ready(jax.jit(jax.vmap(grads, in_axes=(0,) + (batch_axis,) * len(arrays)))(
-        jnp.asarray(gs), *[jnp.asarray(a) for a in arrays]))
+    vmapped = jax.block_until_ready(
+        jax.jit(jax.vmap(grads, in_axes=(0,) + (batch_axis,) * len(arrays)))(
+            jnp.asarray(gs), *[jnp.asarray(a) for a in arrays]
+        )
+    )
     recorded = list(_RECORDED_STATISTICS)
     single = []
     for i in range(3):
@@ -341,8 +370,20 @@ def _per_element_and_vmapped(case, batch_axis):
 
 
 @pytest.mark.parametrize("batch_axis", [0, 1])
-@pytest.mark.parametrize("name", ["upsample", "upsample-nhwc-corners", "avg_pool", "avg_pool-3d-divisor", "pad",
-                                  "pad-3d", "roi_align", "group_norm_swish", "group_norm_swish-nhwc"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "upsample",
+        "upsample-nhwc-corners",
+        "avg_pool",
+        "avg_pool-3d-divisor",
+        "pad",
+        "pad-3d",
+        "roi_align",
+        "group_norm_swish",
+        "group_norm_swish-nhwc",
+    ],
+)
 def test_vmap_equals_the_numpy_call_per_element(name, batch_axis):
     case = CASES[name](np.float32)
     vmapped, single = _per_element_and_vmapped(case, batch_axis)
@@ -377,51 +418,59 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
 
 X = np.zeros((2, 3, 8, 8), np.float32)
 ERRORS = [
-    (lambda x: fj.upsample_bilinear2d(x, (0, 4)),
-     r"^upsample_bilinear2d_backward: output_size\[0\] must be > 0"),
-    (lambda x: fj.upsample_bilinear2d(x, (4,)),
-     r"^upsample_bilinear2d_backward: output_size must have length 2"),
-    (lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"),
-     r"^upsample_bilinear2d_backward: layout must be one of"),
-    (lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1),
-     r"align_corners must be a bool, but got 1"),
+    (lambda x: fj.upsample_bilinear2d(x, (0, 4)), r"^upsample_bilinear2d_backward: output_size\[0\] must be > 0"),
+    (lambda x: fj.upsample_bilinear2d(x, (4,)), r"^upsample_bilinear2d_backward: output_size must have length 2"),
+    (
+        lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"),
+        r"^upsample_bilinear2d_backward: layout must be one of",
+    ),
+    (lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1), r"align_corners must be a bool, but got 1"),
     (lambda x: fj.upsample_bilinear2d(x[0], (4, 4)), r"^upsample_bilinear2d: x must be 4-D, but got 3-D"),
     (lambda x: fj.upsample_bilinear2d(x.astype(jnp.int32), (4, 4)), r"grad_output.dtype must be one of"),
     (lambda x: fj.avg_pool2d(x, 0), r"^avg_pool2d_backward: kernel_size\[0\] must be > 0, but got 0"),
-    (lambda x: fj.avg_pool2d(x, 3, 2, 2),
-     r"^avg_pool2d_backward: padding\[0\] must be at most half of kernel_size"),
-    (lambda x: fj.avg_pool2d(x, 9),
-     r"^avg_pool2d_backward: kernel_size\[0\] must leave an output height >= 1"),
+    (lambda x: fj.avg_pool2d(x, 3, 2, 2), r"^avg_pool2d_backward: padding\[0\] must be at most half of kernel_size"),
+    (lambda x: fj.avg_pool2d(x, 9), r"^avg_pool2d_backward: kernel_size\[0\] must leave an output height >= 1"),
     (lambda x: fj.avg_pool2d(x, 2.0), r"kernel_size must be a sequence of integers, but got 2.0"),
     (lambda x: fj.avg_pool2d(x[0, 0], 2), r"^avg_pool2d: x must be 3-D or 4-D, but got 2-D"),
-    (lambda x: fj.replication_pad2d(x, (1, 1, 1)),
-     r"^replication_pad2d_backward: padding must have length 4"),
-    (lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)),
-     r"^replication_pad2d_backward: padding\[0\] \(left\) must be less than"),
-    (lambda x: fj.replication_pad2d(x, (-5, -4, 0, 0)),
-     r"^replication_pad2d_backward: padding must leave a padded size of at least 1 x 1"),
-    (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)),
-     r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
-    (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)),
-     r"^group_norm_swish_backward: num_groups must divide"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)),
-     r"^group_norm_swish_backward: gamma.shape must be"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), eps="1"),
-     r"^group_norm_swish: eps must be a real number"),
-    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"),
-     r"^group_norm_swish: layout must be one of"),
+    (lambda x: fj.replication_pad2d(x, (1, 1, 1)), r"^replication_pad2d_backward: padding must have length 4"),
+    (
+        lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)),
+        r"^replication_pad2d_backward: padding\[0\] \(left\) must be less than",
+    ),
+    (
+        lambda x: fj.replication_pad2d(x, (-5, -4, 0, 0)),
+        r"^replication_pad2d_backward: padding must leave a padded size of at least 1 x 1",
+    ),
+    (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)), r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
+    (
+        lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)),
+        r"^group_norm_swish_backward: num_groups must divide",
+    ),
+    (
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)),
+        r"^group_norm_swish_backward: gamma.shape must be",
+    ),
+    (
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), eps="1"),
+        r"^group_norm_swish: eps must be a real number",
+    ),
+    (
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"),
+        r"^group_norm_swish: layout must be one of",
+    ),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 4)), 7), r"^roi_align_forward: boxes must have shape \(K, 5\)"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0),
-     r"spatial_scale must be greater than FLT_MIN"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN"),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 0)), r"^roi_align_forward: pooled_width must be > 0"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 7, 7)),
-     r"^roi_align: output_size must be an int or a pair"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, sampling_ratio=2.0),
-     r"^roi_align: sampling_ratio must be an integer"),
-    (lambda x: fj.roi_align(x, [jnp.zeros((2, 5))], 7),
-     r"^roi_align: boxes\[0\] must be an array of shape \(L, 4\)"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5), jnp.float16), 7),
-     r"^roi_align_forward: boxes.dtype must equal input.dtype"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 7, 7)), r"^roi_align: output_size must be an int or a pair"),
+    (
+        lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, sampling_ratio=2.0),
+        r"^roi_align: sampling_ratio must be an integer",
+    ),
+    (lambda x: fj.roi_align(x, [jnp.zeros((2, 5))], 7), r"^roi_align: boxes\[0\] must be an array of shape \(L, 4\)"),
+    (
+        lambda x: fj.roi_align(x, jnp.zeros((4, 5), jnp.float16), 7),
+        r"^roi_align_forward: boxes.dtype must equal input.dtype",
+    ),
 ]
 
 
@@ -439,6 +488,7 @@ def test_errors_raise_at_trace_time(call, match):
 
 
 # ---- the transport ----------------------------------------------------------------------------
+
 
 def test_input_buffers_are_read_in_place():
     """The handler's input array is XLA's buffer itself (the jitted function's argument)."""
@@ -489,8 +539,10 @@ def test_readme_jax_example_runs():
 
 
 def test_import_fastbwd_does_not_import_jax_and_bridge_says_how_to_install():
-    code = ("import sys, fastbwd; assert 'jax' not in sys.modules and 'jaxlib' not in sys.modules\n"
-            "sys.modules['jax'] = None\n"
-            "try:\n    import fastbwd.jax\nexcept ImportError as e:\n    print(e)\n")
+    code = (
+        "import sys, fastbwd; assert 'jax' not in sys.modules and 'jaxlib' not in sys.modules\n"
+        "sys.modules['jax'] = None\n"
+        "try:\n    import fastbwd.jax\nexcept ImportError as e:\n    print(e)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install jax" in result.stdout

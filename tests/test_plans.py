@@ -101,13 +101,11 @@ def test_stored_plan_does_not_let_bad_arguments_through(rng):
     fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, out=out)
     # the same metadata, but dx now overlaps dy: checked on every call, not stored
     with pytest.raises(fastbwd.ParamError, match=r"out\[0\] must not overlap dy"):
-        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups,
-                                          out=(dy, out[1], out[2]))
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, out=(dy, out[1], out[2]))
     read_only = out[0].copy()
     read_only.flags.writeable = False
     with pytest.raises(fastbwd.ParamError, match=r"out\[0\] must be writeable"):
-        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups,
-                                          out=(read_only, out[1], out[2]))
+        fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, out=(read_only, out[1], out[2]))
 
 
 def test_upsample_plan_checks_overlap_and_types_every_call(rng):
@@ -136,12 +134,14 @@ def test_pool_and_pad_plans_check_every_call(rng, op):
 
         def call(*, input=x, kernel_size=3, out=None):
             return fastbwd.avg_pool2d_backward(grad_output, input, kernel_size, 2, 1, out=out)
+
         bad_size, message = True, "kernel_size must be a sequence of integers"
     else:
         grad_output = rng.standard_normal((2, 3, 8, 10)).astype(np.float32)
 
         def call(*, input=x, kernel_size=(1, 2, 1, 1), out=None):
             return fastbwd.replication_pad2d_backward(grad_output, input, kernel_size, out=out)
+
         bad_size, message = (1, 2, 1, True), r"padding\[3\] must be an integer"
     expected = call()
     for input in (x, x.shape, list(x.shape)):  # the input or its shape, twice each
@@ -164,7 +164,7 @@ def test_roi_align_plan_keeps_no_box_values(rng):
     # The plan holds the validated metadata only: the boxes' values (their tables) are read on
     # every call, and the overlap of out= is checked on every call.
     memory = rng.standard_normal(2 * 3 * 8 * 8).astype(np.float32)
-    grad_output = memory[:2 * 3 * 2 * 2].reshape(2, 3, 2, 2)
+    grad_output = memory[: 2 * 3 * 2 * 2].reshape(2, 3, 2, 2)
     boxes = np.array([[0, 1, 1, 6, 5], [1, 0, 0, 3, 4]], np.float32)
     other_boxes = np.array([[1, 2, 0, 7, 3], [0, 0, 2, 5, 6]], np.float32)
 

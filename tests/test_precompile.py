@@ -45,15 +45,24 @@ print(len(compiles), hits)
 def _run(args, env, **kwargs):
     environment = {k: v for k, v in os.environ.items() if k not in ("FASTBWD_CACHE", "FASTBWD_SERIAL")}
     environment.update(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=environment, cwd=ROOT,
-                          timeout=600, **kwargs)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600, **kwargs
+    )
 
 
 @pytest.mark.slow
 def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path)}
-    command = ["-m", "fastbwd", "--precompile", "--ops", "replication_pad2d_backward", "--dtypes", "float32",
-               "bfloat16"]
+    command = [
+        "-m",
+        "fastbwd",
+        "--precompile",
+        "--ops",
+        "replication_pad2d_backward",
+        "--dtypes",
+        "float32",
+        "bfloat16",
+    ]
     first = _run(command, env)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
@@ -71,8 +80,14 @@ def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path)
 
 
 def test_precompile_without_a_cache_compiles_nothing():
-    child = _run(["-c", "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); "
-                        "print(r['compiled'], r['entries'])"], {"FASTBWD_CACHE": "0"})
+    child = _run(
+        [
+            "-c",
+            "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); "
+            "print(r['compiled'], r['entries'])",
+        ],
+        {"FASTBWD_CACHE": "0"},
+    )
     assert child.returncode == 0, child.stderr
     assert "disk cache is disabled" in child.stdout and child.stdout.split()[-2:] == ["0", "0"]
 
@@ -81,8 +96,10 @@ def test_precompile_without_a_cache_compiles_nothing():
 def test_precompile_with_a_read_only_cache_folder_says_so(tmp_path):
     tmp_path.chmod(0o500)
     try:
-        child = _run(["-c", "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); "
-                            "print(r['compiled'])"], {"NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+        child = _run(
+            ["-c", "import fastbwd; r = fastbwd.precompile(ops='replication_pad2d_backward'); print(r['compiled'])"],
+            {"NUMBA_CACHE_DIR": str(tmp_path / "cache")},
+        )
     finally:
         tmp_path.chmod(0o700)
     assert child.returncode == 0, child.stderr
@@ -91,14 +108,21 @@ def test_precompile_with_a_read_only_cache_folder_says_so(tmp_path):
 
 def test_table_covers_every_operator_dtype_and_layout():
     ops = {entry.op for entry in _precompile.TABLE}
-    assert ops == {"upsample_bilinear2d_backward", "avg_pool2d_backward", "replication_pad2d_backward",
-                   "roi_align_backward", "roi_align_forward", "group_norm_swish_backward",
-                   "group_norm_swish"}
+    assert ops == {
+        "upsample_bilinear2d_backward",
+        "avg_pool2d_backward",
+        "replication_pad2d_backward",
+        "roi_align_backward",
+        "roi_align_forward",
+        "group_norm_swish_backward",
+        "group_norm_swish",
+    }
     keys = [entry.key for entry in _precompile.TABLE]
     assert len(keys) == len(set(keys))
     pad = {(e.dtype, e.layout, e.path) for e in _precompile.select(ops="replication_pad2d_backward")}
     assert pad == {(dtype, layout, "gather") for dtype in BY_NAME for layout in ("NCHW", "NHWC")} | {
-        (dtype, "NCHW", "gather, streaming stores") for dtype in BY_NAME}
+        (dtype, "NCHW", "gather, streaming stores") for dtype in BY_NAME
+    }
     with pytest.raises(ValueError, match="unknown dtype"):
         _precompile.select(dtypes=["int8"])
     assert fastbwd.precompile is _precompile.precompile

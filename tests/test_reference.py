@@ -50,12 +50,10 @@ def _pad_ok(shape, padding):
     """docs/semantics.md §3: each pad < the dimension it pads, padded sizes >= 1."""
     H, W = shape[-2:]
     left, right, top, bottom = padding
-    return (left < W and right < W and top < H and bottom < H and H + top + bottom >= 1
-            and W + left + right >= 1)
+    return left < W and right < W and top < H and bottom < H and H + top + bottom >= 1 and W + left + right >= 1
 
 
-PAD_CASES = [(shape, padding) for shape in PAD_SHAPES for padding in PADDINGS
-             if _pad_ok(shape, padding)]
+PAD_CASES = [(shape, padding) for shape in PAD_SHAPES for padding in PADDINGS if _pad_ok(shape, padding)]
 
 
 @pytest.mark.parametrize("shape,padding", PAD_CASES)
@@ -84,8 +82,7 @@ def test_pad_forward_matches_np_pad_edge(padding):
 
 def test_pad_negative_crops():
     x = np.arange(5 * 6, dtype=np.float64).reshape(1, 5, 6)
-    np.testing.assert_array_equal(ref.replication_pad2d_forward(x, (-1, -2, -1, 0)),
-                                  x[:, 1:, 1:4])
+    np.testing.assert_array_equal(ref.replication_pad2d_forward(x, (-1, -2, -1, 0)), x[:, 1:, 1:4])
 
 
 def test_pad_spec_document_example():
@@ -100,10 +97,10 @@ def test_pad_corners_sum_rectangle():
     g = np.ones((1, 1, 3 + 2 + 1, 4 + 2 + 3))
     out = ref.replication_pad2d_backward(g, (1, 1, 3, 4), (2, 3, 2, 1))
     expected = np.ones((3, 4))
-    expected[0, :] *= 3          # top strip (2 rows) + the row itself
-    expected[-1, :] *= 2         # bottom strip (1 row) + the row itself
-    expected[:, 0] *= 3          # left strip (2 columns) + the column itself
-    expected[:, -1] *= 4         # right strip (3 columns) + the column itself
+    expected[0, :] *= 3  # top strip (2 rows) + the row itself
+    expected[-1, :] *= 2  # bottom strip (1 row) + the row itself
+    expected[:, 0] *= 3  # left strip (2 columns) + the column itself
+    expected[:, -1] *= 4  # right strip (3 columns) + the column itself
     np.testing.assert_array_equal(out[0, 0], expected)
     assert out.sum() == g.sum()
 
@@ -115,15 +112,15 @@ def test_pad_corners_sum_rectangle():
 UP_CASES = [
     # (input (N, C, H, W), output (OH, OW), scales_h, scales_w)
     ((2, 3, 5, 7), (9, 4), 0.0, 0.0),
-    ((2, 3, 5, 7), (5, 7), 0.0, 0.0),          # identity shortcut on both axes
-    ((2, 3, 5, 7), (5, 13), 0.0, 0.0),         # identity shortcut on H only
+    ((2, 3, 5, 7), (5, 7), 0.0, 0.0),  # identity shortcut on both axes
+    ((2, 3, 5, 7), (5, 13), 0.0, 0.0),  # identity shortcut on H only
     ((1, 2, 4, 6), (1, 1), 0.0, 0.0),
     ((1, 2, 4, 6), (11, 13), 0.0, 0.0),
-    ((1, 2, 4, 6), (11, 13), 2.5, 2.0),        # user scales (consistent-ish)
-    ((1, 2, 4, 6), (9, 3), 1.7, 0.6),          # user scales (inconsistent with sizes)
-    ((1, 2, 4, 6), (4, 6), 3.0, 0.5),          # identity shortcut wins over scales
+    ((1, 2, 4, 6), (11, 13), 2.5, 2.0),  # user scales (consistent-ish)
+    ((1, 2, 4, 6), (9, 3), 1.7, 0.6),  # user scales (inconsistent with sizes)
+    ((1, 2, 4, 6), (4, 6), 3.0, 0.5),  # identity shortcut wins over scales
     ((2, 1, 1, 3), (3, 1), 0.0, 0.0),
-    ((1, 2, 4, 6), (9, 3), -2.0, float("nan")),   # negative and NaN scales mean unset
+    ((1, 2, 4, 6), (9, 3), -2.0, float("nan")),  # negative and NaN scales mean unset
     ((2, 1, 5, 3), (7, 8), -0.5, 1.5),
 ]
 
@@ -156,15 +153,11 @@ def test_upsample_matrix_hand_values():
     A = ref.upsample_bilinear2d_interp_matrix(2, 4, False, 0.0)
     np.testing.assert_array_equal(A, [[1, 0], [0.75, 0.25], [0.25, 0.75], [0, 1]])
     A = ref.upsample_bilinear2d_interp_matrix(3, 5, True, 0.0)
-    np.testing.assert_array_equal(A, [[1, 0, 0], [0.5, 0.5, 0], [0, 1, 0], [0, 0.5, 0.5],
-                                      [0, 0, 1]])
-    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 4, False, 3.0),
-                                  np.eye(4))
+    np.testing.assert_array_equal(A, [[1, 0, 0], [0.5, 0.5, 0], [0, 1, 0], [0, 0.5, 0.5], [0, 0, 1]])
+    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 4, False, 3.0), np.eye(4))
     # align_corners False with OH == 1: scale = H, src = max(0, H*0.5 - 0.5)
-    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 1, False, 0.0),
-                                  [[0, 0.5, 0.5, 0]])
-    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 1, True, 0.0),
-                                  [[1, 0, 0, 0]])
+    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 1, False, 0.0), [[0, 0.5, 0.5, 0]])
+    np.testing.assert_array_equal(ref.upsample_bilinear2d_interp_matrix(4, 1, True, 0.0), [[1, 0, 0, 0]])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,14 +169,14 @@ POOL_GEOMS = [
     ((2, 3, 7, 9), (3, 2), (2, 1), (1, 1)),
     ((2, 3, 7, 9), (3, 3), (2, 2), (1, 0)),
     ((1, 2, 5, 6), (2, 3), (2, 2), (0, 1)),
-    ((3, 6, 5), (2, 2), (3, 2), (1, 0)),       # unbatched (C, H, W)
+    ((3, 6, 5), (2, 2), (3, 2), (1, 0)),  # unbatched (C, H, W)
     ((1, 1, 5, 5), (5, 5), (1, 1), (2, 2)),
     ((1, 2, 6, 4), (1, 1), (1, 1), (0, 0)),
     # ceil_mode's last window overhangs the padding (its divisor excludes the overhang):
-    ((1, 2, 6, 6), (3, 3), (2, 2), (1, 1)),    # on both axes
-    ((2, 1, 7, 6), (4, 3), (3, 2), (1, 1)),    # on both axes, non-square
-    ((1, 1, 7, 4), (4, 2), (3, 3), (1, 1)),    # on the H axis only
-    ((1, 1, 4, 7), (2, 4), (3, 3), (1, 1)),    # on the W axis only
+    ((1, 2, 6, 6), (3, 3), (2, 2), (1, 1)),  # on both axes
+    ((2, 1, 7, 6), (4, 3), (3, 2), (1, 1)),  # on both axes, non-square
+    ((1, 1, 7, 4), (4, 2), (3, 3), (1, 1)),  # on the H axis only
+    ((1, 1, 4, 7), (2, 4), (3, 3), (1, 1)),  # on the W axis only
 ]
 
 
@@ -200,8 +193,7 @@ def test_avg_pool_adjoint(geom, ceil_mode, count_include_pad, divisor_override):
     OW = ref.avg_pool2d_output_size(shape[-1], k[1], s[1], p[1], ceil_mode)
     assert fx.shape == shape[:-2] + (OH, OW)
     g = rng.standard_normal(fx.shape)
-    bg = ref.avg_pool2d_backward(g, shape, k, s, p, ceil_mode, count_include_pad,
-                                 divisor_override)
+    bg = ref.avg_pool2d_backward(g, shape, k, s, p, ceil_mode, count_include_pad, divisor_override)
     assert_adjoint(fx, g, x, bg)
 
 
@@ -227,13 +219,18 @@ def test_avg_pool_ceil_mode_overhang_hand_values(axis):
     x = along(np.ones(6))
     include = ref.avg_pool2d_forward(x, k, s, p, True, True, 0)
     np.testing.assert_allclose(include, along([2 / 3, 1, 1, 1 / 2]), rtol=1e-15)
-    np.testing.assert_allclose(ref.avg_pool2d_forward(x, k, s, p, True, False, 0), along([1, 1, 1, 1]),
-                               rtol=1e-15)
+    np.testing.assert_allclose(ref.avg_pool2d_forward(x, k, s, p, True, False, 0), along([1, 1, 1, 1]), rtol=1e-15)
     g = along(np.ones(4))
-    np.testing.assert_allclose(ref.avg_pool2d_backward(g, x.shape, k, s, p, True, True, 0),
-                               along([1 / 3, 2 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1 / 2]), rtol=1e-15)
-    np.testing.assert_allclose(ref.avg_pool2d_backward(g, x.shape, k, s, p, True, False, 0),
-                               along([1 / 2, 1 / 2 + 1 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1]), rtol=1e-15)
+    np.testing.assert_allclose(
+        ref.avg_pool2d_backward(g, x.shape, k, s, p, True, True, 0),
+        along([1 / 3, 2 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1 / 2]),
+        rtol=1e-15,
+    )
+    np.testing.assert_allclose(
+        ref.avg_pool2d_backward(g, x.shape, k, s, p, True, False, 0),
+        along([1 / 2, 1 / 2 + 1 / 3, 1 / 3, 2 / 3, 1 / 3, 1 / 3 + 1]),
+        rtol=1e-15,
+    )
 
 
 def test_avg_pool_output_size_values():
@@ -262,6 +259,7 @@ def test_avg_pool_forward_hand_values():
 # ---------------------------------------------------------------------------------------------
 # roi align (docs/semantics.md §4)
 # ---------------------------------------------------------------------------------------------
+
 
 def _random_boxes(rng, K, B, H, W, spatial_scale, spread=1.5):
     """Boxes in image coordinates, some partly/fully outside the feature map."""
@@ -293,22 +291,24 @@ def test_roi_align_adjoint(case, aligned):
     boxes = _random_boxes(rng, 6, B, H, W, scale)
     # degenerate / bad boxes: reversed (roi < 0 when aligned), NaN, Inf, batch out of range
     # (negative, fractional negative, >= B), a zero-size box
-    extra = np.array([
-        [0, 6.0, 6.0, 2.0, 3.0],
-        [0, np.nan, 1.0, 3.0, 3.0],
-        [0, 1.0, 1.0, np.inf, 3.0],
-        [np.nan, 1.0, 1.0, 3.0, 3.0],
-        [-1, 1.0, 1.0, 3.0, 3.0],
-        [-0.5, 1.0, 1.0, 3.0, 3.0],
-        [B, 1.0, 1.0, 3.0, 3.0],
-        [0, 2.0, 2.0, 2.0, 2.0],
-    ])
+    extra = np.array(
+        [
+            [0, 6.0, 6.0, 2.0, 3.0],
+            [0, np.nan, 1.0, 3.0, 3.0],
+            [0, 1.0, 1.0, np.inf, 3.0],
+            [np.nan, 1.0, 1.0, 3.0, 3.0],
+            [-1, 1.0, 1.0, 3.0, 3.0],
+            [-0.5, 1.0, 1.0, 3.0, 3.0],
+            [B, 1.0, 1.0, 3.0, 3.0],
+            [0, 2.0, 2.0, 2.0, 2.0],
+        ]
+    )
     boxes = np.concatenate([boxes, extra])
     x = rng.standard_normal(shape)
     fx = ref.roi_align_forward(x, boxes, PH, PW, scale, sr, aligned)
     assert fx.shape == (boxes.shape[0], C, PH, PW)
     assert np.isfinite(fx).all()
-    assert (fx[7:13] == 0).all()                 # NaN/Inf/out-of-range boxes give 0
+    assert (fx[7:13] == 0).all()  # NaN/Inf/out-of-range boxes give 0
     g = rng.standard_normal(fx.shape)
     bg = ref.roi_align_backward(g, boxes, shape, PH, PW, scale, sr, aligned)
     assert bg.shape == shape
@@ -322,7 +322,7 @@ def test_roi_align_adjoint(case, aligned):
 def test_roi_align_sample_on_pixel_center():
     # not aligned, scale 1, 1x1 bin, 1 sample: x = x1 + 0.5*roi_w = 3, y = y1 + 0.5*roi_h = 2
     boxes = np.array([[1.0, 2.0, 1.0, 4.0, 3.0]])
-    g = np.array([[[[1.5]], [[-2.0]]]])         # (K=1, C=2, 1, 1)
+    g = np.array([[[[1.5]], [[-2.0]]]])  # (K=1, C=2, 1, 1)
     out = ref.roi_align_backward(g, boxes, (2, 2, 5, 6), 1, 1, 1.0, 1, False)
     expected = np.zeros((2, 2, 5, 6))
     expected[1, 0, 2, 3] = 1.5
@@ -332,8 +332,7 @@ def test_roi_align_sample_on_pixel_center():
     fwd = ref.roi_align_forward(x, boxes, 1, 1, 1.0, 1, False)
     np.testing.assert_array_equal(fwd[0, :, 0, 0], x[1, :, 2, 3])
     # aligned: the same pixel is reached with the box shifted by half a pixel
-    out_al = ref.roi_align_backward(g, boxes + [0, 0.5, 0.5, 0.5, 0.5], (2, 2, 5, 6), 1, 1,
-                                    1.0, 1, True)
+    out_al = ref.roi_align_backward(g, boxes + [0, 0.5, 0.5, 0.5, 0.5], (2, 2, 5, 6), 1, 1, 1.0, 1, True)
     np.testing.assert_array_equal(out_al, expected)
 
 
@@ -341,7 +340,7 @@ def test_roi_align_hand_bilinear_and_edges():
     shape = (1, 1, 4, 5)
     g = np.ones((1, 1, 1, 1))
     # sample at y = 1.25, x = 2.5 (aligned, box centre (3.0, 1.75) + 0.5 offset)
-    boxes = np.array([[0, 2.5, 1.25, 3.5, 2.25]])   # aligned: x1=2, y1=0.75, roi 1x1
+    boxes = np.array([[0, 2.5, 1.25, 3.5, 2.25]])  # aligned: x1=2, y1=0.75, roi 1x1
     out = ref.roi_align_backward(g, boxes, shape, 1, 1, 1.0, 1, True)[0, 0]
     expected = np.zeros((4, 5))
     expected[1, 2] = 0.75 * 0.5
@@ -350,7 +349,7 @@ def test_roi_align_hand_bilinear_and_edges():
     expected[2, 3] = 0.25 * 0.5
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-15)
     # sample at y = 3.5 (in (H-1, H]): clamped to the last row; x = -0.5 clamped to 0
-    boxes = np.array([[0, -1.0, 3.0, 0.0, 4.0]])    # not aligned: roi 1x1, sample (3.5, -0.5)
+    boxes = np.array([[0, -1.0, 3.0, 0.0, 4.0]])  # not aligned: roi 1x1, sample (3.5, -0.5)
     out = ref.roi_align_backward(g, boxes, shape, 1, 1, 1.0, 1, False)[0, 0]
     expected = np.zeros((4, 5))
     expected[3, 0] = 1.0
@@ -359,7 +358,7 @@ def test_roi_align_hand_bilinear_and_edges():
     boxes = np.array([[0, 0.0, 4.2, 1.0, 5.2]])
     assert (ref.roi_align_backward(g, boxes, shape, 1, 1, 1.0, 1, False) == 0).all()
     # 2x2 samples, count 4: each sample gets g/4
-    boxes = np.array([[0, 0.5, 0.5, 2.5, 2.5]])      # not aligned: samples at 1.0 and 2.0
+    boxes = np.array([[0, 0.5, 0.5, 2.5, 2.5]])  # not aligned: samples at 1.0 and 2.0
     out = ref.roi_align_backward(g, boxes, shape, 1, 1, 1.0, 2, False)[0, 0]
     expected = np.zeros((4, 5))
     expected[1:3, 1:3] = 0.25
@@ -374,13 +373,15 @@ def test_roi_align_exact_axis_weights_equal_the_sample_loop(monkeypatch):
     # sample, and the product form against the per-sample 2-D docs/semantics.md loop.
     shape = (1, 2, 6, 7)
     rng = rng_for("narrow")
-    boxes = np.array([
-        [0, -30.0, -20.0, 40.0, 35.0],
-        [0, -3.0, 2.0, 9.0, 5.5],
-        [0, 1.0, -50.0, 3.0, 2.0],
-        [0, -1.7, -1.2, 7.9, 6.3],
-        [0, 5.0, 4.0, 2.0, 1.0],      # reversed: negative bins when aligned
-    ])
+    boxes = np.array(
+        [
+            [0, -30.0, -20.0, 40.0, 35.0],
+            [0, -3.0, 2.0, 9.0, 5.5],
+            [0, 1.0, -50.0, 3.0, 2.0],
+            [0, -1.7, -1.2, 7.9, 6.3],
+            [0, 5.0, 4.0, 2.0, 1.0],  # reversed: negative bins when aligned
+        ]
+    )
     g = rng.standard_normal((5, 2, 3, 2))
     for ratio, aligned in ((0, True), (7, True), (5, False), (40, True)):
         full = ref.roi_align_backward(g, boxes, shape, 3, 2, 1.0, ratio, aligned)
@@ -394,8 +395,15 @@ def test_roi_align_exact_axis_weights_equal_the_sample_loop(monkeypatch):
         fx = ref.roi_align_forward(x, boxes, 3, 2, 1.0, ratio, aligned)
         assert_adjoint(fx, g, x, full)
     # the touched masks agree too (a zero weight still touches its pixel)
-    for args in [(0.3, 2.5, 5, 4), (-1.7, 3.1, 7, 3), (-0.9, 10.0, 3, 1), (2.2, -1.5, 4, 5), (3.0, 0.0, 3, 5),
-                 (-2.5, 6.0, 11, 4), (1.0, 2.0, 2, 4)]:
+    for args in [
+        (0.3, 2.5, 5, 4),
+        (-1.7, 3.1, 7, 3),
+        (-0.9, 10.0, 3, 1),
+        (2.2, -1.5, 4, 5),
+        (3.0, 0.0, 3, 5),
+        (-2.5, 6.0, 11, 4),
+        (1.0, 2.0, 2, 4),
+    ]:
         w1, t1 = ref._roi_axis_by_samples(*args)
         w2, t2 = ref._roi_axis_exact(*args)
         np.testing.assert_allclose(w2, w1, rtol=0, atol=1e-14)
@@ -414,12 +422,11 @@ def test_roi_align_axis_weights_huge_grid():
 
 def test_roi_align_huge_box_is_fast_and_finite():
     shape = (1, 1, 6, 7)
-    boxes = np.array([[0, -1e6, -2e6, 3e6, 1e6], [0, -1e300, -1e300, 1e300, 1e300],
-                      [0, 0.0, 0.0, 1e308, 1e308]])
+    boxes = np.array([[0, -1e6, -2e6, 3e6, 1e6], [0, -1e300, -1e300, 1e300, 1e300], [0, 0.0, 0.0, 1e308, 1e308]])
     g = np.ones((3, 1, 2, 2))
     out = ref.roi_align_backward(g, boxes, shape, 2, 2, 10.0, 0, False)
     assert np.isfinite(out).all()
-    assert out.sum() > 0                 # the first box does reach the image
+    assert out.sum() > 0  # the first box does reach the image
     x = rng_for("huge").standard_normal(shape)
     fx = ref.roi_align_forward(x, boxes, 2, 2, 10.0, 0, False)
     assert_adjoint(fx, g, x, out)
@@ -491,12 +498,11 @@ def test_group_norm_swish_finite_differences(case, s, seed):
 
 
 def test_group_norm_swish_forward_hand_values():
-    x = np.array([[1.0, 3.0, 5.0, 7.0]])            # N=1, C=4, G=2
-    out, mean, rstd = ref.group_norm_swish_forward(x, np.ones(4), np.zeros(4), 2, eps=0.0,
-                                                   swish_scale=0.0)
+    x = np.array([[1.0, 3.0, 5.0, 7.0]])  # N=1, C=4, G=2
+    out, mean, rstd = ref.group_norm_swish_forward(x, np.ones(4), np.zeros(4), 2, eps=0.0, swish_scale=0.0)
     np.testing.assert_array_equal(mean, [[2.0, 6.0]])
     np.testing.assert_array_equal(rstd, [[1.0, 1.0]])
-    np.testing.assert_array_equal(out, [[-0.5, 0.5, -0.5, 0.5]])   # y * sigmoid(0) = y/2
+    np.testing.assert_array_equal(out, [[-0.5, 0.5, -0.5, 0.5]])  # y * sigmoid(0) = y/2
 
 
 def test_group_norm_swish_large_scale_is_finite():
@@ -512,6 +518,7 @@ def test_group_norm_swish_large_scale_is_finite():
 # cross-checks against PyTorch (float64), skipped without torch
 # ---------------------------------------------------------------------------------------------
 
+
 def _t(a):
     torch = pytest.importorskip("torch")
     return torch.from_numpy(np.ascontiguousarray(a))
@@ -522,14 +529,14 @@ def _t(a):
 def test_pad_vs_torch(shape, padding, complex_):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
+
     rng = rng_for("tpad", shape, padding, complex_)
     x = randn(rng, shape, complex_)
     fx = ref.replication_pad2d_forward(x, padding)
     np.testing.assert_array_equal(F.pad(_t(x), padding, mode="replicate").numpy(), fx)
     g = randn(rng, fx.shape, complex_)
     expected = torch.ops.aten.replication_pad2d_backward(_t(g), _t(x), list(padding)).numpy()
-    np.testing.assert_allclose(ref.replication_pad2d_backward(g, shape, padding), expected,
-                               rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ref.replication_pad2d_backward(g, shape, padding), expected, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("case", UP_CASES)
@@ -544,13 +551,15 @@ def test_upsample_vs_torch(case, align_corners):
     tw = sw if sw > 0 else None
     fwd = torch.ops.aten.upsample_bilinear2d(_t(x), list(out_size), align_corners, th, tw)
     np.testing.assert_allclose(
-        ref.upsample_bilinear2d_forward(x, out_size, align_corners, sh, sw), fwd.numpy(),
-        rtol=1e-13, atol=1e-13)
-    bwd = torch.ops.aten.upsample_bilinear2d_backward(_t(g), list(out_size), list(in_shape),
-                                                      align_corners, th, tw)
+        ref.upsample_bilinear2d_forward(x, out_size, align_corners, sh, sw), fwd.numpy(), rtol=1e-13, atol=1e-13
+    )
+    bwd = torch.ops.aten.upsample_bilinear2d_backward(_t(g), list(out_size), list(in_shape), align_corners, th, tw)
     np.testing.assert_allclose(
         ref.upsample_bilinear2d_backward(g, out_size, in_shape, align_corners, sh, sw),
-        bwd.numpy(), rtol=1e-13, atol=1e-13)
+        bwd.numpy(),
+        rtol=1e-13,
+        atol=1e-13,
+    )
 
 
 @pytest.mark.parametrize("geom", POOL_GEOMS)
@@ -560,6 +569,7 @@ def test_upsample_vs_torch(case, align_corners):
 def test_avg_pool_vs_torch(geom, ceil_mode, count_include_pad, divisor_override):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
+
     shape, k, s, p = geom
     rng = rng_for("tpool", geom, ceil_mode, count_include_pad, divisor_override)
     x = rng.standard_normal(shape)
@@ -569,12 +579,13 @@ def test_avg_pool_vs_torch(geom, ceil_mode, count_include_pad, divisor_override)
     assert fx.shape == tuple(tf.shape)
     np.testing.assert_allclose(fx, tf.numpy(), rtol=1e-13, atol=1e-13)
     g = rng.standard_normal(fx.shape)
-    tb = torch.ops.aten.avg_pool2d_backward(_t(g), _t(x), list(k), list(s), list(p), ceil_mode,
-                                            count_include_pad, dov)
+    tb = torch.ops.aten.avg_pool2d_backward(_t(g), _t(x), list(k), list(s), list(p), ceil_mode, count_include_pad, dov)
     np.testing.assert_allclose(
-        ref.avg_pool2d_backward(g, shape, k, s, p, ceil_mode, count_include_pad,
-                                divisor_override),
-        tb.numpy(), rtol=1e-13, atol=1e-13)
+        ref.avg_pool2d_backward(g, shape, k, s, p, ceil_mode, count_include_pad, divisor_override),
+        tb.numpy(),
+        rtol=1e-13,
+        atol=1e-13,
+    )
 
 
 @pytest.mark.parametrize("case", GN_CASES)
@@ -582,14 +593,14 @@ def test_avg_pool_vs_torch(geom, ceil_mode, count_include_pad, divisor_override)
 def test_group_norm_swish_vs_torch(case, s):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
+
     shape, G = case
     x, gamma, beta, dy = _gn_inputs(shape, 11)
     eps = 1e-5
     out, mean, rstd = ref.group_norm_swish_forward(x, gamma, beta, G, eps, s)
     N, C = shape[:2]
     HxW = int(np.prod(shape[2:])) if len(shape) > 2 else 1
-    _, tmean, trstd = torch.ops.aten.native_group_norm(_t(x), _t(gamma), _t(beta), N, C, HxW,
-                                                       G, eps)
+    _, tmean, trstd = torch.ops.aten.native_group_norm(_t(x), _t(gamma), _t(beta), N, C, HxW, G, eps)
     np.testing.assert_allclose(mean, tmean.numpy(), rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(rstd, trstd.numpy(), rtol=1e-12)
 

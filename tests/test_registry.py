@@ -27,13 +27,15 @@ def test_the_benchmark_side_extends_every_checked_operator():
 
 def test_the_precompile_table_is_the_registrys_paths():
     assert [(e.op, e.layout, e.path) for e in _precompile.TABLE] == [
-        (op.name, path.layout, path.name) for op in OPERATORS.values() for path in op.paths for _ in path.dtypes]
+        (op.name, path.layout, path.name) for op in OPERATORS.values() for path in op.paths for _ in path.dtypes
+    ]
 
 
 def test_self_check_prints_one_line_per_operator():
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "fastbwd"], capture_output=True, text=True, env=environment,
-                          cwd=ROOT, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "fastbwd"], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()[1:]
     assert [line.split()[0] for line in lines] == list(SMALL_CHECKS)

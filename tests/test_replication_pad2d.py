@@ -46,6 +46,7 @@ def random_case(rng):
 # values
 # --------------------------------------------------------------------------------------------
 
+
 def test_document_example():
     grad_output = np.array([[[1, 1, 1, 1, 1, 1, 1]]], np.float32)
     result = pad_bwd(grad_output, np.ones((1, 1, 5), np.float32), (1, 1, 0, 0))
@@ -150,6 +151,7 @@ def test_nan_and_inf_propagate():
 # layouts, strides, out=, threads
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.complex64], ids=str)
 def test_channels_last_is_kept_and_equal(dtype):
     input_shape, padding = (2, 5, 6, 7), (2, 1, -1, 3)
@@ -194,12 +196,15 @@ def test_out_channels_last():
         pad_bwd(grad_output, input_shape, padding, out=out)
 
 
-@pytest.mark.parametrize("bad_out, message", [
-    (np.empty((2, 3, 5, 5), np.float32), r"out\.shape must be \(2, 3, 5, 4\), but got \(2, 3, 5, 5\)"),
-    (np.empty((2, 3, 5, 4), np.float64), r"out\.dtype must be float32, but got float64"),
-    ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-    (np.empty((2, 3, 5, 8), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-])
+@pytest.mark.parametrize(
+    "bad_out, message",
+    [
+        (np.empty((2, 3, 5, 5), np.float32), r"out\.shape must be \(2, 3, 5, 4\), but got \(2, 3, 5, 5\)"),
+        (np.empty((2, 3, 5, 4), np.float64), r"out\.dtype must be float32, but got float64"),
+        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
+        (np.empty((2, 3, 5, 8), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
+    ],
+)
 def test_bad_out_is_rejected_and_untouched(bad_out, message):
     grad_output = random((2, 3, 7, 7), np.float32, 2)
     snapshot = np.array(bad_out, copy=True)
@@ -218,7 +223,7 @@ def test_out_read_only_and_overlapping():
     with raises_param_error(r"out must be C-contiguous|out must not overlap grad_output"):
         pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=overlapping)
     big = np.zeros(2 * 3 * 7 * 7 * 2, np.float32)
-    grad_view, out_view = big[: 2 * 3 * 7 * 7].reshape(2, 3, 7, 7), big[100: 100 + 120].reshape(2, 3, 5, 4)
+    grad_view, out_view = big[: 2 * 3 * 7 * 7].reshape(2, 3, 7, 7), big[100 : 100 + 120].reshape(2, 3, 5, 4)
     with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
         pad_bwd(grad_view, (2, 3, 5, 4), (1, 2, 1, 1), out=out_view)
 
@@ -254,14 +259,16 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     # run, so that rows share lines.
     from fastbwd.kernels import _memory
 
-    cases = [((2, 3, 21, 70), (3, 4, 2, 5)),     # rows of several lines, one per run
-             ((2, 5, 60, 70), (3, 4, 2, 5)),     # two or three rows per run: shared lines
-             ((3, 4, 30, 16), (0, 2, 0, 0)),     # every row one source row; rows of 16 cells
-             ((3, 25, 7, 40), (0, 3, 0, 0)),     # planes of seven such rows: runs cross planes
-             ((2, 4, 41, 33), (1, 0, -3, 2)),    # negative top pad: rows with no source row first
-             ((2, 2, 9, 40), (-5, 7, -2, 3)),    # interior cropped on the left
-             ((3, 2, 8, 37), (6, -9, 1, 0)),     # and on the right
-             ((1, 3, 6, 5), (2, 1, 1, 2))]       # rows shorter than a line
+    cases = [
+        ((2, 3, 21, 70), (3, 4, 2, 5)),  # rows of several lines, one per run
+        ((2, 5, 60, 70), (3, 4, 2, 5)),  # two or three rows per run: shared lines
+        ((3, 4, 30, 16), (0, 2, 0, 0)),  # every row one source row; rows of 16 cells
+        ((3, 25, 7, 40), (0, 3, 0, 0)),  # planes of seven such rows: runs cross planes
+        ((2, 4, 41, 33), (1, 0, -3, 2)),  # negative top pad: rows with no source row first
+        ((2, 2, 9, 40), (-5, 7, -2, 3)),  # interior cropped on the left
+        ((3, 2, 8, 37), (6, -9, 1, 0)),  # and on the right
+        ((1, 3, 6, 5), (2, 1, 1, 2)),
+    ]  # rows shorter than a line
     for input_shape, padding in cases:
         grad_output = random(padded_shape(input_shape, padding), dtype, 12)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
@@ -271,7 +278,7 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
-            out = buffer[offset:offset + size].reshape(input_shape)
+            out = buffer[offset : offset + size].reshape(input_shape)
             assert pad_bwd(grad_output, input_shape, padding, out=out) is out
             assert bitwise_equal(out, expected), (input_shape, padding, offset)
             assert np.isnan(buffer[:offset]).all() and np.isnan(buffer[-1]), (input_shape, padding, offset)
@@ -283,6 +290,7 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
 # --------------------------------------------------------------------------------------------
 # argument forms
 # --------------------------------------------------------------------------------------------
+
 
 def test_input_as_array_or_shape_and_lists():
     grad_output = [[[1.0, 2.0, 3.0, 4.0]]]  # a list: float64
@@ -315,7 +323,9 @@ def test_matches_torch(dtype):
         if len(input_shape) == 3:
             input_shape = (1,) + input_shape
         grad = torch.from_numpy(random(padded_shape(input_shape, padding), dtype, 1))
-        expected = torch.ops.aten.replication_pad2d_backward(grad, torch.empty(input_shape, dtype=grad.dtype), list(padding))
+        expected = torch.ops.aten.replication_pad2d_backward(
+            grad, torch.empty(input_shape, dtype=grad.dtype), list(padding)
+        )
         result = pad_bwd(grad, input_shape, padding)
         if dtype == "float16":  # torch accumulates float16 in float16 on CPU; compare loosely
             assert np.allclose(result.astype(np.float32), expected.float().numpy(), rtol=2e-3, atol=2e-3)
@@ -334,44 +344,93 @@ def call(**changes):
     return pad_bwd(**dict(GOOD, **changes))
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(grad_output=np.zeros((7, 8), np.float32)), r"grad_output must be 4-D like input, but got 2-D", "grad_output"),
-    (dict(input=(5, 4)), r"input must have length 3 or 4, but got length 2", "input"),
-    (dict(input=np.zeros((1, 2, 3, 5, 4))), r"input must be 3-D or 4-D, but got 5-D", "input"),
-    (dict(grad_output=np.zeros((3, 7, 8), np.float32)), r"grad_output must be 4-D like input, but got 3-D", "grad_output"),
-    (dict(padding=(2, 2, 1)), r"padding must have length 4, but got length 3", "padding"),
-    (dict(padding=(2, 2, 1, 1, 0)), r"padding must have length 4, but got length 5", "padding"),
-    (dict(padding=(2.0, 2, 1, 1)), r"padding\[0\] must be an integer, but got 2.0 \(a float\)", "padding"),
-    (dict(padding=(2, True, 1, 1)), r"padding\[1\] must be an integer, but got True \(a bool\)", "padding"),
-    (dict(padding=4), r"padding must be a sequence of integers, but got 4", "padding"),
-    (dict(padding=(4, 0, 1, 1), grad_output=np.zeros((2, 3, 7, 8), np.float32)),
-     r"padding\[0\] \(left\) must be less than the input width 4, but got 4", "padding"),
-    (dict(padding=(0, 5, 1, 1)), r"padding\[1\] \(right\) must be less than the input width 4, but got 5", "padding"),
-    (dict(padding=(2, 2, 5, 1)), r"padding\[2\] \(top\) must be less than the input height 5, but got 5", "padding"),
-    (dict(padding=(2, 2, 1, 7)), r"padding\[3\] \(bottom\) must be less than the input height 5, but got 7", "padding"),
-    (dict(padding=(-3, -3, 1, 1)), r"padding must leave a padded size of at least 1 x 1 for input 5 x 4, but got "
-     r"\(-3, -3, 1, 1\), giving 7 x -2", "padding"),
-    (dict(grad_output=np.zeros((3, 3, 7, 8), np.float32)), r"grad_output\.shape\[0\] must be 2 \(as input\), but got 3",
-     "grad_output"),
-    (dict(grad_output=np.zeros((2, 4, 7, 8), np.float32)), r"grad_output\.shape\[1\] must be 3 \(as input\), but got 4",
-     "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 6, 8), np.float32)),
-     r"grad_output\.shape\[2\] must be 7 \(input height 5 \+ top 1 \+ bottom 1\), but got 6", "grad_output"),
-    (dict(grad_output=np.zeros((2, 3, 7, 9), np.float32)),
-     r"grad_output\.shape\[3\] must be 8 \(input width 4 \+ left 2 \+ right 2\), but got 9", "grad_output"),
-    (dict(input=(2, 0, 5, 4), grad_output=np.zeros((2, 0, 7, 8), np.float32)),
-     r"input\.shape\[1\] must be > 0 \(only the batch dimension of a 4-D input may be empty\), but got 0", "input"),
-    (dict(input=(0, 5, 4), grad_output=np.zeros((0, 7, 8), np.float32)),
-     r"input\.shape\[0\] must be > 0", "input"),
-    (dict(input=(2, 3, -5, 4)), r"input\[2\] must be >= 0, but got -5", "input"),
-    (dict(grad_output=np.zeros((2, 3, 7, 8), np.int32)),
-     r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, complex64, complex128, but got int32",
-     "grad_output"),
-    (dict(input=np.zeros((2, 3, 5, 4), np.float64)), r"input\.dtype must equal grad_output\.dtype \(float32\), but got float64",
-     "input"),
-    (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
-    (dict(grad_output=object()), r"grad_output must be a numeric array", "grad_output"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (
+            dict(grad_output=np.zeros((7, 8), np.float32)),
+            r"grad_output must be 4-D like input, but got 2-D",
+            "grad_output",
+        ),
+        (dict(input=(5, 4)), r"input must have length 3 or 4, but got length 2", "input"),
+        (dict(input=np.zeros((1, 2, 3, 5, 4))), r"input must be 3-D or 4-D, but got 5-D", "input"),
+        (
+            dict(grad_output=np.zeros((3, 7, 8), np.float32)),
+            r"grad_output must be 4-D like input, but got 3-D",
+            "grad_output",
+        ),
+        (dict(padding=(2, 2, 1)), r"padding must have length 4, but got length 3", "padding"),
+        (dict(padding=(2, 2, 1, 1, 0)), r"padding must have length 4, but got length 5", "padding"),
+        (dict(padding=(2.0, 2, 1, 1)), r"padding\[0\] must be an integer, but got 2.0 \(a float\)", "padding"),
+        (dict(padding=(2, True, 1, 1)), r"padding\[1\] must be an integer, but got True \(a bool\)", "padding"),
+        (dict(padding=4), r"padding must be a sequence of integers, but got 4", "padding"),
+        (
+            dict(padding=(4, 0, 1, 1), grad_output=np.zeros((2, 3, 7, 8), np.float32)),
+            r"padding\[0\] \(left\) must be less than the input width 4, but got 4",
+            "padding",
+        ),
+        (
+            dict(padding=(0, 5, 1, 1)),
+            r"padding\[1\] \(right\) must be less than the input width 4, but got 5",
+            "padding",
+        ),
+        (
+            dict(padding=(2, 2, 5, 1)),
+            r"padding\[2\] \(top\) must be less than the input height 5, but got 5",
+            "padding",
+        ),
+        (
+            dict(padding=(2, 2, 1, 7)),
+            r"padding\[3\] \(bottom\) must be less than the input height 5, but got 7",
+            "padding",
+        ),
+        (
+            dict(padding=(-3, -3, 1, 1)),
+            r"padding must leave a padded size of at least 1 x 1 for input 5 x 4, but got "
+            r"\(-3, -3, 1, 1\), giving 7 x -2",
+            "padding",
+        ),
+        (
+            dict(grad_output=np.zeros((3, 3, 7, 8), np.float32)),
+            r"grad_output\.shape\[0\] must be 2 \(as input\), but got 3",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 4, 7, 8), np.float32)),
+            r"grad_output\.shape\[1\] must be 3 \(as input\), but got 4",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 6, 8), np.float32)),
+            r"grad_output\.shape\[2\] must be 7 \(input height 5 \+ top 1 \+ bottom 1\), but got 6",
+            "grad_output",
+        ),
+        (
+            dict(grad_output=np.zeros((2, 3, 7, 9), np.float32)),
+            r"grad_output\.shape\[3\] must be 8 \(input width 4 \+ left 2 \+ right 2\), but got 9",
+            "grad_output",
+        ),
+        (
+            dict(input=(2, 0, 5, 4), grad_output=np.zeros((2, 0, 7, 8), np.float32)),
+            r"input\.shape\[1\] must be > 0 \(only the batch dimension of a 4-D input may be empty\), but got 0",
+            "input",
+        ),
+        (dict(input=(0, 5, 4), grad_output=np.zeros((0, 7, 8), np.float32)), r"input\.shape\[0\] must be > 0", "input"),
+        (dict(input=(2, 3, -5, 4)), r"input\[2\] must be >= 0, but got -5", "input"),
+        (
+            dict(grad_output=np.zeros((2, 3, 7, 8), np.int32)),
+            r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, complex64, complex128, but got int32",
+            "grad_output",
+        ),
+        (
+            dict(input=np.zeros((2, 3, 5, 4), np.float64)),
+            r"input\.dtype must equal grad_output\.dtype \(float32\), but got float64",
+            "input",
+        ),
+        (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
+        (dict(grad_output=object()), r"grad_output must be a numeric array", "grad_output"),
+    ],
+)
 def test_errors(changes, message, param):
     with raises_param_error(message, param=param):
         call(**changes)

@@ -37,8 +37,10 @@ def _array(rng, shape, dtypes=(np.float32, np.float64, np.float16, BF16, np.int3
 def _ordinary(*arrays):
     """Finite values of ordinary size: the calls whose results are compared with the oracle
     (non-finite or huge inputs only have to give a result or a ParamError)."""
-    return all(np.all(np.abs(np.asarray(a, np.float64) if np.asarray(a).dtype.kind != "c" else np.abs(a)) < 1e30)
-               for a in arrays)
+    return all(
+        np.all(np.abs(np.asarray(a, np.float64) if np.asarray(a).dtype.kind != "c" else np.abs(a)) < 1e30)
+        for a in arrays
+    )
 
 
 def _upsample(rng):
@@ -48,8 +50,9 @@ def _upsample(rng):
     output_size = grad.shape[2:] if rng.random() < 0.7 else (oh, ow)
     align_corners, scales_h = bool(rng.random() < 0.5), float(rng.choice([0, 0.5, 1e-30, 3.0, -1]))
     layout = str(rng.choice(["NCHW", "NCHW", "NHWC", "nchw"]))
-    result = fastbwd.upsample_bilinear2d_backward(grad, output_size, (n, c, h, w), align_corners, scales_h,
-                                                  None, layout=layout)
+    result = fastbwd.upsample_bilinear2d_backward(
+        grad, output_size, (n, c, h, w), align_corners, scales_h, None, layout=layout
+    )
 
     def expected():
         if not _ordinary(grad):
@@ -57,14 +60,14 @@ def _upsample(rng):
         nchw = grad.transpose(0, 3, 1, 2) if layout == "NHWC" else grad
         want = ref.upsample_bilinear2d_backward(nchw, output_size, (n, c, h, w), align_corners, scales_h, 0.0)
         return want.transpose(0, 2, 3, 1) if layout == "NHWC" else want
+
     return result, expected
 
 
 def _pad(rng):
     shape = tuple(_size(rng) for _ in range(int(rng.choice([3, 4]))))
     padding = tuple(int(rng.integers(-3, 4)) for _ in range(4))
-    grad_shape = shape[:-2] + (max(shape[-2] + padding[2] + padding[3], 0),
-                               max(shape[-1] + padding[0] + padding[1], 0))
+    grad_shape = shape[:-2] + (max(shape[-2] + padding[2] + padding[3], 0), max(shape[-1] + padding[0] + padding[1], 0))
     grad = _array(rng, grad_shape)
     result = fastbwd.replication_pad2d_backward(grad, shape, padding)
     return result, lambda: ref.replication_pad2d_backward(grad, shape, padding) if _ordinary(grad) else None
@@ -91,6 +94,7 @@ def _roi_align(rng):
         if grad.size == 0:  # no bins (PH or PW 0, no boxes or no channels): all zeros
             return np.zeros((b, c, h, w))
         return ref.roi_align_backward(grad, boxes, (b, c, h, w), ph, pw, scale, ratio, aligned)
+
     return result, expected
 
 
@@ -110,11 +114,12 @@ def _group_norm_swish(rng):
         if not (_ordinary(dy, mean, rstd, x, gamma, beta) and abs(swish_scale) < 1e30):
             return None
         if data_format == "NHWC":  # channels last: the oracle takes them at axis 1
-            dx, dgamma, dbeta = ref.group_norm_swish_backward(np.moveaxis(dy, -1, 1), mean, rstd,
-                                                              np.moveaxis(x, -1, 1), gamma, beta, groups,
-                                                              swish_scale)
+            dx, dgamma, dbeta = ref.group_norm_swish_backward(
+                np.moveaxis(dy, -1, 1), mean, rstd, np.moveaxis(x, -1, 1), gamma, beta, groups, swish_scale
+            )
             return np.moveaxis(dx, 1, -1), dgamma, dbeta
         return ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, swish_scale)
+
     return result, expected
 
 
@@ -133,14 +138,17 @@ def _group_norm_swish_forward(rng):
         if not (_ordinary(x, gamma, beta) and abs(swish_scale) < 1e30 and eps > 0):
             return None
         moved = data_format == "NHWC"
-        y, mean, rstd = ref.group_norm_swish_forward(np.moveaxis(x, -1, 1) if moved else x, gamma, beta, groups,
-                                                     eps, swish_scale)
+        y, mean, rstd = ref.group_norm_swish_forward(
+            np.moveaxis(x, -1, 1) if moved else x, gamma, beta, groups, eps, swish_scale
+        )
         return (np.moveaxis(y, 1, -1) if moved else y), mean, rstd
+
     return result, expected
 
 
-@pytest.mark.parametrize("call", [_upsample, _pad, _roi_align, _group_norm_swish, _group_norm_swish_forward],
-                         ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize(
+    "call", [_upsample, _pad, _roi_align, _group_norm_swish, _group_norm_swish_forward], ids=lambda f: f.__name__[1:]
+)
 def test_only_results_or_param_errors_and_valid_results_match_the_reference(call):
     rng = np.random.default_rng(20261121)
     results = compared = 0
@@ -154,12 +162,12 @@ def test_only_results_or_param_errors_and_valid_results_match_the_reference(call
         if want is None:
             continue
         compared += 1
-        for actual, wanted in zip(result if isinstance(result, tuple) else (result,),
-                                  want if isinstance(want, tuple) else (want,)):
+        for actual, wanted in zip(
+            result if isinstance(result, tuple) else (result,), want if isinstance(want, tuple) else (want,)
+        ):
             assert actual.shape == wanted.shape
             if actual.size:
-                assert_matches_reference(actual, wanted, **({"rtol": 1e-4, "atol": 1e-5} if call is _roi_align
-                                                            else {}))
+                assert_matches_reference(actual, wanted, **({"rtol": 1e-4, "atol": 1e-5} if call is _roi_align else {}))
     assert results >= CALLS // 20, "the random arguments hardly ever reached a kernel"
     assert compared >= 2, f"only {compared} of {results} results were compared with the reference"
 
@@ -179,9 +187,14 @@ def _valid_upsample(rng):
     grad = rng.standard_normal(input_size[:2] + output_size).astype(dtype)
     want = ref.upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, *scales)
     if rng.random() < 0.5:
-        result = fastbwd.upsample_bilinear2d_backward(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)),
-                                                      output_size, input_size, align_corners, *scales,
-                                                      layout="NHWC")
+        result = fastbwd.upsample_bilinear2d_backward(
+            np.ascontiguousarray(grad.transpose(0, 2, 3, 1)),
+            output_size,
+            input_size,
+            align_corners,
+            *scales,
+            layout="NHWC",
+        )
         return result.transpose(0, 3, 1, 2), want
     return fastbwd.upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, *scales), want
 
@@ -189,11 +202,17 @@ def _valid_upsample(rng):
 def _valid_pad(rng):
     dtype = (np.float32, np.float64, np.float16, BF16, np.complex64, np.complex128)[rng.integers(6)]
     shape = tuple(int(rng.integers(1, 4)) for _ in range(int(rng.integers(1, 3)))) + (
-        int(rng.integers(1, 9)), int(rng.integers(1, 9)))
+        int(rng.integers(1, 9)),
+        int(rng.integers(1, 9)),
+    )
     height, width = shape[-2:]
     while True:
-        padding = (int(rng.integers(-width + 1, width)), int(rng.integers(-width + 1, width)),
-                   int(rng.integers(-height + 1, height)), int(rng.integers(-height + 1, height)))
+        padding = (
+            int(rng.integers(-width + 1, width)),
+            int(rng.integers(-width + 1, width)),
+            int(rng.integers(-height + 1, height)),
+            int(rng.integers(-height + 1, height)),
+        )
         if width + padding[0] + padding[1] >= 1 and height + padding[2] + padding[3] >= 1:
             break
     grad_shape = shape[:-2] + (height + padding[2] + padding[3], width + padding[0] + padding[1])
@@ -207,8 +226,12 @@ def _valid_pad(rng):
 
 def _valid_roi_align(rng):
     dtype = FLOATS[rng.integers(4)]
-    batch, channels, height, width = (int(rng.integers(1, 3)), int(rng.integers(1, 20)),
-                                      int(rng.integers(1, 12)), int(rng.integers(1, 12)))
+    batch, channels, height, width = (
+        int(rng.integers(1, 3)),
+        int(rng.integers(1, 20)),
+        int(rng.integers(1, 12)),
+        int(rng.integers(1, 12)),
+    )
     count = int(rng.integers(0, 6))
     scale = float(rng.choice([0.25, 0.5, 1.0]))
     boxes = np.zeros((count, 5))
@@ -221,8 +244,7 @@ def _valid_roi_align(rng):
     ratio, aligned = int(rng.choice([0, 1, 2])), bool(rng.random() < 0.5)
     grad = rng.standard_normal((count, channels) + pooled).astype(dtype)
     result = fastbwd.roi_align_backward(grad, boxes, (batch, channels, height, width), *pooled, scale, ratio, aligned)
-    return result, ref.roi_align_backward(grad, boxes, (batch, channels, height, width), *pooled, scale, ratio,
-                                          aligned)
+    return result, ref.roi_align_backward(grad, boxes, (batch, channels, height, width), *pooled, scale, ratio, aligned)
 
 
 def _valid_group_norm_swish(rng):
@@ -242,27 +264,40 @@ def _valid_group_norm_swish(rng):
     want = ref.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, swish_scale)
     if len(spatial) == 2 and rng.random() < 0.5:
         dx, dgamma, dbeta = fastbwd.group_norm_swish_backward(
-            np.ascontiguousarray(np.moveaxis(dy, 1, -1)), mean, rstd, np.ascontiguousarray(np.moveaxis(x, 1, -1)),
-            gamma, beta, groups, "NHWC", swish_scale)
+            np.ascontiguousarray(np.moveaxis(dy, 1, -1)),
+            mean,
+            rstd,
+            np.ascontiguousarray(np.moveaxis(x, 1, -1)),
+            gamma,
+            beta,
+            groups,
+            "NHWC",
+            swish_scale,
+        )
         return (np.moveaxis(dx, -1, 1), dgamma, dbeta), want
     return fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups, "NCHW", swish_scale), want
 
 
-@pytest.mark.parametrize("call", [_valid_upsample, _valid_pad, _valid_roi_align, _valid_group_norm_swish],
-                         ids=lambda f: f.__name__[7:])
+@pytest.mark.parametrize(
+    "call", [_valid_upsample, _valid_pad, _valid_roi_align, _valid_group_norm_swish], ids=lambda f: f.__name__[7:]
+)
 def test_valid_random_arguments_match_the_reference(call):
     rng = np.random.default_rng(20261123)
     for _ in range(CALLS // 3):
         result, want = call(rng)
-        for actual, wanted in zip(result if isinstance(result, tuple) else (result,),
-                                  want if isinstance(want, tuple) else (want,)):
+        for actual, wanted in zip(
+            result if isinstance(result, tuple) else (result,), want if isinstance(want, tuple) else (want,)
+        ):
             assert actual.shape == wanted.shape
             if actual.size:
                 # half-format GroupNorm+Swish: dx is a difference of float32 terms, rounded once:
                 # within 1 ulp of the exact value except near cancellation (atol_scale)
-                assert_matches_reference(actual, wanted, atol_scale=1e-3 if call is _valid_group_norm_swish else 1e-6,
-                                         **({"rtol": 1e-4, "atol": 1e-5} if call is _valid_roi_align
-                                            and actual.dtype == np.float32 else {}))
+                assert_matches_reference(
+                    actual,
+                    wanted,
+                    atol_scale=1e-3 if call is _valid_group_norm_swish else 1e-6,
+                    **({"rtol": 1e-4, "atol": 1e-5} if call is _valid_roi_align and actual.dtype == np.float32 else {}),
+                )
 
 
 def test_avg_pool_random_geometries_match_the_reference():

@@ -39,8 +39,16 @@ def random_case(rng, dtype):
     num_boxes = int(rng.integers(1, 7))
     boxes = random_boxes(rng, num_boxes, batch, height, width, spatial_scale).astype(dtype)
     grad_output = rng.standard_normal((num_boxes, channels, pooled_height, pooled_width)).astype(dtype)
-    return (grad_output, boxes, (batch, channels, height, width), pooled_height, pooled_width,
-            spatial_scale, int(rng.integers(0, 4)), bool(rng.integers(0, 2)))
+    return (
+        grad_output,
+        boxes,
+        (batch, channels, height, width),
+        pooled_height,
+        pooled_width,
+        spatial_scale,
+        int(rng.integers(0, 4)),
+        bool(rng.integers(0, 2)),
+    )
 
 
 def check_against_reference(args):
@@ -56,6 +64,7 @@ def check_against_reference(args):
 # values
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_reference_random_cases(dtype):
     rng = np.random.default_rng(5)
@@ -69,8 +78,7 @@ def test_every_sampling_ratio_and_alignment(sampling_ratio, aligned):
     rng = np.random.default_rng(sampling_ratio + 10 * aligned)
     boxes = random_boxes(rng, 8, 2, 11, 13, 0.5)
     grad_output = rng.standard_normal((8, 3, 3, 2)).astype(np.float32)
-    check_against_reference((grad_output, boxes.astype(np.float32), (2, 3, 11, 13), 3, 2, 0.5,
-                             sampling_ratio, aligned))
+    check_against_reference((grad_output, boxes.astype(np.float32), (2, 3, 11, 13), 3, 2, 0.5, sampling_ratio, aligned))
 
 
 def test_adjoint_of_the_forward():
@@ -97,13 +105,15 @@ def test_single_box_by_hand():
 
 def test_boxes_partly_and_wholly_outside_the_image():
     grad_output = np.random.default_rng(1).standard_normal((5, 2, 2, 3))
-    boxes = np.array([
-        [0, -6.0, -5.0, 3.0, 2.0],     # partly outside, top-left
-        [1, 5.0, 4.0, 15.0, 12.0],     # partly outside, bottom-right
-        [0, -30.0, -30.0, -10.0, -8],  # wholly outside: every sample skipped
-        [1, 20.0, 1.0, 30.0, 5.0],     # wholly outside on the right
-        [0, -2.0, -1.5, 9.0, 8.5],     # covers the image with a margin
-    ])
+    boxes = np.array(
+        [
+            [0, -6.0, -5.0, 3.0, 2.0],  # partly outside, top-left
+            [1, 5.0, 4.0, 15.0, 12.0],  # partly outside, bottom-right
+            [0, -30.0, -30.0, -10.0, -8],  # wholly outside: every sample skipped
+            [1, 20.0, 1.0, 30.0, 5.0],  # wholly outside on the right
+            [0, -2.0, -1.5, 9.0, 8.5],  # covers the image with a margin
+        ]
+    )
     for aligned in (False, True):
         for ratio in (0, 2):
             result = check_against_reference((grad_output, boxes, (2, 2, 7, 9), 2, 3, 1.0, ratio, aligned))
@@ -115,12 +125,14 @@ def test_boxes_partly_and_wholly_outside_the_image():
 @pytest.mark.parametrize("aligned", [False, True])
 def test_degenerate_boxes(aligned):
     grad_output = np.random.default_rng(2).standard_normal((4, 2, 2, 2))
-    boxes = np.array([
-        [0, 3.0, 2.0, 3.0, 2.0],  # a point
-        [0, 1.0, 1.0, 5.0, 1.0],  # a horizontal segment
-        [0, 4.0, 3.0, 2.0, 1.0],  # inverted (x2 < x1, y2 < y1)
-        [0, 2.5, 2.5, 2.5, 6.0],  # a vertical segment
-    ])
+    boxes = np.array(
+        [
+            [0, 3.0, 2.0, 3.0, 2.0],  # a point
+            [0, 1.0, 1.0, 5.0, 1.0],  # a horizontal segment
+            [0, 4.0, 3.0, 2.0, 1.0],  # inverted (x2 < x1, y2 < y1)
+            [0, 2.5, 2.5, 2.5, 6.0],  # a vertical segment
+        ]
+    )
     for ratio in (0, 1, 2):
         result = check_against_reference((grad_output, boxes, (1, 2, 6, 7), 2, 2, 1.0, ratio, aligned))
         if aligned and ratio == 0:
@@ -141,8 +153,9 @@ def test_height_or_width_one(input_shape):
 def test_empty_cases():
     # K == 0: zero-filled result (written into out too)
     out = np.full((2, 3, 4, 5), np.nan, np.float32)
-    result = roi_bwd(np.zeros((0, 3, 2, 2), np.float32), np.zeros((0, 5), np.float32), (2, 3, 4, 5),
-                     2, 2, 1.0, 0, True, out=out)
+    result = roi_bwd(
+        np.zeros((0, 3, 2, 2), np.float32), np.zeros((0, 5), np.float32), (2, 3, 4, 5), 2, 2, 1.0, 0, True, out=out
+    )
     assert result is out and not result.any()
     # C == 0, B == 0, H == 0, pooled size 0
     assert roi_bwd(np.zeros((3, 0, 2, 2)), np.zeros((3, 5)), (2, 0, 4, 5), 2, 2, 1.0, 0, True).shape == (2, 0, 4, 5)
@@ -159,9 +172,19 @@ def test_empty_cases():
 GOOD_BOX = [1, 1.0, 2.0, 9.0, 7.0]
 
 
-@pytest.mark.parametrize("batch_index, image", [
-    (-1, None), (2, None), (0.5, 0), (1.9, 1), (-0.5, None), (np.nan, None), (np.inf, None), (-np.inf, None),
-])
+@pytest.mark.parametrize(
+    "batch_index, image",
+    [
+        (-1, None),
+        (2, None),
+        (0.5, 0),
+        (1.9, 1),
+        (-0.5, None),
+        (np.nan, None),
+        (np.inf, None),
+        (-np.inf, None),
+    ],
+)
 def test_batch_index(batch_index, image):
     # docs/semantics.md: b = floor(boxes[k, 0]); outside [0, B) or not finite -> the box contributes nothing.
     boxes = np.array([GOOD_BOX, [batch_index] + GOOD_BOX[1:]], np.float32)
@@ -197,10 +220,13 @@ def test_nan_and_inf_gradients_propagate():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("box, pooled", [
-    ([0, -40000.0, -60.0, 60000.0, 40.0], (2, 1)),  # 1e5 x 100 = 1e7 pixels, wide
-    ([0, -3.0, -90000.0, 5.0, 10000.0], (1, 3)),    # 8 x 1e5 plus, tall
-])
+@pytest.mark.parametrize(
+    "box, pooled",
+    [
+        ([0, -40000.0, -60.0, 60000.0, 40.0], (2, 1)),  # 1e5 x 100 = 1e7 pixels, wide
+        ([0, -3.0, -90000.0, 5.0, 10000.0], (1, 3)),  # 8 x 1e5 plus, tall
+    ],
+)
 def test_huge_adaptive_box_matches_reference(dtype, box, pooled):
     # Adaptive grids of 1e5 samples per bin along one axis: only the samples that can land in the
     # image are visited, while the divisor stays the full grid count.
@@ -231,9 +257,7 @@ def test_absurd_boxes_return_and_add_next_to_nothing(dtype):
     # rational sums), or 0 once the box overflows. Rounding of the coordinates in the compute
     # type (spacing ~1e14 or more near the image) may cluster samples, but a bin's weight per
     # axis stays a fraction of its samples: far below 1e-9.
-    boxes = np.array([[0, -1e30, -1e30, 1e30, 1e30],
-                      [0, -3e38, -3e38, 3e38, 3e38],
-                      [0, 0.0, 0.0, 3e38, 3e38]], dtype)
+    boxes = np.array([[0, -1e30, -1e30, 1e30, 1e30], [0, -3e38, -3e38, 3e38, 3e38], [0, 0.0, 0.0, 3e38, 3e38]], dtype)
     grad_output = np.random.default_rng(6).standard_normal((3, 2, 7, 7)).astype(dtype)
     expected = ref.roi_align_backward(grad_output, boxes, (1, 2, 10, 14), 7, 7, 1.0, 0, True)
     assert np.abs(expected).max() < 1e-50
@@ -249,6 +273,7 @@ def test_absurd_boxes_return_and_add_next_to_nothing(dtype):
 # large sampling ratios (issue 12): per-pixel weights, bounded work, no lost digits
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("sampling_ratio", [1000, 10000, 100000, 300000, 2**31 - 1])
 def test_huge_sampling_ratio_keeps_every_digit(sampling_ratio):
     # A box inside an 8 x 8 map, 2 x 2 bins: every sample is valid, so the gradient's total is
@@ -263,9 +288,11 @@ def test_huge_sampling_ratio_keeps_every_digit(sampling_ratio):
 def hat_integral(a, b, q):
     """The integral over [a, b] of the hat function max(0, 1 - |p - q|) (pixel q's bilinear
     weight at p), in closed form: the sampling limit of a bin's weight on pixel q."""
+
     def antiderivative(p):  # of the hat around 0, clipped to [-1, 1]
         p = min(max(p, -1.0), 1.0)
         return p + p * abs(p) / -2.0 + 0.5
+
     return antiderivative(b - q) - antiderivative(a - q)
 
 
@@ -318,8 +345,9 @@ def test_large_sampling_ratios_match_reference(sampling_ratio, aligned):
             assert_matches_reference(forward, expected_forward, rtol=0, atol=1e-10)
         elif dtype == np.float32:
             assert_matches_reference(result, ref.roi_align_backward(grad_output, boxes, *args[2:]), rtol=0, atol=2e-5)
-            assert_matches_reference(forward, ref.roi_align_forward(x.astype(dtype), boxes, *args[3:]),
-                                     rtol=0, atol=2e-5)
+            assert_matches_reference(
+                forward, ref.roi_align_forward(x.astype(dtype), boxes, *args[3:]), rtol=0, atol=2e-5
+            )
         else:
             assert_matches_reference(result, ref.roi_align_backward(grad_output, boxes, *args[2:]))
             assert_matches_reference(forward, ref.roi_align_forward(x.astype(dtype), boxes, *args[3:]))
@@ -372,10 +400,15 @@ def test_large_sampling_ratio_against_brute_force():
     grad_output = rng.standard_normal((2, 3, 1, 2))
     for aligned in (False, True):
         expected = brute_force_backward(grad_output, boxes, (1, 3, 5, 6), (1, 2), 1.0, 1000, aligned)
-        assert_matches_reference(ref.roi_align_backward(grad_output, boxes, (1, 3, 5, 6), 1, 2, 1.0, 1000, aligned),
-                                 expected, rtol=0, atol=1e-12)
-        result = roi_bwd(grad_output.astype(np.float32), boxes.astype(np.float32), (1, 3, 5, 6), 1, 2, 1.0, 1000,
-                         aligned)
+        assert_matches_reference(
+            ref.roi_align_backward(grad_output, boxes, (1, 3, 5, 6), 1, 2, 1.0, 1000, aligned),
+            expected,
+            rtol=0,
+            atol=1e-12,
+        )
+        result = roi_bwd(
+            grad_output.astype(np.float32), boxes.astype(np.float32), (1, 3, 5, 6), 1, 2, 1.0, 1000, aligned
+        )
         assert_matches_reference(result, expected, rtol=0, atol=2e-5)
 
 
@@ -388,6 +421,7 @@ def test_large_sampling_ratio_thread_count_does_not_change_bits(dtype):
 # --------------------------------------------------------------------------------------------
 # layouts, strides, out=, threads
 # --------------------------------------------------------------------------------------------
+
 
 def big_case(dtype=np.float32):
     """Several images, channel blocks and row bands of the scatter kernel."""
@@ -453,12 +487,15 @@ def test_inputs_are_not_mutated_and_out_is_overwritten():
     assert bitwise_equal(args[0], snapshot[0]) and bitwise_equal(args[1], snapshot[1])
 
 
-@pytest.mark.parametrize("bad_out, message", [
-    (np.empty((2, 3, 4, 6), np.float32), r"out\.shape must be \(2, 3, 4, 5\), but got \(2, 3, 4, 6\)"),
-    (np.empty((2, 3, 4, 5), np.float64), r"out\.dtype must be float32, but got float64"),
-    ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-    (np.empty((2, 3, 4, 10), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-])
+@pytest.mark.parametrize(
+    "bad_out, message",
+    [
+        (np.empty((2, 3, 4, 6), np.float32), r"out\.shape must be \(2, 3, 4, 5\), but got \(2, 3, 4, 6\)"),
+        (np.empty((2, 3, 4, 5), np.float64), r"out\.dtype must be float32, but got float64"),
+        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
+        (np.empty((2, 3, 4, 10), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
+    ],
+)
 def test_bad_out_is_rejected_and_untouched(bad_out, message):
     snapshot = np.array(bad_out, copy=True)
     with raises_param_error(message, param="out"):
@@ -481,12 +518,21 @@ def test_out_read_only_and_overlapping():
 # argument forms, torch
 # --------------------------------------------------------------------------------------------
 
+
 def test_lists_and_numpy_scalars_are_accepted():
     grad_output = [[[[1.0, 2.0]]]]
     boxes = [[0, 0.0, 0.0, 4.0, 2.0]]
     by_list = roi_bwd(grad_output, boxes, [1, 1, 3, 5], 1, 2, 1.0, 1, True)
-    by_numpy = roi_bwd(np.array(grad_output), np.array(boxes), (np.int64(1), 1, 3, 5), np.int32(1),
-                       np.int64(2), np.float32(1.0), np.int8(1), np.bool_(True))
+    by_numpy = roi_bwd(
+        np.array(grad_output),
+        np.array(boxes),
+        (np.int64(1), 1, 3, 5),
+        np.int32(1),
+        np.int64(2),
+        np.float32(1.0),
+        np.int8(1),
+        np.bool_(True),
+    )
     assert by_list.dtype == np.float64 and bitwise_equal(by_list, by_numpy)
 
 
@@ -520,54 +566,94 @@ def test_matches_the_baselines(sampling_ratio, aligned):
 # errors (docs/semantics.md §4)
 # --------------------------------------------------------------------------------------------
 
-GOOD = dict(grad_output=np.zeros((2, 3, 2, 2), np.float32), boxes=np.zeros((2, 5), np.float32),
-            input_shape=(2, 3, 4, 5), pooled_height=2, pooled_width=2, spatial_scale=0.5,
-            sampling_ratio=0, aligned=True)
+GOOD = dict(
+    grad_output=np.zeros((2, 3, 2, 2), np.float32),
+    boxes=np.zeros((2, 5), np.float32),
+    input_shape=(2, 3, 4, 5),
+    pooled_height=2,
+    pooled_width=2,
+    spatial_scale=0.5,
+    sampling_ratio=0,
+    aligned=True,
+)
 
 
 def call(**changes):
     return roi_bwd(**dict(GOOD, **changes))
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(grad_output=np.zeros((2, 3, 2), np.float32)), r"grad_output must be 4-D, but got 3-D", "grad_output"),
-    (dict(boxes=np.zeros((2, 4), np.float32)), r"boxes must have shape \(K, 5\), but got shape \(2, 4\)", "boxes"),
-    (dict(boxes=np.zeros(10, np.float32)), r"boxes must have shape \(K, 5\), but got shape \(10,\)", "boxes"),
-    (dict(boxes=np.zeros((3, 5), np.float32)), r"boxes\.shape\[0\] must be 2 \(K of grad_output\), but got 3",
-     "boxes"),
-    (dict(input_shape=(2, 3, 4)), r"input_shape must have length 4, but got length 3", "input_shape"),
-    (dict(input_shape=(2, 3, 4, 5, 1)), r"input_shape must have length 4, but got length 5", "input_shape"),
-    (dict(input_shape=(2, 3, -4, 5)), r"input_shape\[2\] must be >= 0, but got -4", "input_shape"),
-    (dict(input_shape=(2, 3, 4.0, 5)), r"input_shape\[2\] must be an integer, but got 4.0 \(a float\)",
-     "input_shape"),
-    (dict(input_shape=(2, 4, 4, 5)), r"input_shape\[1\] must be 3 \(C of grad_output\), but got 4", "input_shape"),
-    (dict(pooled_height=3), r"grad_output\.shape\[2\] must be 3 \(pooled_height\), but got 2", "grad_output"),
-    (dict(pooled_width=1), r"grad_output\.shape\[3\] must be 1 \(pooled_width\), but got 2", "grad_output"),
-    (dict(pooled_height=2.0), r"pooled_height must be an integer, but got 2.0 \(a float\)", "pooled_height"),
-    (dict(spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN \(1.17549435e-38\), but got 0.0",
-     "spatial_scale"),
-    (dict(spatial_scale=1e-38), r"spatial_scale must be greater than FLT_MIN .*, but got 1e-38", "spatial_scale"),
-    (dict(spatial_scale=-1.0), r"spatial_scale must be greater than FLT_MIN .*, but got -1.0", "spatial_scale"),
-    (dict(spatial_scale=float("nan")), r"spatial_scale must be greater than FLT_MIN .*, but got nan", "spatial_scale"),
-    (dict(spatial_scale="1"), r"spatial_scale must be a real number, but got '1'", "spatial_scale"),
-    (dict(sampling_ratio=-1), r"sampling_ratio must be >= 0 \(0 means adaptive\), but got -1", "sampling_ratio"),
-    (dict(sampling_ratio=2.0), r"sampling_ratio must be an integer, but got 2.0 \(a float\)", "sampling_ratio"),
-    (dict(sampling_ratio=True), r"sampling_ratio must be an integer, but got True \(a bool\)", "sampling_ratio"),
-    (dict(aligned=1), r"aligned must be a bool, but got 1", "aligned"),
-    (dict(grad_output=np.zeros((2, 3, 2, 2), np.int32)),
-     r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, but got int32", "grad_output"),
-    (dict(boxes=np.zeros((2, 5), np.float64)), r"boxes\.dtype must equal grad_output\.dtype \(float32\), but got float64",
-     "boxes"),
-    (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
-    (dict(boxes=object()), r"boxes must be a numeric array", "boxes"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(grad_output=np.zeros((2, 3, 2), np.float32)), r"grad_output must be 4-D, but got 3-D", "grad_output"),
+        (dict(boxes=np.zeros((2, 4), np.float32)), r"boxes must have shape \(K, 5\), but got shape \(2, 4\)", "boxes"),
+        (dict(boxes=np.zeros(10, np.float32)), r"boxes must have shape \(K, 5\), but got shape \(10,\)", "boxes"),
+        (
+            dict(boxes=np.zeros((3, 5), np.float32)),
+            r"boxes\.shape\[0\] must be 2 \(K of grad_output\), but got 3",
+            "boxes",
+        ),
+        (dict(input_shape=(2, 3, 4)), r"input_shape must have length 4, but got length 3", "input_shape"),
+        (dict(input_shape=(2, 3, 4, 5, 1)), r"input_shape must have length 4, but got length 5", "input_shape"),
+        (dict(input_shape=(2, 3, -4, 5)), r"input_shape\[2\] must be >= 0, but got -4", "input_shape"),
+        (
+            dict(input_shape=(2, 3, 4.0, 5)),
+            r"input_shape\[2\] must be an integer, but got 4.0 \(a float\)",
+            "input_shape",
+        ),
+        (dict(input_shape=(2, 4, 4, 5)), r"input_shape\[1\] must be 3 \(C of grad_output\), but got 4", "input_shape"),
+        (dict(pooled_height=3), r"grad_output\.shape\[2\] must be 3 \(pooled_height\), but got 2", "grad_output"),
+        (dict(pooled_width=1), r"grad_output\.shape\[3\] must be 1 \(pooled_width\), but got 2", "grad_output"),
+        (dict(pooled_height=2.0), r"pooled_height must be an integer, but got 2.0 \(a float\)", "pooled_height"),
+        (
+            dict(spatial_scale=0.0),
+            r"spatial_scale must be greater than FLT_MIN \(1.17549435e-38\), but got 0.0",
+            "spatial_scale",
+        ),
+        (dict(spatial_scale=1e-38), r"spatial_scale must be greater than FLT_MIN .*, but got 1e-38", "spatial_scale"),
+        (dict(spatial_scale=-1.0), r"spatial_scale must be greater than FLT_MIN .*, but got -1.0", "spatial_scale"),
+        (
+            dict(spatial_scale=float("nan")),
+            r"spatial_scale must be greater than FLT_MIN .*, but got nan",
+            "spatial_scale",
+        ),
+        (dict(spatial_scale="1"), r"spatial_scale must be a real number, but got '1'", "spatial_scale"),
+        (dict(sampling_ratio=-1), r"sampling_ratio must be >= 0 \(0 means adaptive\), but got -1", "sampling_ratio"),
+        (dict(sampling_ratio=2.0), r"sampling_ratio must be an integer, but got 2.0 \(a float\)", "sampling_ratio"),
+        (dict(sampling_ratio=True), r"sampling_ratio must be an integer, but got True \(a bool\)", "sampling_ratio"),
+        (dict(aligned=1), r"aligned must be a bool, but got 1", "aligned"),
+        (
+            dict(grad_output=np.zeros((2, 3, 2, 2), np.int32)),
+            r"grad_output\.dtype must be one of float32, float16, bfloat16, float64, but got int32",
+            "grad_output",
+        ),
+        (
+            dict(boxes=np.zeros((2, 5), np.float64)),
+            r"boxes\.dtype must equal grad_output\.dtype \(float32\), but got float64",
+            "boxes",
+        ),
+        (dict(grad_output=np.array(["a"])), r"grad_output must be a numeric array", "grad_output"),
+        (dict(boxes=object()), r"boxes must be a numeric array", "boxes"),
+    ],
+)
 def test_errors(changes, message, param):
     with raises_param_error(message, param=param):
         call(**changes)
 
 
-@pytest.mark.parametrize("name", ["grad_output", "boxes", "input_shape", "pooled_height", "pooled_width",
-                                  "spatial_scale", "sampling_ratio", "aligned"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "grad_output",
+        "boxes",
+        "input_shape",
+        "pooled_height",
+        "pooled_width",
+        "spatial_scale",
+        "sampling_ratio",
+        "aligned",
+    ],
+)
 def test_none_is_nullptr(name):
     with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
         call(**{name: None})
@@ -705,38 +791,63 @@ def test_forward_matches_the_pure_pytorch_formulation():
     boxes[:, 0] = np.clip(boxes[:, 0], 0, 2)  # torchvision truncates the batch index: keep it valid
     for ratio in (0, 2):
         expected = torch_forward(x, boxes, ph, pw, scale, ratio, aligned)
-        assert_matches_reference(roi_fwd(x, boxes, ph, pw, scale, ratio, aligned), expected.astype(np.float64),
-                                 rtol=1e-5, atol=1e-5)
+        assert_matches_reference(
+            roi_fwd(x, boxes, ph, pw, scale, ratio, aligned), expected.astype(np.float64), rtol=1e-5, atol=1e-5
+        )
 
 
-FORWARD_GOOD = dict(input=np.zeros((2, 3, 4, 5), np.float32), boxes=np.zeros((2, 5), np.float32),
-                    pooled_height=2, pooled_width=2, spatial_scale=0.5, sampling_ratio=0, aligned=True)
+FORWARD_GOOD = dict(
+    input=np.zeros((2, 3, 4, 5), np.float32),
+    boxes=np.zeros((2, 5), np.float32),
+    pooled_height=2,
+    pooled_width=2,
+    spatial_scale=0.5,
+    sampling_ratio=0,
+    aligned=True,
+)
 
 
-@pytest.mark.parametrize("changes, message, param", [
-    (dict(input=np.zeros((3, 4, 5), np.float32)), r"input must be 4-D, but got 3-D", "input"),
-    (dict(input=np.zeros((2, 3, 4, 5), np.int64)),
-     r"input\.dtype must be one of float32, float16, bfloat16, float64, but got int64", "input"),
-    (dict(boxes=np.zeros((2, 4), np.float32)), r"boxes must have shape \(K, 5\), but got shape \(2, 4\)", "boxes"),
-    (dict(boxes=np.zeros((2, 5), np.float64)), r"boxes\.dtype must equal input\.dtype \(float32\), but got float64",
-     "boxes"),
-    (dict(pooled_height=0), r"pooled_height must be > 0, but got 0", "pooled_height"),
-    (dict(pooled_width=-2), r"pooled_width must be > 0, but got -2", "pooled_width"),
-    (dict(pooled_width=2.0), r"pooled_width must be an integer, but got 2.0 \(a float\)", "pooled_width"),
-    (dict(spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN \(1.17549435e-38\), but got 0.0",
-     "spatial_scale"),
-    (dict(sampling_ratio=-1), r"sampling_ratio must be >= 0 \(0 means adaptive\), but got -1", "sampling_ratio"),
-    (dict(aligned=0), r"aligned must be a bool, but got 0", "aligned"),
-    (dict(out=np.zeros((2, 3, 2, 3), np.float32)), r"out\.shape must be \(2, 3, 2, 2\), but got \(2, 3, 2, 3\)", "out"),
-    (dict(out=np.zeros((2, 3, 2, 2), np.float64)), r"out\.dtype must be float32, but got float64", "out"),
-])
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(input=np.zeros((3, 4, 5), np.float32)), r"input must be 4-D, but got 3-D", "input"),
+        (
+            dict(input=np.zeros((2, 3, 4, 5), np.int64)),
+            r"input\.dtype must be one of float32, float16, bfloat16, float64, but got int64",
+            "input",
+        ),
+        (dict(boxes=np.zeros((2, 4), np.float32)), r"boxes must have shape \(K, 5\), but got shape \(2, 4\)", "boxes"),
+        (
+            dict(boxes=np.zeros((2, 5), np.float64)),
+            r"boxes\.dtype must equal input\.dtype \(float32\), but got float64",
+            "boxes",
+        ),
+        (dict(pooled_height=0), r"pooled_height must be > 0, but got 0", "pooled_height"),
+        (dict(pooled_width=-2), r"pooled_width must be > 0, but got -2", "pooled_width"),
+        (dict(pooled_width=2.0), r"pooled_width must be an integer, but got 2.0 \(a float\)", "pooled_width"),
+        (
+            dict(spatial_scale=0.0),
+            r"spatial_scale must be greater than FLT_MIN \(1.17549435e-38\), but got 0.0",
+            "spatial_scale",
+        ),
+        (dict(sampling_ratio=-1), r"sampling_ratio must be >= 0 \(0 means adaptive\), but got -1", "sampling_ratio"),
+        (dict(aligned=0), r"aligned must be a bool, but got 0", "aligned"),
+        (
+            dict(out=np.zeros((2, 3, 2, 3), np.float32)),
+            r"out\.shape must be \(2, 3, 2, 2\), but got \(2, 3, 2, 3\)",
+            "out",
+        ),
+        (dict(out=np.zeros((2, 3, 2, 2), np.float64)), r"out\.dtype must be float32, but got float64", "out"),
+    ],
+)
 def test_forward_errors(changes, message, param):
     with raises_param_error(r"^roi_align_forward: " + message, param=param):
         roi_fwd(**dict(FORWARD_GOOD, **changes))
 
 
-@pytest.mark.parametrize("name", ["input", "boxes", "pooled_height", "pooled_width", "spatial_scale",
-                                  "sampling_ratio", "aligned"])
+@pytest.mark.parametrize(
+    "name", ["input", "boxes", "pooled_height", "pooled_width", "spatial_scale", "sampling_ratio", "aligned"]
+)
 def test_forward_none_is_nullptr(name):
     with raises_param_error(rf"^roi_align_forward: {name} is required, but got None", status=161001, param=name):
         roi_fwd(**dict(FORWARD_GOOD, **{name: None}))
@@ -757,8 +868,12 @@ def test_forward_docstring_matches_signature():
     for section in ("Parameters", "Returns", "Raises"):
         assert re.search(rf"^{section}\n-+$", doc, re.M), section
     parameters = re.search(r"^Parameters\n-+\n(.*?)^Returns\n", doc, re.S | re.M).group(1)
-    documented = [name for line in parameters.splitlines()
-                  for match in [re.match(r"^(\w+(?:, \w+)*) :", line)] if match
-                  for name in match.group(1).split(", ")]
+    documented = [
+        name
+        for line in parameters.splitlines()
+        for match in [re.match(r"^(\w+(?:, \w+)*) :", line)]
+        if match
+        for name in match.group(1).split(", ")
+    ]
     assert documented == list(inspect.signature(roi_fwd).parameters)
     assert "roi_align_forward" not in fastbwd.__all__ and not hasattr(fastbwd, "roi_align_forward")

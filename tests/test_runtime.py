@@ -40,10 +40,12 @@ def run_script(body, env=None, timeout=240):
     script = textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     environment.update(env or {})
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=timeout, env=environment, cwd=ROOT)
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT
+    )
     assert completed.returncode == 0, (
-        f"exit {completed.returncode}\nstdout:\n{completed.stdout}\nstderr:\n{completed.stderr}")
+        f"exit {completed.returncode}\nstdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
+    )
     return completed.stdout
 
 
@@ -257,8 +259,9 @@ def test_every_kernel_path_within_bounds():
     # Compiled with Numba's bounds checks on: an out-of-bounds index anywhere in a kernel
     # raises instead of corrupting memory. (It caught a scratch size that Numba's allocation
     # hoisting got wrong; the intrinsics of kernels._lanes and kernels._memory are not checked.)
-    assert "ok" in run_script(_EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": BOUNDSCHECK_CACHE},
-                              timeout=900)
+    assert "ok" in run_script(
+        _EVERY_KERNEL_PATH, env={"NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": BOUNDSCHECK_CACHE}, timeout=900
+    )
 
 
 _MORE_THREADS_THAN_CORES = """

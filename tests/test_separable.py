@@ -34,12 +34,14 @@ def run(grad_nchw, tables, layout, dtype):
     fmt = d.storage_format(dtype)
     if layout == "NHWC":
         result = np.empty((n, height, width, c), dtype)
-        S.separable_bwd_nhwc(d.kernel_view(np.ascontiguousarray(grad.transpose(0, 2, 3, 1))),
-                             d.kernel_view(result), *tables, fmt)
+        S.separable_bwd_nhwc(
+            d.kernel_view(np.ascontiguousarray(grad.transpose(0, 2, 3, 1))), d.kernel_view(result), *tables, fmt
+        )
         return result.transpose(0, 3, 1, 2)
     result = np.empty((n, c, height, width), dtype)
-    S.separable_bwd_nchw(d.kernel_view(grad).reshape(n * c, oh, ow),
-                         d.kernel_view(result).reshape(n * c, height, width), *tables, fmt)
+    S.separable_bwd_nchw(
+        d.kernel_view(grad).reshape(n * c, oh, ow), d.kernel_view(result).reshape(n * c, height, width), *tables, fmt
+    )
     return result
 
 
@@ -47,8 +49,14 @@ def run(grad_nchw, tables, layout, dtype):
 # overlap their neighbour, scratch wider than the plane), partial row blocks, NHWC rows and
 # channel counts shorter than 16, and grad rows long enough for the row-block kernel to
 # prefetch the next task's rows (S.PREFETCH_MIN_ROW_BYTES).
-ENGINE_SHAPES = [(9, 13, 7, 11, 3), (37, 21, 50, 45, 19), (33, 16, 16, 48, 16), (5, 3, 2, 7, 1),
-                 (20, 33, 17, 16, 35), (40, 70, 45, 130, 2)]
+ENGINE_SHAPES = [
+    (9, 13, 7, 11, 3),
+    (37, 21, 50, 45, 19),
+    (33, 16, 16, 48, 16),
+    (5, 3, 2, 7, 1),
+    (20, 33, 17, 16, 35),
+    (40, 70, 45, 130, 2),
+]
 
 
 @pytest.mark.slow
@@ -137,13 +145,19 @@ def test_plane_lanes_and_row_blocks_agree(dtype):
     by_planes = np.empty((planes, height, width), dtype)
     by_rows = np.empty((planes, height, width), dtype)
     S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt)
-    S._separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(by_rows), *S.gather_table(*tables[:2], height),
-                          *S.gather_table(*tables[2:], width), fmt)
+    S._separable_bwd_nchw(
+        d.kernel_view(grad),
+        d.kernel_view(by_rows),
+        *S.gather_table(*tables[:2], height),
+        *S.gather_table(*tables[2:], width),
+        fmt,
+    )
     assert bitwise_equal(by_planes, by_rows)
     expected = np.einsum("oh,nop,pw->nhw", dense_h, grad.astype(np.float64), dense_w)
     assert_matches_reference(by_planes, expected)
     public = np.empty_like(by_planes)
     S.separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(public), *tables, fmt)
     assert bitwise_equal(public, by_planes)
-    assert_thread_invariant(lambda: S._separable_bwd_planes(
-        d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy())
+    assert_thread_invariant(
+        lambda: S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy()
+    )

@@ -8,10 +8,26 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._halfbits import store
-from fastbwd.kernels._lanes import (LANES, decode_transpose_lanes, gather_transpose_lanes, lanes_axpy,
-                                    lanes_gather_sum, lanes_shifted_sum, transpose_lanes)
-from fastbwd.kernels._memory import (LINE_BYTES, cells_per_line, copy_out, copy_out_reading_ahead, copy_part_line,
-                                     prefetch, prefetch_for_write, store_fence, stream_line_with_ends)
+from fastbwd.kernels._lanes import (
+    LANES,
+    decode_transpose_lanes,
+    gather_transpose_lanes,
+    lanes_axpy,
+    lanes_gather_sum,
+    lanes_shifted_sum,
+    transpose_lanes,
+)
+from fastbwd.kernels._memory import (
+    LINE_BYTES,
+    cells_per_line,
+    copy_out,
+    copy_out_reading_ahead,
+    copy_part_line,
+    prefetch,
+    prefetch_for_write,
+    store_fence,
+    stream_line_with_ends,
+)
 
 
 @njit
@@ -38,17 +54,17 @@ def test_transpose_moves_exactly_one_tile_and_encodes_like_store(dtype):
     source = (rng.standard_normal((LANES + 5, LANES + 9)) * 1e3).astype(compute)
     # NaN, infinities, overflow past the half formats, rounding ties and subnormals
     source[3, 4], source[5, 6], source[6, 7], source[7, 8] = np.nan, np.inf, -np.inf, 1e6
-    source[8, 9] = 1.0 + 2.0 ** -8  # a bfloat16 tie: rounds to even
+    source[8, 9] = 1.0 + 2.0**-8  # a bfloat16 tie: rounds to even
     source[9, 10] = 1e-7
     fmt = d.storage_format(dtype)
     destination = d.kernel_view(np.zeros((LANES + 7, LANES + 4), dtype))
     _transpose(destination, source, 2, 3, 1, 5, fmt)
-    tile = np.ascontiguousarray(source[1:1 + LANES, 5:5 + LANES].T)
+    tile = np.ascontiguousarray(source[1 : 1 + LANES, 5 : 5 + LANES].T)
     expected = np.empty(LANES * LANES, destination.dtype)
     _store_each(expected, tile.ravel(), fmt)
     expected = expected.reshape(LANES, LANES)
-    assert destination[2:2 + LANES, 3:3 + LANES].tobytes() == expected.tobytes()
-    destination[2:2 + LANES, 3:3 + LANES] = 0
+    assert destination[2 : 2 + LANES, 3 : 3 + LANES].tobytes() == expected.tobytes()
+    destination[2 : 2 + LANES, 3 : 3 + LANES] = 0
     assert not destination.any(), "wrote outside the tile"
 
 
@@ -67,11 +83,11 @@ def test_decode_transpose_moves_count_columns_and_reads_no_further(dtype, count)
     # the tile ends at the last element of the array: a read past `count` columns of its last
     # row would leave the array (the masked loads read nothing there)
     sc = source.shape[1] - count
-    tile_rows = source[3:3 + LANES]
+    tile_rows = source[3 : 3 + LANES]
     destination = np.full((LANES + 2, LANES + 5), 7, compute)
     _decode_transpose(destination, 1, 4, d.kernel_view(tile_rows), 0, sc, count, d.storage_format(dtype))
     expected = np.full((LANES + 2, LANES + 5), 7, compute)
-    expected[1:1 + count, 4:4 + LANES] = tile_rows[:, sc:sc + count].astype(compute).T
+    expected[1 : 1 + count, 4 : 4 + LANES] = tile_rows[:, sc : sc + count].astype(compute).T
     assert destination.tobytes() == expected.tobytes()
 
 
@@ -95,7 +111,7 @@ def test_axpy_is_bitwise_the_scalar_loop(dtype):
     scale = dtype(0.3)
     expected = destination.copy()
     # multiply, then add: no fused multiply-add; nothing outside the 16 lanes changes
-    expected[1, 4:4 + LANES] = expected[1, 4:4 + LANES] + scale * source[2, 2:2 + LANES]
+    expected[1, 4 : 4 + LANES] = expected[1, 4 : 4 + LANES] + scale * source[2, 2 : 2 + LANES]
     _axpy(destination, 1, 4, source, 2, 2, scale)
     assert destination.tobytes() == expected.tobytes()
 
@@ -106,17 +122,15 @@ def _gather_sum(destination, row, column, source, index, weights, start, stop, s
 
 
 @njit
-def _gather_transpose(destination, row, column, source, index, weights, starts, first, count, source_column,
-                      fmt):
-    gather_transpose_lanes(destination, row, column, source, index, weights, starts, first, count, source_column,
-                           fmt)
+def _gather_transpose(destination, row, column, source, index, weights, starts, first, count, source_column, fmt):
+    gather_transpose_lanes(destination, row, column, source, index, weights, starts, first, count, source_column, fmt)
 
 
 def _scalar_gathered_sum(source, index, weights, start, stop, source_column):
     """The plain loop the intrinsics replace: from +0.0, multiply then add, in list order."""
     total = np.zeros(LANES, weights.dtype)
     for s in range(start, stop):
-        total = total + weights[s] * source[index[s], source_column:source_column + LANES].astype(weights.dtype)
+        total = total + weights[s] * source[index[s], source_column : source_column + LANES].astype(weights.dtype)
     return total
 
 
@@ -131,11 +145,11 @@ def test_gather_sum_is_bitwise_the_scalar_loop(dtype):
     destination = np.full((3, LANES + 4), 7, compute)
     _gather_sum(destination, 1, 2, d.kernel_view(source), index, weights, 1, 5, 3, d.storage_format(dtype))
     expected = np.full((3, LANES + 4), 7, compute)
-    expected[1, 2:2 + LANES] = _scalar_gathered_sum(source, index, weights, 1, 5, 3)
+    expected[1, 2 : 2 + LANES] = _scalar_gathered_sum(source, index, weights, 1, 5, 3)
     assert destination.tobytes() == expected.tobytes()
     # an empty list stores +0.0
     _gather_sum(destination, 1, 2, d.kernel_view(source), index, weights, 2, 2, 3, d.storage_format(dtype))
-    assert destination[1, 2:2 + LANES].tobytes() == np.zeros(LANES, compute).tobytes()
+    assert destination[1, 2 : 2 + LANES].tobytes() == np.zeros(LANES, compute).tobytes()
 
 
 @pytest.mark.parametrize("count", [LANES, 5])
@@ -150,15 +164,17 @@ def test_gather_transpose_is_the_transposed_scalar_sums(dtype, count):
     index = rng.integers(0, 9, size=starts[-1]).astype(np.int64)
     weights = rng.standard_normal(starts[-1]).astype(compute)
     destination = np.full((LANES + 3, LANES + 2), 7, compute)
-    _gather_transpose(destination, 1, 2, d.kernel_view(source), index, weights, starts, 2, count, 1,
-                      d.storage_format(dtype))
+    _gather_transpose(
+        destination, 1, 2, d.kernel_view(source), index, weights, starts, 2, count, 1, d.storage_format(dtype)
+    )
     expected = np.full((LANES + 3, LANES + 2), 7, compute)
     for r in range(LANES):
         if r < count:
-            expected[1:1 + LANES, 2 + r] = _scalar_gathered_sum(source, index, weights, starts[2 + r],
-                                                                 starts[3 + r], 1)
+            expected[1 : 1 + LANES, 2 + r] = _scalar_gathered_sum(
+                source, index, weights, starts[2 + r], starts[3 + r], 1
+            )
         else:
-            expected[1:1 + LANES, 2 + r] = 0
+            expected[1 : 1 + LANES, 2 + r] = 0
     assert destination.tobytes() == expected.tobytes()
 
 
@@ -186,7 +202,7 @@ def _shifted_sum(destination, row, column, source, source_row, source_column, co
 def _scalar_shifted_sum(row, column, count):
     total = np.zeros(LANES, row.dtype)
     for i in range(count):
-        total = total + row[column + i:column + i + LANES]
+        total = total + row[column + i : column + i + LANES]
     return total
 
 
@@ -199,7 +215,7 @@ def test_shifted_sum_is_the_scalar_loop(dtype):
         destination = np.full((3, LANES + 4), 7, dtype)
         _shifted_sum(destination, 2, 1, source, 1, 5, count)
         expected = np.full((3, LANES + 4), 7, dtype)
-        expected[2, 1:1 + LANES] = _scalar_shifted_sum(source[1], 5, count)
+        expected[2, 1 : 1 + LANES] = _scalar_shifted_sum(source[1], 5, count)
         assert destination.tobytes() == expected.tobytes()
 
 
@@ -226,7 +242,7 @@ def test_copy_out_copies_exactly_its_range_at_every_alignment(dtype, streaming, 
             destination = np.zeros(260, dtype)
             _copy_out_then_fence(destination, first, source, 7, count, streaming, read_ahead)
             expected = np.zeros(260, dtype)
-            expected[first:first + count] = source[7:7 + count]
+            expected[first : first + count] = source[7 : 7 + count]
             assert destination.tobytes() == expected.tobytes(), (first, count)
     raw = np.zeros(260 * np.dtype(dtype).itemsize + 1, np.uint8)
     odd = raw[1:].view(dtype)  # not aligned to its element size
@@ -246,22 +262,35 @@ def test_copy_part_line_copies_exactly_its_range(dtype):
     itemsize = np.dtype(dtype).itemsize
     source_bytes = np.arange(1, 3 * LINE_BYTES + 1, dtype=np.uint8)
     for shift in range(itemsize + 1):  # the source and destination misaligned by any bytes
-        source = source_bytes[shift:shift + 2 * LINE_BYTES].view(dtype)
+        source = source_bytes[shift : shift + 2 * LINE_BYTES].view(dtype)
         for count in range(per_line):
             for first in (0, 1, per_line - 1):
                 raw = np.zeros(3 * LINE_BYTES + 1, np.uint8)
-                destination = raw[1 + shift:1 + shift + 2 * LINE_BYTES].view(dtype)
+                destination = raw[1 + shift : 1 + shift + 2 * LINE_BYTES].view(dtype)
                 _copy_part_line(destination, first, source, 2, count)
                 expected = np.zeros_like(raw)
-                expected[1 + shift:1 + shift + 2 * LINE_BYTES].view(dtype)[first:first + count] = source[2:2 + count]
+                expected[1 + shift : 1 + shift + 2 * LINE_BYTES].view(dtype)[first : first + count] = source[
+                    2 : 2 + count
+                ]
                 assert raw.tobytes() == expected.tobytes(), (shift, count, first)
 
 
 @njit
-def _stream_line_with_ends(destination, first, source, source_index, next_source_index, split, first_lane,
-                           first_value, last_lane, last_value):
-    stream_line_with_ends(destination, first, source, source_index, next_source_index, split, first_lane, first_value,
-                          last_lane, last_value)
+def _stream_line_with_ends(
+    destination, first, source, source_index, next_source_index, split, first_lane, first_value, last_lane, last_value
+):
+    stream_line_with_ends(
+        destination,
+        first,
+        source,
+        source_index,
+        next_source_index,
+        split,
+        first_lane,
+        first_value,
+        last_lane,
+        last_value,
+    )
     store_fence()
 
 
@@ -278,17 +307,26 @@ def test_stream_line_with_ends_builds_exactly_its_line(dtype):
     first_value, last_value = edges.astype(dtype)
     raw = np.zeros(6 * LINE_BYTES, np.uint8)
     shift = -raw.ctypes.data % LINE_BYTES
-    destination = raw[shift:shift + 4 * LINE_BYTES].view(dtype)  # line-aligned
+    destination = raw[shift : shift + 4 * LINE_BYTES].view(dtype)  # line-aligned
     for split in range(per_line + 1):
-        for first_lane, last_lane in ((0, per_line - 1), (split, split - 1), (-3, per_line), (2, 2),
-                                      (per_line - 1, 0)):
+        for first_lane, last_lane in ((0, per_line - 1), (split, split - 1), (-3, per_line), (2, 2), (per_line - 1, 0)):
             destination[:] = 0
-            _stream_line_with_ends(destination, per_line, source, 3, 2 * per_line + 1, split, first_lane,
-                                   first_value, last_lane, last_value)
+            _stream_line_with_ends(
+                destination,
+                per_line,
+                source,
+                3,
+                2 * per_line + 1,
+                split,
+                first_lane,
+                first_value,
+                last_lane,
+                last_value,
+            )
             expected = np.zeros_like(destination)
-            line = expected[per_line:2 * per_line]
-            line[:split] = source[3:3 + split]
-            line[split:] = source[2 * per_line + 1 + split:3 * per_line + 1]
+            line = expected[per_line : 2 * per_line]
+            line[:split] = source[3 : 3 + split]
+            line[split:] = source[2 * per_line + 1 + split : 3 * per_line + 1]
             if 0 <= first_lane < per_line:
                 line[first_lane] = first_value
             if 0 <= last_lane < per_line:

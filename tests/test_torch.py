@@ -35,8 +35,9 @@ def _bridge_off():
 
 def _randn(shape, dtype, seed, memory_format=torch.contiguous_format):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(
-        memory_format=memory_format)
+    return (
+        torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(memory_format=memory_format)
+    )
 
 
 def _arrays(*tensors):
@@ -60,31 +61,41 @@ def _same_layout(actual, expected):
 
 # ---- routed operators: one case table ---------------------------------------------------------
 
+
 def _upsample_case(dtype, memory_format, align_corners=False, scales=(None, None), sizes=((2, 3, 5, 7), (9, 12))):
     input_size, output_size = sizes
     grad = _randn((input_size[0], input_size[1], *output_size), dtype, 1, memory_format)
     aten_args = (grad, list(output_size), list(input_size), align_corners, *scales)
     direct = lambda: fastbwd.upsample_bilinear2d_backward(  # noqa: E731
-        _convert.as_array(grad), output_size, input_size, align_corners, *scales)
+        _convert.as_array(grad), output_size, input_size, align_corners, *scales
+    )
     return A.upsample_bilinear2d_backward, aten_args, direct
 
 
-def _avg_pool_case(dtype, memory_format, kernel=(3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True,
-                   count_include_pad=False, divisor_override=None):
+def _avg_pool_case(
+    dtype,
+    memory_format,
+    kernel=(3, 2),
+    stride=(2, 1),
+    padding=(1, 0),
+    ceil_mode=True,
+    count_include_pad=False,
+    divisor_override=None,
+):
     x = _randn((2, 3, 9, 8), dtype, 2, memory_format)
     out_shape = A.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override).shape
     grad = _randn(tuple(out_shape), dtype, 3, memory_format)
     aten_args = (grad, x, list(kernel), list(stride), list(padding), ceil_mode, count_include_pad, divisor_override)
     direct = lambda: fastbwd.avg_pool2d_backward(  # noqa: E731
-        *_arrays(grad, x), kernel, stride, padding, ceil_mode, count_include_pad, divisor_override or 0)
+        *_arrays(grad, x), kernel, stride, padding, ceil_mode, count_include_pad, divisor_override or 0
+    )
     return A.avg_pool2d_backward, aten_args, direct
 
 
 def _pad_case(dtype, memory_format, padding=(2, 1, 0, 3), shape=(2, 3, 6, 5)):
     x = _randn(shape, dtype, 4, memory_format)
     left, right, top, bottom = padding
-    grad = _randn((*shape[:-2], shape[-2] + top + bottom, shape[-1] + left + right), dtype, 5,
-                  memory_format)
+    grad = _randn((*shape[:-2], shape[-2] + top + bottom, shape[-1] + left + right), dtype, 5, memory_format)
     direct = lambda: fastbwd.replication_pad2d_backward(*_arrays(grad, x), padding)  # noqa: E731
     return A.replication_pad2d_backward, (grad, x, list(padding)), direct
 
@@ -126,8 +137,10 @@ def test_mixed_memory_formats_follow_pytorchs_rule(case):
     """grad_output contiguous but the forward input channels_last (and the reverse), as a loss
     like ``out.sum()`` gives: the result's layout is PyTorch's (upsampling follows grad_output,
     pooling and padding the forward input), values bitwise the direct call's."""
-    for grad_format, input_format in [(torch.contiguous_format, torch.channels_last),
-                                      (torch.channels_last, torch.contiguous_format)]:
+    for grad_format, input_format in [
+        (torch.contiguous_format, torch.channels_last),
+        (torch.channels_last, torch.contiguous_format),
+    ]:
         op, aten_args, direct = CASES[case](torch.float32, input_format)
         aten_args = (aten_args[0].contiguous(memory_format=grad_format),) + aten_args[1:]
         expected = op(*aten_args)
@@ -174,9 +187,12 @@ def test_grad_input_of_another_dtype_gets_pytorchs_answer():
 def test_models_train_through_the_bridge_unchanged():
     """nn.Upsample, F.interpolate, nn.AvgPool2d, F.avg_pool2d, nn.ReplicationPad2d, F.pad."""
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Upsample(scale_factor=2, mode="bilinear"),
-        torch.nn.ReplicationPad2d((1, 2, 0, 1)), torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False),
-        torch.nn.Conv2d(4, 2, 1)).double()
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.Upsample(scale_factor=2, mode="bilinear"),
+        torch.nn.ReplicationPad2d((1, 2, 0, 1)),
+        torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+        torch.nn.Conv2d(4, 2, 1),
+    ).double()
     x = _randn((2, 3, 10, 7), torch.float64, 6).requires_grad_()
 
     def gradients():
@@ -198,13 +214,17 @@ def test_models_train_through_the_bridge_unchanged():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("function", [
-    lambda x: F.interpolate(x, size=(7, 4), mode="bilinear"),
-    lambda x: F.interpolate(x, scale_factor=(1.5, 2.0), mode="bilinear", align_corners=True),
-    lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 0), ceil_mode=True, count_include_pad=False),
-    lambda x: F.avg_pool2d(x, 2, divisor_override=3),
-    lambda x: F.pad(x, (1, 2, 2, 0), mode="replicate"),
-], ids=["upsample", "upsample-scales-aligned", "avg_pool", "avg_pool-divisor", "pad"])
+@pytest.mark.parametrize(
+    "function",
+    [
+        lambda x: F.interpolate(x, size=(7, 4), mode="bilinear"),
+        lambda x: F.interpolate(x, scale_factor=(1.5, 2.0), mode="bilinear", align_corners=True),
+        lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 0), ceil_mode=True, count_include_pad=False),
+        lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+        lambda x: F.pad(x, (1, 2, 2, 0), mode="replicate"),
+    ],
+    ids=["upsample", "upsample-scales-aligned", "avg_pool", "avg_pool-divisor", "pad"],
+)
 def test_gradcheck_and_double_backward_enabled(function):
     x = _randn((2, 3, 5, 4), torch.float64, 7).requires_grad_()
     with ft.enabled():
@@ -226,8 +246,10 @@ def test_fallback_to_pytorch_where_fastbwd_refuses():
         assert _routing.FALLBACK - fallbacks
         # PyTorch's own argument errors are unchanged (here: a zero divisor, a wrong grad shape).
         g = torch.ones(1, 2, 1, 1)
-        for args in [(g, x.detach(), [2, 2], [2, 2], [0, 0], False, True, 0),
-                     (torch.ones(1, 2, 5, 5), x.detach(), [2, 2], [2, 2], [0, 0], False, True, None)]:
+        for args in [
+            (g, x.detach(), [2, 2], [2, 2], [0, 0], False, True, 0),
+            (torch.ones(1, 2, 5, 5), x.detach(), [2, 2], [2, 2], [0, 0], False, True, None),
+        ]:
             with ft.enabled():
                 with pytest.raises(RuntimeError) as routed_error:
                     A.avg_pool2d_backward(*args)
@@ -339,8 +361,7 @@ def test_other_devices_and_lazy_conjugates():
     expected = A.replication_pad2d_backward(g, x, [1, 1, 1, 1])
     with ft.enabled():
         routed = A.replication_pad2d_backward(g, x, [1, 1, 1, 1])
-        meta = A.upsample_bilinear2d_backward(torch.empty(1, 1, 4, 4, device="meta"), [4, 4],
-                                              [1, 1, 2, 2], False)
+        meta = A.upsample_bilinear2d_backward(torch.empty(1, 1, 4, 4, device="meta"), [4, 4], [1, 1, 2, 2], False)
     torch.testing.assert_close(routed, expected)
     assert meta.device.type == "meta" and meta.shape == (1, 1, 2, 2)
 
@@ -388,11 +409,14 @@ def _opinfo_samples(name, variant):
     return opinfo
 
 
-@pytest.mark.parametrize("name, variant", [
-    ("nn.functional.interpolate", "bilinear"),
-    ("nn.functional.avg_pool2d", ""),
-    ("nn.functional.pad", "replicate"),
-])
+@pytest.mark.parametrize(
+    "name, variant",
+    [
+        ("nn.functional.interpolate", "bilinear"),
+        ("nn.functional.avg_pool2d", ""),
+        ("nn.functional.pad", "replicate"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_pytorch_opinfo_samples(name, variant, dtype):
     """PyTorch's own OpInfo sample inputs for these ops: with the bridge enabled every gradient
@@ -403,6 +427,7 @@ def test_pytorch_opinfo_samples(name, variant, dtype):
     served_before = _routing.SERVED.copy()
     checked = 0
     for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=True):
+
         def gradient(sample=sample):
             for t in [sample.input, *sample.args]:
                 if isinstance(t, torch.Tensor):
@@ -421,14 +446,17 @@ def test_pytorch_opinfo_samples(name, variant, dtype):
     assert _routing.SERVED - served_before, "no sample was served by fastbwd"
 
 
-@pytest.mark.parametrize("backend, served", [
-    # AOTAutograd decomposes the bilinear upsample (its backward never reaches an aten
-    # backward kernel); aot_eager runs the other two backward ops as aten calls.
-    ("aot_eager", {"avg_pool2d_backward", "replication_pad2d_backward"}),
-    # Inductor (needs a C++ compiler) also generates its own code for the avg-pool backward;
-    # the replication-pad backward stays an aten call, which fastbwd serves.
-    pytest.param("inductor", {"replication_pad2d_backward"}, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "backend, served",
+    [
+        # AOTAutograd decomposes the bilinear upsample (its backward never reaches an aten
+        # backward kernel); aot_eager runs the other two backward ops as aten calls.
+        ("aot_eager", {"avg_pool2d_backward", "replication_pad2d_backward"}),
+        # Inductor (needs a C++ compiler) also generates its own code for the avg-pool backward;
+        # the replication-pad backward stays an aten call, which fastbwd serves.
+        pytest.param("inductor", {"replication_pad2d_backward"}, marks=pytest.mark.slow),
+    ],
+)
 def test_torch_compile_gradients_with_bridge_enabled(backend, served):
     def loss(x):
         y = F.interpolate(x, scale_factor=2, mode="bilinear")
@@ -448,9 +476,11 @@ def test_torch_compile_gradients_with_bridge_enabled(backend, served):
 
 
 def test_import_fastbwd_does_not_import_torch_and_bridge_says_how_to_install():
-    code = ("import sys, fastbwd; assert 'torch' not in sys.modules\n"
-            "sys.modules['torch'] = None\n"
-            "try:\n    import fastbwd.torch\nexcept ImportError as e:\n    print(e)\n")
+    code = (
+        "import sys, fastbwd; assert 'torch' not in sys.modules\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n    import fastbwd.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install torch" in result.stdout
 
@@ -459,14 +489,22 @@ def test_starting_the_kernels_pool_keeps_torchs_thread_count():
     """Numba's OpenMP pool can share PyTorch's OpenMP runtime, whose thread count its launch
     sets: a program's torch.set_num_threads(1) must survive fastbwd's first call (in a process of
     its own: the pool starts once per process)."""
-    code = ("import torch\n"
-            "torch.set_num_threads(1)\n"
-            "from fastbwd.torch import GroupNormSwish\n"
-            "x = torch.randn(8, 128, 16, 16, requires_grad=True)\n"
-            "GroupNormSwish(32, 128)(x).sum().backward()\n"
-            "print(torch.get_num_threads())\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env=dict(os.environ, NUMBA_NUM_THREADS="2"), timeout=600)
+    code = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from fastbwd.torch import GroupNormSwish\n"
+        "x = torch.randn(8, 128, 16, 16, requires_grad=True)\n"
+        "GroupNormSwish(32, 128)(x).sum().backward()\n"
+        "print(torch.get_num_threads())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, NUMBA_NUM_THREADS="2"),
+        timeout=600,
+    )
     assert result.stdout.split() == ["1"]
 
 
@@ -486,6 +524,7 @@ def test_numba_threads_follow_torch():
 
 
 # ---- GroupNormSwish -------------------------------------------------------------------------
+
 
 def _group_norm_silu(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
     y = F.group_norm(x, num_groups, weight, bias, eps)
@@ -523,11 +562,13 @@ def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
     _same_layout(actual[0], expected[0])
     layout = "NHWC" if memory_format == torch.channels_last else "NCHW"
     nhwc = (lambda t: t.permute(0, 2, 3, 1)) if layout == "NHWC" else (lambda t: t)
-    direct_y, mean, rstd = fastbwd.group_norm_swish(*_arrays(nhwc(x.detach()), weight, bias), 4, layout,
-                                                    1e-5, True, 0.8)
+    direct_y, mean, rstd = fastbwd.group_norm_swish(
+        *_arrays(nhwc(x.detach()), weight, bias), 4, layout, 1e-5, True, 0.8
+    )
     assert bitwise_equal(_convert.as_array(nhwc(y.detach()).contiguous()), direct_y)
     direct = fastbwd.group_norm_swish_backward(
-        *_arrays(nhwc(dy)), mean, rstd, *_arrays(nhwc(x.detach()), weight, bias), 4, layout, 0.8)
+        *_arrays(nhwc(dy)), mean, rstd, *_arrays(nhwc(x.detach()), weight, bias), 4, layout, 0.8
+    )
     for a, d in zip(actual, direct):
         a = nhwc(a) if a.dim() == 4 else a
         assert bitwise_equal(_convert.as_array(a.contiguous()), d)
@@ -548,7 +589,8 @@ def test_group_norm_swish_half_input_with_float32_parameters(dtype):
     mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)[1:]
     assert mean.dtype == rstd.dtype == torch.float32
     expected = ref.group_norm_swish_backward(
-        *[_convert.as_array(t.detach().double()) for t in (dy, mean, rstd, x, weight, bias)], 2)
+        *[_convert.as_array(t.detach().double()) for t in (dy, mean, rstd, x, weight, bias)], 2
+    )
     assert_matches_reference(_convert.as_array(grads[0]), expected[0])
     for g, e in zip(grads[1:], expected[1:]):
         assert_matches_reference(_convert.as_array(g), e, rtol=1e-4, atol=1e-5)
@@ -583,11 +625,16 @@ def test_group_norm_swish_module_loads_a_group_norm_checkpoint():
 
 def test_fuse_group_norm_swish():
     block = lambda channels: torch.nn.Sequential(  # noqa: E731
-        torch.nn.Conv2d(channels, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.SiLU(),
-        torch.nn.GroupNorm(4, 8), torch.nn.ReLU())
+        torch.nn.Conv2d(channels, 8, 3, padding=1),
+        torch.nn.GroupNorm(2, 8),
+        torch.nn.SiLU(),
+        torch.nn.GroupNorm(4, 8),
+        torch.nn.ReLU(),
+    )
     model, reference = (
         torch.nn.Sequential(block(4), torch.nn.Sequential(block(8), torch.nn.GroupNorm(2, 8), torch.nn.SiLU())).double()
-        for _ in range(2))
+        for _ in range(2)
+    )
     reference.load_state_dict(model.state_dict())
     keys = model.state_dict().keys()
     weights = [p for p in model.parameters()]
@@ -606,15 +653,19 @@ def test_fuse_group_norm_swish():
 
 # ---- RoIAlign drop-in -----------------------------------------------------------------------
 
+
 def _roi_boxes(dtype):
     """(K, 5) boxes over two 11 x 13 images: inside, partly outside, tiny, and degenerate."""
-    return torch.tensor([
-        [0, 1.0, 2.0, 9.5, 7.0],
-        [1, -3.0, 4.0, 14.0, 12.5],
-        [1, 5.2, 5.1, 5.4, 5.3],
-        [0, 8.0, 3.0, 2.0, 1.0],
-        [0, 0.0, 0.0, 12.0, 10.0],
-    ], dtype=dtype)
+    return torch.tensor(
+        [
+            [0, 1.0, 2.0, 9.5, 7.0],
+            [1, -3.0, 4.0, 14.0, 12.5],
+            [1, 5.2, 5.1, 5.4, 5.3],
+            [0, 8.0, 3.0, 2.0, 1.0],
+            [0, 0.0, 0.0, 12.0, 10.0],
+        ],
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("aligned", [False, True])
@@ -627,8 +678,9 @@ def test_roi_align_forward_and_backward(dtype, sampling_ratio, aligned):
     y = ft.roi_align(x, boxes, (3, 4), 0.8, sampling_ratio, aligned)
     assert y.shape == (5, 3, 3, 4) and y.dtype == dtype
     ratio = max(sampling_ratio, 0)
-    expected = ref.roi_align_forward(_convert.as_array(x.detach().double()),
-                                     _convert.as_array(boxes.double()), 3, 4, 0.8, ratio, aligned)
+    expected = ref.roi_align_forward(
+        _convert.as_array(x.detach().double()), _convert.as_array(boxes.double()), 3, 4, 0.8, ratio, aligned
+    )
     assert_matches_reference(_convert.as_array(y.detach()), expected)
     g = _randn(y.shape, dtype, 26)
     (grad,) = torch.autograd.grad(y, x, g)
@@ -640,11 +692,14 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
     x = _randn((2, 2, 7, 6), torch.float64, 27).requires_grad_()
     boxes = _roi_boxes(torch.float64)[:3]
     for aligned, ratio in [(True, 2), (False, 0)]:
-        assert torch.autograd.gradcheck(lambda x, ratio=ratio, aligned=aligned: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned), (x,))
+        assert torch.autograd.gradcheck(
+            lambda x, ratio=ratio, aligned=aligned: ft.roi_align(x, boxes, 2, 0.5, ratio, aligned), (x,)
+        )
     per_image = [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
     rows = torch.cat([boxes[boxes[:, 0] == i] for i in range(2)])
-    torch.testing.assert_close(ft.roi_align(x, per_image, (2, 3), 0.5, 2), ft.roi_align(x, rows, (2, 3), 0.5, 2),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        ft.roi_align(x, per_image, (2, 3), 0.5, 2), ft.roi_align(x, rows, (2, 3), 0.5, 2), rtol=0, atol=0
+    )
     module = ft.RoIAlign((2, 3), 0.5, 2, aligned=True)
     torch.testing.assert_close(module(x, rows), ft.roi_align(x, rows, (2, 3), 0.5, 2, True), rtol=0, atol=0)
     assert "sampling_ratio=2" in repr(module)
@@ -668,5 +723,6 @@ def test_roi_align_matches_pure_pytorch_formulation():
         expected = roi_baselines.torch_roi_align(x, boxes, 3, 4, 0.8, ratio, aligned)
         torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
         g = _randn(y.shape, torch.float64, 29)
-        torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0],
-                                   rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0], rtol=1e-10, atol=1e-12
+        )

@@ -17,14 +17,17 @@ CHANNELS_LAST = {"nchw": torch.contiguous_format, "channels_last": torch.channel
 
 def _randn(shape, dtype=torch.float32, seed=0, memory_format=torch.contiguous_format):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(
-        memory_format=memory_format)
+    return (
+        torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).contiguous(memory_format=memory_format)
+    )
 
 
 def _boxes(dtype=torch.float32):
     """(K, 5) boxes over two 9 x 11 images: inside, partly outside, tiny."""
-    return torch.tensor([[0, 1.0, 2.0, 8.5, 7.0], [1, -3.0, 4.0, 12.0, 10.5], [1, 5.2, 5.1, 5.4, 5.3],
-                         [0, 0.0, 0.0, 10.0, 8.0]], dtype=dtype)
+    return torch.tensor(
+        [[0, 1.0, 2.0, 8.5, 7.0], [1, -3.0, 4.0, 12.0, 10.5], [1, 5.2, 5.1, 5.4, 5.3], [0, 0.0, 0.0, 10.0, 8.0]],
+        dtype=dtype,
+    )
 
 
 def _per_image(boxes):
@@ -36,18 +39,24 @@ class _Counter:
 
     def __init__(self, monkeypatch):
         self.calls = {}
-        for owner, name in ((roi_align_api, "roi_align_forward"), (fastbwd, "roi_align_backward"),
-                            (fastbwd, "group_norm_swish"), (fastbwd, "group_norm_swish_backward")):
+        for owner, name in (
+            (roi_align_api, "roi_align_forward"),
+            (fastbwd, "roi_align_backward"),
+            (fastbwd, "group_norm_swish"),
+            (fastbwd, "group_norm_swish_backward"),
+        ):
             monkeypatch.setattr(owner, name, self._counting(name, getattr(owner, name)))
 
     def _counting(self, name, function):
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
             return function(*args, **kwargs)
+
         return counted
 
 
 # ---- opcheck ----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(CHANNELS_LAST))
@@ -57,17 +66,27 @@ def test_opcheck_roi_align(boxes, dtype, layout):
     if boxes != "tensor" and layout == "channels_last" and dtype != torch.float32:
         pytest.skip("the box forms are layout-independent: one layout is enough")
     x = _randn((2, 3, 9, 11), dtype, 1, CHANNELS_LAST[layout]).requires_grad_()
-    rois = {"tensor": _boxes(dtype), "list": ft._roi_align.boxes_to_rois(_per_image(_boxes(dtype)), x),
-            "none": ft._roi_align.boxes_to_rois([], x)}[boxes]
+    rois = {
+        "tensor": _boxes(dtype),
+        "list": ft._roi_align.boxes_to_rois(_per_image(_boxes(dtype)), x),
+        "none": ft._roi_align.boxes_to_rois([], x),
+    }[boxes]
     torch.library.opcheck(OPS.roi_align, (x, rois, 0.8, 3, 4, 2, True))
     torch.library.opcheck(OPS.roi_align, (x, rois, 1.0, 2, 2, -1, False))
     grad = _randn((rois.shape[0], 3, 3, 4), dtype, 2).requires_grad_()
     torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True))
 
 
-@pytest.mark.parametrize("dtype, params, layout", [
-    (torch.float32, torch.float32, "nchw"), (torch.float64, torch.float64, "channels_last"),
-    (torch.bfloat16, torch.bfloat16, "nchw"), (torch.bfloat16, torch.float32, "channels_last")], ids=str)
+@pytest.mark.parametrize(
+    "dtype, params, layout",
+    [
+        (torch.float32, torch.float32, "nchw"),
+        (torch.float64, torch.float64, "channels_last"),
+        (torch.bfloat16, torch.bfloat16, "nchw"),
+        (torch.bfloat16, torch.float32, "channels_last"),
+    ],
+    ids=str,
+)
 @pytest.mark.slow
 def test_opcheck_group_norm_swish(dtype, params, layout):
     x = _randn((2, 6, 4, 5), dtype, 3, CHANNELS_LAST[layout]).requires_grad_()
@@ -78,12 +97,10 @@ def test_opcheck_group_norm_swish(dtype, params, layout):
     _, mean, rstd = OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 0.8)
     dy = _randn(x.shape, dtype, 6, CHANNELS_LAST[layout]).requires_grad_()
     for mask in ([True, True, True], [True, False, True]):
-        torch.library.opcheck(OPS.group_norm_swish_backward,
-                              (dy, x, mean, rstd, weight, bias, 3, 0.8, mask))
+        torch.library.opcheck(OPS.group_norm_swish_backward, (dy, x, mean, rstd, weight, bias, 3, 0.8, mask))
     # an affine-free input
     _, mean, rstd = OPS.group_norm_swish(x, None, None, 3, 1e-5, 1.0)
-    torch.library.opcheck(OPS.group_norm_swish_backward,
-                          (dy, x, mean, rstd, None, None, 3, 1.0, [True, True, True]))
+    torch.library.opcheck(OPS.group_norm_swish_backward, (dy, x, mean, rstd, None, None, 3, 1.0, [True, True, True]))
 
 
 def test_fake_kernels_give_the_real_layouts():
@@ -97,8 +114,9 @@ def test_fake_kernels_give_the_real_layouts():
     with FakeTensorMode() as mode:
         fake_x, fake_w, fake_b = (mode.from_tensor(t) for t in (x, weight, bias))
         fake = OPS.group_norm_swish(fake_x, fake_w, fake_b, 3, 1e-5, 1.0)
-        fake_grads = OPS.group_norm_swish_backward(fake_x, fake_x, fake[1], fake[2], fake_w, fake_b, 3, 1.0,
-                                                   [True, False, True])
+        fake_grads = OPS.group_norm_swish_backward(
+            fake_x, fake_x, fake[1], fake[2], fake_w, fake_b, 3, 1.0, [True, False, True]
+        )
     for r, f in zip(real + real_grads, fake + fake_grads):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert real[0].is_contiguous(memory_format=torch.channels_last)
@@ -106,6 +124,7 @@ def test_fake_kernels_give_the_real_layouts():
 
 
 # ---- FX and TorchScript -------------------------------------------------------------------------
+
 
 def _roi_with_tensor(x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     return ft.roi_align(x, boxes, [3, 4], 0.8, 2, True) * 2
@@ -158,6 +177,7 @@ def test_torch_jit_script_and_trace_both_box_forms():
 
 # ---- torch.compile --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_fullgraph_runs_fastbwd_kernels(backend, monkeypatch):
     torch._dynamo.reset()
@@ -176,18 +196,26 @@ def test_torch_compile_fullgraph_runs_fastbwd_kernels(backend, monkeypatch):
     counter = _Counter(monkeypatch)
     compiled = torch.compile(head, backend=backend, fullgraph=True)  # fullgraph: a break raises
     actual = step(compiled, x)
-    assert counter.calls == {"roi_align_forward": 1, "roi_align_backward": 1, "group_norm_swish": 1,
-                             "group_norm_swish_backward": 1}
+    assert counter.calls == {
+        "roi_align_forward": 1,
+        "roi_align_backward": 1,
+        "group_norm_swish": 1,
+        "group_norm_swish_backward": 1,
+    }
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
 # ---- CPU autocast ---------------------------------------------------------------------------------
 
+
 def test_roi_align_autocast_computes_in_float32_returns_input_dtype():
     x32, boxes = _randn((2, 3, 9, 11), seed=9).requires_grad_(), _boxes()
-    for x, box_dtype in ((x32, torch.bfloat16), (x32.detach().bfloat16().requires_grad_(), torch.float32),
-                         (x32.detach().bfloat16().requires_grad_(), torch.bfloat16)):
+    for x, box_dtype in (
+        (x32, torch.bfloat16),
+        (x32.detach().bfloat16().requires_grad_(), torch.float32),
+        (x32.detach().bfloat16().requires_grad_(), torch.bfloat16),
+    ):
         rois = boxes.to(box_dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = ft.roi_align(x, rois, 3, 0.8, 2, True)
@@ -220,6 +248,7 @@ def test_group_norm_swish_autocast_as_nn_group_norm():
 
 # ---- GroupNormSwish is an nn.GroupNorm -----------------------------------------------------------
 
+
 def test_group_norm_swish_takes_nn_group_norms_constructor():
     fused = ft.GroupNormSwish(3, 6, 1e-3, bias=False, dtype=torch.float64, swish_scale=0.5)
     plain = torch.nn.GroupNorm(3, 6, 1e-3, bias=False, dtype=torch.float64)
@@ -234,13 +263,16 @@ def test_group_norm_swish_takes_nn_group_norms_constructor():
         ft.GroupNormSwish(2, 4, 1e-5, True, 0.5)  # the old positional swish_scale
 
 
-@pytest.mark.parametrize("groups, channels, shape", [
-    (10, 10, (1, 10, 1)),       # one value per group
-    (2, 2, (1, 2)),             # one value per group, 2-D
-    (3, 6, (2, 5, 3)),          # channel count not divisible by the groups
-    (2, 6, (2, 4, 3)),          # divisible, but not the module's channel count
-    (3, 6, (6,)),               # 1-D
-])
+@pytest.mark.parametrize(
+    "groups, channels, shape",
+    [
+        (10, 10, (1, 10, 1)),  # one value per group
+        (2, 2, (1, 2)),  # one value per group, 2-D
+        (3, 6, (2, 5, 3)),  # channel count not divisible by the groups
+        (2, 6, (2, 4, 3)),  # divisible, but not the module's channel count
+        (3, 6, (6,)),  # 1-D
+    ],
+)
 def test_group_norm_swish_raises_what_nn_group_norm_raises(groups, channels, shape):
     x = torch.randn(shape)
     with pytest.raises(Exception) as expected:
@@ -253,6 +285,7 @@ def test_group_norm_swish_raises_what_nn_group_norm_raises(groups, channels, sha
 
 
 # ---- double backward -----------------------------------------------------------------------------
+
 
 def test_group_norm_swish_double_backward_is_exact(monkeypatch):
     x = _randn((2, 4, 3, 2), torch.float64, 13).requires_grad_()
@@ -289,6 +322,7 @@ def test_roi_align_double_backward_is_the_forward():
 
 # ---- the eager path ------------------------------------------------------------------------------
 
+
 def test_eager_calls_run_the_operators_code_bitwise():
     """Plain eager calls skip the dispatcher (an autograd.Function over the same kernels and
     formulas); their results and gradients are bitwise the operators'."""
@@ -300,8 +334,9 @@ def test_eager_calls_run_the_operators_code_bitwise():
     assert type(eager.grad_fn).__name__ == "EagerRoIAlignBackward"
     assert type(eager.grad_fn.next_functions[0][0]).__name__ == "EagerGroupNormSwishBackward"
     assert torch.equal(eager, registered)
-    for a, b in zip(torch.autograd.grad(eager, (x, weight, bias), g),
-                    torch.autograd.grad(registered, (x, weight, bias), g)):
+    for a, b in zip(
+        torch.autograd.grad(eager, (x, weight, bias), g), torch.autograd.grad(registered, (x, weight, bias), g)
+    ):
         assert torch.equal(a, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's rule lives on the operator
         assert "Eager" not in type(ft.roi_align(x, boxes, 3).grad_fn).__name__

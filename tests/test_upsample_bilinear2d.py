@@ -26,8 +26,9 @@ def check(grad, output_size, input_size, align_corners, scales_h=0.0, scales_w=0
     """Compare with the float64 reference (whose weights follow docs/semantics.md §1's opmath rule, as the
     kernel's do: the default tolerance, 1 ulp for the half formats)."""
     result = F(grad, output_size, input_size, align_corners, scales_h, scales_w, **kwargs)
-    expected = ref.upsample_bilinear2d_backward(np.asarray(grad), output_size, input_size,
-                                                align_corners, scales_h, scales_w)
+    expected = ref.upsample_bilinear2d_backward(
+        np.asarray(grad), output_size, input_size, align_corners, scales_h, scales_w
+    )
     assert_matches_reference(result, expected)
     return result
 
@@ -36,8 +37,12 @@ def check(grad, output_size, input_size, align_corners, scales_h=0.0, scales_w=0
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_matches_reference_non_square(align_corners, dtype):
     rng = np.random.default_rng(0)
-    for input_size, output_size in [((2, 3, 5, 7), (11, 4)), ((1, 2, 9, 6), (9, 13)),
-                                    ((3, 1, 17, 12), (40, 25)), ((1, 1, 30, 1), (7, 3))]:
+    for input_size, output_size in [
+        ((2, 3, 5, 7), (11, 4)),
+        ((1, 2, 9, 6), (9, 13)),
+        ((3, 1, 17, 12), (40, 25)),
+        ((1, 1, 30, 1), (7, 3)),
+    ]:
         check(grad_for(rng, input_size, output_size, dtype), output_size, input_size, align_corners)
 
 
@@ -70,15 +75,14 @@ def test_negative_and_nan_scales_mean_unset(unset, dtype):
     assert bitwise_equal(F(grad, output_size, input_size, False, unset, unset), unset_both)
     # one axis unset, the other set: the set one must still apply
     h_unset = F(grad, output_size, input_size, False, unset, 1.7)
-    assert_matches_reference(h_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False,
-                                                                       0.0, 1.7))
+    assert_matches_reference(h_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False, 0.0, 1.7))
     w_unset = F(grad, output_size, input_size, False, 2.5, unset)
-    assert_matches_reference(w_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False,
-                                                                       2.5, 0.0))
+    assert_matches_reference(w_unset, ref.upsample_bilinear2d_backward(grad, output_size, input_size, False, 2.5, 0.0))
     assert not bitwise_equal(h_unset, unset_both) and not bitwise_equal(w_unset, unset_both)
     # NHWC reads the same tables
-    nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, False, unset, unset,
-             layout="NHWC")
+    nhwc = F(
+        np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, False, unset, unset, layout="NHWC"
+    )
     assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), unset_both)
 
 
@@ -104,16 +108,20 @@ def test_negative_scale_matches_torch():
     rng = np.random.default_rng(12)
     grad = grad_for(rng, (1, 2, 6, 9), (13, 5), np.float64)
     expected = torch.ops.aten.upsample_bilinear2d_backward(
-        torch.from_numpy(grad), [13, 5], [1, 2, 6, 9], False, -2.0, -0.5).numpy()
-    np.testing.assert_allclose(F(grad, (13, 5), (1, 2, 6, 9), False, -2.0, -0.5), expected, rtol=1e-12,
-                               atol=1e-14)
+        torch.from_numpy(grad), [13, 5], [1, 2, 6, 9], False, -2.0, -0.5
+    ).numpy()
+    np.testing.assert_allclose(F(grad, (13, 5), (1, 2, 6, 9), False, -2.0, -0.5), expected, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_size_one_axes(align_corners):
     rng = np.random.default_rng(2)
-    for input_size, output_size in [((1, 2, 5, 4), (1, 1)), ((1, 2, 1, 1), (6, 3)),
-                                    ((1, 1, 1, 7), (1, 3)), ((2, 1, 4, 1), (1, 5))]:
+    for input_size, output_size in [
+        ((1, 2, 5, 4), (1, 1)),
+        ((1, 2, 1, 1), (6, 3)),
+        ((1, 1, 1, 7), (1, 3)),
+        ((2, 1, 4, 1), (1, 5)),
+    ]:
         check(grad_for(rng, input_size, output_size), output_size, input_size, align_corners)
 
 
@@ -148,8 +156,9 @@ def test_half_formats_within_one_ulp(dtype):
     for align_corners in (False, True):
         result = check(grad, output_size, input_size, align_corners)
         assert result.dtype == dtype
-        nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size,
-                 align_corners, layout="NHWC")
+        nhwc = F(
+            np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners, layout="NHWC"
+        )
         assert bitwise_equal(nhwc, np.ascontiguousarray(result.transpose(0, 2, 3, 1)))
 
 
@@ -183,8 +192,9 @@ def test_integer_ratios_vectorised_rows_equal_reference_and_nhwc(align_corners):
         grad[0, 1, 3, out_width // 2] = np.inf
         grad[0, 2, 2, out_width // 3] = np.nan
         nchw = F(grad, output_size, input_size, align_corners)
-        nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size,
-                 align_corners, layout="NHWC")
+        nhwc = F(
+            np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners, layout="NHWC"
+        )
         assert bitwise_equal(nhwc, np.ascontiguousarray(nchw.transpose(0, 2, 3, 1)))
         check(grad[:, :1], output_size, (1, 1, 5, width), align_corners)
 
@@ -198,8 +208,15 @@ def test_many_small_planes_run_as_lanes(dtype, align_corners):
     for input_size, output_size in [((2, 75, 5, 6), (9, 11)), ((1, 150, 7, 3), (4, 13)), ((3, 50, 1, 9), (6, 5))]:
         grad = grad_for(rng, input_size, output_size, dtype)
         result = check(grad, output_size, input_size, align_corners, 0.0, 1.3 if not align_corners else 0.0)
-        nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners, 0.0,
-                 1.3 if not align_corners else 0.0, layout="NHWC")
+        nhwc = F(
+            np.ascontiguousarray(grad.transpose(0, 2, 3, 1)),
+            output_size,
+            input_size,
+            align_corners,
+            0.0,
+            1.3 if not align_corners else 0.0,
+            layout="NHWC",
+        )
         assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), result)
 
 
@@ -228,9 +245,11 @@ def test_out_argument():
     out = np.full((1, 2, 4, 5), np.nan, np.float32)
     assert F(grad, (8, 9), (1, 2, 4, 5), False, out=out) is out
     assert bitwise_equal(out, expected)
-    for bad, match in [(np.zeros((1, 2, 4, 6), np.float32), r"out\.shape must be"),
-                       (np.zeros((1, 2, 4, 5), np.float64), r"out\.dtype must be"),
-                       (np.zeros((1, 2, 5, 4), np.float32).transpose(0, 1, 3, 2), "must be C-contiguous")]:
+    for bad, match in [
+        (np.zeros((1, 2, 4, 6), np.float32), r"out\.shape must be"),
+        (np.zeros((1, 2, 4, 5), np.float64), r"out\.dtype must be"),
+        (np.zeros((1, 2, 5, 4), np.float32).transpose(0, 1, 3, 2), "must be C-contiguous"),
+    ]:
         bad[...] = 7
         with raises_param_error(match):
             F(grad, (8, 9), (1, 2, 4, 5), False, out=bad)
@@ -248,8 +267,7 @@ def test_empty_batch_or_channels():
         grad = np.zeros(input_size[:2] + (6, 7), BF16)
         result = F(grad, (6, 7), input_size, True)
         assert result.shape == input_size and result.dtype == BF16
-        nhwc = F(np.zeros((input_size[0], 6, 7, input_size[1]), np.float32), (6, 7), input_size, False,
-                 layout="NHWC")
+        nhwc = F(np.zeros((input_size[0], 6, 7, input_size[1]), np.float32), (6, 7), input_size, False, layout="NHWC")
         assert nhwc.shape == (input_size[0], 4, 5, input_size[1])
 
 
@@ -261,7 +279,8 @@ def test_nan_and_inf_propagate_like_torch():
     for input_size, align_corners in [((1, 1, 3, 4), False), ((1, 1, 6, 5), True)]:
         result = F(grad, (6, 8), input_size, align_corners)
         expected = torch.ops.aten.upsample_bilinear2d_backward(
-            torch.from_numpy(grad), [6, 8], list(input_size), align_corners, None, None).numpy()
+            torch.from_numpy(grad), [6, 8], list(input_size), align_corners, None, None
+        ).numpy()
         assert np.array_equal(np.isnan(result), np.isnan(expected))
         assert np.array_equal(np.isinf(result), np.isinf(expected))
 
@@ -270,18 +289,27 @@ def test_nan_and_inf_propagate_like_torch():
 def test_torch_cross_check(dtype):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
-    cases = [((2, 3, 10, 14), (17, 31), False, None, None), ((2, 3, 10, 14), (17, 31), True, None, None),
-             ((1, 2, 100, 7), (173, 7), False, None, None), ((1, 2, 9, 12), (20, 5), False, 2.3, 0.45),
-             ((1, 2, 16, 16), (8, 8), False, None, None)]
+    cases = [
+        ((2, 3, 10, 14), (17, 31), False, None, None),
+        ((2, 3, 10, 14), (17, 31), True, None, None),
+        ((1, 2, 100, 7), (173, 7), False, None, None),
+        ((1, 2, 9, 12), (20, 5), False, 2.3, 0.45),
+        ((1, 2, 16, 16), (8, 8), False, None, None),
+    ]
     for input_size, output_size, align_corners, scales_h, scales_w in cases:
         grad = grad_for(rng, input_size, output_size, np.float32)
         tgrad = torch.from_numpy(grad).to(getattr(torch, dtype))
-        expected = torch.ops.aten.upsample_bilinear2d_backward(
-            tgrad, list(output_size), list(input_size), align_corners, scales_h, scales_w).float().numpy()
+        expected = (
+            torch.ops.aten.upsample_bilinear2d_backward(
+                tgrad, list(output_size), list(input_size), align_corners, scales_h, scales_w
+            )
+            .float()
+            .numpy()
+        )
         result = F(tgrad, output_size, input_size, align_corners, scales_h, scales_w)
         scale = np.abs(expected).max()
         if dtype == "bfloat16":  # both round once from float32 sums: at most 1 ulp apart
-            assert np.allclose(result.astype(np.float32), expected, rtol=2 ** -7, atol=1e-6 * scale)
+            assert np.allclose(result.astype(np.float32), expected, rtol=2**-7, atol=1e-6 * scale)
         else:
             np.testing.assert_allclose(result, expected, rtol=1e-5, atol=2e-6 * scale)
 
@@ -289,38 +317,60 @@ def test_torch_cross_check(dtype):
 G = np.zeros((1, 2, 6, 8), np.float32)
 
 
-@pytest.mark.parametrize("call, match, param, status", [
-    (lambda: F(None, (6, 8), (1, 2, 3, 4)), "grad_output is required", "grad_output", 161001),
-    (lambda: F(G, None, (1, 2, 3, 4)), "output_size is required", "output_size", 161001),
-    (lambda: F(G, (6, 8), None), "input_size is required", "input_size", 161001),
-    (lambda: F(G[0], (6, 8), (1, 2, 3, 4)), "grad_output must be 4-D, but got 3-D", "grad_output", 161002),
-    (lambda: F(G, (6, 8, 1), (1, 2, 3, 4)), "output_size must have length 2", "output_size", 161002),
-    (lambda: F(G, (6, 8), (2, 3, 4)), "input_size must have length 4", "input_size", 161002),
-    (lambda: F(G, (6, 8.0), (1, 2, 3, 4)), r"output_size\[1\] must be an integer", "output_size", 161002),
-    (lambda: F(G, (0, 8), (1, 2, 3, 4)), r"output_size\[0\] must be > 0, but got 0", "output_size", 161002),
-    (lambda: F(G, (6, -1), (1, 2, 3, 4)), r"output_size\[1\] must be > 0", "output_size", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 0, 4)), r"input_size\[2\] must be > 0", "input_size", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, -4)), r"input_size\[3\] must be > 0", "input_size", 161002),
-    (lambda: F(G, (6, 8), (1, -2, 3, 4)), r"input_size\[1\] must be >= 0", "input_size", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 2 ** 20 + 1)), r"input_size\.shape\[3\] must be at most 1048576",
-     "input_size", 161002),
-    (lambda: F(np.broadcast_to(np.float32(0), (1, 1, 1, 2 ** 20 + 1)), (1, 2 ** 20 + 1), (1, 1, 1, 4)),
-     r"grad_output\.shape\[3\] must be at most 1048576", "grad_output", 161002),
-    (lambda: F(G, (6, 7), (1, 2, 3, 4)), r"grad_output\.shape must be \(1, 2, 6, 7\)", "grad_output", 161002),
-    (lambda: F(G, (6, 8), (1, 3, 3, 4)), r"grad_output\.shape must be \(1, 3, 6, 8\)", "grad_output", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), layout="NHWC"), r"grad_output\.shape must be \(1, 6, 8, 2\)",
-     "grad_output", 161002),
-    (lambda: F(G.astype(np.int32), (6, 8), (1, 2, 3, 4)), r"grad_output\.dtype must be one of float32",
-     "grad_output", 161002),
-    (lambda: F(G.astype(np.complex64), (6, 8), (1, 2, 3, 4)), r"grad_output\.dtype must be one of",
-     "grad_output", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), layout="nchw"), "layout must be one of 'NCHW', 'NHWC'", "layout", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), 1), "align_corners must be a bool", "align_corners", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), False, "2"), "scales_h must be a real number", "scales_h", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), False, 0.0, True), "scales_w must be a real number", "scales_w", 161002),
-    (lambda: F(G, (6, 8), (1, 2, 3, 4), out=np.zeros((1, 2, 3, 4))), r"out\.dtype must be float32", "out",
-     161002),
-])
+@pytest.mark.parametrize(
+    "call, match, param, status",
+    [
+        (lambda: F(None, (6, 8), (1, 2, 3, 4)), "grad_output is required", "grad_output", 161001),
+        (lambda: F(G, None, (1, 2, 3, 4)), "output_size is required", "output_size", 161001),
+        (lambda: F(G, (6, 8), None), "input_size is required", "input_size", 161001),
+        (lambda: F(G[0], (6, 8), (1, 2, 3, 4)), "grad_output must be 4-D, but got 3-D", "grad_output", 161002),
+        (lambda: F(G, (6, 8, 1), (1, 2, 3, 4)), "output_size must have length 2", "output_size", 161002),
+        (lambda: F(G, (6, 8), (2, 3, 4)), "input_size must have length 4", "input_size", 161002),
+        (lambda: F(G, (6, 8.0), (1, 2, 3, 4)), r"output_size\[1\] must be an integer", "output_size", 161002),
+        (lambda: F(G, (0, 8), (1, 2, 3, 4)), r"output_size\[0\] must be > 0, but got 0", "output_size", 161002),
+        (lambda: F(G, (6, -1), (1, 2, 3, 4)), r"output_size\[1\] must be > 0", "output_size", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 0, 4)), r"input_size\[2\] must be > 0", "input_size", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 3, -4)), r"input_size\[3\] must be > 0", "input_size", 161002),
+        (lambda: F(G, (6, 8), (1, -2, 3, 4)), r"input_size\[1\] must be >= 0", "input_size", 161002),
+        (
+            lambda: F(G, (6, 8), (1, 2, 3, 2**20 + 1)),
+            r"input_size\.shape\[3\] must be at most 1048576",
+            "input_size",
+            161002,
+        ),
+        (
+            lambda: F(np.broadcast_to(np.float32(0), (1, 1, 1, 2**20 + 1)), (1, 2**20 + 1), (1, 1, 1, 4)),
+            r"grad_output\.shape\[3\] must be at most 1048576",
+            "grad_output",
+            161002,
+        ),
+        (lambda: F(G, (6, 7), (1, 2, 3, 4)), r"grad_output\.shape must be \(1, 2, 6, 7\)", "grad_output", 161002),
+        (lambda: F(G, (6, 8), (1, 3, 3, 4)), r"grad_output\.shape must be \(1, 3, 6, 8\)", "grad_output", 161002),
+        (
+            lambda: F(G, (6, 8), (1, 2, 3, 4), layout="NHWC"),
+            r"grad_output\.shape must be \(1, 6, 8, 2\)",
+            "grad_output",
+            161002,
+        ),
+        (
+            lambda: F(G.astype(np.int32), (6, 8), (1, 2, 3, 4)),
+            r"grad_output\.dtype must be one of float32",
+            "grad_output",
+            161002,
+        ),
+        (
+            lambda: F(G.astype(np.complex64), (6, 8), (1, 2, 3, 4)),
+            r"grad_output\.dtype must be one of",
+            "grad_output",
+            161002,
+        ),
+        (lambda: F(G, (6, 8), (1, 2, 3, 4), layout="nchw"), "layout must be one of 'NCHW', 'NHWC'", "layout", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 3, 4), 1), "align_corners must be a bool", "align_corners", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 3, 4), False, "2"), "scales_h must be a real number", "scales_h", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 3, 4), False, 0.0, True), "scales_w must be a real number", "scales_w", 161002),
+        (lambda: F(G, (6, 8), (1, 2, 3, 4), out=np.zeros((1, 2, 3, 4))), r"out\.dtype must be float32", "out", 161002),
+    ],
+)
 def test_errors(call, match, param, status):
     with raises_param_error(match, status=status, param=param):
         call()
@@ -340,7 +390,9 @@ def test_random_shapes_every_dtype_and_layout():
         align_corners = bool(rng.random() < 0.5)
         grad = grad_for(rng, input_size, output_size, dtype)
         check(grad, output_size, input_size, align_corners)
-        nhwc = F(np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners,
-                 layout="NHWC")
-        assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), F(grad, output_size, input_size,
-                                                                               align_corners))
+        nhwc = F(
+            np.ascontiguousarray(grad.transpose(0, 2, 3, 1)), output_size, input_size, align_corners, layout="NHWC"
+        )
+        assert bitwise_equal(
+            np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), F(grad, output_size, input_size, align_corners)
+        )

@@ -21,11 +21,19 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def avg_pool2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, Sequence[int]],
-                        kernel_size: Union[int, Sequence[int]], stride: Optional[Union[int, Sequence[int]]] = None,
-                        padding: Union[int, Sequence[int]] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                        divisor_override: int = 0, cube_math_type: int = 0, *,
-                        out: Optional[np.ndarray] = None) -> np.ndarray:
+def avg_pool2d_backward(
+    grad_output: ArrayLike,
+    input: Union[ArrayLike, Sequence[int]],
+    kernel_size: Union[int, Sequence[int]],
+    stride: Optional[Union[int, Sequence[int]]] = None,
+    padding: Union[int, Sequence[int]] = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int = 0,
+    cube_math_type: int = 0,
+    *,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
 
     Every output cell ``(oh, ow)`` pools the window ``[oh*sH - pH, oh*sH - pH + kH)`` x
@@ -94,34 +102,74 @@ def avg_pool2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, Sequence
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
     input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    return run(plan(grad_output, input if input_array is None else input_array, kernel_size, stride,
-                    padding, ceil_mode, count_include_pad, divisor_override, cube_math_type, out),
-               grad_output, input_array, out)
+    return run(
+        plan(
+            grad_output,
+            input if input_array is None else input_array,
+            kernel_size,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+            cube_math_type,
+            out,
+        ),
+        grad_output,
+        input_array,
+        out,
+    )
 
 
-def plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
-         divisor_override, cube_math_type, out):
+def plan(
+    grad_output,
+    input,
+    kernel_size,
+    stride,
+    padding,
+    ceil_mode,
+    count_include_pad,
+    divisor_override,
+    cube_math_type,
+    out,
+):
     """The validated plan of a call with the public function's arguments, ``grad_output`` a
     NumPy array and ``input`` one or a shape (ParamError as the public function raises it):
     remembered per metadata (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
-    return _PLANS(_plan, grad_output, input, kernel_size, stride, padding, ceil_mode,
-                  count_include_pad, divisor_override, cube_math_type, out)
+    return _PLANS(
+        _plan,
+        grad_output,
+        input,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+        cube_math_type,
+        out,
+    )
 
 
 def run(plan, grad_output, input_array, out):
     """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
     (``input_array`` None when the input was given as a shape; ``out`` an array or None): the
     per-call checks (``out`` overlapping neither input), then the kernels. Returns the result."""
-    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype, plan.layout,
-                                  inputs=(("grad_output", grad_output), ("input", input_array)),
-                                  checked=True)
+    result, grad_input = d.output(
+        FUNC,
+        out,
+        plan.input_shape,
+        grad_output.dtype,
+        plan.layout,
+        inputs=(("grad_output", grad_output), ("input", input_array)),
+        checked=True,
+    )
     if plan.loops is None:
         return result  # empty (N is 0)
     if grad_output.ndim == 3:
         grad_output = grad_output[None]
     entry, tables = plan.loops
-    entry(d.read_only(d.kernel_view(d.physical(grad_output, plan.layout))), d.kernel_view(grad_input), tables,
-          plan.fmt)
+    entry(d.read_only(d.kernel_view(d.physical(grad_output, plan.layout))), d.kernel_view(grad_input), tables, plan.fmt)
     return result
 
 
@@ -130,14 +178,25 @@ _PLANS = _plans.Plans()
 
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     input_shape: tuple
     layout: str  # of grad_output and the result: NHWC for channels-last strides
     loops: tuple  # the kernels' entry and tables (kernels.backward_loops); None for an empty result
     fmt: object
 
 
-def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad,
-          divisor_override, cube_math_type, out):
+def _plan(
+    grad_output,
+    input,
+    kernel_size,
+    stride,
+    padding,
+    ceil_mode,
+    count_include_pad,
+    divisor_override,
+    cube_math_type,
+    out,
+):
     """Validate every argument (errors in the documented order) and decide the kernel path.
     ``input`` is the forward input as an array, or its shape."""
     v.check_ndim(FUNC, "grad_output", grad_output, (3, 4))
@@ -172,18 +231,30 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
         v.fail(FUNC, f"input.shape[{channel_axis}]", f"(channels) must be at most {MAX_CHANNELS}", channels)
     for axis in range(channel_axis, ndim):
         if input_shape[axis] == 0:
-            v.fail(FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0)
+            v.fail(
+                FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0
+            )
     out_sizes = []
     for axis, (name, size, k, s, pad) in enumerate(
-            (("height", height, kernel[0], stride[0], padding[0]),
-             ("width", width, kernel[1], stride[1], padding[1]))):
+        (("height", height, kernel[0], stride[0], padding[0]), ("width", width, kernel[1], stride[1], padding[1]))
+    ):
         out_size = v.pooling_output_size(size, k, s, pad, ceil_mode)
         setting = f"input {name} {size}, stride {s}, padding {pad}, ceil_mode {ceil_mode}"
         if out_size < 1:
-            v.fail(FUNC, f"kernel_size[{axis}]", f"must leave an output {name} >= 1 ({setting})",
-                   f"{k} (output {name} {out_size})")
-        v.check_dim(FUNC, "grad_output", ndim - 2 + axis, grad_output.shape[ndim - 2 + axis], out_size,
-                    f"output {name} for {setting}, kernel {k}")
+            v.fail(
+                FUNC,
+                f"kernel_size[{axis}]",
+                f"must leave an output {name} >= 1 ({setting})",
+                f"{k} (output {name} {out_size})",
+            )
+        v.check_dim(
+            FUNC,
+            "grad_output",
+            ndim - 2 + axis,
+            grad_output.shape[ndim - 2 + axis],
+            out_size,
+            f"output {name} for {setting}, kernel {k}",
+        )
         out_sizes.append(out_size)
     for axis in range(ndim - 2):
         v.check_dim(FUNC, "grad_output", axis, grad_output.shape[axis], input_shape[axis], "as input")
@@ -193,14 +264,26 @@ def _plan(grad_output, input, kernel_size, stride, padding, ceil_mode, count_inc
     input_array = None if isinstance(input, (tuple, list)) else input
     layout = d.NCHW
     if d.is_channels_last(grad_output) or (
-            out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)):
+        out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)
+    ):
         layout = d.NHWC
     d.check_out(FUNC, out, input_shape, dtype, layout)
     fmt = d.storage_format(dtype)
     if math.prod(input_shape) == 0:
         return _Plan(input_shape, layout, None, fmt)
-    loops = kernels.backward_loops(layout == d.NHWC, input_shape, out_height, out_width, kernel, stride, padding,
-                                   count_include_pad, divisor_override, dtype, d.compute_dtype(dtype))
+    loops = kernels.backward_loops(
+        layout == d.NHWC,
+        input_shape,
+        out_height,
+        out_width,
+        kernel,
+        stride,
+        padding,
+        count_include_pad,
+        divisor_override,
+        dtype,
+        d.compute_dtype(dtype),
+    )
     return _Plan(input_shape, layout, loops, fmt)
 
 

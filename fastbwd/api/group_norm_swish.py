@@ -36,11 +36,21 @@ _NHWC_TASKS_PER_THREAD = 2
 _NHWC_STREAM_MIN_BYTES = 4 << 20
 
 
-def group_norm_swish_backward(dy: ArrayLike, mean: ArrayLike, rstd: ArrayLike, x: ArrayLike, gamma: ArrayLike,
-                              beta: ArrayLike, num_groups: int, data_format: str = "NCHW", swish_scale: float = 1.0,
-                              dgamma_is_require: bool = True, dbeta_is_require: bool = True, *,
-                              out: Optional[Sequence[Optional[np.ndarray]]] = None,
-                              ) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+def group_norm_swish_backward(
+    dy: ArrayLike,
+    mean: ArrayLike,
+    rstd: ArrayLike,
+    x: ArrayLike,
+    gamma: ArrayLike,
+    beta: ArrayLike,
+    num_groups: int,
+    data_format: str = "NCHW",
+    swish_scale: float = 1.0,
+    dgamma_is_require: bool = True,
+    dbeta_is_require: bool = True,
+    *,
+    out: Optional[Sequence[Optional[np.ndarray]]] = None,
+) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
@@ -127,8 +137,9 @@ def group_norm_swish_backward(dy: ArrayLike, mean: ArrayLike, rstd: ArrayLike, x
     gamma = v.as_array(FUNC, "gamma", gamma)
     beta = v.as_array(FUNC, "beta", beta)
     swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
-    plan = _PLANS(_plan, dy, mean, rstd, x, gamma, beta, num_groups, data_format,
-                  dgamma_is_require, dbeta_is_require, out)
+    plan = _PLANS(
+        _plan, dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out
+    )
     return _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, _out_entries(out))
 
 
@@ -137,6 +148,7 @@ _PLANS = _plans.Plans()
 
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     layout: str  # physical layout of x: NHWC for a channels-last NCHW array
     kernel_nhwc: bool  # the NHWC kernel runs (data_format NHWC, or channels-last strides)
     kernel_shape: tuple  # (N, C, HxW) or (N, HxW, C)
@@ -148,12 +160,10 @@ class _Plan(NamedTuple):
     want_dbeta: bool
 
 
-def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require,
-          dbeta_is_require, out):
+def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out):
     """Validate every argument (errors in the documented order) and decide the kernel path."""
     groups = v.int_value(FUNC, "num_groups", num_groups)
-    data_format = v.choice(FUNC, "data_format", data_format,
-                           CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
+    data_format = v.choice(FUNC, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
     want_dgamma = v.bool_value(FUNC, "dgamma_is_require", dgamma_is_require)
     want_dbeta = v.bool_value(FUNC, "dbeta_is_require", dbeta_is_require)
 
@@ -180,8 +190,9 @@ def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_req
     d.check_out(FUNC, out_dgamma, (channels,), gamma.dtype, param="out[1]")
     d.check_out(FUNC, out_dbeta, (channels,), gamma.dtype, param="out[2]")
     kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
-    return _Plan(layout, kernel_nhwc, kernel_shape, batch, channels, groups,
-                 d.compute_dtype(dtype), want_dgamma, want_dbeta)
+    return _Plan(
+        layout, kernel_nhwc, kernel_shape, batch, channels, groups, d.compute_dtype(dtype), want_dgamma, want_dbeta
+    )
 
 
 def _check_parameter_dtype(func, name, param, dtype):
@@ -210,8 +221,12 @@ def _geometry(func, x, groups, channels_last):
     if channels % groups != 0:
         v.fail(func, "num_groups", f"must divide the channel count C = {channels}", groups)
     if channels // groups > MAX_GROUP_SIZE:
-        v.fail(func, "num_groups", f"must leave at most {MAX_GROUP_SIZE} channels per group "
-               f"(C = {channels})", f"{groups} ({channels // groups} channels per group)")
+        v.fail(
+            func,
+            "num_groups",
+            f"must leave at most {MAX_GROUP_SIZE} channels per group (C = {channels})",
+            f"{groups} ({channels // groups} channels per group)",
+        )
     return batch, channels, hw
 
 
@@ -228,13 +243,19 @@ def _outputs(x, gamma, layout, channels, out_entries, inputs):
     metadata already checked) after the overlap checks, or new arrays."""
     inputs = tuple(zip(_INPUT_NAMES, inputs))
     out_dx, out_dgamma, out_dbeta = out_entries
-    dx = d.output(FUNC, out_dx, x.shape, x.dtype, layout, inputs=inputs, param="out[0]",
-                  checked=True)
-    dgamma = d.output(FUNC, out_dgamma, (channels,), gamma.dtype,
-                      inputs=inputs + (("out[0]", dx[0]),), param="out[1]", checked=True)
-    dbeta = d.output(FUNC, out_dbeta, (channels,), gamma.dtype,
-                     inputs=inputs + (("out[0]", dx[0]), ("out[1]", dgamma[0])), param="out[2]",
-                     checked=True)
+    dx = d.output(FUNC, out_dx, x.shape, x.dtype, layout, inputs=inputs, param="out[0]", checked=True)
+    dgamma = d.output(
+        FUNC, out_dgamma, (channels,), gamma.dtype, inputs=inputs + (("out[0]", dx[0]),), param="out[1]", checked=True
+    )
+    dbeta = d.output(
+        FUNC,
+        out_dbeta,
+        (channels,),
+        gamma.dtype,
+        inputs=inputs + (("out[0]", dx[0]), ("out[1]", dgamma[0])),
+        param="out[2]",
+        checked=True,
+    )
     return dx, dgamma, dbeta
 
 
@@ -242,7 +263,8 @@ def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
     """The per-call work of a validated call: overlap checks, outputs, the kernels."""
     batch, channels, groups, compute = plan.batch, plan.channels, plan.groups, plan.compute
     (dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys) = _outputs(
-        x, gamma, plan.layout, channels, out_entries, (dy, mean, rstd, x, gamma, beta))
+        x, gamma, plan.layout, channels, out_entries, (dy, mean, rstd, x, gamma, beta)
+    )
     fmt = d.storage_format(x.dtype)
     mean_c = mean.astype(compute).reshape(batch, groups)
     rstd_c = rstd.astype(compute).reshape(batch, groups)
@@ -257,24 +279,50 @@ def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
         dy_k = d.kernel_view(d.physical(dy, layout) if layout == d.NHWC else np.ascontiguousarray(dy))
         x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
         kernels.group_norm_swish_bwd_nhwc(
-            dy_k.reshape(shape), x_k.reshape(shape), mean_c, rstd_c, gamma_c, beta_c, scale_c,
-            d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx,
+            dy_k.reshape(shape),
+            x_k.reshape(shape),
+            mean_c,
+            rstd_c,
+            gamma_c,
+            beta_c,
+            scale_c,
+            d.kernel_view(dx_phys).reshape(shape),
+            sum_g,
+            sum_gx,
             _nhwc_groups_per_task(groups, channels // groups, batch, thread_count()),
-            _nhwc_streaming(dx_phys), fmt,
-            work=x.size)
+            _nhwc_streaming(dx_phys),
+            fmt,
+            work=x.size,
+        )
     else:
         kernels.group_norm_swish_bwd_nchw(
             d.kernel_view(np.ascontiguousarray(dy)).reshape(shape),
-            d.kernel_view(np.ascontiguousarray(x)).reshape(shape), mean_c, rstd_c, gamma_c, beta_c,
-            scale_c, d.kernel_view(dx_phys).reshape(shape), sum_g, sum_gx, fmt, work=x.size)
+            d.kernel_view(np.ascontiguousarray(x)).reshape(shape),
+            mean_c,
+            rstd_c,
+            gamma_c,
+            beta_c,
+            scale_c,
+            d.kernel_view(dx_phys).reshape(shape),
+            sum_g,
+            sum_gx,
+            fmt,
+            work=x.size,
+        )
 
     want_dgamma, want_dbeta = plan.want_dgamma, plan.want_dbeta
     if want_dgamma or want_dbeta:
         # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
         # ~7.7 s CPU on a loaded machine) in the first call's compile
         kernels.group_norm_swish_param_grads.serial(
-            sum_g, sum_gx, d.kernel_view(dgamma_phys), d.kernel_view(dbeta_phys),
-            want_dgamma, want_dbeta, d.storage_format(gamma.dtype))
+            sum_g,
+            sum_gx,
+            d.kernel_view(dgamma_phys),
+            d.kernel_view(dbeta_phys),
+            want_dgamma,
+            want_dbeta,
+            d.storage_format(gamma.dtype),
+        )
     # A gradient that is not required: None, and an out= array given for it is zero-filled.
     if not want_dgamma:
         dgamma_phys.fill(0)
@@ -314,9 +362,19 @@ def _nhwc_streaming(dx):
 
 # ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
 
-def group_norm_swish(x: ArrayLike, gamma: ArrayLike, beta: ArrayLike, num_groups: int, data_format: str = "NCHW",
-                     eps: float = 1e-5, activate_swish: bool = True, swish_scale: float = 1.0, *,
-                     out: Optional[Sequence[Optional[np.ndarray]]] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+
+def group_norm_swish(
+    x: ArrayLike,
+    gamma: ArrayLike,
+    beta: ArrayLike,
+    num_groups: int,
+    data_format: str = "NCHW",
+    eps: float = 1e-5,
+    activate_swish: bool = True,
+    swish_scale: float = 1.0,
+    *,
+    out: Optional[Sequence[Optional[np.ndarray]]] = None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
 
     Per sample n and group g of ``D = C/G`` channels (``M = D * HxW`` elements)::
@@ -390,8 +448,7 @@ def group_norm_swish(x: ArrayLike, gamma: ArrayLike, beta: ArrayLike, num_groups
         v.fail(FORWARD, "eps", "must be a finite number >= 0", repr(eps))
     swish_scale = v.float_value(FORWARD, "swish_scale", swish_scale)
     plan = _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out)
-    return _run_forward(plan, x, gamma, beta, eps, swish_scale,
-                        _out_entries(out, FORWARD, _FORWARD_OUT_NAMES))
+    return _run_forward(plan, x, gamma, beta, eps, swish_scale, _out_entries(out, FORWARD, _FORWARD_OUT_NAMES))
 
 
 _FORWARD_PLANS = _plans.Plans()
@@ -400,6 +457,7 @@ _FORWARD_OUT_NAMES = "y, mean, rstd"
 
 class _ForwardPlan(NamedTuple):
     """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     layout: str
     kernel_nhwc: bool
     kernel_shape: tuple
@@ -412,8 +470,7 @@ class _ForwardPlan(NamedTuple):
 def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
     """Validate the forward's arguments (in the backward's order) and decide the kernel path."""
     groups = v.int_value(FORWARD, "num_groups", num_groups)
-    data_format = v.choice(FORWARD, "data_format", data_format,
-                           CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
+    data_format = v.choice(FORWARD, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
     activate_swish = v.bool_value(FORWARD, "activate_swish", activate_swish)
     v.check_dtype(FORWARD, "x", x, d.FLOATING)
     for name, param in (("gamma", gamma), ("beta", beta)):
@@ -429,8 +486,7 @@ def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
     d.check_out(FORWARD, out_mean, (batch, groups), gamma.dtype, param="out[1]")
     d.check_out(FORWARD, out_rstd, (batch, groups), gamma.dtype, param="out[2]")
     kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
-    return _ForwardPlan(layout, kernel_nhwc, kernel_shape, batch, groups, d.compute_dtype(x.dtype),
-                        activate_swish)
+    return _ForwardPlan(layout, kernel_nhwc, kernel_shape, batch, groups, d.compute_dtype(x.dtype), activate_swish)
 
 
 def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
@@ -438,12 +494,19 @@ def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
     batch, groups, compute = plan.batch, plan.groups, plan.compute
     out_y, out_mean, out_rstd = out_entries
     inputs = (("x", x), ("gamma", gamma), ("beta", beta))
-    y, y_phys = d.output(FORWARD, out_y, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]",
-                         checked=True)
-    mean, _ = d.output(FORWARD, out_mean, (batch, groups), gamma.dtype, inputs=inputs + (("out[0]", y),),
-                       param="out[1]", checked=True)
-    rstd, _ = d.output(FORWARD, out_rstd, (batch, groups), gamma.dtype,
-                       inputs=inputs + (("out[0]", y), ("out[1]", mean)), param="out[2]", checked=True)
+    y, y_phys = d.output(FORWARD, out_y, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]", checked=True)
+    mean, _ = d.output(
+        FORWARD, out_mean, (batch, groups), gamma.dtype, inputs=inputs + (("out[0]", y),), param="out[1]", checked=True
+    )
+    rstd, _ = d.output(
+        FORWARD,
+        out_rstd,
+        (batch, groups),
+        gamma.dtype,
+        inputs=inputs + (("out[0]", y), ("out[1]", mean)),
+        param="out[2]",
+        checked=True,
+    )
     # the kernel writes the statistics in the compute type; other dtypes are rounded once here
     direct = gamma.dtype == compute
     mean_c = mean if direct else np.empty((batch, groups), compute)
@@ -458,14 +521,34 @@ def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
         layout = plan.layout
         x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
         kernels.group_norm_swish_fwd_nhwc(
-            d.read_only(x_k.reshape(shape)), gamma_c, beta_c, eps_c, plan.activate_swish, scale_c,
-            d.kernel_view(y_phys).reshape(shape), mean_c, rstd_c,
-            _nhwc_groups_per_task(groups, shape[2] // groups, batch, thread_count()), fmt, work=x.size)
+            d.read_only(x_k.reshape(shape)),
+            gamma_c,
+            beta_c,
+            eps_c,
+            plan.activate_swish,
+            scale_c,
+            d.kernel_view(y_phys).reshape(shape),
+            mean_c,
+            rstd_c,
+            _nhwc_groups_per_task(groups, shape[2] // groups, batch, thread_count()),
+            fmt,
+            work=x.size,
+        )
     else:
         x_k = d.kernel_view(np.ascontiguousarray(x))
         kernels.group_norm_swish_fwd_nchw(
-            d.read_only(x_k.reshape(shape)), gamma_c, beta_c, eps_c, plan.activate_swish, scale_c,
-            d.kernel_view(y_phys).reshape(shape), mean_c, rstd_c, fmt, work=x.size)
+            d.read_only(x_k.reshape(shape)),
+            gamma_c,
+            beta_c,
+            eps_c,
+            plan.activate_swish,
+            scale_c,
+            d.kernel_view(y_phys).reshape(shape),
+            mean_c,
+            rstd_c,
+            fmt,
+            work=x.size,
+        )
     if not direct:
         mean[...] = mean_c
         rstd[...] = rstd_c

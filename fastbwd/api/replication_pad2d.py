@@ -14,8 +14,13 @@ from . import _plans
 FUNC = "replication_pad2d_backward"
 
 
-def replication_pad2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, Sequence[int]], padding: Sequence[int], *,
-                               out: Optional[np.ndarray] = None) -> np.ndarray:
+def replication_pad2d_backward(
+    grad_output: ArrayLike,
+    input: Union[ArrayLike, Sequence[int]],
+    padding: Sequence[int],
+    *,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
 
     Every grad_input cell receives the sum of the grad_output cells that replicate it: interior
@@ -51,8 +56,9 @@ def replication_pad2d_backward(grad_output: ArrayLike, input: Union[ArrayLike, S
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
     input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    return run(plan(grad_output, input if input_array is None else input_array, padding, out),
-               grad_output, input_array, out)
+    return run(
+        plan(grad_output, input if input_array is None else input_array, padding, out), grad_output, input_array, out
+    )
 
 
 def plan(grad_output, input, padding, out):
@@ -66,20 +72,31 @@ def run(plan, grad_output, input_array, out):
     """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
     (``input_array`` None when the input was given as a shape; ``out`` an array or None): the
     per-call checks (``out`` overlapping neither input), then the kernels. Returns the result."""
-    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype, plan.layout,
-                                  inputs=(("grad_output", grad_output), ("input", input_array)),
-                                  checked=True)
+    result, grad_input = d.output(
+        FUNC,
+        out,
+        plan.input_shape,
+        grad_output.dtype,
+        plan.layout,
+        inputs=(("grad_output", grad_output), ("input", input_array)),
+        checked=True,
+    )
     if plan.kernel_shapes is None:
         return result  # empty (N is 0)
     source = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
     top, left = plan.top_left
     work = source.size + grad_input.size
     if plan.layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt,
-                                           work=work)
+        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt, work=work)
     else:
-        kernels.backward_nchw(source.reshape(plan.kernel_shapes[0]),
-                              d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]), top, left, plan.fmt, work)
+        kernels.backward_nchw(
+            source.reshape(plan.kernel_shapes[0]),
+            d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]),
+            top,
+            left,
+            plan.fmt,
+            work,
+        )
     return result
 
 
@@ -88,6 +105,7 @@ _PLANS = _plans.Plans()
 
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     input_shape: tuple
     layout: str  # of grad_output and the result: NHWC for channels-last strides
     top_left: tuple
@@ -104,24 +122,46 @@ def _plan(grad_output, input, padding, out):
     ndim = len(input_shape)
     for axis, size in enumerate(input_shape):
         if size == 0 and not (ndim == 4 and axis == 0):
-            v.fail(FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0)
+            v.fail(
+                FUNC, f"input.shape[{axis}]", "must be > 0 (only the batch dimension of a 4-D input may be empty)", 0
+            )
     height, width = input_shape[-2:]
-    for index, (name, pad, size, what) in enumerate((
-        ("left", left, width, "width"), ("right", right, width, "width"),
-        ("top", top, height, "height"), ("bottom", bottom, height, "height"),
-    )):
+    for index, (name, pad, size, what) in enumerate(
+        (
+            ("left", left, width, "width"),
+            ("right", right, width, "width"),
+            ("top", top, height, "height"),
+            ("bottom", bottom, height, "height"),
+        )
+    ):
         if pad >= size:
             v.fail(FUNC, f"padding[{index}]", f"({name}) must be less than the input {what} {size}", pad)
     out_height, out_width = height + top + bottom, width + left + right
     if out_height < 1 or out_width < 1:
-        v.fail(FUNC, "padding", f"must leave a padded size of at least 1 x 1 for input {height} x {width}",
-               f"{(left, right, top, bottom)}, giving {out_height} x {out_width}")
+        v.fail(
+            FUNC,
+            "padding",
+            f"must leave a padded size of at least 1 x 1 for input {height} x {width}",
+            f"{(left, right, top, bottom)}, giving {out_height} x {out_width}",
+        )
     for axis in range(ndim - 2):
         v.check_dim(FUNC, "grad_output", axis, grad_output.shape[axis], input_shape[axis], "as input")
-    v.check_dim(FUNC, "grad_output", ndim - 2, grad_output.shape[-2], out_height,
-                f"input height {height} + top {top} + bottom {bottom}")
-    v.check_dim(FUNC, "grad_output", ndim - 1, grad_output.shape[-1], out_width,
-                f"input width {width} + left {left} + right {right}")
+    v.check_dim(
+        FUNC,
+        "grad_output",
+        ndim - 2,
+        grad_output.shape[-2],
+        out_height,
+        f"input height {height} + top {top} + bottom {bottom}",
+    )
+    v.check_dim(
+        FUNC,
+        "grad_output",
+        ndim - 1,
+        grad_output.shape[-1],
+        out_width,
+        f"input width {width} + left {left} + right {right}",
+    )
 
     dtype = grad_output.dtype
     layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW

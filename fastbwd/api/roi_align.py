@@ -18,9 +18,18 @@ FORWARD = "roi_align_forward"
 FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
-def roi_align_backward(grad_output: ArrayLike, boxes: ArrayLike, input_shape: Sequence[int], pooled_height: int,
-                       pooled_width: int, spatial_scale: float, sampling_ratio: int, aligned: bool, *,
-                       out: Optional[np.ndarray] = None) -> np.ndarray:
+def roi_align_backward(
+    grad_output: ArrayLike,
+    boxes: ArrayLike,
+    input_shape: Sequence[int],
+    pooled_height: int,
+    pooled_width: int,
+    spatial_scale: float,
+    sampling_ratio: int,
+    aligned: bool,
+    *,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Gradient of torchvision's ``roi_align`` with respect to its input (docs/semantics.md §4).
 
     For every box ``k`` with batch index ``b = floor(boxes[k, 0])``, every channel and every
@@ -79,31 +88,46 @@ def roi_align_backward(grad_output: ArrayLike, boxes: ArrayLike, input_shape: Se
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)
-    return run(plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                    aligned, out),
-               grad_output, boxes, out)
+    return run(
+        plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out),
+        grad_output,
+        boxes,
+        out,
+    )
 
 
-def plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
-         out):
+def plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
     """The validated plan of a call with the public function's arguments, ``grad_output`` and
     ``boxes`` NumPy arrays (ParamError as the public function raises it): remembered per
     metadata (:mod:`fastbwd.api._plans`; the boxes' values are not part of it), and what
     :func:`run` takes."""
-    return _PLANS(_plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale,
-                  sampling_ratio, aligned, out)
+    return _PLANS(
+        _plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out
+    )
 
 
 def run(plan, grad_output, boxes, out):
     """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
     (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
     the boxes' tables and the kernels. Returns the result."""
-    result, grad_input = d.output(FUNC, out, plan.input_shape, grad_output.dtype,
-                                  inputs=(("grad_output", grad_output), ("boxes", boxes)), checked=True)
+    result, grad_input = d.output(
+        FUNC,
+        out,
+        plan.input_shape,
+        grad_output.dtype,
+        inputs=(("grad_output", grad_output), ("boxes", boxes)),
+        checked=True,
+    )
     if result.size == 0:
         return result
-    kernels.backward(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input),
-                     *plan.scalars, plan.compute, plan.fmt)
+    kernels.backward(
+        d.kernel_view(np.ascontiguousarray(grad_output)),
+        boxes,
+        d.kernel_view(grad_input),
+        *plan.scalars,
+        plan.compute,
+        plan.fmt,
+    )
     return result
 
 
@@ -112,14 +136,14 @@ _PLANS = _plans.Plans()
 
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     input_shape: tuple
     scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
     compute: np.dtype
     fmt: object
 
 
-def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned,
-          out):
+def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
     """Validate every argument (errors in the documented order); the arrays' values are not read."""
     input_shape = v.int_tuple(FUNC, "input_shape", input_shape, (4,))
     pooled_height = v.int_value(FUNC, "pooled_height", pooled_height)
@@ -143,9 +167,7 @@ def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_
     return _Plan(input_shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
 
 
-
-def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                      aligned, *, out=None):
+def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, *, out=None):
     """torchvision's ``roi_align`` forward (docs/semantics.md §4, "Forward"): the adjoint of
     :func:`roi_align_backward`.
 
@@ -200,8 +222,9 @@ def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, 
     """
     input = v.as_array(FORWARD, "input", input)
     boxes = v.as_array(FORWARD, "boxes", boxes)
-    plan = _FORWARD_PLANS(_forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                          aligned, out)
+    plan = _FORWARD_PLANS(
+        _forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out
+    )
     return _run_forward(plan, input, boxes, out)
 
 
@@ -210,6 +233,7 @@ _FORWARD_PLANS = _plans.Plans()
 
 class _ForwardPlan(NamedTuple):
     """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     shape: tuple  # of the result
     scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
     compute: np.dtype
@@ -238,8 +262,9 @@ def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, samp
 def _run_forward(plan, input, boxes, out):
     """The forward call ``plan`` describes: the per-call checks, the layout of ``input``, then the
     tables of the boxes and the kernels. Returns the result."""
-    result, pooled = d.output(FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)),
-                              checked=True)
+    result, pooled = d.output(
+        FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)), checked=True
+    )
     if result.size == 0:
         return result
     batch, channels, height, width = input.shape
@@ -250,8 +275,17 @@ def _run_forward(plan, input, boxes, out):
         source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
     else:
         source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
-    kernels.forward(d.kernel_view(source), channels_last, height, width, boxes, d.kernel_view(pooled),
-                    *plan.scalars, plan.compute, plan.fmt)
+    kernels.forward(
+        d.kernel_view(source),
+        channels_last,
+        height,
+        width,
+        boxes,
+        d.kernel_view(pooled),
+        *plan.scalars,
+        plan.compute,
+        plan.fmt,
+    )
     return result
 
 
@@ -259,11 +293,14 @@ def _run_forward(plan, input, boxes, out):
 # shared by the backward and the forward
 # --------------------------------------------------------------------------------------------
 
+
 def _scalars(func, spatial_scale, sampling_ratio, aligned):
     """The scalar arguments' types: ``(spatial_scale, sampling_ratio, aligned)``."""
-    return (v.float_value(func, "spatial_scale", spatial_scale),
-            v.int_value(func, "sampling_ratio", sampling_ratio),
-            v.bool_value(func, "aligned", aligned))
+    return (
+        v.float_value(func, "spatial_scale", spatial_scale),
+        v.int_value(func, "sampling_ratio", sampling_ratio),
+        v.bool_value(func, "aligned", aligned),
+    )
 
 
 def _check_boxes(func, boxes, num_boxes, why, data_param, data_dtype):

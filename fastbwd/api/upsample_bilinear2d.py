@@ -14,9 +14,17 @@ FUNC = "upsample_bilinear2d_backward"
 LAYOUTS = (d.NCHW, d.NHWC)
 
 
-def upsample_bilinear2d_backward(grad_output: ArrayLike, output_size: Sequence[int], input_size: Sequence[int],
-                                 align_corners: bool = False, scales_h: float = 0.0, scales_w: float = 0.0, *,
-                                 layout: str = "NCHW", out: Optional[np.ndarray] = None) -> np.ndarray:
+def upsample_bilinear2d_backward(
+    grad_output: ArrayLike,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool = False,
+    scales_h: float = 0.0,
+    scales_w: float = 0.0,
+    *,
+    layout: str = "NCHW",
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Gradient of ``torch.nn.functional.interpolate(input, output_size, mode="bilinear")``.
 
     Every grad_output cell ``(oh, ow)`` is spread over the (up to) four input cells it was
@@ -64,16 +72,16 @@ def upsample_bilinear2d_backward(grad_output: ArrayLike, output_size: Sequence[i
         a bad ``out``. Status 161001 when grad_output, output_size or input_size is None.
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
-    return run(plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out),
-               grad_output, out)
+    return run(
+        plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out), grad_output, out
+    )
 
 
 def plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
     """The validated plan of a call with the public function's arguments, ``grad_output`` a
     NumPy array (ParamError as the public function raises it): remembered per metadata
     (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
-    return _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w,
-                  layout, out)
+    return _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out)
 
 
 def run(plan, grad_output, out):
@@ -86,18 +94,27 @@ def run(plan, grad_output, out):
         source = np.ascontiguousarray(grad_output)
     else:
         source = d.physical(grad_output, plan.physical_layout)
-    result, grad_input = d.output(FUNC, out, plan.result_shape, grad_output.dtype,
-                                  plan.result_layout, inputs=(("grad_output", grad_output),),
-                                  checked=True)
+    result, grad_input = d.output(
+        FUNC,
+        out,
+        plan.result_shape,
+        grad_output.dtype,
+        plan.result_layout,
+        inputs=(("grad_output", grad_output),),
+        checked=True,
+    )
     if plan.tables is None:
         return result  # empty (N or C is 0): nothing to compute
     source = d.read_only(d.kernel_view(source))
     if plan.physical_layout == d.NHWC:
         kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *plan.tables, plan.fmt)
     else:
-        kernels.separable_bwd_nchw(source.reshape(plan.source_planes),
-                                   d.kernel_view(grad_input).reshape(plan.result_planes),
-                                   *plan.tables, plan.fmt)
+        kernels.separable_bwd_nchw(
+            source.reshape(plan.source_planes),
+            d.kernel_view(grad_input).reshape(plan.result_planes),
+            *plan.tables,
+            plan.fmt,
+        )
     return result
 
 
@@ -106,6 +123,7 @@ _PLANS = _plans.Plans()
 
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+
     result_shape: tuple
     user_nhwc: bool  # layout="NHWC"
     physical_layout: str  # the layout the kernel runs on
@@ -143,9 +161,14 @@ def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_
     else:
         expected = (batch, channels, output_height, output_width)
         result_shape = (batch, channels, height, width)
-    v.check_shape(FUNC, "grad_output", grad_output.shape, expected,
-                  f"input_size {(batch, channels, height, width)} and output_size "
-                  f"{(output_height, output_width)} in layout {layout}")
+    v.check_shape(
+        FUNC,
+        "grad_output",
+        grad_output.shape,
+        expected,
+        f"input_size {(batch, channels, height, width)} and output_size "
+        f"{(output_height, output_width)} in layout {layout}",
+    )
 
     dtype = grad_output.dtype
     if layout == d.NHWC:
@@ -154,14 +177,20 @@ def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_
         physical_layout = result_layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, result_shape, dtype, result_layout)
     if batch * channels == 0:
-        return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout,
-                     None, None, None, None)
+        return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout, None, None, None, None)
     opmath = d.compute_dtype(dtype)
     tables = (
         *kernels.backward_table(height, output_height, align_corners, scales_h, opmath),
         *kernels.backward_table(width, output_width, align_corners, scales_w, opmath),
     )
     planes = batch * channels
-    return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout,
-                 (planes, output_height, output_width), (planes, height, width), tables,
-                 d.storage_format(dtype))
+    return _Plan(
+        result_shape,
+        layout == d.NHWC,
+        physical_layout,
+        result_layout,
+        (planes, output_height, output_width),
+        (planes, height, width),
+        tables,
+        d.storage_format(dtype),
+    )

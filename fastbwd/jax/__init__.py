@@ -20,7 +20,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "fastbwd.jax needs JAX, which is not installed: pip install jax "
-        "(or pip install -e \".[jax]\" in fastbwd's checkout)"
+        '(or pip install -e ".[jax]" in fastbwd\'s checkout)'
     ) from error
 
 from ._avg_pool import avg_pool2d

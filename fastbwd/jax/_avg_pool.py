@@ -20,9 +20,17 @@ FUNC = "avg_pool2d"
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output,), (grad_input,) = inputs, outputs
-    fastbwd.avg_pool2d_backward(grad_output, grad_input.shape, config["kernel_size"], config["stride"],
-                                config["padding"], config["ceil_mode"], config["count_include_pad"],
-                                config["divisor_override"], out=grad_input)
+    fastbwd.avg_pool2d_backward(
+        grad_output,
+        grad_input.shape,
+        config["kernel_size"],
+        config["stride"],
+        config["padding"],
+        config["ceil_mode"],
+        config["count_include_pad"],
+        config["divisor_override"],
+        out=grad_input,
+    )
 
 
 _TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True)
@@ -40,20 +48,32 @@ def _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_o
     """Window sums by ``lax.reduce_window`` over the zero-padded input, then PyTorch's divisors."""
     compute = x.astype(d.compute_dtype(x.dtype))
     height, width = x.shape[-2:]
-    out_sizes = [v.pooling_output_size(size, k, s, p, ceil_mode)
-                 for size, k, s, p in zip((height, width), kernel, stride, padding)]
+    out_sizes = [
+        v.pooling_output_size(size, k, s, p, ceil_mode)
+        for size, k, s, p in zip((height, width), kernel, stride, padding)
+    ]
     # The last window may overhang the bottom/right padding (ceil_mode): pad enough zeros for it.
-    pads = [(p, max(p, (o - 1) * s + k - size - p))
-            for size, k, s, p, o in zip((height, width), kernel, stride, padding, out_sizes)]
+    pads = [
+        (p, max(p, (o - 1) * s + k - size - p))
+        for size, k, s, p, o in zip((height, width), kernel, stride, padding, out_sizes)
+    ]
     lead = x.ndim - 2
-    sums = lax.reduce_window(compute, np.array(0, compute.dtype), lax.add, (1,) * lead + tuple(kernel),
-                             (1,) * lead + tuple(stride), [(0, 0)] * lead + pads)
-    sums = sums[..., :out_sizes[0], :out_sizes[1]]
+    sums = lax.reduce_window(
+        compute,
+        np.array(0, compute.dtype),
+        lax.add,
+        (1,) * lead + tuple(kernel),
+        (1,) * lead + tuple(stride),
+        [(0, 0)] * lead + pads,
+    )
+    sums = sums[..., : out_sizes[0], : out_sizes[1]]
     if divisor_override:
         divisor = np.full(out_sizes, divisor_override)
     else:
-        rows, cols = (_divisors(size, k, s, p, o, count_include_pad)
-                      for size, k, s, p, o in zip((height, width), kernel, stride, padding, out_sizes))
+        rows, cols = (
+            _divisors(size, k, s, p, o, count_include_pad)
+            for size, k, s, p, o in zip((height, width), kernel, stride, padding, out_sizes)
+        )
         divisor = rows[:, None] * cols[None, :]
     return (sums / divisor.astype(compute.dtype)).astype(x.dtype)
 
@@ -67,10 +87,15 @@ def _avg_pool_fwd(x, *static):
     return _forward(x, *static[:-1]), None
 
 
-def _avg_pool_bwd(kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, input_shape, _,
-                  grad_output):
-    config = dict(kernel_size=list(kernel), stride=list(stride), padding=list(padding), ceil_mode=ceil_mode,
-                  count_include_pad=count_include_pad, divisor_override=divisor_override)
+def _avg_pool_bwd(kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, input_shape, _, grad_output):
+    config = dict(
+        kernel_size=list(kernel),
+        stride=list(stride),
+        padding=list(padding),
+        ceil_mode=ceil_mode,
+        count_include_pad=count_include_pad,
+        divisor_override=divisor_override,
+    )
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
     return tuple(_ffi.call(_TARGET, [grad_output], [result], config))
 
@@ -78,9 +103,15 @@ def _avg_pool_bwd(kernel, stride, padding, ceil_mode, count_include_pad, divisor
 _avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)
 
 
-def avg_pool2d(x: jax.Array, kernel_size: Union[int, Sequence[int]],
-               stride: Optional[Union[int, Sequence[int]]] = None, padding: Union[int, Sequence[int]] = 0,
-               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int = 0) -> jax.Array:
+def avg_pool2d(
+    x: jax.Array,
+    kernel_size: Union[int, Sequence[int]],
+    stride: Optional[Union[int, Sequence[int]]] = None,
+    padding: Union[int, Sequence[int]] = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int = 0,
+) -> jax.Array:
     """``F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
     divisor_override or None)``.
 
@@ -114,15 +145,34 @@ def avg_pool2d(x: jax.Array, kernel_size: Union[int, Sequence[int]],
         kernel = c.ints(kernel_size, 2)
         steps = c.ints(stride, 2) if stride not in (None, ()) else kernel
         pads = c.ints(padding, 2)
-        sizes = tuple(v.pooling_output_size(size, k, s, p, bool(ceil_mode))
-                      for size, k, s, p in zip(x.shape[-2:], kernel, steps, pads))
+        sizes = tuple(
+            v.pooling_output_size(size, k, s, p, bool(ceil_mode))
+            for size, k, s, p in zip(x.shape[-2:], kernel, steps, pads)
+        )
         if min(sizes) < 1:
             raise ValueError(sizes)
         return x.shape[:-2] + sizes
 
-    c.validate(fastbwd.avg_pool2d_backward, c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
-               x.shape, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    c.validate(
+        fastbwd.avg_pool2d_backward,
+        c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
+        x.shape,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    )
     kernel = c.ints(kernel_size, 2)
     stride = c.ints(stride, 2) if stride not in (None, ()) else kernel
-    return _avg_pool(x, kernel, stride, c.ints(padding, 2), bool(ceil_mode), bool(count_include_pad),
-                     int(divisor_override or 0), x.shape)
+    return _avg_pool(
+        x,
+        kernel,
+        stride,
+        c.ints(padding, 2),
+        bool(ceil_mode),
+        bool(count_include_pad),
+        int(divisor_override or 0),
+        x.shape,
+    )

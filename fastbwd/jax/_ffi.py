@@ -53,9 +53,14 @@ class _ExtensionBase(ctypes.Structure):
 
 
 class _Buffer(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("dtype", ctypes.c_int), ("data", ctypes.c_void_p), ("rank", ctypes.c_int64),
-                ("dims", ctypes.POINTER(ctypes.c_int64))]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("dims", ctypes.POINTER(ctypes.c_int64)),
+    ]
 
 
 class _ByteSpan(ctypes.Structure):
@@ -63,33 +68,56 @@ class _ByteSpan(ctypes.Structure):
 
 
 class _Operands(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets share this layout
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("size", ctypes.c_int64), ("types", ctypes.POINTER(ctypes.c_int)),
-                ("buffers", ctypes.POINTER(ctypes.POINTER(_Buffer)))]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.POINTER(ctypes.c_int)),
+        ("buffers", ctypes.POINTER(ctypes.POINTER(_Buffer))),
+    ]
 
 
 class _Attrs(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("size", ctypes.c_int64), ("types", ctypes.POINTER(ctypes.c_int)),
-                ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
-                ("attrs", ctypes.POINTER(ctypes.c_void_p))]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.POINTER(ctypes.c_int)),
+        ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
+        ("attrs", ctypes.POINTER(ctypes.c_void_p)),
+    ]
 
 
 class _CallFrame(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.POINTER(_ExtensionBase)),
-                ("api", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
-                ("args", _Operands), ("rets", _Operands), ("attrs", _Attrs),
-                ("future", ctypes.c_void_p)]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(_ExtensionBase)),
+        ("api", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+        ("stage", ctypes.c_int),
+        ("args", _Operands),
+        ("rets", _Operands),
+        ("attrs", _Attrs),
+        ("future", ctypes.c_void_p),
+    ]
 
 
 class _ApiVersion(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("major_version", ctypes.c_int), ("minor_version", ctypes.c_int)]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("major_version", ctypes.c_int),
+        ("minor_version", ctypes.c_int),
+    ]
 
 
 class _Metadata(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("api_version", _ApiVersion),
-                ("traits", ctypes.c_uint32), ("state_type_id", ctypes.c_int64)]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("api_version", _ApiVersion),
+        ("traits", ctypes.c_uint32),
+        ("state_type_id", ctypes.c_int64),
+    ]
 
 
 class _MetadataExtension(ctypes.Structure):
@@ -97,17 +125,25 @@ class _MetadataExtension(ctypes.Structure):
 
 
 class _ErrorCreateArgs(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("message", ctypes.c_char_p), ("errc", ctypes.c_int)]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("message", ctypes.c_char_p),
+        ("errc", ctypes.c_int),
+    ]
 
 
 _ERROR_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorCreateArgs))
 
 
 class _Api(ctypes.Structure):  # the leading fields of XLA_FFI_Api, up to XLA_FFI_Error_Create
-    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
-                ("api_version", _ApiVersion), ("internal_api", ctypes.c_void_p),
-                ("error_create", _ERROR_CREATE)]
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("api_version", _ApiVersion),
+        ("internal_api", ctypes.c_void_p),
+        ("error_create", _ERROR_CREATE),
+    ]
 
 
 _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
@@ -238,8 +274,9 @@ def target(name, adapter, fold):
     with _register_lock:
         if full not in _targets:
             # XLA calls the exit gate, which calls the Python handler (see _gate.py)
-            address = _gate.gate(_make_handler(adapter, fold),
-                                 (_CallFrame.stage.offset, _CallFrame.api.offset), _Api.error_create.offset)
+            address = _gate.gate(
+                _make_handler(adapter, fold), (_CallFrame.stage.offset, _CallFrame.api.offset), _Api.error_create.offset
+            )
             jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(_HANDLER(address)), platform="cpu", api_version=1)
             _targets[full] = fold
     return full

@@ -134,12 +134,23 @@ def _start():
 def _build_batch(frame_offsets, error_create_offset):
     batch = len(_batches)
     stage_offset, api_offset = frame_offsets
-    text = _BATCH_IR.format(message=_MESSAGE.decode(), message_size=len(_MESSAGE) + 1,
-                            gates=GATES_PER_BATCH, batch=batch)
-    text += "".join(_GATE_IR.format(
-        batch=batch, index=index, gates=GATES_PER_BATCH, state=ctypes.addressof(_state),
-        stage_offset=stage_offset, api_offset=api_offset, error_create_offset=error_create_offset,
-        execute_stage=_EXECUTE_STAGE, error_code=_INTERNAL_ERROR) for index in range(GATES_PER_BATCH))
+    text = _BATCH_IR.format(
+        message=_MESSAGE.decode(), message_size=len(_MESSAGE) + 1, gates=GATES_PER_BATCH, batch=batch
+    )
+    text += "".join(
+        _GATE_IR.format(
+            batch=batch,
+            index=index,
+            gates=GATES_PER_BATCH,
+            state=ctypes.addressof(_state),
+            stage_offset=stage_offset,
+            api_offset=api_offset,
+            error_create_offset=error_create_offset,
+            execute_stage=_EXECUTE_STAGE,
+            error_code=_INTERNAL_ERROR,
+        )
+        for index in range(GATES_PER_BATCH)
+    )
     module = llvm.parse_assembly(text)
     module.verify()
     _engine.add_module(module)

@@ -17,8 +17,9 @@ FUNC = "group_norm_swish"
 
 
 def _backward_adapter(inputs, outputs, config):
-    fastbwd.group_norm_swish_backward(*inputs, config["num_groups"], config["layout"], config["swish_scale"],
-                                      out=tuple(outputs))
+    fastbwd.group_norm_swish_backward(
+        *inputs, config["num_groups"], config["layout"], config["swish_scale"], out=tuple(outputs)
+    )
 
 
 _TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False)
@@ -74,8 +75,11 @@ def _group_norm_swish_fwd(x, weight, bias, num_groups, eps, swish_scale, layout)
 
 def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_output):
     x, weight, bias, mean, rstd = residuals
-    results = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weight.shape, weight.dtype),
-               jax.ShapeDtypeStruct(bias.shape, weight.dtype)]
+    results = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct(weight.shape, weight.dtype),
+        jax.ShapeDtypeStruct(bias.shape, weight.dtype),
+    ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout)
     dx, dweight, dbias = _ffi.call(_TARGET, [grad_output, mean, rstd, x, weight, bias], results, config)
     return dx, dweight, dbias.astype(bias.dtype)
@@ -84,8 +88,16 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_
 _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
 
 
-def group_norm_swish(x: jax.Array, num_groups: int, weight: Optional[jax.Array], bias: Optional[jax.Array],
-                     eps: float = 1e-5, swish_scale: float = 1.0, *, layout: str = "NCHW") -> jax.Array:
+def group_norm_swish(
+    x: jax.Array,
+    num_groups: int,
+    weight: Optional[jax.Array],
+    bias: Optional[jax.Array],
+    eps: float = 1e-5,
+    swish_scale: float = 1.0,
+    *,
+    layout: str = "NCHW",
+) -> jax.Array:
     """GroupNorm (``F.group_norm(x, num_groups, weight, bias, eps)``) followed by Swish,
     ``y * sigmoid(swish_scale * y)`` (SiLU for ``swish_scale=1``).
 
@@ -130,7 +142,17 @@ def group_norm_swish(x: jax.Array, num_groups: int, weight: Optional[jax.Array],
         return (x.shape[0], int(num_groups))
 
     stats = c.placeholder(c.shape_or((x.shape[0], 1), stats_shape), stats_dtype)
-    c.validate(fastbwd.group_norm_swish_backward, c.placeholder(x.shape, x.dtype), stats, stats,
-               c.placeholder(x.shape, x.dtype), c.placeholder(weight.shape, weight.dtype),
-               c.placeholder(bias.shape, bias.dtype), num_groups, layout, swish_scale, out_is_tuple=True)
+    c.validate(
+        fastbwd.group_norm_swish_backward,
+        c.placeholder(x.shape, x.dtype),
+        stats,
+        stats,
+        c.placeholder(x.shape, x.dtype),
+        c.placeholder(weight.shape, weight.dtype),
+        c.placeholder(bias.shape, bias.dtype),
+        num_groups,
+        layout,
+        swish_scale,
+        out_is_tuple=True,
+    )
     return _group_norm_swish(x, weight, bias, int(num_groups), eps, float(swish_scale), layout)

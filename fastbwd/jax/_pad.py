@@ -26,7 +26,7 @@ def _forward(x, padding):
     left, right, top, bottom = padding
     height, width = x.shape[-2:]
     # Negative pads crop (PyTorch): output row i reads input row clamp(i - top, 0, H - 1).
-    x = x[..., max(-top, 0):height - max(-bottom, 0), max(-left, 0):width - max(-right, 0)]
+    x = x[..., max(-top, 0) : height - max(-bottom, 0), max(-left, 0) : width - max(-right, 0)]
     pads = [(0, 0)] * (x.ndim - 2) + [(max(top, 0), max(bottom, 0)), (max(left, 0), max(right, 0))]
     return jnp.pad(x, pads, mode="edge")
 

@@ -18,15 +18,29 @@ FUNC = "roi_align"
 
 def _forward_adapter(inputs, outputs, config):
     (input, boxes), (pooled,) = inputs, outputs
-    roi_align_api.roi_align_forward(input, boxes, *config["pooled_size"], config["spatial_scale"],
-                                    config["sampling_ratio"], config["aligned"], out=pooled)
+    roi_align_api.roi_align_forward(
+        input,
+        boxes,
+        *config["pooled_size"],
+        config["spatial_scale"],
+        config["sampling_ratio"],
+        config["aligned"],
+        out=pooled,
+    )
 
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output, boxes), (grad_input,) = inputs, outputs
-    fastbwd.roi_align_backward(grad_output, boxes, grad_input.shape, *config["pooled_size"],
-                               config["spatial_scale"], config["sampling_ratio"], config["aligned"],
-                               out=grad_input)
+    fastbwd.roi_align_backward(
+        grad_output,
+        boxes,
+        grad_input.shape,
+        *config["pooled_size"],
+        config["spatial_scale"],
+        config["sampling_ratio"],
+        config["aligned"],
+        out=grad_input,
+    )
 
 
 _FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False)
@@ -34,14 +48,16 @@ _BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False)
 
 
 def _config(pooled_size, spatial_scale, sampling_ratio, aligned):
-    return dict(pooled_size=list(pooled_size), spatial_scale=spatial_scale, sampling_ratio=sampling_ratio,
-                aligned=aligned)
+    return dict(
+        pooled_size=list(pooled_size), spatial_scale=spatial_scale, sampling_ratio=sampling_ratio, aligned=aligned
+    )
 
 
 def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned):
     result = jax.ShapeDtypeStruct((boxes.shape[0], input.shape[1]) + tuple(pooled_size), input.dtype)
-    (output,) = _ffi.call(_FORWARD, [input, boxes], [result],
-                          _config(pooled_size, spatial_scale, sampling_ratio, aligned))
+    (output,) = _ffi.call(
+        _FORWARD, [input, boxes], [result], _config(pooled_size, spatial_scale, sampling_ratio, aligned)
+    )
     return output
 
 
@@ -56,8 +72,9 @@ def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, ali
 
 def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, boxes, grad_output):
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
-    (grad_input,) = _ffi.call(_BACKWARD, [grad_output, boxes], [result],
-                           _config(pooled_size, spatial_scale, sampling_ratio, aligned))
+    (grad_input,) = _ffi.call(
+        _BACKWARD, [grad_output, boxes], [result], _config(pooled_size, spatial_scale, sampling_ratio, aligned)
+    )
     # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
     return grad_input, jnp.zeros_like(boxes)
 
@@ -73,14 +90,21 @@ def _rois(boxes, dtype):
             per_image = jnp.asarray(per_image)
             if per_image.ndim != 2 or per_image.shape[1] != 4:
                 v.fail(FUNC, f"boxes[{index}]", "must be an array of shape (L, 4)", f"shape {per_image.shape}")
-            parts.append(jnp.concatenate([jnp.full((per_image.shape[0], 1), index, per_image.dtype), per_image],
-                                         axis=1))
+            parts.append(
+                jnp.concatenate([jnp.full((per_image.shape[0], 1), index, per_image.dtype), per_image], axis=1)
+            )
         return jnp.concatenate(parts, axis=0) if parts else jnp.zeros((0, 5), dtype)
     return jnp.asarray(boxes)
 
 
-def roi_align(input: jax.Array, boxes: Union[jax.Array, Sequence[jax.Array]], output_size: Union[int, Sequence[int]],
-              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> jax.Array:
+def roi_align(
+    input: jax.Array,
+    boxes: Union[jax.Array, Sequence[jax.Array]],
+    output_size: Union[int, Sequence[int]],
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> jax.Array:
     """``torchvision.ops.roi_align`` (docs/semantics.md §4) on fastbwd's kernels.
 
     Parameters
@@ -123,9 +147,24 @@ def roi_align(input: jax.Array, boxes: Union[jax.Array, Sequence[jax.Array]], ou
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
     input_placeholder = c.placeholder(input.shape, input.dtype)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
-    c.validate(roi_align_api.roi_align_forward, input_placeholder, boxes_placeholder, *output_size,
-               spatial_scale, sampling_ratio, aligned)
+    c.validate(
+        roi_align_api.roi_align_forward,
+        input_placeholder,
+        boxes_placeholder,
+        *output_size,
+        spatial_scale,
+        sampling_ratio,
+        aligned,
+    )
     pooled_size = c.ints(output_size)
-    c.validate(fastbwd.roi_align_backward, c.placeholder((rois.shape[0], input.shape[1]) + pooled_size, input.dtype),
-               boxes_placeholder, input.shape, *pooled_size, spatial_scale, sampling_ratio, aligned)
+    c.validate(
+        fastbwd.roi_align_backward,
+        c.placeholder((rois.shape[0], input.shape[1]) + pooled_size, input.dtype),
+        boxes_placeholder,
+        input.shape,
+        *pooled_size,
+        spatial_scale,
+        sampling_ratio,
+        aligned,
+    )
     return _roi_align(input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), input.shape)

@@ -23,8 +23,9 @@ def _backward_adapter(inputs, outputs, config):
         n, h, w, ch = grad_input.shape
     else:
         n, ch, h, w = grad_input.shape
-    fastbwd.upsample_bilinear2d_backward(grad_output, config["output_size"], (n, ch, h, w),
-                                         config["align_corners"], layout=layout, out=grad_input)
+    fastbwd.upsample_bilinear2d_backward(
+        grad_output, config["output_size"], (n, ch, h, w), config["align_corners"], layout=layout, out=grad_input
+    )
 
 
 _TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True)
@@ -38,11 +39,13 @@ def _interpolate(x, axis, output_size, align_corners):
     """One axis of the separable forward: ``x[index0] * lambda0 + x[index1] * lambda1`` with
     PyTorch's indices and weights (the tables fastbwd's backward uses), in x's dtype."""
     index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
-        x.shape[axis], output_size, align_corners, 0.0, x.dtype)
+        x.shape[axis], output_size, align_corners, 0.0, x.dtype
+    )
     shape = [1] * x.ndim
     shape[axis] = output_size
-    return (jnp.take(x, index0, axis=axis) * lambda0.reshape(shape)
-            + jnp.take(x, index1, axis=axis) * lambda1.reshape(shape))
+    return jnp.take(x, index0, axis=axis) * lambda0.reshape(shape) + jnp.take(x, index1, axis=axis) * lambda1.reshape(
+        shape
+    )
 
 
 def _forward(x, output_size, align_corners, layout):
@@ -71,8 +74,9 @@ def _upsample_bwd(output_size, align_corners, layout, input_shape, _, grad_outpu
 _upsample.defvjp(_upsample_fwd, _upsample_bwd)
 
 
-def upsample_bilinear2d(x: jax.Array, output_size: Sequence[int], align_corners: bool = False, *,
-                        layout: str = "NCHW") -> jax.Array:
+def upsample_bilinear2d(
+    x: jax.Array, output_size: Sequence[int], align_corners: bool = False, *, layout: str = "NCHW"
+) -> jax.Array:
     """``F.interpolate(x, size=output_size, mode="bilinear", align_corners=align_corners)``.
 
     Parameters
@@ -114,8 +118,12 @@ def upsample_bilinear2d(x: jax.Array, output_size: Sequence[int], align_corners:
     def input_size():
         return (x.shape[0], x.shape[3], x.shape[1], x.shape[2]) if layout == "NHWC" else x.shape
 
-    c.validate(fastbwd.upsample_bilinear2d_backward,
-               c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
-               output_size=output_size, input_size=input_size(), align_corners=align_corners,
-               layout=layout)
+    c.validate(
+        fastbwd.upsample_bilinear2d_backward,
+        c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
+        output_size=output_size,
+        input_size=input_size(),
+        align_corners=align_corners,
+        layout=layout,
+    )
     return _upsample(x, c.ints(output_size), bool(align_corners), layout, x.shape)

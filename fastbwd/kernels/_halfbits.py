@@ -99,6 +99,7 @@ def _constant_storage_format(context, builder, typ, value):
 # bit-level intrinsics
 # --------------------------------------------------------------------------------------------
 
+
 @intrinsic
 def uint32_as_float32(typingctx, bits):
     """Reinterpret 32 bits as a float32."""
@@ -125,6 +126,7 @@ def float32_as_uint32(typingctx, value):
 # the kernel-facing API, selected at compile time by the StorageFormat type
 # --------------------------------------------------------------------------------------------
 
+
 def _format_name(fmt):
     if not isinstance(fmt, StorageFormatType):
         raise TypeError(f"expected a StorageFormat, got {fmt}")
@@ -134,6 +136,7 @@ def _format_name(fmt):
 # load, store and accumulator are intrinsics, not inlined overloads: typing one needs no compiled
 # implementation (an overload compiled one per argument type on a kernel's first call), and the
 # IR is exactly what the overloads' bodies lowered to.
+
 
 def _decode_ir(builder, bits, format_name):
     """float32 from the 16 stored bits (exact)."""

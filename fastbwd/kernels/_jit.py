@@ -90,8 +90,7 @@ def set_num_threads(count):
     """``numba.set_num_threads(count)`` for the calling thread, launching the pool if needed."""
     _launch_pool()
     if not 1 <= count <= numba.config.NUMBA_NUM_THREADS:  # Numba's own check
-        raise ValueError(f"thread count must be between 1 and {numba.config.NUMBA_NUM_THREADS}, "
-                         f"but got {count}")
+        raise ValueError(f"thread count must be between 1 and {numba.config.NUMBA_NUM_THREADS}, but got {count}")
     _set_threads(count)
 
 
@@ -137,6 +136,7 @@ def thread_count():
 
 # ---- kernels --------------------------------------------------------------------------------
 
+
 def _dispatcher(py_func, parallel):
     """An njit dispatcher with the project's options; disk cache when a folder is writable."""
     options = dict(_OPTIONS, parallel=parallel)
@@ -154,8 +154,11 @@ def _dispatcher(py_func, parallel):
 def _serial_copy(py_func):
     """A copy of ``py_func`` under another qualified name, so its disk cache entry is its own."""
     copy = pytypes.FunctionType(
-        py_func.__code__, py_func.__globals__, py_func.__name__ + "_serial",
-        py_func.__defaults__, py_func.__closure__,
+        py_func.__code__,
+        py_func.__globals__,
+        py_func.__name__ + "_serial",
+        py_func.__defaults__,
+        py_func.__closure__,
     )
     copy.__qualname__ = py_func.__qualname__ + "_serial"
     copy.__module__ = py_func.__module__

@@ -53,11 +53,15 @@ def _vector_pointer(builder, array, row, column, vector_type):
 
 # ---- IR building blocks (also used by other kernels' intrinsics) ------------------------------
 
+
 def splat(builder, vector_type, value):
     """``value`` in every lane."""
     one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, _I32(0))
-    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+    return builder.shuffle_vector(
+        one,
+        ir.Constant(vector_type, ir.Undefined),
+        ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count),
+    )
 
 
 def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
@@ -81,15 +85,15 @@ def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
         function = cgutils.get_or_insert_function(
             builder.module,
             ir.FunctionType(stored, [stored.as_pointer(), _I32, ir.VectorType(ir.IntType(1), LANES), stored]),
-            f"llvm.masked.load.v{LANES}{suffix}.p0v{LANES}{suffix}")
+            f"llvm.masked.load.v{LANES}{suffix}.p0v{LANES}{suffix}",
+        )
         bits = builder.call(function, [pointer, _I32(align), mask, ir.Constant(stored, None)])
     if native:
         return bits
     if format_name == "float16":
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), vector_type)
     words = builder.zext(bits, ir.VectorType(_I32, LANES))
-    return builder.bitcast(builder.shl(words, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES)),
-                           vector_type)
+    return builder.bitcast(builder.shl(words, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES)), vector_type)
 
 
 def encode_lanes(builder, vector, format_name):
@@ -108,8 +112,9 @@ def encode_lanes(builder, vector, format_name):
 
     bits = builder.bitcast(vector, words)
     top = builder.lshr(bits, constant(16))
-    rounded = builder.lshr(builder.add(builder.add(bits, constant(0x7FFF)), builder.and_(top, constant(1))),
-                           constant(16))
+    rounded = builder.lshr(
+        builder.add(builder.add(bits, constant(0x7FFF)), builder.and_(top, constant(1))), constant(16)
+    )
     quiet_nan = builder.or_(top, constant(0x0040))
     result = builder.select(builder.fcmp_unordered("uno", vector, vector), quiet_nan, rounded)
     return builder.trunc(result, half_words)
@@ -119,9 +124,11 @@ def fold_lanes_by_halving(builder, vector):
     """Lane 0 after adding lane ``j + h`` into lane ``j`` for h = LANES/2, ..., 2, 1."""
     half = LANES // 2
     while half >= 1:
-        shifted = builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined),
-                                         ir.Constant(ir.VectorType(_I32, LANES),
-                                                     [min(j + half, LANES - 1) for j in range(LANES)]))
+        shifted = builder.shuffle_vector(
+            vector,
+            ir.Constant(vector.type, ir.Undefined),
+            ir.Constant(ir.VectorType(_I32, LANES), [min(j + half, LANES - 1) for j in range(LANES)]),
+        )
         vector = builder.fadd(vector, shifted)
         half //= 2
     return builder.extract_element(vector, _I32(0))
@@ -159,8 +166,7 @@ def _transpose_registers(builder, rows):
 
 
 @intrinsic
-def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column,
-               scale):
+def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column, scale):
     """``destination[dr, dc:dc + LANES] += scale * source[sr, sc:sc + LANES]``."""
     sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype)
 
@@ -178,8 +184,9 @@ def lanes_axpy(typingctx, destination, destination_row, destination_column, sour
 
 
 @intrinsic
-def transpose_lanes(typingctx, destination, destination_row, destination_column, source, source_row,
-                    source_column, fmt):
+def transpose_lanes(
+    typingctx, destination, destination_row, destination_column, source, source_row, source_column, fmt
+):
     """``destination[dr + j, dc + i] = encode(source[sr + i, sc + j])`` for ``i, j < LANES``.
 
     ``source`` holds compute-type values; ``destination`` holds StorageFormat ``fmt`` (each value
@@ -195,21 +202,28 @@ def transpose_lanes(typingctx, destination, destination_row, destination_column,
         dst, src = array_structs(context, builder, signature, args, 0, 3)
         vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
         stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
-        rows = [builder.load(_vector_pointer(builder, src, builder.add(args[4], _I64(i)), args[5], vector),
-                             align=signature.args[3].dtype.bitwidth // 8) for i in range(LANES)]
+        rows = [
+            builder.load(
+                _vector_pointer(builder, src, builder.add(args[4], _I64(i)), args[5], vector),
+                align=signature.args[3].dtype.bitwidth // 8,
+            )
+            for i in range(LANES)
+        ]
         rows = _transpose_registers(builder, rows)
         for j in range(LANES):
             pointer = _vector_pointer(builder, dst, builder.add(args[1], _I64(j)), args[2], stored)
-            builder.store(encode_lanes(builder, rows[j], format_name), pointer,
-                          align=signature.args[0].dtype.bitwidth // 8)
+            builder.store(
+                encode_lanes(builder, rows[j], format_name), pointer, align=signature.args[0].dtype.bitwidth // 8
+            )
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def decode_transpose_lanes(typingctx, destination, destination_row, destination_column, source, source_row,
-                           source_column, count, fmt):
+def decode_transpose_lanes(
+    typingctx, destination, destination_row, destination_column, source, source_row, source_column, count, fmt
+):
     """``destination[dr + j, dc + i] = decode(source[sr + i, sc + j])`` for ``i < LANES``,
     ``j < count`` (``count <= LANES``): LANES rows of ``count`` stored elements each (masked loads:
     nothing past them is read), the register transpose, ``count`` compute-type vector stores.
@@ -227,8 +241,16 @@ def decode_transpose_lanes(typingctx, destination, destination_row, destination_
         count = args[6]
         lane_numbers = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
         used = builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(_I64, LANES), count))
-        rows = [decode_lanes(builder, _element_pointer(builder, src, builder.add(args[4], _I64(i)), args[5]),
-                             format_name, vector, used) for i in range(LANES)]
+        rows = [
+            decode_lanes(
+                builder,
+                _element_pointer(builder, src, builder.add(args[4], _I64(i)), args[5]),
+                format_name,
+                vector,
+                used,
+            )
+            for i in range(LANES)
+        ]
         align = signature.args[0].dtype.bitwidth // 8
         for j, column in enumerate(_transpose_registers(builder, rows)):
             with builder.if_then(builder.icmp_signed("<", _I64(j), count), likely=True):
@@ -240,40 +262,56 @@ def decode_transpose_lanes(typingctx, destination, destination_row, destination_
 
 
 @intrinsic
-def lanes_gather_sum(typingctx, destination, destination_row, destination_column, source, index, weights, start,
-                     stop, source_column, fmt):
+def lanes_gather_sum(
+    typingctx, destination, destination_row, destination_column, source, index, weights, start, stop, source_column, fmt
+):
     """``destination[dr, dc:dc + LANES] = sum over s in [start, stop) of weights[s] *
     decode(source[index[s], sc:sc + LANES])``, from +0.0 in ascending ``s``, in a register.
 
     ``source`` holds elements in StorageFormat ``fmt``; ``destination`` and ``weights`` are of
     the compute type; ``index`` is int64.
     """
-    sig = types.void(destination, types.intp, types.intp, source, index, weights, types.intp, types.intp,
-                     types.intp, fmt)
+    sig = types.void(
+        destination, types.intp, types.intp, source, index, weights, types.intp, types.intp, types.intp, fmt
+    )
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
         dst, src, idx, wts = array_structs(context, builder, signature, args, 0, 3, 4, 5)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         total = _gathered_sum(builder, src, idx, wts, args[6], args[7], args[8], format_name, vector)
-        builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
-                      align=signature.args[0].dtype.bitwidth // 8)
+        builder.store(
+            total, _vector_pointer(builder, dst, args[1], args[2], vector), align=signature.args[0].dtype.bitwidth // 8
+        )
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def gather_transpose_lanes(typingctx, destination, destination_row, destination_column, source, index, weights,
-                           starts, first, count, source_column, fmt):
+def gather_transpose_lanes(
+    typingctx,
+    destination,
+    destination_row,
+    destination_column,
+    source,
+    index,
+    weights,
+    starts,
+    first,
+    count,
+    source_column,
+    fmt,
+):
     """LANES gathered sums stored transposed, in registers all the way.
 
     For lane ``r < count``, ``v_r`` is the :func:`lanes_gather_sum` of the CSR list ``r`` (``s``
     in ``[starts[first + r], starts[first + r + 1])``); ``v_r = 0`` for ``r >= count``. Then
     ``destination[dr + j, dc + r] = v_r[j]`` for ``j, r < LANES``.
     """
-    sig = types.void(destination, types.intp, types.intp, source, index, weights, starts, types.intp,
-                     types.intp, types.intp, fmt)
+    sig = types.void(
+        destination, types.intp, types.intp, source, index, weights, starts, types.intp, types.intp, types.intp, fmt
+    )
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
@@ -295,8 +333,9 @@ def gather_transpose_lanes(typingctx, destination, destination_row, destination_
                 list_index = builder.add(first, r)
                 builder.store(builder.load(builder.gep(sts.data, [list_index])), start)
                 builder.store(builder.load(builder.gep(sts.data, [builder.add(list_index, _I64(1))])), stop)
-            total = _gathered_sum(builder, src, idx, wts, builder.load(start), builder.load(stop), args[9],
-                                  format_name, vector)
+            total = _gathered_sum(
+                builder, src, idx, wts, builder.load(start), builder.load(stop), args[9], format_name, vector
+            )
             builder.store(total, builder.gep(sums, [_I32(0), r]))
         rows = [builder.load(builder.gep(sums, [_I32(0), _I32(r)])) for r in range(LANES)]
         align = signature.args[0].dtype.bitwidth // 8
@@ -325,7 +364,7 @@ def _zero_accumulators(builder, vector_type, count):
 def _shifted_sum(builder, source, row, column, count, vector_type, align):
     """``0 + sum over i < count of source[row, column + i : column + i + LANES]``, adding ``i`` in
     ascending order, in a register (loads aligned to ``align`` bytes, the element size)."""
-    accumulator, = _zero_accumulators(builder, vector_type, 1)
+    (accumulator,) = _zero_accumulators(builder, vector_type, 1)
     with _loop(builder, count) as loop:
         pointer = _vector_pointer(builder, source, row, builder.add(column, loop.index), vector_type)
         builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator)
@@ -341,8 +380,10 @@ def _loop(builder, count):
     with cgutils.for_range(builder, count) as loop:
         yield loop
     module = builder.module
-    options = [module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
-               module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)])]
+    options = [
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)]),
+    ]
     # a loop ID is a distinct node whose first operand is itself
     loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
     loop_id.operands = (loop_id, *options)
@@ -366,7 +407,7 @@ def _outlined(builder, name, arrays, scalars, emit):
         inner = ir.IRBuilder(function.append_basic_block("entry"))
         parameters = list(function.args)
         proxies = [_ArrayParts(parameters[2 * i], parameters[2 * i + 1]) for i in range(len(arrays))]
-        emit(inner, proxies, parameters[2 * len(arrays):])
+        emit(inner, proxies, parameters[2 * len(arrays) :])
         inner.ret_void()
     builder.call(function, values)
 
@@ -399,8 +440,21 @@ def _cyclic_counter(builder, start, period):
 
 
 @intrinsic
-def lanes_scaled_window_sums(typingctx, destination, destination_column, destination_step, source, window_first,
-                             window_stop, first_row, source_offset, period, rows, width, scale):
+def lanes_scaled_window_sums(
+    typingctx,
+    destination,
+    destination_column,
+    destination_step,
+    source,
+    window_first,
+    window_stop,
+    first_row,
+    source_offset,
+    period,
+    rows,
+    width,
+    scale,
+):
     """The height pass of pooling rows: with ``H = len(window_first)``, row ``r < rows`` is the
     input row ``h = (first_row + r) % H`` of plane ``k = (first_row + r) // H`` (``0 <= first_row
     < H``), which lies in the windows ``[window_first[h], window_stop[h])`` (int64 tables),
@@ -412,23 +466,55 @@ def lanes_scaled_window_sums(typingctx, destination, destination_column, destina
     windows."""
     if not _both_c_matrices(destination, source, scale):
         return None
-    sig = types.void(destination, types.intp, types.intp, source, window_first, window_stop, types.intp, types.intp,
-                     types.intp, types.intp, types.intp, scale)
+    sig = types.void(
+        destination,
+        types.intp,
+        types.intp,
+        source,
+        window_first,
+        window_stop,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        scale,
+    )
 
     def codegen(context, builder, signature, args):
         arrays = array_structs(context, builder, signature, args, 0, 3, 4, 5, 11)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
         name = "fastbwd_window_sums_" + _type_tag(signature.args[0], signature.args[3], signature.args[11])
-        _outlined(builder, name, arrays, [args[i] for i in (1, 2, 6, 7, 8, 9, 10)],
-                  lambda builder, arrays, scalars: _window_sums(builder, *arrays, *scalars, vector, align))
+        _outlined(
+            builder,
+            name,
+            arrays,
+            [args[i] for i in (1, 2, 6, 7, 8, 9, 10)],
+            lambda builder, arrays, scalars: _window_sums(builder, *arrays, *scalars, vector, align),
+        )
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, destination_step, first_row, source_offset,
-                 period, rows, width, vector, align):
+def _window_sums(
+    builder,
+    dst,
+    src,
+    firsts,
+    stops,
+    scl,
+    destination_column,
+    destination_step,
+    first_row,
+    source_offset,
+    period,
+    rows,
+    width,
+    vector,
+    align,
+):
     """The loop nest of :func:`lanes_scaled_window_sums`."""
     height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]
     last = builder.sub(width, _I64(LANES))
@@ -448,11 +534,12 @@ def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, dest
                 column = builder.mul(chunk_loop.index, _I64(LANES))
                 column = builder.select(builder.icmp_signed("<", column, last), column, last)
                 if fixed is None:
-                    accumulator, = _zero_accumulators(builder, vector, 1)
+                    (accumulator,) = _zero_accumulators(builder, vector, 1)
                     with _loop(builder, count) as loop:
                         pointer = _vector_pointer(builder, src, builder.add(start, loop.index), column, vector)
-                        builder.store(builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)),
-                                      accumulator)
+                        builder.store(
+                            builder.fadd(builder.load(accumulator), builder.load(pointer, align=align)), accumulator
+                        )
                     total = builder.load(accumulator)
                 else:
                     total = ir.Constant(vector, None)
@@ -460,8 +547,11 @@ def _window_sums(builder, dst, src, firsts, stops, scl, destination_column, dest
                         pointer = _vector_pointer(builder, src, builder.add(start, _I64(i)), column, vector)
                         total = builder.fadd(total, builder.load(pointer, align=align))
                 factors = builder.load(_vector_pointer(builder, scl, _I64(0), column, vector), align=align)
-                builder.store(builder.fmul(factors, total),
-                              _vector_pointer(builder, dst, _I64(0), builder.add(at, column), vector), align=align)
+                builder.store(
+                    builder.fmul(factors, total),
+                    _vector_pointer(builder, dst, _I64(0), builder.add(at, column), vector),
+                    align=align,
+                )
 
         done = builder.append_basic_block("sums.done")
         larger = builder.append_basic_block("sums.loop")
@@ -509,8 +599,9 @@ def lanes_scaled_rows(typingctx, destination, source, source_first, rows, width,
                 column = builder.mul(loop.index, _I64(LANES))
                 column = builder.select(builder.icmp_signed("<", column, last), column, last)
                 values = decode_lanes(builder, _element_pointer(builder, src, source_row, column), format_name, vector)
-                builder.store(builder.fmul(values, factor), _vector_pointer(builder, dst, g, column, vector),
-                              align=align)
+                builder.store(
+                    builder.fmul(values, factor), _vector_pointer(builder, dst, g, column, vector), align=align
+                )
             advance()
         return context.get_dummy_value()
 
@@ -518,8 +609,9 @@ def lanes_scaled_rows(typingctx, destination, source, source_first, rows, width,
 
 
 @intrinsic
-def lanes_shifted_sum(typingctx, destination, destination_row, destination_column, source, source_row,
-                      source_column, count):
+def lanes_shifted_sum(
+    typingctx, destination, destination_row, destination_column, source, source_row, source_column, count
+):
     """``destination[dr, dc + j] = 0 + sum over i < count of source[sr, sc + i + j]`` for
     ``j < LANES``, adding ``i`` in ascending order (``count`` shifted vectors of one row, in a
     register; both of the compute type)."""
@@ -531,8 +623,9 @@ def lanes_shifted_sum(typingctx, destination, destination_row, destination_colum
         dst, src = array_structs(context, builder, signature, args, 0, 3)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         total = _shifted_sum(builder, src, args[4], args[5], args[6], vector, signature.args[0].dtype.bitwidth // 8)
-        builder.store(total, _vector_pointer(builder, dst, args[1], args[2], vector),
-                      align=signature.args[0].dtype.bitwidth // 8)
+        builder.store(
+            total, _vector_pointer(builder, dst, args[1], args[2], vector), align=signature.args[0].dtype.bitwidth // 8
+        )
         return context.get_dummy_value()
 
     return sig, codegen
@@ -554,8 +647,22 @@ INTERLEAVED_STRAIGHT = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 
 @intrinsic
-def interleaved_shifted_rows(typingctx, destination, destination_column, destination_step, source, source_column,
-                             source_step, rows, chunks, even_offset, even_count, odd_offset, odd_count, fmt):
+def interleaved_shifted_rows(
+    typingctx,
+    destination,
+    destination_column,
+    destination_step,
+    source,
+    source_column,
+    source_step,
+    rows,
+    chunks,
+    even_offset,
+    even_count,
+    odd_offset,
+    odd_count,
+    fmt,
+):
     """Two :func:`lanes_shifted_sum` per vector, interleaved, over a block of rows of one-row
     matrices (compute-type ``source``, ``destination`` in StorageFormat ``fmt``, each value rounded
     once, as ``store``): for ``r < rows`` and ``j < chunks``, the sums of ``source[0,
@@ -566,8 +673,21 @@ def interleaved_shifted_rows(typingctx, destination, destination_column, destina
     for every row), and once with loops for any other counts: the same operations either way."""
     if not _both_c_matrices(destination, source):
         return None
-    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, types.intp, types.intp,
-                     types.intp, types.intp, types.intp, types.intp, fmt)
+    sig = types.void(
+        destination,
+        types.intp,
+        types.intp,
+        source,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        fmt,
+    )
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
@@ -575,17 +695,47 @@ def interleaved_shifted_rows(typingctx, destination, destination_column, destina
         vector = ir.VectorType(context.get_data_type(signature.args[3].dtype), LANES)
         stored = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         name = "fastbwd_interleaved_rows_" + _type_tag(signature.args[0], signature.args[3], signature.args[12])
-        _outlined(builder, name, arrays, args[1:3] + args[4:12],
-                  lambda builder, arrays, scalars: _interleaved_rows(
-                      builder, *arrays, *scalars, format_name, vector, stored, signature.args[3].dtype.bitwidth // 8,
-                      signature.args[0].dtype.bitwidth // 8))
+        _outlined(
+            builder,
+            name,
+            arrays,
+            args[1:3] + args[4:12],
+            lambda builder, arrays, scalars: _interleaved_rows(
+                builder,
+                *arrays,
+                *scalars,
+                format_name,
+                vector,
+                stored,
+                signature.args[3].dtype.bitwidth // 8,
+                signature.args[0].dtype.bitwidth // 8,
+            ),
+        )
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _interleaved_rows(builder, dst, src, dst_column, dst_step, src_column, src_step, rows, chunks, even_offset,
-                      even_count, odd_offset, odd_count, format_name, vector, stored, align, stored_align):
+def _interleaved_rows(
+    builder,
+    dst,
+    src,
+    dst_column,
+    dst_step,
+    src_column,
+    src_step,
+    rows,
+    chunks,
+    even_offset,
+    even_count,
+    odd_offset,
+    odd_count,
+    format_name,
+    vector,
+    stored,
+    align,
+    stored_align,
+):
     """The loop nests of :func:`interleaved_shifted_rows`."""
 
     def fixed_sum(column, count):
@@ -609,11 +759,21 @@ def _interleaved_rows(builder, dst, src, dst_column, dst_step, src_column, src_s
                     odd = _shifted_sum(builder, src, _I64(0), odd_at, odd_count, vector, align)
                 else:
                     even, odd = fixed_sum(even_at, counts[0]), fixed_sum(odd_at, counts[1])
-                _store_interleaved(builder, dst, _I64(0), builder.add(dst_row, builder.mul(j, _I64(2 * LANES))),
-                                   even, odd, format_name, stored, stored_align)
+                _store_interleaved(
+                    builder,
+                    dst,
+                    _I64(0),
+                    builder.add(dst_row, builder.mul(j, _I64(2 * LANES))),
+                    even,
+                    odd,
+                    format_name,
+                    stored,
+                    stored_align,
+                )
 
-    small = builder.and_(builder.icmp_unsigned("<", even_count, _I64(4)),
-                         builder.icmp_unsigned("<", odd_count, _I64(4)))
+    small = builder.and_(
+        builder.icmp_unsigned("<", even_count, _I64(4)), builder.icmp_unsigned("<", odd_count, _I64(4))
+    )
     key = builder.select(small, builder.add(builder.mul(even_count, _I64(4)), odd_count), _I64(-1))
     done = builder.append_basic_block("interleaved.done")
     generic = builder.append_basic_block("interleaved.generic")

@@ -21,15 +21,19 @@ _I64 = ir.IntType(64)
 
 # ---- prefetch -----------------------------------------------------------------------------------
 
+
 def _prefetch_codegen(for_write):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         byte_pointer = ir.IntType(8).as_pointer()
         function = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+        )
         # read or write access, highest temporal locality (all cache levels), data cache
-        builder.call(function, [builder.bitcast(builder.gep(data, [args[1]]), byte_pointer), _I32(int(for_write)),
-                                _I32(3), _I32(1)])
+        builder.call(
+            function,
+            [builder.bitcast(builder.gep(data, [args[1]]), byte_pointer), _I32(int(for_write)), _I32(3), _I32(1)],
+        )
         return context.get_dummy_value()
 
     return codegen
@@ -113,8 +117,19 @@ def stream_line(typingctx, destination, destination_index, source, source_index)
 
 
 @intrinsic
-def stream_line_with_ends(typingctx, destination, destination_index, source, source_index, next_source_index, split,
-                          first_lane, first_value, last_lane, last_value):
+def stream_line_with_ends(
+    typingctx,
+    destination,
+    destination_index,
+    source,
+    source_index,
+    next_source_index,
+    split,
+    first_lane,
+    first_value,
+    last_lane,
+    last_value,
+):
     """:func:`stream_line` of a line built in registers from two runs of the source and two
     single cells: lane ``i`` (the destination's cell ``destination_index + i``) holds
     ``source.ravel()[source_index + i]`` for ``i < split`` and ``source.ravel()[next_source_index +
@@ -126,9 +141,13 @@ def stream_line_with_ends(typingctx, destination, destination_index, source, sou
     of one row and the start of the next, with the rows' summed edge cells put in. Built in
     registers before its one streaming store: a line assembled in memory would make its reload
     wait for the stores that built it."""
-    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)
-            and destination.dtype.bitwidth == source.dtype.bitwidth
-            and first_value == destination.dtype and last_value == destination.dtype):
+    if not (
+        isinstance(destination, types.Array)
+        and isinstance(source, types.Array)
+        and destination.dtype.bitwidth == source.dtype.bitwidth
+        and first_value == destination.dtype
+        and last_value == destination.dtype
+    ):
         return None
     bits = destination.dtype.bitwidth
 
@@ -141,8 +160,9 @@ def stream_line_with_ends(typingctx, destination, destination_index, source, sou
         def run_at(index):
             return builder.load(builder.bitcast(builder.gep(src.data, [index]), line.as_pointer()), align=1)
 
-        values = builder.select(builder.icmp_signed("<", lanes, splat(builder, lanes.type, args[5])), run_at(args[3]),
-                                run_at(args[4]))
+        values = builder.select(
+            builder.icmp_signed("<", lanes, splat(builder, lanes.type, args[5])), run_at(args[3]), run_at(args[4])
+        )
         for lane, value in ((args[6], args[7]), (args[8], args[9])):
             # the value's bits as an integer (a complex value is a pair: through a stack slot)
             cell_bits = builder.load(builder.bitcast(cgutils.alloca_once_value(builder, value), cell.as_pointer()))
@@ -153,8 +173,18 @@ def stream_line_with_ends(typingctx, destination, destination_index, source, sou
         store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
         return context.get_dummy_value()
 
-    return types.void(destination, types.intp, source, types.intp, types.intp, types.intp, types.intp, first_value,
-                      types.intp, last_value), codegen
+    return types.void(
+        destination,
+        types.intp,
+        source,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.intp,
+        first_value,
+        types.intp,
+        last_value,
+    ), codegen
 
 
 @intrinsic
@@ -191,8 +221,11 @@ def copy_part_line(typingctx, destination, destination_index, source, source_ind
     plain stores of the largest power-of-two size that fits, the second ending at the range's
     end (they overlap unless it is exactly twice that size; the overlap is written twice with the
     same bytes): a few instructions where a loop of element copies costs a dozen per element."""
-    if not (isinstance(destination, types.Array) and isinstance(source, types.Array)
-            and destination.dtype.bitwidth == source.dtype.bitwidth):
+    if not (
+        isinstance(destination, types.Array)
+        and isinstance(source, types.Array)
+        and destination.dtype.bitwidth == source.dtype.bitwidth
+    ):
         return None
     itemsize = destination.dtype.bitwidth // 8
 
@@ -212,8 +245,11 @@ def copy_part_line(typingctx, destination, destination_index, source, source_ind
             builder.cbranch(builder.icmp_signed(">=", length, _I64(size)), this_size, smaller)
             builder.position_at_end(this_size)
             last = builder.sub(length, _I64(size))
-            pointers = [builder.bitcast(builder.gep(base, [at]), moved.as_pointer())
-                        for base in (source_bytes, destination_bytes) for at in (_I64(0), last)]
+            pointers = [
+                builder.bitcast(builder.gep(base, [at]), moved.as_pointer())
+                for base in (source_bytes, destination_bytes)
+                for at in (_I64(0), last)
+            ]
             head, tail = (builder.load(pointer, align=1) for pointer in pointers[:2])
             builder.store(head, pointers[2], align=1)
             builder.store(tail, pointers[3], align=1)

@@ -95,8 +95,14 @@ def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weig
     if out_width < LANES and scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
         _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt, work=work)
     else:
-        _separable_bwd_nchw(grad_output, grad_input, *gather_tables(index_h, weight_h, height),
-                            *gather_tables(index_w, weight_w, width), fmt, work=work)
+        _separable_bwd_nchw(
+            grad_output,
+            grad_input,
+            *gather_tables(index_h, weight_h, height),
+            *gather_tables(index_w, weight_w, width),
+            fmt,
+            work=work,
+        )
 
 
 def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
@@ -105,8 +111,14 @@ def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weig
     Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
     """
     height, width = grad_input.shape[1], grad_input.shape[2]
-    _separable_bwd_nhwc(grad_output, grad_input, *gather_tables(index_h, weight_h, height),
-                        *gather_tables(index_w, weight_w, width), fmt, work=grad_output.size + grad_input.size)
+    _separable_bwd_nhwc(
+        grad_output,
+        grad_input,
+        *gather_tables(index_h, weight_h, height),
+        *gather_tables(index_w, weight_w, width),
+        fmt,
+        work=grad_output.size + grad_input.size,
+    )
 
 
 def gather_tables(index, weight, input_size):
@@ -140,6 +152,7 @@ def gather_table(index, weight, input_size):
 # --------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------
+
 
 @helper
 def _source_rows(start_h, source_h, row_start, row_stop):
@@ -217,8 +230,7 @@ def _destination_elements(task, blocks, height, width):
 
 
 @parallel_kernel
-def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, start_w, source_w, weight_w,
-                        fmt):
+def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, start_w, source_w, weight_w, fmt):
     """Parallel over fixed groups of (plane, block of LANES input rows) tasks; a task writes only
     its rows. Gather tables (:func:`gather_table`) for both axes."""
     planes, height, width = grad_input.shape
@@ -251,20 +263,23 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
             rows = min(LANES, height - row_start)
             # 1. height pass, 16 columns at a time, transposed into U_t
             if narrow:
-                _narrow_height_pass(grad_output[plane], block_t, staged, staged_index, start_h, source_h, weight_h,
-                                    row_start, rows, fmt)
+                _narrow_height_pass(
+                    grad_output[plane], block_t, staged, staged_index, start_h, source_h, weight_h, row_start, rows, fmt
+                )
             else:
                 # meanwhile the next task's source rows are prefetched, a few lines after each tile
                 ahead, ahead_stop = 0, 0
                 if prefetching:
-                    ahead, ahead_stop = _next_source_elements(start_h, source_h, task + 1, tasks, blocks, height,
-                                                              grad_output.shape[1], out_width)
+                    ahead, ahead_stop = _next_source_elements(
+                        start_h, source_h, task + 1, tasks, blocks, height, grad_output.shape[1], out_width
+                    )
                 per_tile = _lines_per_step(flat_source.itemsize, ahead, ahead_stop, (out_width + LANES - 1) // LANES)
                 source = grad_output[plane]
                 for k in range(0, out_width, LANES):
                     column = min(k, out_width - LANES)
-                    gather_transpose_lanes(block_t, column, 0, source, source_h, weight_h, start_h, row_start, rows,
-                                           column, fmt)
+                    gather_transpose_lanes(
+                        block_t, column, 0, source, source_h, weight_h, start_h, row_start, rows, column, fmt
+                    )
                     ahead = _prefetch_share(flat_source, ahead, ahead_stop, per_tile, False)
             # 2. width pass, 16 input columns at a time, transposed back to rows; meanwhile the
             #    next task's destination rows are prefetched for writing
@@ -274,8 +289,19 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
             per_tile = _lines_per_step(flat_result.itemsize, ahead, ahead_stop, (result_width + LANES - 1) // LANES)
             for w in range(0, result_width, LANES):
                 column = min(w, result_width - LANES)
-                gather_transpose_lanes(result, 0, column, block_t, source_w, weight_w, start_w, column,
-                                       min(LANES, width - column), 0, NATIVE)
+                gather_transpose_lanes(
+                    result,
+                    0,
+                    column,
+                    block_t,
+                    source_w,
+                    weight_w,
+                    start_w,
+                    column,
+                    min(LANES, width - column),
+                    0,
+                    NATIVE,
+                )
                 ahead = _prefetch_share(flat_result, ahead, ahead_stop, per_tile, True)
             # 3. store the block's rows, rounding once
             for r in range(rows):
@@ -406,8 +432,9 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
             if channels >= LANES:
                 for k in range(0, channels, LANES):
                     channel = min(k, channels - LANES)
-                    lanes_gather_sum(result, w, channel, columns, source_w, weight_w, start_w[w], start_w[w + 1],
-                                     channel, NATIVE)
+                    lanes_gather_sum(
+                        result, w, channel, columns, source_w, weight_w, start_w[w], start_w[w + 1], channel, NATIVE
+                    )
             else:
                 for k in range(channels):
                     acc = zero

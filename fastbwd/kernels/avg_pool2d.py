@@ -72,8 +72,21 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
 
 
 @parallel_kernel
-def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
-                                residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
+def avg_pool2d_bwd_rows_s2_nchw(
+    grad_output,
+    grad_input,
+    window_first,
+    window_stop,
+    weight_h,
+    weight_w,
+    residue_taps,
+    residue_base,
+    columns_layout,
+    tasks_layout,
+    task_sources,
+    streaming,
+    fmt,
+):
     """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
     classes of 16 positions at once and interleaves them into 32 cells in registers
     (``_lanes.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
@@ -103,20 +116,52 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
             # height pass: each window's products once, then for each row V = weight_w * (0 +
             # the sum of its windows' products), LANES columns at a time
             source_first, source_stop = task_sources[task, 0], task_sources[task, 1]
-            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
-                              source_first % out_height, fmt)
+            lanes_scaled_rows(
+                products,
+                source,
+                source_first,
+                source_stop - source_first,
+                out_width,
+                weight_h,
+                source_first % out_height,
+                fmt,
+            )
             p = first // height
-            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,
-                                     p * out_height - source_first, out_height, count, out_width, scale)
+            lanes_scaled_window_sums(
+                columns,
+                lead,
+                span,
+                products,
+                window_first,
+                window_stop,
+                first - p * height,
+                p * out_height - source_first,
+                out_height,
+                count,
+                out_width,
+                scale,
+            )
             # width pass, both residue classes of w at once, interleaved into the rows and
             # rounded once; a few rows at a time, each piece's whole destination lines copied out
             # at once (the stores overlap the arithmetic of the next piece)
             copied = np.int64(0)
             for piece in range(0, count, piece_rows):
                 piece_stop = min(piece + piece_rows, count)
-                interleaved_shifted_rows(block, piece * width, width, columns, piece * span, span, piece_stop - piece,
-                                         residue_width // LANES, residue_base[0], residue_taps[0], residue_base[1],
-                                         residue_taps[1], fmt)
+                interleaved_shifted_rows(
+                    block,
+                    piece * width,
+                    width,
+                    columns,
+                    piece * span,
+                    span,
+                    piece_stop - piece,
+                    residue_width // LANES,
+                    residue_base[0],
+                    residue_taps[0],
+                    residue_base[1],
+                    residue_taps[1],
+                    fmt,
+                )
                 ready = piece_stop * width
                 if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
                     ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
@@ -127,8 +172,21 @@ def avg_pool2d_bwd_rows_s2_nchw(grad_output, grad_input, window_first, window_st
 
 
 @parallel_kernel
-def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop, weight_h, weight_w, residue_taps,
-                             residue_base, columns_layout, tasks_layout, task_sources, streaming, fmt):
+def avg_pool2d_bwd_rows_nchw(
+    grad_output,
+    grad_input,
+    window_first,
+    window_stop,
+    weight_h,
+    weight_w,
+    residue_taps,
+    residue_base,
+    columns_layout,
+    tasks_layout,
+    task_sources,
+    streaming,
+    fmt,
+):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
     ``OW >= LANES``; any width stride (stride 2 runs faster in :func:`avg_pool2d_bwd_rows_s2_nchw`).
 
@@ -185,11 +243,31 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
             first = task * rows_per_task
             count = min(rows_per_task, rows - first)
             source_first, source_stop = task_sources[task, 0], task_sources[task, 1]
-            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h,
-                              source_first % out_height, fmt)
+            lanes_scaled_rows(
+                products,
+                source,
+                source_first,
+                source_stop - source_first,
+                out_width,
+                weight_h,
+                source_first % out_height,
+                fmt,
+            )
             p = first // height
-            lanes_scaled_window_sums(columns, lead, span, products, window_first, window_stop, first - p * height,
-                                     p * out_height - source_first, out_height, count, out_width, scale)
+            lanes_scaled_window_sums(
+                columns,
+                lead,
+                span,
+                products,
+                window_first,
+                window_stop,
+                first - p * height,
+                p * out_height - source_first,
+                out_height,
+                count,
+                out_width,
+                scale,
+            )
             copied = np.int64(0)
             for piece in range(0, count, piece_rows):
                 piece_stop = min(piece + piece_rows, count)
@@ -211,8 +289,20 @@ def avg_pool2d_bwd_rows_nchw(grad_output, grad_input, window_first, window_stop,
 
 # ---- the api's entries: which loop nest a call runs, and the tables it reads -------------------
 
-def backward_loops(channels_last, input_shape, out_height, out_width, kernel, stride, padding, count_include_pad,
-                   divisor_override, dtype, compute):
+
+def backward_loops(
+    channels_last,
+    input_shape,
+    out_height,
+    out_width,
+    kernel,
+    stride,
+    padding,
+    count_include_pad,
+    divisor_override,
+    dtype,
+    compute,
+):
     """The loop nest of a non-empty call (its geometry validated by the api) and the tables it
     reads: ``(entry, tables)``, run as ``entry(grad_output, grad_input, tables, fmt)`` on the
     kernel views of grad_output and grad_input in their memory order (NHWC when
@@ -235,18 +325,33 @@ def backward_loops(channels_last, input_shape, out_height, out_width, kernel, st
     override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
     if not channels_last and out_width >= LANES:
         # whole rows at a time, the width axis as strided windows (same operations, same bits)
-        weight_w = _axis_weights(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w,
-                                 compute)
+        weight_w = _axis_weights(
+            width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute
+        )
         windows = _row_windows(height, kernel[0], stride[0], padding[0], out_height)
         # stride 2 has a kernel of its own (its width pass in registers); each compiles only its pass
         rows_kernel = avg_pool2d_bwd_rows_s2_nchw if stride[1] == 2 else avg_pool2d_bwd_rows_nchw
         planes = math.prod(input_shape[:-2])
-        return backward_rows, (rows_kernel, *windows,
-                               _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad,
-                                             override_h, compute),
-                               weight_w,
-                               *_rows_geometry(planes, height, width, out_height, out_width, kernel[0], stride[0],
-                                               padding[0], kernel[1], stride[1], padding[1], dtype.itemsize))
+        return backward_rows, (
+            rows_kernel,
+            *windows,
+            _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute),
+            weight_w,
+            *_rows_geometry(
+                planes,
+                height,
+                width,
+                out_height,
+                out_width,
+                kernel[0],
+                stride[0],
+                padding[0],
+                kernel[1],
+                stride[1],
+                padding[1],
+                dtype.itemsize,
+            ),
+        )
     taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
     taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
     return (backward_separable_nhwc if channels_last else backward_separable_nchw), (*taps_h, *taps_w)
@@ -255,29 +360,46 @@ def backward_loops(channels_last, input_shape, out_height, out_width, kernel, st
 def backward_global_nchw(grad_output, grad_input, tables, fmt):
     """Global pooling (one window covers the whole input), NCHW: ``tables = (divisor,)``."""
     height, width = grad_input.shape[-2:]
-    global_avg_pool2d_bwd_nchw(grad_output.reshape(-1), grad_input.reshape(-1, height * width), *tables, fmt,
-                               work=grad_output.size + grad_input.size)
+    global_avg_pool2d_bwd_nchw(
+        grad_output.reshape(-1),
+        grad_input.reshape(-1, height * width),
+        *tables,
+        fmt,
+        work=grad_output.size + grad_input.size,
+    )
 
 
 def backward_global_nhwc(grad_output, grad_input, tables, fmt):
     """Global pooling, NHWC (N, H, W, C): ``tables = (divisor,)``."""
     batch, channels = grad_input.shape[0], grad_input.shape[-1]
-    global_avg_pool2d_bwd_nhwc(grad_output.reshape(batch, channels), grad_input.reshape(batch, -1, channels), *tables,
-                               fmt, work=grad_output.size + grad_input.size)
+    global_avg_pool2d_bwd_nhwc(
+        grad_output.reshape(batch, channels),
+        grad_input.reshape(batch, -1, channels),
+        *tables,
+        fmt,
+        work=grad_output.size + grad_input.size,
+    )
 
 
 def backward_rows(grad_output, grad_input, tables, fmt):
     """NCHW with grad rows of at least LANES cells, whole rows at a time: ``tables = (kernel,
     *its tables)``. A result of ``_memory.STREAM_MIN_BYTES`` or more is stored with streaming stores."""
     rows_kernel, *tables = tables
-    rows_kernel(grad_output.reshape(-1, *grad_output.shape[-2:]), grad_input.reshape(-1, *grad_input.shape[-2:]),
-                *tables, grad_input.nbytes >= _memory.STREAM_MIN_BYTES, fmt, work=grad_output.size + grad_input.size)
+    rows_kernel(
+        grad_output.reshape(-1, *grad_output.shape[-2:]),
+        grad_input.reshape(-1, *grad_input.shape[-2:]),
+        *tables,
+        grad_input.nbytes >= _memory.STREAM_MIN_BYTES,
+        fmt,
+        work=grad_output.size + grad_input.size,
+    )
 
 
 def backward_separable_nchw(grad_output, grad_input, tables, fmt):
     """NCHW on the separable engine: ``tables`` the H and W tap tables."""
-    separable_bwd_nchw(grad_output.reshape(-1, *grad_output.shape[-2:]),
-                       grad_input.reshape(-1, *grad_input.shape[-2:]), *tables, fmt)
+    separable_bwd_nchw(
+        grad_output.reshape(-1, *grad_output.shape[-2:]), grad_input.reshape(-1, *grad_input.shape[-2:]), *tables, fmt
+    )
 
 
 def backward_separable_nhwc(grad_output, grad_input, tables, fmt):
@@ -324,13 +446,16 @@ def _row_windows(size, kernel, stride, pad, out_size):
     start, stop, _ = axis_windows(size, kernel, stride, pad, out_size)
     rows = np.arange(size, dtype=np.int64)
     # the windows that start at or before h, minus those that stop at or before it
-    return (np.searchsorted(stop, rows, side="right").astype(np.int64),
-            np.searchsorted(start, rows, side="right").astype(np.int64))
+    return (
+        np.searchsorted(stop, rows, side="right").astype(np.int64),
+        np.searchsorted(start, rows, side="right").astype(np.int64),
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w,
-                   itemsize):
+def _rows_geometry(
+    planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w, itemsize
+):
     """The whole-rows kernels' width tables, layouts and task sources
     (:func:`avg_pool2d_bwd_rows_nchw`): ``(residue_taps, residue_base, (lead, span,
     residue_width), (rows_per_task, piece_rows, depth), task_sources)``. Memoised like
@@ -366,11 +491,15 @@ def _rows_geometry(planes, height, width, out_height, out_width, kernel_h, strid
     last = np.minimum(first + rows_per_task, rows) - 1
     # the planes of each task's first and last rows (q above is a residue's phase, not a plane)
     first_plane, last_plane = first // height, last // height
-    task_sources = np.stack((first_plane * out_height + window_first[first - first_plane * height],
-                             last_plane * out_height + window_stop[last - last_plane * height]), axis=1)
+    task_sources = np.stack(
+        (
+            first_plane * out_height + window_first[first - first_plane * height],
+            last_plane * out_height + window_stop[last - last_plane * height],
+        ),
+        axis=1,
+    )
     depth = max(1, int(np.max(task_sources[:, 1] - task_sources[:, 0])))
-    return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth),
-            task_sources)
+    return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth), task_sources)
 
 
 @functools.lru_cache(maxsize=256)

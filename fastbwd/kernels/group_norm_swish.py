@@ -177,6 +177,7 @@ def _swish_derivative(z):
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
+
 @helper
 def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
     """``(gnew, xhat)`` of one element, in the compute type."""
@@ -204,6 +205,7 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 
 
 # ---- the fixed-order reduction ----------------------------------------------------------------
+
 
 def _two_lane_sums(builder, vector, start, stop, terms):
     """Code for two sums over positions ``[start, stop)`` in the fixed order of the module doc:
@@ -279,8 +281,8 @@ def _fold_lanes(lanes, width, used):
     h = PARTIAL_SUMS // 2
     while h >= 1:
         if used > h:
-            low = lanes[:(used - h) * width]
-            high = lanes[h * width:used * width]
+            low = lanes[: (used - h) * width]
+            high = lanes[h * width : used * width]
             for i in range(low.shape[0]):
                 low[i] += high[i]
             used = h
@@ -288,6 +290,7 @@ def _fold_lanes(lanes, width, used):
 
 
 # ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
+
 
 @parallel_kernel
 def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, fmt):
@@ -340,13 +343,19 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                     round_x = block_x[round_start:round_stop]
                     round_gnew = block_gnew[round_start:round_stop]
                     for i in range(round_stop - round_start):
-                        round_gnew[i] = _gnew_xhat(load(round_dy[i], fmt), load(round_x[i], fmt), group_mean,
-                                                   group_rstd, channel_gamma, channel_beta, swish_scale)[0]
+                        round_gnew[i] = _gnew_xhat(
+                            load(round_dy[i], fmt),
+                            load(round_x[i], fmt),
+                            group_mean,
+                            group_rstd,
+                            channel_gamma,
+                            channel_beta,
+                            swish_scale,
+                        )[0]
                     if prefetching:
                         for e in range(dx_start + round_start, dx_start + round_stop, line):
                             prefetch_for_write(flat_dx, e)
-                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd,
-                                                fmt)
+                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
                 total_g += block_g
                 total_gx += block_gx
             sum_g[n, c] = total_g
@@ -364,6 +373,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
 
 
 # ---- NHWC: x, dy, dx as (N, HxW, C) -----------------------------------------------------------
+
 
 def _gnew_in_dx(dx, like):
     """Whether dx's elements have the compute type (``like``'s), so that an NHWC task can keep its
@@ -392,8 +402,9 @@ def _gnew_storage_overload(flat_dx, like, size, in_place):
 
 
 @parallel_kernel
-def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx,
-                              groups_per_task, streaming, fmt):
+def group_norm_swish_bwd_nhwc(
+    dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, groups_per_task, streaming, fmt
+):
     """dy, x -> dx, all (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
 
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
@@ -422,8 +433,23 @@ def group_norm_swish_bwd_nhwc(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         if first_group == 0 and last_group == groups and channels <= WHOLE_ROWS_MAX_CHANNELS:
             _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt)
         else:
-            _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
-                               first_group, last_group, streaming, fmt)
+            _nhwc_channel_runs(
+                dy,
+                x,
+                mean,
+                rstd,
+                gamma,
+                beta,
+                swish_scale,
+                dx,
+                sum_g,
+                sum_gx,
+                n,
+                first_group,
+                last_group,
+                streaming,
+                fmt,
+            )
 
 
 @helper
@@ -466,8 +492,8 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
     for block_start in range(0, hw, BLOCK):
         block_stop = min(block_start + BLOCK, hw)
         used = min(block_stop - block_start, PARTIAL_SUMS)
-        lanes_g[:used * channels] = 0
-        lanes_gx[:used * channels] = 0
+        lanes_g[: used * channels] = 0
+        lanes_gx[: used * channels] = 0
         for round_start in range(block_start, block_stop, PARTIAL_SUMS):
             first = round_start * channels
             stop = min(round_start + PARTIAL_SUMS, block_stop) * channels
@@ -475,8 +501,15 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
             round_x = flat_x[first:stop]
             round_gnew = gnew_all[first:stop]
             for j in range(stop - first):
-                gnew, xhat = _gnew_xhat(load(round_dy[j], fmt), load(round_x[j], fmt), tile_mean[j],
-                                        tile_rstd[j], tile_gamma[j], tile_beta[j], swish_scale)
+                gnew, xhat = _gnew_xhat(
+                    load(round_dy[j], fmt),
+                    load(round_x[j], fmt),
+                    tile_mean[j],
+                    tile_rstd[j],
+                    tile_gamma[j],
+                    tile_beta[j],
+                    swish_scale,
+                )
                 round_gnew[j] = gnew
                 lanes_g[j] += gnew
                 lanes_gx[j] += gnew * xhat
@@ -503,8 +536,9 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
             round_dx = flat_dx[first:stop]
             for j in range(stop - first):
                 xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
-                round_dx[j] = store(_dx(load(round_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j],
-                                        tile_c2[j]), fmt)
+                round_dx[j] = store(
+                    _dx(load(round_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
+                )
         return
     buffer = np.empty(tiled if streaming else 0, dx.dtype)
     for round_start in range(0, hw, PARTIAL_SUMS):
@@ -522,8 +556,9 @@ def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum
 
 
 @helper
-def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n,
-                       first_group, last_group, streaming, fmt):
+def _nhwc_channel_runs(
+    dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first_group, last_group, streaming, fmt
+):
     """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
     the run's contiguous channels, once per position."""
     wide_vectors()
@@ -541,8 +576,8 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
     for k in range(width):
         channel_mean[k] = mean[n, first_group + k // group_size]
         channel_rstd[k] = rstd[n, first_group + k // group_size]
-    channel_gamma = gamma[start:start + width]
-    channel_beta = beta[start:start + width]
+    channel_gamma = gamma[start : start + width]
+    channel_beta = beta[start : start + width]
     flat_dx = dx[n].reshape(hw * channels)
     # gnew row i: gnew_rows[i * row_stride + row_start:][:width], in the task's own dx elements
     # when dx has the compute type (float32, float64), else in a scratch array
@@ -552,8 +587,8 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
     row_start = start if in_place else 0
     lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
     lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
-    total_g = sum_g[n, start:start + width]
-    total_gx = sum_gx[n, start:start + width]
+    total_g = sum_g[n, start : start + width]
+    total_gx = sum_gx[n, start : start + width]
     total_g[:] = 0
     total_gx[:] = 0
     for block_start in range(0, hw, BLOCK):
@@ -562,14 +597,21 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
         lanes_g[:used] = 0
         lanes_gx[:used] = 0
         for i in range(block_start, block_stop):
-            dy_row = dy[n, i, start:start + width]
-            x_row = x[n, i, start:start + width]
-            gnew_row = gnew_rows[i * row_stride + row_start:i * row_stride + row_start + width]
+            dy_row = dy[n, i, start : start + width]
+            x_row = x[n, i, start : start + width]
+            gnew_row = gnew_rows[i * row_stride + row_start : i * row_stride + row_start + width]
             lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
             lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
             for k in range(width):
-                gnew, xhat = _gnew_xhat(load(dy_row[k], fmt), load(x_row[k], fmt), channel_mean[k],
-                                        channel_rstd[k], channel_gamma[k], channel_beta[k], swish_scale)
+                gnew, xhat = _gnew_xhat(
+                    load(dy_row[k], fmt),
+                    load(x_row[k], fmt),
+                    channel_mean[k],
+                    channel_rstd[k],
+                    channel_gamma[k],
+                    channel_beta[k],
+                    swish_scale,
+                )
                 gnew_row[k] = gnew
                 lane_g[k] += gnew
                 lane_gx[k] += gnew * xhat
@@ -578,35 +620,38 @@ def _nhwc_channel_runs(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, s
         total_g += lanes_g[0]
         total_gx += lanes_gx[0]
     for g in range(first_group, last_group):
-        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size,
-                                     (g + 1) * group_size, count)
+        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size, (g + 1) * group_size, count)
         for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
             channel_c1[k] = c1
             channel_c2[k] = c2
     if in_place:
         for i in range(hw):
-            x_row = x[n, i, start:start + width]
-            dx_row = flat_dx[i * channels + start:i * channels + start + width]
+            x_row = x[n, i, start : start + width]
+            dx_row = flat_dx[i * channels + start : i * channels + start + width]
             for k in range(width):
                 xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-                dx_row[k] = store(_dx(load(dx_row[k], fmt), xhat, channel_rstd[k], channel_gamma[k],
-                                      channel_c1[k], channel_c2[k]), fmt)
+                dx_row[k] = store(
+                    _dx(load(dx_row[k], fmt), xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]),
+                    fmt,
+                )
         return
     buffer = np.empty(width if streaming else 0, dx.dtype)
     for i in range(hw):
-        x_row = x[n, i, start:start + width]
-        gnew_row = gnew_rows[i * width:(i + 1) * width]
-        dx_row = buffer if streaming else flat_dx[i * channels + start:i * channels + start + width]
+        x_row = x[n, i, start : start + width]
+        gnew_row = gnew_rows[i * width : (i + 1) * width]
+        dx_row = buffer if streaming else flat_dx[i * channels + start : i * channels + start + width]
         for k in range(width):
             xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-            dx_row[k] = store(_dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k],
-                                  channel_c1[k], channel_c2[k]), fmt)
+            dx_row[k] = store(
+                _dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]), fmt
+            )
         if streaming:
             copy_out(flat_dx, i * channels + start, dx_row, 0, width, True)
     store_fence()
 
 
 # ---- dgamma, dbeta ----------------------------------------------------------------------------
+
 
 @parallel_kernel
 def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt):
@@ -639,6 +684,7 @@ def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want
 # the centred sums ``t1 = sum(x - mean)`` and ``t2 = sum((x - mean)^2)`` with
 # ``var = (t2 - t1*t1/M) / M`` (t1 corrects for the rounding of the mean). A third pass writes
 # y. Every sum has a fixed order (below), so no thread count changes a bit.
+
 
 @helper
 def swish_float32(y, swish_scale):
@@ -698,7 +744,6 @@ def _block_moments(typingctx, row, start, stop, center, fmt):
         return context.make_tuple(builder, signature.return_type, totals)
 
     return sig, codegen
-
 
 
 @helper
@@ -769,13 +814,13 @@ def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, 
         mean[n, g] = group_mean
         rstd[n, g] = group_rstd
         for c in range(g * group_size, (g + 1) * group_size):
-            _normalise_row(x[n, c], y[n, c], group_mean, group_rstd * gamma[c], beta[c], activate_swish,
-                           swish_scale, fmt)
+            _normalise_row(
+                x[n, c], y[n, c], group_mean, group_rstd * gamma[c], beta[c], activate_swish, swish_scale, fmt
+            )
 
 
 @parallel_kernel
-def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd,
-                              groups_per_task, fmt):
+def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, groups_per_task, fmt):
     """x -> y, both (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
 
     Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
@@ -792,8 +837,21 @@ def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, 
         n = task // runs
         run = task - n * runs
         first_group = run * groups_per_task
-        _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group,
-                          min(first_group + groups_per_task, groups), fmt)
+        _nhwc_forward_run(
+            x,
+            gamma,
+            beta,
+            eps,
+            activate_swish,
+            swish_scale,
+            y,
+            mean,
+            rstd,
+            n,
+            first_group,
+            min(first_group + groups_per_task, groups),
+            fmt,
+        )
 
 
 @helper
@@ -809,7 +867,7 @@ def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd
         block_d[:] = 0
         block_dd[:] = 0
         for i in range(block_start, min(block_start + BLOCK, hw)):
-            x_row = x[n, i, start:start + width]
+            x_row = x[n, i, start : start + width]
             for k in range(width):
                 d = load(x_row[k], fmt) - center[k]
                 block_d[k] += d
@@ -819,8 +877,7 @@ def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd
 
 
 @helper
-def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group,
-                      last_group, fmt):
+def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group, last_group, fmt):
     """Image ``n``, groups ``[first_group, last_group)`` of the NHWC forward."""
     wide_vectors()
     _, hw, channels = x.shape
@@ -861,14 +918,15 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
         rstd[n, g] = group_rstd
         for k in range(first, first + group_size):
             scale[k] = group_rstd * gamma[start + k]
-    channel_beta = beta[start:start + width]
+    channel_beta = beta[start : start + width]
     for i in range(hw):
-        x_row = x[n, i, start:start + width]
-        y_row = y[n, i, start:start + width]
+        x_row = x[n, i, start : start + width]
+        y_row = y[n, i, start : start + width]
         if activate_swish:
             for k in range(width):
-                y_row[k] = store(swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]),
-                                       swish_scale), fmt)
+                y_row[k] = store(
+                    swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), swish_scale), fmt
+                )
         else:
             for k in range(width):
                 y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)

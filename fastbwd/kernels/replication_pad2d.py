@@ -13,8 +13,16 @@ from . import _memory
 from ._halfbits import accumulator, load, store
 from ._index import replicate_source_range
 from ._jit import leaf_helper, parallel_kernel
-from ._memory import (LINE_BYTES, cells_per_line, copy_out_reading_ahead, copy_part_line, line_offset, prefetch,
-                      store_fence, stream_line_with_ends)
+from ._memory import (
+    LINE_BYTES,
+    cells_per_line,
+    copy_out_reading_ahead,
+    copy_part_line,
+    line_offset,
+    prefetch,
+    store_fence,
+    stream_line_with_ends,
+)
 
 #: The NCHW kernel's rows run in this many fixed groups of consecutive rows (fewer when there
 #: are fewer rows); a group allocates its scratch once. Results do not depend on it.
@@ -83,7 +91,7 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, f
     interior = dst[copy_start:copy_stop]
     if row_stop - row_start == 1 and width > 1:
         row = src[row_start]
-        copy_src = row[copy_start + pad_left:copy_stop + pad_left]
+        copy_src = row[copy_start + pad_left : copy_stop + pad_left]
         if read_ahead is None:
             for k in range(copy_stop - copy_start):  # zero-based, over slices: LLVM vectorises it
                 interior[k] = copy_src[k]
@@ -95,11 +103,11 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, f
         for w in range(copy_stop, width - 1):  # cropped away by a negative right pad
             dst[w] = store(accumulator(row, fmt), fmt)
         return
-    sums = column_sums[:copy_stop - copy_start]
+    sums = column_sums[: copy_stop - copy_start]
     for k in range(copy_stop - copy_start):
         sums[k] = accumulator(src, fmt)
     for i in range(row_start, row_stop):
-        row = src[i, copy_start + pad_left:copy_stop + pad_left]
+        row = src[i, copy_start + pad_left : copy_stop + pad_left]
         for k in range(copy_stop - copy_start):
             sums[k] += load(row[k], fmt)
     for k in range(copy_stop - copy_start):
@@ -145,8 +153,7 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     per_line = cells_per_line(grad_input)
     itemsize = LINE_BYTES // per_line
-    if (pad_left < 0 or pad_left + width > out_width or width < per_line
-            or line_offset(grad_input, 0) % itemsize != 0):
+    if pad_left < 0 or pad_left + width > out_width or width < per_line or line_offset(grad_input, 0) % itemsize != 0:
         _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, read_ahead, fmt)
         return
     destination = grad_input.reshape(grad_input.size)
@@ -175,8 +182,18 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
             while done + per_line <= width:
                 if read_ahead > 0:
                     prefetch(source, row + done + read_ahead)
-                stream_line_with_ends(destination, start + done, source, row + done, row + done, per_line, -done,
-                                      first_value, width - 1 - done, last_value)
+                stream_line_with_ends(
+                    destination,
+                    start + done,
+                    source,
+                    row + done,
+                    row + done,
+                    per_line,
+                    -done,
+                    first_value,
+                    width - 1 - done,
+                    last_value,
+                )
                 done += per_line
             tail = width - done
             head_written = False
@@ -188,8 +205,18 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
                     # both reads stay inside grad_output)
                     next_row = (next_p * out_height + next_start) * out_width + pad_left
                     next_first, next_last = _edge_cells(grad_output[next_p, next_start], width, pad_left, fmt)
-                    stream_line_with_ends(destination, start + done, source, row + done, next_row - tail, tail, tail,
-                                          next_first, tail - 1, last_value)
+                    stream_line_with_ends(
+                        destination,
+                        start + done,
+                        source,
+                        row + done,
+                        next_row - tail,
+                        tail,
+                        tail,
+                        next_first,
+                        tail - 1,
+                        last_value,
+                    )
                     head_written = True
                 else:
                     copy_part_line(destination, start + done, source, row + done, tail)
@@ -209,8 +236,17 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
     runs = min(rows, TASK_GROUPS)
     for run in prange(runs):
         column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
-        _pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left, column_sums,
-                  None, fmt)
+        _pad_rows(
+            grad_output,
+            grad_input,
+            run * rows // runs,
+            (run + 1) * rows // runs,
+            pad_top,
+            pad_left,
+            column_sums,
+            None,
+            fmt,
+        )
 
 
 @parallel_kernel
@@ -224,16 +260,28 @@ def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_l
     runs = min(rows, TASK_GROUPS)
     for run in prange(runs):
         column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
-        _stream_pad_rows(grad_output, grad_input, run * rows // runs, (run + 1) * rows // runs, pad_top, pad_left,
-                         column_sums, READ_AHEAD_LINES * cells_per_line(grad_output), fmt)
+        _stream_pad_rows(
+            grad_output,
+            grad_input,
+            run * rows // runs,
+            (run + 1) * rows // runs,
+            pad_top,
+            pad_left,
+            column_sums,
+            READ_AHEAD_LINES * cells_per_line(grad_output),
+            fmt,
+        )
         store_fence()
 
 
 def backward_nchw(grad_output, grad_input, pad_top, pad_left, fmt, work):
     """The api's NCHW entry, (P, OH, OW) -> (P, H, W): a result of ``_memory.STREAM_MIN_BYTES`` or
     more (larger than the cache) is written by the streaming kernel."""
-    kernel = (replication_pad2d_bwd_nchw_streaming if grad_input.nbytes >= _memory.STREAM_MIN_BYTES
-              else replication_pad2d_bwd_nchw)
+    kernel = (
+        replication_pad2d_bwd_nchw_streaming
+        if grad_input.nbytes >= _memory.STREAM_MIN_BYTES
+        else replication_pad2d_bwd_nchw
+    )
     kernel(grad_output, grad_input, pad_top, pad_left, fmt, work=work)
 
 

@@ -232,15 +232,27 @@ def slot_bound(grid, size):
 
 
 @parallel_kernel
-def roi_align_sample_counts(boxes, box_order, pooled_height, pooled_width, spatial_scale,
-                            sampling_ratio, aligned, height, width, y_slots, x_slots):
+def roi_align_sample_counts(
+    boxes,
+    box_order,
+    pooled_height,
+    pooled_width,
+    spatial_scale,
+    sampling_ratio,
+    aligned,
+    height,
+    width,
+    y_slots,
+    x_slots,
+):
     """Slot counts of the weight tables: ``y_slots[j, ph]`` / ``x_slots[j, pw]`` for box ``j``.
 
     Parallel over the boxes of ``box_order``; iteration ``j`` writes only row ``j``.
     """
     for j in prange(box_order.shape[0]):
         y1, x1, bin_h, bin_w, grid_h, grid_w = box_geometry(
-            boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
+            boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+        )
         both = grid_h >= 1 and grid_w >= 1
         for ph in range(pooled_height):
             y_slots[j, ph] = slot_bound(grid_h, height) if both else 0
@@ -249,8 +261,9 @@ def roi_align_sample_counts(boxes, box_order, pooled_height, pooled_width, spati
 
 
 @helper
-def _fill_axis(table_start, table_slots, table_used, row, bins, origin, bin_size, grid, size,
-               pixel, weight, weight_sum, touched):
+def _fill_axis(
+    table_start, table_slots, table_used, row, bins, origin, bin_size, grid, size, pixel, weight, weight_sum, touched
+):
     """Fill one box's table along one axis (see the module docstring).
 
     Returns the lowest and highest pixel the box's samples touch (``size, -1`` if none).
@@ -276,10 +289,28 @@ def _fill_axis(table_start, table_slots, table_used, row, bins, origin, bin_size
 
 
 @parallel_kernel
-def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spatial_scale,
-                            sampling_ratio, aligned, height, width, box_rows,
-                            y_start, y_slots, y_used, y_pixel, y_weight,
-                            x_start, x_slots, x_used, x_pixel, x_weight):
+def roi_align_sample_tables(
+    boxes,
+    box_order,
+    pooled_height,
+    pooled_width,
+    spatial_scale,
+    sampling_ratio,
+    aligned,
+    height,
+    width,
+    box_rows,
+    y_start,
+    y_slots,
+    y_used,
+    y_pixel,
+    y_weight,
+    x_start,
+    x_slots,
+    x_used,
+    x_pixel,
+    x_weight,
+):
     """Fill the per-axis weight tables of every box in ``box_order`` (slots from the counts).
 
     ``*_start[j * bins + p]`` / ``*_slots[...]`` are the first slot and capacity of bin ``p`` of
@@ -290,7 +321,8 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
     """
     for j in prange(box_order.shape[0]):
         y1, x1, bin_h, bin_w, grid_h, grid_w = box_geometry(
-            boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
+            boxes[box_order[j]], pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+        )
         if not (grid_h >= 1 and grid_w >= 1):
             grid_h = grid_w = like(0.0, y1)  # no samples at all: both tables stay empty
         # zeroed by a loop: np.zeros would compile two more functions per dtype on the first call
@@ -302,15 +334,41 @@ def roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, spati
         # np.int64(j): Numba types j differently in the two calls (int64, uint64), which
         # compiled _fill_axis twice
         box_rows[j, 0], box_rows[j, 1] = _fill_axis(
-            y_start, y_slots, y_used, np.int64(j), pooled_height, y1, bin_h, grid_h, height,
-            y_pixel, y_weight, weight_sum, touched)
-        _fill_axis(x_start, x_slots, x_used, np.int64(j), pooled_width, x1, bin_w, grid_w, width,
-                   x_pixel, x_weight, weight_sum, touched)
+            y_start,
+            y_slots,
+            y_used,
+            np.int64(j),
+            pooled_height,
+            y1,
+            bin_h,
+            grid_h,
+            height,
+            y_pixel,
+            y_weight,
+            weight_sum,
+            touched,
+        )
+        _fill_axis(
+            x_start,
+            x_slots,
+            x_used,
+            np.int64(j),
+            pooled_width,
+            x1,
+            bin_w,
+            grid_w,
+            width,
+            x_pixel,
+            x_weight,
+            weight_sum,
+            touched,
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # backward: scatter
 # --------------------------------------------------------------------------------------------
+
 
 @helper
 def _decode_bin_row(box, c0, first, row_grad, fmt):
@@ -330,8 +388,28 @@ def _decode_bin_row(box, c0, first, row_grad, fmt):
 
 
 @helper
-def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_begin, row_end, target, row_grad,
-                  width, fmt, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+def _scatter_band(
+    grad_bins,
+    box_order,
+    box_begin,
+    box_end,
+    box_rows,
+    c0,
+    row_begin,
+    row_end,
+    target,
+    row_grad,
+    width,
+    fmt,
+    y_start,
+    y_used,
+    y_pixel,
+    y_weight,
+    x_start,
+    x_used,
+    x_pixel,
+    x_weight,
+):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
     ``[row_begin, row_end)`` of channels ``c0 : c0 + nc``: ``target`` is a channels-last scratch
     ``((row_end - row_begin) * W, nc)``; ``grad_bins`` is grad_output as ``(K, C, PH * PW)``.
@@ -372,9 +450,25 @@ def _scatter_band(grad_bins, box_order, box_begin, box_end, box_rows, c0, row_be
 
 
 @parallel_kernel
-def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, width,
-                  channel_block, band_rows, fmt,
-                  y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+def roi_align_bwd(
+    grad_output,
+    box_order,
+    image_start,
+    box_rows,
+    grad_input,
+    width,
+    channel_block,
+    band_rows,
+    fmt,
+    y_start,
+    y_used,
+    y_pixel,
+    y_weight,
+    x_start,
+    x_used,
+    x_pixel,
+    x_weight,
+):
     """grad_output (K, C, PH, PW) -> grad_input (B, C, H*W), any storage format.
 
     Parallel over (image ``b``, channel block, band of rows); a task writes only its block of
@@ -404,13 +498,32 @@ def roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input, wid
         if not touched:
             # No box reaches this band: plain zeros (all-zero bits are +0.0 in every format).
             for c in range(c0, c1):
-                grad_input[b, c, row_begin * width:row_end * width] = 0
+                grad_input[b, c, row_begin * width : row_end * width] = 0
             continue
         row_grad = np.empty((pooled_width, c1 - c0), y_weight.dtype)
         target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_weight.dtype)
-        _scatter_band(grad_bins, box_order, image_start[b], image_start[b + 1], box_rows, c0,
-                      row_begin, row_end, target, row_grad, width, fmt,
-                      y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
+        _scatter_band(
+            grad_bins,
+            box_order,
+            image_start[b],
+            image_start[b + 1],
+            box_rows,
+            c0,
+            row_begin,
+            row_end,
+            target,
+            row_grad,
+            width,
+            fmt,
+            y_start,
+            y_used,
+            y_pixel,
+            y_weight,
+            x_start,
+            x_used,
+            x_pixel,
+            x_weight,
+        )
         _store_band(target, grad_input[b], c0, row_begin * width, fmt)
 
 
@@ -431,7 +544,7 @@ def _store_band(target, plane, c0, first, fmt):
             tile = min(p, pixels - LANES)
             transpose_lanes(plane, c0 + cc, first + tile, target, tile, cc, fmt)
     for c in range(tiled, channels):
-        destination = plane[c0 + c, first:first + pixels]
+        destination = plane[c0 + c, first : first + pixels]
         for i in range(pixels):
             destination[i] = store(target[i, c], fmt)
 
@@ -440,9 +553,25 @@ def _store_band(target, plane, c0, first, fmt):
 # forward: gather
 # --------------------------------------------------------------------------------------------
 
+
 @helper
-def _gather_box(source, first_row, width, acc, j, pooled_height, pooled_width,
-                y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight):
+def _gather_box(
+    source,
+    first_row,
+    width,
+    acc,
+    j,
+    pooled_height,
+    pooled_width,
+    y_start,
+    y_used,
+    y_pixel,
+    y_weight,
+    x_start,
+    x_used,
+    x_pixel,
+    x_weight,
+):
     """``acc[ph * PW + pw, c] = sum over the bin's (y entry, x entry) pairs, y then x ascending,
     of source[(row - first_row) * W + col, c] * (wy * wx)`` for box ``j``.
 
@@ -513,9 +642,29 @@ def _fill_scratch(source, channels_last, first, pixels, c0, scratch, fmt):
 
 
 @parallel_kernel
-def roi_align_fwd(source, channels_last, height, width, box_order, image_start, box_rows, skipped, out,
-                  pooled_height, pooled_width, channel_block, fmt, y_start, y_used, y_pixel, y_weight,
-                  x_start, x_used, x_pixel, x_weight):
+def roi_align_fwd(
+    source,
+    channels_last,
+    height,
+    width,
+    box_order,
+    image_start,
+    box_rows,
+    skipped,
+    out,
+    pooled_height,
+    pooled_width,
+    channel_block,
+    fmt,
+    y_start,
+    y_used,
+    y_pixel,
+    y_weight,
+    x_start,
+    x_used,
+    x_pixel,
+    x_weight,
+):
     """input -> out (K, C, PH * PW), any storage format; ``source`` is the input's memory read in
     place: (B, C, H * W), or (``channels_last``) (B, H * W, C).
 
@@ -543,8 +692,23 @@ def roi_align_fwd(source, channels_last, height, width, box_order, image_start, 
         _fill_scratch(source[b], channels_last, first_row * width, rows * width, c0, scratch, fmt)
         acc = np.empty((pooled_height * pooled_width, c1 - c0), y_weight.dtype)
         for j in range(image_start[b], image_start[b + 1]):
-            _gather_box(scratch, first_row, width, acc, j, pooled_height,
-                        pooled_width, y_start, y_used, y_pixel, y_weight, x_start, x_used, x_pixel, x_weight)
+            _gather_box(
+                scratch,
+                first_row,
+                width,
+                acc,
+                j,
+                pooled_height,
+                pooled_width,
+                y_start,
+                y_used,
+                y_pixel,
+                y_weight,
+                x_start,
+                x_used,
+                x_pixel,
+                x_weight,
+            )
             _store_box(acc, out[box_order[j]], c0, fmt)
 
 
@@ -568,16 +732,28 @@ def backward(grad_output, boxes, grad_input, spatial_scale, sampling_ratio, alig
     if grad_output.size == 0:
         grad_input.fill(0)
         return
-    tables = _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
-                            sampling_ratio, aligned)
+    tables = _weight_tables(
+        boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+    )
     if tables is None:
         grad_input.fill(0)
         return
     box_order, image_start, box_rows, y_table, x_table = tables
     block = _channel_block(channels)
-    roi_align_bwd(grad_output, box_order, image_start, box_rows, grad_input.reshape(batch, channels, height * width),
-                  width, block, _band_rows(width, block, compute), fmt, *y_table, *x_table,
-                  work=grad_input.size + grad_output.size)
+    roi_align_bwd(
+        grad_output,
+        box_order,
+        image_start,
+        box_rows,
+        grad_input.reshape(batch, channels, height * width),
+        width,
+        block,
+        _band_rows(width, block, compute),
+        fmt,
+        *y_table,
+        *x_table,
+        work=grad_input.size + grad_output.size,
+    )
 
 
 def forward(source, channels_last, height, width, boxes, out, spatial_scale, sampling_ratio, aligned, compute, fmt):
@@ -587,20 +763,37 @@ def forward(source, channels_last, height, width, boxes, out, spatial_scale, sam
     Zero for the boxes that contribute nothing."""
     batch = source.shape[0]
     num_boxes, channels, pooled_height, pooled_width = out.shape
-    tables = _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
-                            sampling_ratio, aligned)
+    tables = _weight_tables(
+        boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+    )
     if tables is None or source.size == 0:
         out.fill(0)
         return
     box_order, image_start, box_rows, y_table, x_table = tables
     skipped = np.setdiff1d(np.arange(num_boxes), box_order).astype(np.int64)
-    roi_align_fwd(source, channels_last, height, width, box_order, image_start, box_rows, skipped,
-                  out.reshape(num_boxes, channels, pooled_height * pooled_width), pooled_height, pooled_width,
-                  _forward_channel_block(channels), fmt, *y_table, *x_table, work=source.size + out.size)
+    roi_align_fwd(
+        source,
+        channels_last,
+        height,
+        width,
+        box_order,
+        image_start,
+        box_rows,
+        skipped,
+        out.reshape(num_boxes, channels, pooled_height * pooled_width),
+        pooled_height,
+        pooled_width,
+        _forward_channel_block(channels),
+        fmt,
+        *y_table,
+        *x_table,
+        work=source.size + out.size,
+    )
 
 
-def _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale,
-                   sampling_ratio, aligned):
+def _weight_tables(
+    boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+):
     """The boxes that contribute and their per-axis weight tables (module doc, 1):
     ``(box_order, image_start, box_rows, y_table, x_table)``, or None when no box contributes."""
     # Half-format boxes become float32 (exact); the kernels compute in this dtype.
@@ -618,12 +811,26 @@ def _weight_tables(boxes, compute, batch, height, width, pooled_height, pooled_w
     x_slots = np.zeros((box_order.size, pooled_width), np.int64)
     # the serial twin: a few operations per (box, bin) gain nothing from the thread pool, and it
     # compiles faster than the parallel kernel
-    roi_align_sample_counts.serial(boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned,
-                                   height, width, y_slots, x_slots)
+    roi_align_sample_counts.serial(
+        boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned, height, width, y_slots, x_slots
+    )
     y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
     box_rows = np.empty((box_order.size, 2), np.int64)
-    roi_align_sample_tables(boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned, height, width,
-                            box_rows, *y_table, *x_table, work=y_table[3].size + x_table[3].size)
+    roi_align_sample_tables(
+        boxes,
+        box_order,
+        pooled_height,
+        pooled_width,
+        scale,
+        ratio,
+        aligned,
+        height,
+        width,
+        box_rows,
+        *y_table,
+        *x_table,
+        work=y_table[3].size + x_table[3].size,
+    )
     return box_order, image_start, box_rows, _entries(y_table), _entries(x_table)
 
 
@@ -650,8 +857,7 @@ def _weight_table(slots, compute):
     start = np.zeros(slots.size, np.int64)
     np.cumsum(slots.ravel()[:-1], out=start[1:])
     total = int(slots.sum())
-    return (start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64),
-            np.empty(total, compute))
+    return (start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64), np.empty(total, compute))
 
 
 def _entries(table):

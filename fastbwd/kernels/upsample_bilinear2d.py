@@ -86,5 +86,6 @@ def backward_table(input_size, output_size, align_corners, scale, opmath):
     with the same sizes every step (the tables are internal and never written).
     """
     index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
-        input_size, output_size, align_corners, scale, opmath)
+        input_size, output_size, align_corners, scale, opmath
+    )
     return tap_table(np.stack([index0, index1], axis=1), np.stack([lambda0, lambda1], axis=1), opmath)

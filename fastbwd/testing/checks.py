@@ -68,7 +68,8 @@ def assert_matches_reference(actual, expected, *, rtol=None, atol=None, ulps=1, 
         bad = (distance > ulps) & ~small
         assert not bad.any(), (
             f"{int(bad.sum())} of {bad.size} values beyond {ulps} ulp: first actual "
-            f"{a64[bad][:5]}, expected {e64[bad][:5]}, ulps {distance[bad][:5]}")
+            f"{a64[bad][:5]}, expected {e64[bad][:5]}, ulps {distance[bad][:5]}"
+        )
         return
     default_rtol, default_atol = TOLERANCE[actual.dtype]
     rtol = default_rtol if rtol is None else rtol
@@ -78,13 +79,18 @@ def assert_matches_reference(actual, expected, *, rtol=None, atol=None, ulps=1, 
     bad = error > bound
     assert not bad.any(), (
         f"{int(bad.sum())} of {bad.size} values off: max error {error.max():.3g} "
-        f"(scale {scale:.3g}); first actual {a64[bad][:5]}, expected {e64[bad][:5]}")
+        f"(scale {scale:.3g}); first actual {a64[bad][:5]}, expected {e64[bad][:5]}"
+    )
 
 
 def bitwise_equal(a, b):
     """Same shape, dtype and bytes (NaN payloads and signed zeros included)."""
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
 
 
 def thread_counts():

@@ -61,6 +61,7 @@ def _clamp(v, lo, hi):
 # docs/semantics.md §3: replication_pad2d
 # ---------------------------------------------------------------------------------------------
 
+
 def replication_pad2d_forward(x, padding):
     """Replication pad of the last two axes (docs/semantics.md §3; PyTorch semantics, negative pads crop).
 
@@ -96,6 +97,7 @@ def replication_pad2d_backward(grad_output, input_shape, padding):
 # ---------------------------------------------------------------------------------------------
 # docs/semantics.md §1: upsample_bilinear2d
 # ---------------------------------------------------------------------------------------------
+
 
 def upsample_bilinear2d_interp_matrix(in_size, out_size, align_corners, scale=0.0, opmath=np.float64):
     """Dense (out_size, in_size) interpolation matrix A of one axis (docs/semantics.md §1 per-axis formula).
@@ -178,13 +180,16 @@ def upsample_bilinear2d_forward(x, output_size, align_corners, scales_h=0.0, sca
         h0, h1, lh0, lh1 = _upsample_source(oh, H, OH, align_corners, scales_h, f)
         for ow in range(OW):
             w0, w1, lw0, lw1 = _upsample_source(ow, W, OW, align_corners, scales_w, f)
-            out[:, :, oh, ow] = (lh0 * lw0 * x[:, :, h0, w0] + lh0 * lw1 * x[:, :, h0, w1]
-                                 + lh1 * lw0 * x[:, :, h1, w0] + lh1 * lw1 * x[:, :, h1, w1])
+            out[:, :, oh, ow] = (
+                lh0 * lw0 * x[:, :, h0, w0]
+                + lh0 * lw1 * x[:, :, h0, w1]
+                + lh1 * lw0 * x[:, :, h1, w0]
+                + lh1 * lw1 * x[:, :, h1, w1]
+            )
     return out
 
 
-def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners,
-                                 scales_h=0.0, scales_w=0.0):
+def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=0.0, scales_w=0.0):
     """Bilinear upsampling backward (docs/semantics.md §1): Ah.T @ g @ Aw, shape input_size (N, C, H, W).
 
     The weights follow docs/semantics.md §1's opmath rule for grad_output's dtype; the sums are float64.
@@ -203,17 +208,17 @@ def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_cor
 # docs/semantics.md §2: avg_pool2d
 # ---------------------------------------------------------------------------------------------
 
+
 def avg_pool2d_output_size(in_size, kernel, stride, pad, ceil_mode):
     """Pooled size of one axis (docs/semantics.md §2, PyTorch ``pooling_output_shape``, modern rule)."""
     H, k, s, p = int(in_size), int(kernel), int(stride), int(pad)
-    out = (H + 2 * p - k + ((s - 1) if ceil_mode else 0)) // s + 1   # Python // is floor
+    out = (H + 2 * p - k + ((s - 1) if ceil_mode else 0)) // s + 1  # Python // is floor
     if ceil_mode and (out - 1) * s >= H + p:
         out -= 1
     return out
 
 
-def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                        divisor_override):
+def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     """Yield (oh, ow, hs, he, ws, we, div) for every output cell: the docs/semantics.md §2 windows."""
     kH, kW = (int(v) for v in kernel_size)
     sH, sW = (int(v) for v in stride)
@@ -226,7 +231,7 @@ def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_inc
             ws = ow * sW - pW
             he = min(hs + kH, H + pH)
             we = min(ws + kW, W + pW)
-            pool_size = (he - hs) * (we - ws)   # includes padding, excludes ceil overhang
+            pool_size = (he - hs) * (we - ws)  # includes padding, excludes ceil overhang
             hs, ws = max(hs, 0), max(ws, 0)
             he, we = min(he, H), min(we, W)
             if divisor_override != 0:
@@ -238,8 +243,7 @@ def _avg_pool2d_windows(H, W, kernel_size, stride, padding, ceil_mode, count_inc
             yield oh, ow, hs, he, ws, we, div
 
 
-def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                       divisor_override=0):
+def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=0):
     """Average pooling forward, docs/semantics.md §2 written out per output cell.
 
     x: (C, H, W) or (N, C, H, W); kernel_size, stride, padding: (h, w) tuples;
@@ -281,8 +285,9 @@ def avg_pool2d_forward(x, kernel_size, stride, padding, ceil_mode, count_include
     return out[0] if unbatched else out
 
 
-def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, ceil_mode,
-                        count_include_pad, divisor_override=0):
+def avg_pool2d_backward(
+    grad_output, input_shape, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=0
+):
     """Average pooling backward: the plain scatter loop of docs/semantics.md §2.
 
     grad_output: (C, OH, OW) or (N, C, OH, OW); input_shape: the forward input's shape (same
@@ -297,8 +302,8 @@ def avg_pool2d_backward(grad_output, input_shape, kernel_size, stride, padding, 
     N, C, H, W = input_shape
     grad_input = np.zeros(input_shape, dtype=np.float64)
     for oh, ow, hs, he, ws, we, div in _avg_pool2d_windows(
-            H, W, kernel_size, stride, padding, ceil_mode, count_include_pad,
-            int(divisor_override)):
+        H, W, kernel_size, stride, padding, ceil_mode, count_include_pad, int(divisor_override)
+    ):
         if he <= hs or we <= ws:
             continue
         grad_input[:, :, hs:he, ws:we] += (g[:, :, oh, ow] / div)[:, :, None, None]
@@ -327,10 +332,10 @@ def _roi_sample_indices(start, step, n, size):
     """
     if n <= _ROI_FULL_LOOP_MAX or not (step > 0):
         return range(max(n, 0))
-    a = (-1.0 - start) / step - 0.5     # first index with coordinate >= -1 (before rounding)
-    b = (size - start) / step - 0.5     # last index with coordinate <= size (before rounding)
+    a = (-1.0 - start) / step - 0.5  # first index with coordinate >= -1 (before rounding)
+    b = (size - start) / step - 0.5  # last index with coordinate <= size (before rounding)
     if math.isnan(a) or math.isnan(b) or b < -2 or a > n + 2:
-        return range(0)                 # every coordinate is NaN, < -1 or > size
+        return range(0)  # every coordinate is NaN, < -1 or > size
     lo = max(math.floor(max(a, -1.0)) - 2, 0)
     hi = min(math.ceil(min(b, float(n))) + 2, n - 1)
     return range(lo, hi + 1)
@@ -362,8 +367,8 @@ def _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampli
     gh = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_h / pooled_height)
     gw = sampling_ratio if sampling_ratio > 0 else math.ceil(roi_w / pooled_width)
     if gh <= 0 or gw <= 0:
-        return None                      # no samples
-    count = float(gh) * float(gw)        # float64 product: no integer overflow (may be inf)
+        return None  # no samples
+    count = float(gh) * float(gw)  # float64 product: no integer overflow (may be inf)
     return b, x1, y1, bin_h, bin_w, gh, gw, count
 
 
@@ -389,12 +394,10 @@ def _roi_bilinear(y, x, H, W):
     return yl, yh, xl, xh, hy * hx, hy * lx, ly * hx, ly * lx
 
 
-def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                 aligned):
+def _roi_samples(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """Yield (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) for every sample of a
     box that contributes (docs/semantics.md §4)."""
-    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale,
-                            sampling_ratio, aligned)
+    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
     if geo is None:
         return
     b, x1, y1, bin_h, bin_w, gh, gw, count = geo
@@ -504,12 +507,10 @@ def roi_align_axis_weights(start, bin_size, grid, size):
     return _roi_axis_exact(start, bin_size, grid, size)
 
 
-def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                     aligned):
+def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """None for a box without samples, else (b, wy (PH, H), ty, wx (PW, W), tx, count): the
     per-axis weight sums and touched masks of docs/semantics.md §4's product form."""
-    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                            aligned)
+    geo = _roi_box_geometry(box, B, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned)
     if geo is None or H == 0 or W == 0:
         return None
     b, x1, y1, bin_h, bin_w, gh, gw, count = geo
@@ -518,8 +519,7 @@ def _roi_box_weights(box, B, H, W, pooled_height, pooled_width, spatial_scale, s
     return b, np.array(wy), np.array(ty), np.array(wx), np.array(tx), count
 
 
-def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio,
-                      aligned):
+def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """torchvision roi_align forward in docs/semantics.md §4's product form, in float64.
 
     x: (B, C, H, W); boxes: (K, 5) rows (batch_index, x1, y1, x2, y2). Returns (K, C, PH, PW):
@@ -534,8 +534,7 @@ def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, samp
     PH, PW = int(pooled_height), int(pooled_width)
     out = np.zeros((boxes.shape[0], C, PH, PW), dtype=np.float64)
     for k in range(boxes.shape[0]):
-        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale),
-                                   int(sampling_ratio), bool(aligned))
+        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio), bool(aligned))
         if weights is None:
             continue
         b, wy, ty, wx, tx, count = weights
@@ -548,8 +547,9 @@ def roi_align_forward(x, boxes, pooled_height, pooled_width, spatial_scale, samp
     return out
 
 
-def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_width,
-                       spatial_scale, sampling_ratio, aligned):
+def roi_align_backward(
+    grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+):
     """roi_align backward in docs/semantics.md §4's product form, in float64. Returns (B, C, H, W).
 
     Each bin adds g * wy[ph, row] * wx[pw, col] / count to every pixel whose row and column are
@@ -564,8 +564,7 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     PH, PW = int(pooled_height), int(pooled_width)
     grad_input = np.zeros((B, C, H, W), dtype=np.float64)
     for k in range(boxes.shape[0]):
-        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale),
-                                   int(sampling_ratio), bool(aligned))
+        weights = _roi_box_weights(boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio), bool(aligned))
         if weights is None:
             continue
         b, wy, ty, wx, tx, count = weights
@@ -577,8 +576,9 @@ def roi_align_backward(grad_output, boxes, input_shape, pooled_height, pooled_wi
     return grad_input
 
 
-def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height, pooled_width,
-                                  spatial_scale, sampling_ratio, aligned):
+def roi_align_backward_by_samples(
+    grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
+):
     """The docs/semantics.md §4 loop itself in float64, sample by sample (every sample scatters g * weight /
     count to its four pixels), to check the product form against (small grids only)."""
     g = np.asarray(grad_output, dtype=np.float64)
@@ -587,9 +587,9 @@ def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height
     PH, PW = int(pooled_height), int(pooled_width)
     grad_input = np.zeros((B, C, H, W), dtype=np.float64)
     for k in range(boxes.shape[0]):
-        for (b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count) in _roi_samples(
-                boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio),
-                bool(aligned)):
+        for b, ph, pw, yl, yh, xl, xh, w_ll, w_lh, w_hl, w_hh, count in _roi_samples(
+            boxes[k], B, H, W, PH, PW, float(spatial_scale), int(sampling_ratio), bool(aligned)
+        ):
             gk = g[k, :, ph, pw]
             grad_input[b, :, yl, xl] += gk * w_ll / count
             grad_input[b, :, yl, xh] += gk * w_lh / count
@@ -601,6 +601,7 @@ def roi_align_backward_by_samples(grad_output, boxes, input_shape, pooled_height
 # ---------------------------------------------------------------------------------------------
 # docs/semantics.md §5: group_norm_swish
 # ---------------------------------------------------------------------------------------------
+
 
 def _sigmoid(z):
     with np.errstate(over="ignore"):
@@ -621,7 +622,7 @@ def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1
     N, C = x.shape[0], x.shape[1]
     G = int(num_groups)
     s = float(swish_scale)
-    xg = x.reshape(N, G, -1)                       # (N, G, D*HxW)
+    xg = x.reshape(N, G, -1)  # (N, G, D*HxW)
     mean = xg.mean(axis=2)
     var = ((xg - mean[:, :, None]) ** 2).mean(axis=2)
     with np.errstate(divide="ignore", invalid="ignore"):  # var + eps == 0: rstd inf, y NaN
@@ -672,15 +673,15 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_
         z = s * y
         sig = _sigmoid(z)
         dsw = sig * (1.0 + z * (1.0 - sig))
-    dsw = np.where(np.isinf(z), (z > 0).astype(np.float64), dsw)   # the limits at z = +-inf
+    dsw = np.where(np.isinf(z), (z > 0).astype(np.float64), dsw)  # the limits at z = +-inf
     gnew = dy4 * dsw
 
     dbeta = gnew.sum(axis=(0, 3)).reshape(C)
     dgamma = (gnew * xhat).sum(axis=(0, 3)).reshape(C)
 
-    sum_g = gnew.sum(axis=3)                       # (N, G, D): sum_hw gnew
-    sum_gx = (gnew * xhat).sum(axis=3)             # (N, G, D): sum_hw gnew * xhat
-    c1 = (gam[..., 0] * sum_g).sum(axis=2) / M     # (N, G)
-    c2 = (gam[..., 0] * sum_gx).sum(axis=2) / M    # (N, G)
+    sum_g = gnew.sum(axis=3)  # (N, G, D): sum_hw gnew
+    sum_gx = (gnew * xhat).sum(axis=3)  # (N, G, D): sum_hw gnew * xhat
+    c1 = (gam[..., 0] * sum_g).sum(axis=2) / M  # (N, G)
+    c2 = (gam[..., 0] * sum_gx).sum(axis=2) / M  # (N, G)
     dx = rstd4 * (gnew * gam - xhat * c2[:, :, None, None] - c1[:, :, None, None])
     return dx.reshape(x.shape), dgamma, dbeta

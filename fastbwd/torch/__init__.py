@@ -18,7 +18,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "fastbwd.torch needs PyTorch, which is not installed: pip install torch "
-        "(or pip install -e \".[torch]\" in fastbwd's checkout)"
+        '(or pip install -e ".[torch]" in fastbwd\'s checkout)'
     ) from error
 
 from ._fuse import FusionReport, fuse_group_norm_swish

@@ -27,12 +27,14 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 class Fused(NamedTuple):
     """A GroupNorm that became a GroupNormSwish: its qualified name and where its SiLU was."""
+
     name: str
     where: str
 
 
 class Skipped(NamedTuple):
     """A GroupNorm left as it is, and why."""
+
     name: str
     reason: str
 
@@ -120,8 +122,10 @@ def fuse_group_norm_swish(module: nn.Module) -> FusionReport:
         if type(sub) is nn.GroupNorm and name not in fused and name not in skipped:
             skipped[name] = "not called by its owner's forward() (nor in an nn.Sequential)"
     rank = {name: index for index, name in enumerate(order)}
-    return FusionReport(sorted((Fused(n, w) for n, w in fused.items()), key=lambda f: rank.get(f.name, 0)),
-                        sorted((Skipped(n, r) for n, r in skipped.items()), key=lambda s: rank.get(s.name, 0)))
+    return FusionReport(
+        sorted((Fused(n, w) for n, w in fused.items()), key=lambda f: rank.get(f.name, 0)),
+        sorted((Skipped(n, r) for n, r in skipped.items()), key=lambda s: rank.get(s.name, 0)),
+    )
 
 
 def _qualified(prefix, name):
@@ -138,6 +142,7 @@ def _fused(norm):
 
 
 # ---- nn.Sequential ---------------------------------------------------------------------------
+
 
 def _fuse_sequentials(module, fused, skipped):
     for prefix, sequential in module.named_modules():
@@ -160,6 +165,7 @@ def _fuse_sequentials(module, fused, skipped):
 
 
 # ---- forward() via torch.fx ------------------------------------------------------------------
+
 
 def _owned_norms(owner):
     """``{target: GroupNorm}``: the GroupNorms ``owner`` holds directly or inside
@@ -245,8 +251,12 @@ def _fuse_in_forward(owner, owner_name, norms, names, fused, skipped):
         if len(names[id(norm)]) > 1:
             skipped[qualified[target]] = f"the same GroupNorm is registered under several names: {names[id(norm)]}"
             continue
-        calls = [node for graph in graphs.values() for node in graph.nodes
-                 if node.op == "call_module" and node.target == target]
+        calls = [
+            node
+            for graph in graphs.values()
+            for node in graph.nodes
+            if node.op == "call_module" and node.target == target
+        ]
         if not calls:
             skipped[qualified[target]] = f"not called by {label}"
             continue
@@ -303,8 +313,10 @@ def _state(module):
 
 
 def _changed(module, state):
-    return any(table.keys() != saved.keys() or any(table[name] is not saved[name] for name in saved)
-               for table, saved in zip(_tables(module), state))
+    return any(
+        table.keys() != saved.keys() or any(table[name] is not saved[name] for name in saved)
+        for table, saved in zip(_tables(module), state)
+    )
 
 
 def _restore(module, state):
@@ -379,5 +391,7 @@ class _FusedForward:
         return _FusedForward(copy.deepcopy(self.module, memo), self.call)
 
     def __reduce__(self):
-        raise TypeError(f"{type(self.module).__name__} has a forward() rewritten by fuse_group_norm_swish and "
-                        "cannot be pickled whole: save and load its state_dict instead")
+        raise TypeError(
+            f"{type(self.module).__name__} has a forward() rewritten by fuse_group_norm_swish and "
+            "cannot be pickled whole: save and load its state_dict instead"
+        )

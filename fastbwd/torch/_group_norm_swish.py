@@ -19,22 +19,33 @@ def _check_input(input, num_groups, weight, bias):
     for size in shape[2:]:
         values *= size
     if values == 1:
-        raise ValueError("Expected more than 1 value per channel when training, got input size "
-                         f"{[shape[0] * shape[1] // num_groups, num_groups] + shape[2:]}")
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{[shape[0] * shape[1] // num_groups, num_groups] + shape[2:]}"
+        )
     if shape[1] % num_groups:
-        raise RuntimeError("Expected number of channels in input to be divisible by num_groups, but "
-                           f"got input of shape {shape} and num_groups={num_groups}")
+        raise RuntimeError(
+            "Expected number of channels in input to be divisible by num_groups, but "
+            f"got input of shape {shape} and num_groups={num_groups}"
+        )
     for name, parameter in (("weight", weight), ("bias", bias)):
         if parameter is not None and (parameter.dim() != 1 or parameter.shape[0] != shape[1]):
             raise RuntimeError(
                 f"Expected {name} to be a vector of size equal to the number of channels in input, "
-                f"but got {name} of shape {list(parameter.shape)} and input of shape {shape}")
+                f"but got {name} of shape {list(parameter.shape)} and input of shape {shape}"
+            )
 
 
 # A leaf of torch.fx.symbolic_trace: the checks above read sizes a Proxy does not have.
 @torch.fx.wrap
-def group_norm_swish(input: Tensor, num_groups: int, weight: Optional[Tensor] = None,
-                     bias: Optional[Tensor] = None, eps: float = 1e-5, swish_scale: float = 1.0) -> Tensor:
+def group_norm_swish(
+    input: Tensor,
+    num_groups: int,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    swish_scale: float = 1.0,
+) -> Tensor:
     """``F.group_norm(input, num_groups, weight, bias, eps)`` followed by
     ``y * torch.sigmoid(swish_scale * y)``, as the registered operator
     ``fastbwd::group_norm_swish`` with fastbwd's fused backward.
@@ -53,10 +64,8 @@ def group_norm_swish(input: Tensor, num_groups: int, weight: Optional[Tensor] = 
         y = torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
         return y * torch.sigmoid(swish_scale * y)
     if _ops.use_eager_path(input):
-        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps),
-                                              float(swish_scale))[0]
-    return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps),
-                                              float(swish_scale))[0]
+        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
+    return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
 
 
 class GroupNormSwish(nn.GroupNorm):
@@ -68,19 +77,20 @@ class GroupNormSwish(nn.GroupNorm):
     into it; the same input errors. Forward and backward are fastbwd's registered operators.
     """
 
-    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *,
-                 bias=True, swish_scale=1.0):
+    def __init__(
+        self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *, bias=True, swish_scale=1.0
+    ):
         if isinstance(device, float):
             # swish_scale was the fifth positional argument before nn.GroupNorm's device took it.
-            raise TypeError(f"GroupNormSwish: the fifth argument is nn.GroupNorm's device, but got "
-                            f"{device!r}; pass swish_scale={device!r} as a keyword")
+            raise TypeError(
+                f"GroupNormSwish: the fifth argument is nn.GroupNorm's device, but got "
+                f"{device!r}; pass swish_scale={device!r} as a keyword"
+            )
         super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
         self.swish_scale = float(swish_scale)
 
     def forward(self, input: Tensor) -> Tensor:
-        return group_norm_swish(input, self.num_groups, self.weight, self.bias, self.eps,
-                                self.swish_scale)
+        return group_norm_swish(input, self.num_groups, self.weight, self.bias, self.eps, self.swish_scale)
 
     def extra_repr(self):
         return super().extra_repr() + f", swish_scale={self.swish_scale}"
-

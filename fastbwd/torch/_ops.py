@@ -42,8 +42,12 @@ def _eager(*tensors):
     entry (which costs tens of microseconds per call in Python)."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
-    return all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-               and not torch._is_functional_tensor(t) for t in tensors)
+    return all(
+        type(t) is torch.Tensor
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not torch._is_functional_tensor(t)
+        for t in tensors
+    )
 
 
 def use_eager_path(*tensors):
@@ -52,8 +56,12 @@ def use_eager_path(*tensors):
     :func:`_eager`), not under ``torch.compile`` or ``torch.jit.trace`` (which must record the
     operator) nor CPU autocast (whose rule is registered on the operator)."""
     # is_compiling first: torch.compile folds it to True and never traces the rest
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and _eager(*tensors)
-            and not torch.is_autocast_enabled("cpu"))
+    return (
+        not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and _eager(*tensors)
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 # ---- RoIAlign -------------------------------------------------------------------------------
@@ -62,17 +70,30 @@ def use_eager_path(*tensors):
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     match_torch_threads()
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
-    roi_align_api.roi_align_forward(c.as_array(input), c.as_array(rois), pooled_height, pooled_width,
-                                    spatial_scale, max(sampling_ratio, 0), aligned,
-                                    out=c.as_array(output))
+    roi_align_api.roi_align_forward(
+        c.as_array(input),
+        c.as_array(rois),
+        pooled_height,
+        pooled_width,
+        spatial_scale,
+        max(sampling_ratio, 0),
+        aligned,
+        out=c.as_array(output),
+    )
     return output
 
 
 @torch.library.custom_op("fastbwd::roi_align", mutates_args=(), device_types="cpu")
-def roi_align(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
-              pooled_width: int, sampling_ratio: int, aligned: bool) -> Tensor:
-    return _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
-                             aligned)
+def roi_align(
+    input: Tensor,
+    rois: Tensor,
+    spatial_scale: float,
+    pooled_height: int,
+    pooled_width: int,
+    sampling_ratio: int,
+    aligned: bool,
+) -> Tensor:
+    return _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
 
 
 @roi_align.register_fake
@@ -81,28 +102,59 @@ def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, a
     return input.new_empty((rois.shape[0], input.shape[1], pooled_height, pooled_width))
 
 
-def _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
-                               channels, height, width, sampling_ratio, aligned):
+def _roi_align_backward_kernel(
+    grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio, aligned
+):
     match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     grad_input = c.empty(input_shape, grad.dtype)
-    fastbwd.roi_align_backward(c.as_array(grad.contiguous()), c.as_array(rois), input_shape,
-                               pooled_height, pooled_width, spatial_scale, max(sampling_ratio, 0),
-                               aligned, out=c.as_array(grad_input))
+    fastbwd.roi_align_backward(
+        c.as_array(grad.contiguous()),
+        c.as_array(rois),
+        input_shape,
+        pooled_height,
+        pooled_width,
+        spatial_scale,
+        max(sampling_ratio, 0),
+        aligned,
+        out=c.as_array(grad_input),
+    )
     return grad_input
 
 
 @torch.library.custom_op("fastbwd::roi_align_backward", mutates_args=(), device_types="cpu")
-def roi_align_backward(grad: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int,
-                       pooled_width: int, batch_size: int, channels: int, height: int, width: int,
-                       sampling_ratio: int, aligned: bool) -> Tensor:
-    return _roi_align_backward_kernel(grad, rois, spatial_scale, pooled_height, pooled_width,
-                                      batch_size, channels, height, width, sampling_ratio, aligned)
+def roi_align_backward(
+    grad: Tensor,
+    rois: Tensor,
+    spatial_scale: float,
+    pooled_height: int,
+    pooled_width: int,
+    batch_size: int,
+    channels: int,
+    height: int,
+    width: int,
+    sampling_ratio: int,
+    aligned: bool,
+) -> Tensor:
+    return _roi_align_backward_kernel(
+        grad,
+        rois,
+        spatial_scale,
+        pooled_height,
+        pooled_width,
+        batch_size,
+        channels,
+        height,
+        width,
+        sampling_ratio,
+        aligned,
+    )
 
 
 @roi_align_backward.register_fake
-def _(grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width,
-      sampling_ratio, aligned):
+def _(
+    grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio, aligned
+):
     return grad.new_empty((batch_size, channels, height, width))
 
 
@@ -118,8 +170,7 @@ def _roi_align_grad(ctx, grad):
         return (None,) * 7
     (rois,) = ctx.saved_tensors
     # Run as an operator wherever it may be traced or differentiated (create_graph=True).
-    backward = (_roi_align_backward_kernel if not torch.is_grad_enabled() and _eager(grad, rois)
-                else roi_align_backward)
+    backward = _roi_align_backward_kernel if not torch.is_grad_enabled() and _eager(grad, rois) else roi_align_backward
     return (backward(grad, rois, *ctx.geometry),) + (None,) * 6
 
 
@@ -144,12 +195,12 @@ def _roi_align_backward_grad(ctx, grad_grad):
 roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_roi_align_backward_setup)
 
 
-def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width,
-                        sampling_ratio, aligned):
+def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     # torchvision's autocast kernel: compute in float32, return the input's dtype.
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-        output = roi_align(input.float(), rois.float(), spatial_scale, pooled_height, pooled_width,
-                           sampling_ratio, aligned)
+        output = roi_align(
+            input.float(), rois.float(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned
+        )
     return output.to(input.dtype)
 
 
@@ -174,8 +225,10 @@ def _parameters(input, weight, bias):
     if weight is not None and bias is not None:
         return weight, bias
     channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
-    return (weight if weight is not None else torch.ones(channels, dtype=dtype),
-            bias if bias is not None else torch.zeros(channels, dtype=dtype))
+    return (
+        weight if weight is not None else torch.ones(channels, dtype=dtype),
+        bias if bias is not None else torch.zeros(channels, dtype=dtype),
+    )
 
 
 def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
@@ -191,8 +244,9 @@ def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
     memory_format = c.memory_format(input)
     if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
         x = c.dense(input, memory_format)
-        y, mean, rstd = torch.native_group_norm(x, weight, bias, x.shape[0], x.shape[1],
-                                                math.prod(x.shape[2:]), num_groups, eps)
+        y, mean, rstd = torch.native_group_norm(
+            x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
+        )
         return (y * torch.sigmoid(swish_scale * y), mean, rstd), None
     channels_last = memory_format == torch.channels_last
     x = c.as_array(c.dense(input, memory_format))
@@ -200,8 +254,9 @@ def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
         x = x.transpose(0, 2, 3, 1)
     gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
     match_torch_threads()
-    y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, num_groups,
-                                             "NHWC" if channels_last else "NCHW", eps, True, swish_scale)
+    y, mean, rstd = fastbwd.group_norm_swish(
+        x, gamma, beta, num_groups, "NHWC" if channels_last else "NCHW", eps, True, swish_scale
+    )
     y = c.as_tensor(y)
     outputs = (y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd))
     return outputs, _KernelArrays(memory_format, x, mean, rstd, gamma, beta)
@@ -209,6 +264,7 @@ def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
 
 class _KernelArrays(NamedTuple):
     """What the backward kernel takes besides ``dy``, as the forward's kernel saw it."""
+
     memory_format: torch.memory_format
     x: object  # (N, C, *) array, or the (N, H, W, C) view of channels_last input
     mean: object
@@ -218,29 +274,30 @@ class _KernelArrays(NamedTuple):
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
-def group_norm_swish(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
-                     eps: float, swish_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def group_norm_swish(
+    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float, swish_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     return _forward_kernel(input, weight, bias, num_groups, eps, swish_scale)
 
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale):
-    y = torch.empty(input.shape, dtype=input.dtype, device=input.device,
-                    memory_format=c.memory_format(input))
+    y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
     return y, mean, torch.empty_like(mean)
 
 
-def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale,
-                     need_weight, need_bias):
+def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias):
     """``(dx, dgamma or None, dbeta or None)`` by ``fastbwd.group_norm_swish_backward`` (§5),
     ``dx`` in the memory format :func:`_convert.memory_format` gives ``input``."""
     memory_format = c.memory_format(input)
     gamma, beta = _parameters(input, weight, bias)
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
-        return (torch.zeros(input.shape, dtype=input.dtype, memory_format=memory_format),
-                torch.zeros_like(gamma) if need_weight else None,
-                torch.zeros_like(beta) if need_bias else None)
+        return (
+            torch.zeros(input.shape, dtype=input.dtype, memory_format=memory_format),
+            torch.zeros_like(gamma) if need_weight else None,
+            torch.zeros_like(beta) if need_bias else None,
+        )
     # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come back
     # as new NumPy arrays, wrapped without a copy (dx channels_last again)
     x = c.as_array(c.dense(input, memory_format))
@@ -258,44 +315,72 @@ def _backward_from_arrays(grad_output, arrays, num_groups, swish_scale, need_wei
         dy = dy.transpose(0, 2, 3, 1)
     match_torch_threads()
     grad_input, grad_weight, grad_bias = fastbwd.group_norm_swish_backward(
-        dy, arrays.mean, arrays.rstd, arrays.x, arrays.gamma, arrays.beta, num_groups,
-        "NHWC" if channels_last else "NCHW", swish_scale, need_weight, need_bias)
+        dy,
+        arrays.mean,
+        arrays.rstd,
+        arrays.x,
+        arrays.gamma,
+        arrays.beta,
+        num_groups,
+        "NHWC" if channels_last else "NCHW",
+        swish_scale,
+        need_weight,
+        need_bias,
+    )
     grad_input = c.as_tensor(grad_input)
-    return (grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
-            None if grad_weight is None else c.as_tensor(grad_weight),
-            None if grad_bias is None else c.as_tensor(grad_bias))
+    return (
+        grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
+        None if grad_weight is None else c.as_tensor(grad_weight),
+        None if grad_bias is None else c.as_tensor(grad_bias),
+    )
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
-def group_norm_swish_backward(grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
-                              weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int,
-                              swish_scale: float, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+def group_norm_swish_backward(
+    grad_output: Tensor,
+    input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    num_groups: int,
+    swish_scale: float,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dgamma, dbeta)``; dgamma (dbeta) is an empty ``(0,)`` tensor unless ``weight``
     (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it."""
     need_weight = output_mask[1] and weight is not None
     need_bias = output_mask[2] and bias is not None
     grad_input, grad_weight, grad_bias = _backward_kernel(
-        grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias)
+        grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias
+    )
     none_weight, none_bias = _unrequested(input, weight, bias)
-    return (grad_input, none_weight if grad_weight is None else grad_weight,
-            none_bias if grad_bias is None else grad_bias)
+    return (
+        grad_input,
+        none_weight if grad_weight is None else grad_weight,
+        none_bias if grad_bias is None else grad_bias,
+    )
 
 
 def _unrequested(input, weight, bias):
     """The empty tensors standing for gradients nobody asked for (a custom op returns tensors)."""
-    return (input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
-            input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype))
+    return (
+        input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
+        input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype),
+    )
 
 
 @group_norm_swish_backward.register_fake
 def _(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask):
-    grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device,
-                             memory_format=c.memory_format(input))
+    grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     need_weight = output_mask[1] and weight is not None
     need_bias = output_mask[2] and bias is not None
     none_weight, none_bias = _unrequested(input, weight, bias)
-    return (grad_input, torch.empty_like(weight) if need_weight else none_weight,
-            torch.empty_like(bias) if need_bias else none_bias)
+    return (
+        grad_input,
+        torch.empty_like(weight) if need_weight else none_weight,
+        torch.empty_like(bias) if need_bias else none_bias,
+    )
 
 
 def _group_norm_swish_setup(ctx, inputs, output):
@@ -323,12 +408,17 @@ def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
         if arrays is None:
             grads = _backward_kernel(*arguments, need_weight, need_bias)
         else:
-            grads = _backward_from_arrays(grad_output, arrays, ctx.num_groups, ctx.swish_scale,
-                                          need_weight, need_bias)
+            grads = _backward_from_arrays(grad_output, arrays, ctx.num_groups, ctx.swish_scale, need_weight, need_bias)
     else:
         grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
-    return (grads[0] if needs[0] else None, grads[1] if need_weight else None,
-            grads[2] if need_bias else None, None, None, None)
+    return (
+        grads[0] if needs[0] else None,
+        grads[1] if need_weight else None,
+        grads[2] if need_bias else None,
+        None,
+        None,
+        None,
+    )
 
 
 def _composite_grad(grad_output, input, weight, bias, needs, ctx):
@@ -368,8 +458,9 @@ def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, 
     grouped = (batch, num_groups, -1)
     gamma = weight if weight is not None else torch.ones(channels, dtype=mean.dtype)
     beta = bias if bias is not None else torch.zeros(channels, dtype=mean.dtype)
-    xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1))
-            * rstd.reshape(batch, num_groups, 1)).reshape(input.shape)
+    xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)).reshape(
+        input.shape
+    )
     y = xhat * gamma.reshape(broadcast) + beta.reshape(broadcast)
     sig = torch.sigmoid(swish_scale * y)
     gnew = grad_output * sig * (1 + swish_scale * y * (1 - sig))
@@ -391,15 +482,18 @@ def _group_norm_swish_backward_setup(ctx, inputs, output):
 def _group_norm_swish_backward_grad(ctx, grad_dx, grad_dgamma, grad_dbeta):
     def cotangents(outputs):
         # Gradients of outputs nobody asked for (empty, or unused) count as zero.
-        return tuple(g.to(o.dtype) if g is not None and g.shape == o.shape else torch.zeros_like(o)
-                     for o, g in zip(outputs, (grad_dx, grad_dgamma, grad_dbeta)))
+        return tuple(
+            g.to(o.dtype) if g is not None and g.shape == o.shape else torch.zeros_like(o)
+            for o, g in zip(outputs, (grad_dx, grad_dgamma, grad_dbeta))
+        )
 
     function = lambda *tensors: explicit_backward(*tensors, ctx.num_groups, ctx.swish_scale)  # noqa: E731
     return _partials(function, ctx.saved_tensors, ctx.needs_input_grad[:6], cotangents) + (None,) * 3
 
 
-group_norm_swish_backward.register_autograd(_group_norm_swish_backward_grad,
-                                            setup_context=_group_norm_swish_backward_setup)
+group_norm_swish_backward.register_autograd(
+    _group_norm_swish_backward_grad, setup_context=_group_norm_swish_backward_setup
+)
 
 
 # ---- the eager path: the operators' own kernels and formulas, without the dispatcher ---------

@@ -23,23 +23,29 @@ def _check_boxes(boxes):
         if boxes.dim() != 2 or boxes.shape[1] != 5:
             raise fastbwd.ParamError(
                 f"roi_align: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], but got a "
-                f"tensor of shape {tuple(boxes.shape)}", param="boxes")
+                f"tensor of shape {tuple(boxes.shape)}",
+                param="boxes",
+            )
         return
     if not isinstance(boxes, (list, tuple)):
         raise fastbwd.ParamError(
-            f"roi_align: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], but got "
-            f"{type(boxes).__name__}", param="boxes")
+            f"roi_align: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], but got {type(boxes).__name__}",
+            param="boxes",
+        )
     for index, per_image in enumerate(boxes):
         if not isinstance(per_image, torch.Tensor) or per_image.dim() != 2 or per_image.shape[1] != 4:
             shape = tuple(per_image.shape) if isinstance(per_image, torch.Tensor) else type(per_image).__name__
             raise fastbwd.ParamError(
-                f"roi_align: boxes[{index}] must be a Tensor[L, 4], but got {shape}", param="boxes")
+                f"roi_align: boxes[{index}] must be a Tensor[L, 4], but got {shape}", param="boxes"
+            )
 
 
 def _check_output_size(output_size: List[int]):
     if len(output_size) != 2:
-        raise fastbwd.ParamError(f"roi_align: output_size must be an int or a pair of ints, but got "
-                                 f"{tuple(output_size)}", param="output_size")
+        raise fastbwd.ParamError(
+            f"roi_align: output_size must be an int or a pair of ints, but got {tuple(output_size)}",
+            param="output_size",
+        )
 
 
 def boxes_to_rois(boxes: List[Tensor], like: Tensor) -> Tensor:
@@ -55,8 +61,14 @@ def boxes_to_rois(boxes: List[Tensor], like: Tensor) -> Tensor:
 # A leaf of torch.fx.symbolic_trace (as torchvision's roi_align): the boxes list cannot be
 # iterated as a Proxy, and the registered operator is what a graph should hold.
 @torch.fx.wrap
-def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: BroadcastingList2[int],
-              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+def roi_align(
+    input: Tensor,
+    boxes: Union[Tensor, List[Tensor]],
+    output_size: BroadcastingList2[int],
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+) -> Tensor:
     """``torchvision.ops.roi_align`` on fastbwd (forward and backward).
 
     Parameters
@@ -89,8 +101,7 @@ def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: Br
     """
     if not torch.jit.is_scripting():
         if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
-            return _ops.fx_leaf(roi_align, input, boxes, output_size, spatial_scale, sampling_ratio,
-                                aligned)
+            return _ops.fx_leaf(roi_align, input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
         _check_boxes(boxes)
     if isinstance(boxes, torch.Tensor):
         rois = boxes
@@ -100,10 +111,12 @@ def roi_align(input: Tensor, boxes: Union[Tensor, List[Tensor]], output_size: Br
     if not torch.jit.is_scripting():
         _check_output_size(output_size)
         if _ops.use_eager_path(input, rois):
-            return _ops.EagerRoIAlign.apply(input, rois, float(spatial_scale), output_size[0],
-                                            output_size[1], int(sampling_ratio), bool(aligned))
-    return torch.ops.fastbwd.roi_align(input, rois, float(spatial_scale), output_size[0], output_size[1],
-                                       int(sampling_ratio), bool(aligned))
+            return _ops.EagerRoIAlign.apply(
+                input, rois, float(spatial_scale), output_size[0], output_size[1], int(sampling_ratio), bool(aligned)
+            )
+    return torch.ops.fastbwd.roi_align(
+        input, rois, float(spatial_scale), output_size[0], output_size[1], int(sampling_ratio), bool(aligned)
+    )
 
 
 class RoIAlign(nn.Module):
@@ -117,10 +130,11 @@ class RoIAlign(nn.Module):
         self.aligned = aligned
 
     def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
-        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio,
-                         self.aligned)
+        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self):
-        return (f"{self.__class__.__name__}(output_size={self.output_size}, "
-                f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
-                f"aligned={self.aligned})")
+        return (
+            f"{self.__class__.__name__}(output_size={self.output_size}, "
+            f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
+            f"aligned={self.aligned})"
+        )

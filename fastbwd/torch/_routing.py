@@ -45,6 +45,7 @@ _DIVISOR_UNSET = 0  # fastbwd's avg_pool2d_backward spelling of PyTorch's diviso
 
 class _Call(NamedTuple):
     """One aten call as the api layer takes it (what a route's ``prepare`` returns)."""
+
     api: object  # the api module: plan(*tensors (as arrays), *arguments, out), run(plan, *arrays, out)
     tensors: tuple  # grad_output, dense in memory_format, then the forward input if the op has one
     arguments: tuple  # the api's other arguments, in fastbwd's spelling
@@ -53,39 +54,53 @@ class _Call(NamedTuple):
     memory_format: torch.memory_format
 
 
-def _upsample_bilinear2d(memory_format, grad_output, output_size, input_size, align_corners,
-                         scales_h=None, scales_w=None):
+def _upsample_bilinear2d(
+    memory_format, grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
     """aten::upsample_bilinear2d_backward: the result takes grad_output's memory format."""
     memory_format = memory_format or c.memory_format(grad_output)
     grad_output = c.dense(grad_output, memory_format)
-    return _Call(upsample_bilinear2d, (grad_output,),
-                 (output_size, input_size, align_corners, scales_h, scales_w, "NCHW"),
-                 tuple(input_size), grad_output.dtype, memory_format)
+    return _Call(
+        upsample_bilinear2d,
+        (grad_output,),
+        (output_size, input_size, align_corners, scales_h, scales_w, "NCHW"),
+        tuple(input_size),
+        grad_output.dtype,
+        memory_format,
+    )
 
 
-def _avg_pool2d(memory_format, grad_output, input, kernel_size, stride, padding, ceil_mode,
-                count_include_pad, divisor_override):
+def _avg_pool2d(
+    memory_format, grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
     """aten::avg_pool2d_backward: the result takes the forward input's memory format."""
     if divisor_override == _DIVISOR_UNSET:
         return None  # PyTorch refuses a zero divisor; fastbwd would read it as unset
     memory_format = memory_format or c.memory_format(input)
     grad_output = c.dense(grad_output, memory_format)
     divisor = _DIVISOR_UNSET if divisor_override is None else divisor_override
-    return _Call(avg_pool2d, (grad_output, input),
-                 (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, 0),
-                 tuple(input.shape), grad_output.dtype, memory_format)
+    return _Call(
+        avg_pool2d,
+        (grad_output, input),
+        (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, 0),
+        tuple(input.shape),
+        grad_output.dtype,
+        memory_format,
+    )
 
 
 def _replication_pad2d(memory_format, grad_output, input, padding):
     """aten::replication_pad2d_backward: the result takes the forward input's memory format."""
     memory_format = memory_format or c.memory_format(input)
     grad_output = c.dense(grad_output, memory_format)
-    return _Call(replication_pad2d, (grad_output, input), (padding,),
-                 tuple(input.shape), grad_output.dtype, memory_format)
+    return _Call(
+        replication_pad2d, (grad_output, input), (padding,), tuple(input.shape), grad_output.dtype, memory_format
+    )
 
 
 class _Route(NamedTuple):
     """How the arguments of one aten operator become an api call."""
+
     prepare: object  # prepare(memory_format, *args) -> a _Call, or None (PyTorch's kernel answers)
     tensors: int  # how many leading arguments are tensors: grad_output, then the forward input
 
@@ -107,6 +122,7 @@ FALLBACK = collections.Counter()
 
 class _Served(NamedTuple):
     """How every call of one signature is served (decided by its first call)."""
+
     run: object  # the api module's run(plan, *arrays, out)
     plan: object  # the api's validated plan for these arrays and this out=
     shape: tuple  # of the result
@@ -144,8 +160,7 @@ def _signature(route, arrays, arguments, grad_input):
     for value in arguments:
         parts.append(tuple(value) if type(value) is list else value)
     if grad_input is not None:
-        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(),
-                  grad_input.is_neg())
+        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(), grad_input.is_neg())
     return tuple(parts)
 
 
@@ -171,16 +186,18 @@ def _decide(prepare, args, grad_input):
         return None
     if grad_input is not None and grad_input.dtype != call.dtype:
         return None  # PyTorch's kernel decides what a grad_input of another dtype gets
-    in_place = (grad_input is not None and tuple(grad_input.shape) == call.shape
-                and grad_input.is_contiguous(memory_format=call.memory_format))
+    in_place = (
+        grad_input is not None
+        and tuple(grad_input.shape) == call.shape
+        and grad_input.is_contiguous(memory_format=call.memory_format)
+    )
     # the result buffer every call of this geometry gets: same shape, strides and dtype
     out = grad_input if in_place else c.empty(call.shape, call.dtype, call.memory_format)
     try:
         plan = call.api.plan(*map(c.as_array, call.tensors), *call.arguments, c.as_array(out))
     except fastbwd.ParamError:
         return None
-    return _Served(call.api.run, plan, call.shape, call.dtype, call.memory_format,
-                   call.tensors[0] is args[0], in_place)
+    return _Served(call.api.run, plan, call.shape, call.dtype, call.memory_format, call.tensors[0] is args[0], in_place)
 
 
 def _served(name, route, args, grad_input):
