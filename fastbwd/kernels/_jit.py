@@ -61,7 +61,7 @@ def _launch_pool():
             # Numba's OpenMP pool may share PyTorch's OpenMP runtime, and its launch sets that
             # runtime's thread count: keep the one the program gave PyTorch.
             torch = sys.modules.get("torch")
-            torch_threads = torch.get_num_threads() if torch is not None else None
+            torch_threads = torch.get_num_threads() if hasattr(torch, "set_num_threads") else None
             parallel._launch_threads()
             if torch_threads is not None and torch.get_num_threads() != torch_threads:
                 torch.set_num_threads(torch_threads)
