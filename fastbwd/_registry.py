@@ -340,35 +340,26 @@ def _check_group_norm_swish_forward():
 
 
 _HALVES_AND_FLOAT64 = ("float16", "bfloat16", "float64")
-GROUP_NORM_SWISH = Operator(
-    "group_norm_swish_backward",
-    tuple(
+
+
+def _group_norm_swish_paths(call):
+    """A GroupNorm+Swish operator's paths: NCHW and NHWC, each with parameters in the data's
+    dtype and (a variant) in float32; ``call(layout, params)`` makes each path's call."""
+    return tuple(
         path
         for layout in ("NCHW", "NHWC")
         for path in (
-            Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish(layout, "same")),
-            Path(_HALVES_AND_FLOAT64, layout, "float32 params", _group_norm_swish(layout, "float32"), variant=True),
+            Path(HALVES_AND_FLOATS, layout, "params in the data dtype", call(layout, "same")),
+            Path(_HALVES_AND_FLOAT64, layout, "float32 params", call(layout, "float32"), variant=True),
         )
-    ),
-    _check_group_norm_swish,
+    )
+
+
+GROUP_NORM_SWISH = Operator(
+    "group_norm_swish_backward", _group_norm_swish_paths(_group_norm_swish), _check_group_norm_swish
 )
 GROUP_NORM_SWISH_FORWARD = Operator(
-    "group_norm_swish",
-    tuple(
-        path
-        for layout in ("NCHW", "NHWC")
-        for path in (
-            Path(HALVES_AND_FLOATS, layout, "params in the data dtype", _group_norm_swish_forward(layout, "same")),
-            Path(
-                _HALVES_AND_FLOAT64,
-                layout,
-                "float32 params",
-                _group_norm_swish_forward(layout, "float32"),
-                variant=True,
-            ),
-        )
-    ),
-    _check_group_norm_swish_forward,
+    "group_norm_swish", _group_norm_swish_paths(_group_norm_swish_forward), _check_group_norm_swish_forward
 )
 
 
