@@ -10,6 +10,7 @@ even, NaN payloads kept and quieted) and registers them with LLVM's symbol table
 kernel is built.
 """
 
+import functools
 import threading
 
 import llvmlite.binding as llvm
@@ -85,6 +86,7 @@ _lock = threading.Lock()
 _engine = None
 
 
+@functools.cache  # Numba's target is fixed when it is imported
 def needed():
     """Whether Numba's target lacks F16C (``NUMBA_CPU_FEATURES``, empty for ``NUMBA_CPU_NAME=generic``,
     else the host's features), so that kernels converting float16 call the two functions."""
