@@ -2,6 +2,7 @@
 opcheck, FX, TorchScript, torch.compile, CPU autocast, nn.GroupNorm's constructor and errors,
 double backward. Skips cleanly without torch."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,6 +10,7 @@ F = torch.nn.functional
 
 import fastbwd  # noqa: E402
 import fastbwd.torch as ft  # noqa: E402
+from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
 from fastbwd.api import roi_align as roi_align_api  # noqa: E402
 
 OPS = torch.ops.fastbwd
@@ -35,17 +37,18 @@ def _per_image(boxes):
 
 
 class _Counter:
-    """Wraps the fastbwd functions the operators call and counts the calls."""
+    """Wraps the fastbwd functions the operators call and counts the calls (GroupNorm+Swish
+    runs its api's validated plans: ``run_forward`` and ``run``)."""
 
     def __init__(self, monkeypatch):
         self.calls = {}
-        for owner, name in (
-            (roi_align_api, "roi_align_forward"),
-            (fastbwd, "roi_align_backward"),
-            (fastbwd, "group_norm_swish"),
-            (fastbwd, "group_norm_swish_backward"),
+        for owner, attribute, name in (
+            (roi_align_api, "roi_align_forward", "roi_align_forward"),
+            (fastbwd, "roi_align_backward", "roi_align_backward"),
+            (gns_api, "run_forward", "group_norm_swish"),
+            (gns_api, "run", "group_norm_swish_backward"),
         ):
-            monkeypatch.setattr(owner, name, self._counting(name, getattr(owner, name)))
+            monkeypatch.setattr(owner, attribute, self._counting(name, getattr(owner, attribute)))
 
     def _counting(self, name, function):
         def counted(*args, **kwargs):
@@ -321,6 +324,77 @@ def test_roi_align_double_backward_is_the_forward():
 
 
 # ---- the eager path ------------------------------------------------------------------------------
+
+
+def _numpy_group_norm_swish(x, weight, bias, groups, eps, swish_scale, dy):
+    """The NumPy functions' results for the same call: ``(y, dx, dgamma, dbeta)`` as tensors."""
+    channels = x.shape[1]
+    gamma = np.ones(channels, np.float32) if weight is None else weight.detach().numpy()
+    beta = np.zeros(channels, np.float32) if bias is None else bias.detach().numpy()
+    data = x.detach().numpy()  # channels_last strides run the NHWC kernels, as in the bridge
+    y, mean, rstd = fastbwd.group_norm_swish(data, gamma, beta, groups, eps=eps, swish_scale=swish_scale)
+    dy = dy.contiguous(
+        memory_format=torch.channels_last if ft._convert.is_channels_last(x) else torch.contiguous_format
+    )
+    grads = fastbwd.group_norm_swish_backward(dy.numpy(), mean, rstd, data, gamma, beta, groups, "NCHW", swish_scale)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (y, *grads))
+
+
+def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
+    """Calls repeating a geometry (each tensor's shape, strides and dtype; num_groups, eps,
+    swish_scale) reuse what its first call worked out: no api validation runs again, and each
+    call gives the NumPy functions' bits. Another geometry gets its own, and a call the api
+    refuses is refused every time (nothing is remembered for it)."""
+    from fastbwd.torch import _ops
+
+    _ops._GEOMETRIES.clear()
+    built = []
+    for name in ("_plan", "_forward_plan"):
+        original = getattr(gns_api, name)
+        monkeypatch.setattr(gns_api, name, lambda *a, _f=original, _n=name: built.append(_n) or _f(*a))
+    weight, bias = _randn((6,), seed=40).requires_grad_(), _randn((6,), seed=41).requires_grad_()
+    geometries = [
+        (_randn((2, 6, 5, 4), seed=42), weight, bias, 1e-5, 1.0),
+        (_randn((2, 6, 5, 4), seed=43, memory_format=torch.channels_last), weight, bias, 1e-5, 1.0),
+        (_randn((2, 6, 5, 4), seed=44), None, None, 1e-5, 1.0),
+        (_randn((2, 6, 5, 4), seed=45), weight, bias, 1e-3, -0.5),
+        (_randn((3, 6, 20), seed=46), weight, bias, 1e-5, 1.0),
+    ]
+    for index, (x, w, b, eps, scale) in enumerate(geometries):
+        x.requires_grad_()
+        dy = _randn(x.shape, seed=50 + index)
+        params = tuple(t for t in (x, w, b) if t is not None)
+        expected = _numpy_group_norm_swish(x, w, b, 3, eps, scale, dy)
+        for call in range(3):
+            built.clear()
+            y = ft.group_norm_swish(x, 3, w, b, eps, scale)
+            grads = torch.autograd.grad(y, params, dy)
+            assert len(_ops._GEOMETRIES) == index + 1  # a geometry of its own, made once
+            if call:
+                assert built == [], (index, built)  # validated by the first call only
+            assert torch.equal(y.contiguous(), expected[0])
+            for got, want in zip(grads, (expected[1],) + (expected[2:] if w is not None else ())):
+                assert torch.equal(got.contiguous(), want)
+    assert len(_ops._GEOMETRIES) == len(geometries)
+    x = geometries[0][0]
+    for _ in range(2):
+        with pytest.raises(fastbwd.ParamError, match="eps"):
+            ft.group_norm_swish(x, 3, weight, bias, -1.0)
+    assert len(_ops._GEOMETRIES) == len(geometries)
+
+
+def test_backward_operator_takes_new_statistics_layouts():
+    """The backward operator called directly with flat (N*G,) statistics after (N, G) ones:
+    a new plan for the new metadata, the same gradients."""
+    x, weight, bias = _randn((2, 6, 7), seed=60), _randn((6,), seed=61), _randn((6,), seed=62)
+    _, mean, rstd = OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0)
+    dy = _randn(x.shape, seed=63)
+    grads = OPS.group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, 1.0, [True, True, True])
+    flat = OPS.group_norm_swish_backward(
+        dy, x, mean.reshape(-1), rstd.reshape(-1), weight, bias, 3, 1.0, [True, True, True]
+    )
+    for a, b in zip(grads, flat):
+        assert torch.equal(a, b)
 
 
 def test_eager_calls_run_the_operators_code_bitwise():

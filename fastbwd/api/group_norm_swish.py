@@ -137,9 +137,24 @@ def group_norm_swish_backward(
     gamma = v.as_array(FUNC, "gamma", gamma)
     beta = v.as_array(FUNC, "beta", beta)
     swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
-    plan = _PLANS(
+    call_plan = plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out)
+    return run(call_plan, dy, mean, rstd, x, gamma, beta, swish_scale, out)
+
+
+def plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out):
+    """The validated plan of a backward call: the public function's arguments but
+    ``swish_scale``, the arrays as NumPy arrays (ParamError as the public function raises it).
+    Remembered per metadata (:mod:`fastbwd.api._plans`; the arrays' values are not part of it),
+    and what :func:`run` takes."""
+    return _PLANS(
         _plan, dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out
     )
+
+
+def run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out):
+    """The backward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
+    for (``swish_scale`` a float, ``out`` as the public function takes it): the per-call checks
+    (``out`` overlapping no input), the outputs and the kernels. Returns ``(dx, dgamma, dbeta)``."""
     return _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, _out_entries(out))
 
 
@@ -443,11 +458,31 @@ def group_norm_swish(
     x = v.as_array(FORWARD, "x", x)
     gamma = v.as_array(FORWARD, "gamma", gamma)
     beta = v.as_array(FORWARD, "beta", beta)
+    eps, swish_scale = forward_scalars(eps, swish_scale)
+    call_plan = forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out)
+    return run_forward(call_plan, x, gamma, beta, eps, swish_scale, out)
+
+
+def forward_scalars(eps, swish_scale):
+    """``eps`` and ``swish_scale`` of a forward call as the floats :func:`run_forward` takes,
+    after the public function's checks (ParamError)."""
     eps = v.float_value(FORWARD, "eps", eps)
     if not 0 <= eps < math.inf:
         v.fail(FORWARD, "eps", "must be a finite number >= 0", repr(eps))
-    swish_scale = v.float_value(FORWARD, "swish_scale", swish_scale)
-    plan = _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out)
+    return eps, v.float_value(FORWARD, "swish_scale", swish_scale)
+
+
+def forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
+    """The validated plan of a forward call: the public function's arguments but the scalars
+    (:func:`forward_scalars`), the arrays as NumPy arrays (ParamError as the public function
+    raises it). Remembered per metadata, and what :func:`run_forward` takes."""
+    return _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out)
+
+
+def run_forward(plan, x, gamma, beta, eps, swish_scale, out):
+    """The forward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
+    for (``eps`` and ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the
+    public function takes it). Returns ``(y, mean, rstd)``."""
     return _run_forward(plan, x, gamma, beta, eps, swish_scale, _out_entries(out, FORWARD, _FORWARD_OUT_NAMES))
 
 

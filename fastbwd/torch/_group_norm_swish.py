@@ -64,7 +64,7 @@ def group_norm_swish(
         y = torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
         return y * torch.sigmoid(swish_scale * y)
     if _ops.use_eager_path(input):
-        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
+        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps), float(swish_scale))
     return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
 
 

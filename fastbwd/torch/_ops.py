@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 import fastbwd
+from fastbwd.api import _plans
+from fastbwd.api import group_norm_swish as gns_api
 from fastbwd.api import roi_align as roi_align_api
 
 from . import _convert as c
@@ -237,35 +239,107 @@ def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
     return _forward_arrays(input, weight, bias, num_groups, eps, swish_scale)[0]
 
 
+class _Geometry:
+    """What the tensors' metadata and the other arguments decide about a GroupNorm+Swish call,
+    worked out and validated once (the api's plans, the memory format, the constant parameters
+    of a call without weight or bias), so that every later call of the same geometry (every step
+    of a training loop) goes straight to the api's per-call work (its ``run``)."""
+
+    def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
+        self.memory_format = c.memory_format(input)
+        self.channels_last = self.memory_format == torch.channels_last
+        self.data_format = "NHWC" if self.channels_last else "NCHW"
+        self.num_groups = num_groups
+        gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
+        # made here when the call has no such parameter: the kernels only read them
+        self.gamma = None if weight is not None else gamma
+        self.beta = None if bias is not None else beta
+        self.swish_scale = swish_scale
+        self._backward = {}
+        if eps is not None:  # the forward's scalars and plan (validated here, ParamError)
+            self.eps, _ = gns_api.forward_scalars(eps, swish_scale)
+            x = self.x_array(input)
+            self.forward = gns_api.forward_plan(x, gamma, beta, num_groups, self.data_format, True, None)
+
+    def x_array(self, tensor):
+        """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
+        dense in the memory format, channels-last as its (N, H, W, C) view."""
+        array = c.as_array(c.dense(tensor, self.memory_format))
+        return array.transpose(0, 2, 3, 1) if self.channels_last else array
+
+    def parameters(self, weight, bias):
+        """gamma and beta as the api takes them (see :func:`_parameters`)."""
+        return (
+            self.gamma if weight is None else c.as_array(weight),
+            self.beta if bias is None else c.as_array(bias),
+        )
+
+    def backward_plan(self, dy, arrays, need_weight, need_bias):
+        """The api's backward plan for these arrays (validated on the first call of their
+        metadata; ``dy``, ``mean`` and ``rstd`` may differ between calls of the custom op)."""
+        key = (need_weight, need_bias) + tuple((a.shape, a.strides, a.dtype) for a in (dy, arrays.mean, arrays.rstd))
+        plan = self._backward.get(key)
+        if plan is None:
+            plan = gns_api.plan(
+                dy,
+                arrays.mean,
+                arrays.rstd,
+                arrays.x,
+                arrays.gamma,
+                arrays.beta,
+                self.num_groups,
+                self.data_format,
+                need_weight,
+                need_bias,
+                None,
+            )
+            self._backward[key] = plan
+        return plan
+
+
+_GEOMETRIES = _plans.Plans()
+
+
+def _tensor_key(tensor):
+    return None if tensor is None else (tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def _geometry(input, weight, bias, num_groups, eps, swish_scale):
+    """The :class:`_Geometry` of a call (``eps`` and ``swish_scale`` floats, as the operators'
+    schemas give them; ``eps`` None for the backward alone), made on its first call. The key
+    holds what it depends on: each tensor's metadata and the other arguments' values, with
+    their types (``True`` and ``1`` differ)."""
+    key = (_tensor_key(input), _tensor_key(weight), _tensor_key(bias), type(num_groups), num_groups, eps, swish_scale)
+    geometry = _GEOMETRIES.get(key)
+    if geometry is None:
+        geometry = _GEOMETRIES.add(key, _Geometry(input, weight, bias, num_groups, eps, swish_scale))
+    return geometry
+
+
 def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
     """:func:`_forward_kernel`'s ``(y, mean, rstd)``, and the arrays the backward kernel takes
     besides ``dy`` (:class:`_KernelArrays`; None for an empty input), which the eager path keeps
     so that its backward converts only ``dy``."""
-    memory_format = c.memory_format(input)
     if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
-        x = c.dense(input, memory_format)
+        x = c.dense(input, c.memory_format(input))
         y, mean, rstd = torch.native_group_norm(
             x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
         )
         return (y * torch.sigmoid(swish_scale * y), mean, rstd), None
-    channels_last = memory_format == torch.channels_last
-    x = c.as_array(c.dense(input, memory_format))
-    if channels_last:
-        x = x.transpose(0, 2, 3, 1)
-    gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
+    geometry = _geometry(input, weight, bias, num_groups, eps, swish_scale)
+    x = geometry.x_array(input)
+    gamma, beta = geometry.parameters(weight, bias)
     match_torch_threads()
-    y, mean, rstd = fastbwd.group_norm_swish(
-        x, gamma, beta, num_groups, "NHWC" if channels_last else "NCHW", eps, True, swish_scale
-    )
+    y, mean, rstd = gns_api.run_forward(geometry.forward, x, gamma, beta, geometry.eps, swish_scale, None)
     y = c.as_tensor(y)
-    outputs = (y.permute(0, 3, 1, 2) if channels_last else y, c.as_tensor(mean), c.as_tensor(rstd))
-    return outputs, _KernelArrays(memory_format, x, mean, rstd, gamma, beta)
+    outputs = (y.permute(0, 3, 1, 2) if geometry.channels_last else y, c.as_tensor(mean), c.as_tensor(rstd))
+    return outputs, _KernelArrays(geometry, x, mean, rstd, gamma, beta)
 
 
 class _KernelArrays(NamedTuple):
     """What the backward kernel takes besides ``dy``, as the forward's kernel saw it."""
 
-    memory_format: torch.memory_format
+    geometry: _Geometry
     x: object  # (N, C, *) array, or the (N, H, W, C) view of channels_last input
     mean: object
     rstd: object
@@ -290,46 +364,34 @@ def _(input, weight, bias, num_groups, eps, swish_scale):
 def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias):
     """``(dx, dgamma or None, dbeta or None)`` by ``fastbwd.group_norm_swish_backward`` (§5),
     ``dx`` in the memory format :func:`_convert.memory_format` gives ``input``."""
-    memory_format = c.memory_format(input)
-    gamma, beta = _parameters(input, weight, bias)
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
+        gamma, beta = _parameters(input, weight, bias)
         return (
-            torch.zeros(input.shape, dtype=input.dtype, memory_format=memory_format),
+            torch.zeros(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)),
             torch.zeros_like(gamma) if need_weight else None,
             torch.zeros_like(beta) if need_bias else None,
         )
-    # channels_last input runs the NHWC path on its (N, H, W, C) view; the results come back
-    # as new NumPy arrays, wrapped without a copy (dx channels_last again)
-    x = c.as_array(c.dense(input, memory_format))
-    if memory_format == torch.channels_last:
-        x = x.transpose(0, 2, 3, 1)
-    arrays = _KernelArrays(memory_format, x, *(c.as_array(t) for t in (mean, rstd, gamma, beta)))
-    return _backward_from_arrays(grad_output, arrays, num_groups, swish_scale, need_weight, need_bias)
+    geometry = _geometry(input, weight, bias, num_groups, None, swish_scale)
+    arrays = _KernelArrays(
+        geometry, geometry.x_array(input), c.as_array(mean), c.as_array(rstd), *geometry.parameters(weight, bias)
+    )
+    return _backward_from_arrays(grad_output, arrays, need_weight, need_bias)
 
 
-def _backward_from_arrays(grad_output, arrays, num_groups, swish_scale, need_weight, need_bias):
-    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`)."""
-    channels_last = arrays.memory_format == torch.channels_last
-    dy = c.as_array(c.dense(grad_output, arrays.memory_format))
-    if channels_last:
-        dy = dy.transpose(0, 2, 3, 1)
+def _backward_from_arrays(grad_output, arrays, need_weight, need_bias):
+    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`); the
+    results come back as new NumPy arrays, wrapped without a copy (dx channels_last again for
+    channels_last input)."""
+    geometry = arrays.geometry
+    dy = geometry.x_array(grad_output)
+    plan = geometry.backward_plan(dy, arrays, need_weight, need_bias)
     match_torch_threads()
-    grad_input, grad_weight, grad_bias = fastbwd.group_norm_swish_backward(
-        dy,
-        arrays.mean,
-        arrays.rstd,
-        arrays.x,
-        arrays.gamma,
-        arrays.beta,
-        num_groups,
-        "NHWC" if channels_last else "NCHW",
-        swish_scale,
-        need_weight,
-        need_bias,
+    grad_input, grad_weight, grad_bias = gns_api.run(
+        plan, dy, arrays.mean, arrays.rstd, arrays.x, arrays.gamma, arrays.beta, geometry.swish_scale, None
     )
     grad_input = c.as_tensor(grad_input)
     return (
-        grad_input.permute(0, 3, 1, 2) if channels_last else grad_input,
+        grad_input.permute(0, 3, 1, 2) if geometry.channels_last else grad_input,
         None if grad_weight is None else c.as_tensor(grad_weight),
         None if grad_bias is None else c.as_tensor(grad_bias),
     )
@@ -395,7 +457,12 @@ def _group_norm_swish_setup(ctx, inputs, output):
 def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     if grad_output is None:
         return (None,) * 6
-    input, weight, bias, mean, rstd = ctx.saved_tensors
+    return _grad(ctx, grad_output, *ctx.saved_tensors, None)
+
+
+def _grad(ctx, grad_output, input, weight, bias, mean, rstd, arrays):
+    """The operator's backward formula; ``arrays`` (:class:`_KernelArrays`) are those the eager
+    path's forward kept, or None."""
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled():
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
@@ -404,11 +471,10 @@ def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
     arguments = (grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale)
     if _eager(grad_output, input):
-        arrays = getattr(ctx, "kernel_arrays", None)  # kept by the eager path's forward
         if arrays is None:
             grads = _backward_kernel(*arguments, need_weight, need_bias)
         else:
-            grads = _backward_from_arrays(grad_output, arrays, ctx.num_groups, ctx.swish_scale, need_weight, need_bias)
+            grads = _backward_from_arrays(grad_output, arrays, need_weight, need_bias)
     else:
         grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
     return (
@@ -514,10 +580,16 @@ class EagerRoIAlign(torch.autograd.Function):
 
 
 class EagerGroupNormSwish(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        output, ctx.kernel_arrays = _forward_arrays(*inputs)
-        _group_norm_swish_setup(ctx, inputs, output)
-        return output
+    """The operator's forward and backward for ``y`` alone (mean and rstd stay inside: the
+    public function returns ``y`` only, and each extra output costs autograd bookkeeping)."""
 
-    backward = staticmethod(_group_norm_swish_grad)
+    @staticmethod
+    def forward(ctx, input, weight, bias, num_groups, eps, swish_scale):
+        (y, ctx.mean, ctx.rstd), ctx.kernel_arrays = _forward_arrays(input, weight, bias, num_groups, eps, swish_scale)
+        ctx.save_for_backward(input, weight, bias)
+        ctx.num_groups, ctx.eps, ctx.swish_scale = num_groups, eps, swish_scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _grad(ctx, grad_output, *ctx.saved_tensors, ctx.mean, ctx.rstd, ctx.kernel_arrays)
