@@ -289,6 +289,51 @@ def _fold_lanes(lanes, width, used):
         h //= 2
 
 
+# ---- where a task keeps gnew between its passes -------------------------------------------------
+
+
+def _gnew_in_dx(dx, like):
+    """Whether dx's elements have the compute type (``like``'s), so that a task can keep its
+    gnew in its own dx elements between the passes (njit only; a constant of the types)."""
+    raise NotImplementedError("_gnew_in_dx() is only callable from @njit code")
+
+
+@overload(_gnew_in_dx, inline="always")
+def _gnew_in_dx_overload(dx, like):
+    if dx.dtype == like.dtype:
+        return lambda dx, like: True
+    return lambda dx, like: False
+
+
+def _gnew_storage(flat_dx, like, size, in_place):
+    """``flat_dx`` itself when ``in_place`` (only ever true when :func:`_gnew_in_dx`), else a
+    new compute-type array of ``size`` elements."""
+    raise NotImplementedError("_gnew_storage() is only callable from @njit code")
+
+
+@overload(_gnew_storage, inline="always")
+def _gnew_storage_overload(flat_dx, like, size, in_place):
+    if flat_dx.dtype == like.dtype:
+        return lambda flat_dx, like, size, in_place: flat_dx if in_place else np.empty(size, like.dtype)
+    return lambda flat_dx, like, size, in_place: np.empty(size, like.dtype)
+
+
+def _gnew_rows(dx, like, n, group_size, in_place):
+    """The rows an NCHW task keeps its gnew in: ``dx[n]`` itself when ``in_place`` (only ever
+    true when :func:`_gnew_in_dx`; the task's rows start at its first channel), else a new
+    compute-type ``(group_size, HxW)`` array."""
+    raise NotImplementedError("_gnew_rows() is only callable from @njit code")
+
+
+@overload(_gnew_rows, inline="always")
+def _gnew_rows_overload(dx, like, n, group_size, in_place):
+    if dx.dtype == like.dtype:
+        return lambda dx, like, n, group_size, in_place: (
+            dx[n] if in_place else np.empty((group_size, dx.shape[2]), like.dtype)
+        )
+    return lambda dx, like, n, group_size, in_place: np.empty((group_size, dx.shape[2]), like.dtype)
+
+
 # ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
 
 
@@ -298,15 +343,19 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     swish_scale in the compute type; sum_g, sum_gx (N, C) compute-type outputs.
 
     Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
-    ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` in a
-    scratch array between the two passes (D*HxW compute-type elements).
+    ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
+    two passes in those dx elements themselves when dx has the compute type (the second pass
+    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements).
     """
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
     count = sum_g.dtype.type(group_size * hw)
     flat_dx = dx.reshape(dx.size)
-    prefetching = dx.itemsize >= 4
+    in_place = _gnew_in_dx(dx, sum_g)
+    # dx lines are prefetched for writing ahead of the second pass; not when the first pass
+    # writes them itself (gnew in place), nor for the half formats (see below)
+    prefetching = dx.itemsize >= 4 and not in_place
     round_size = PREFETCH_ROUND if prefetching else BLOCK  # halves: one round per block
     line = 64 // dx.itemsize
     for task in prange(batch * groups):
@@ -316,12 +365,13 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         start = g * group_size
         group_mean = mean[n, g]
         group_rstd = rstd[n, g]
-        gnew_group = np.empty((group_size, hw), sum_g.dtype)
+        gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
+        gnew_first = start if in_place else 0
         for k in range(group_size):
             c = start + k
             dy_row = dy[n, c]
             x_row = x[n, c]
-            gnew_row = gnew_group[k]
+            gnew_row = gnew_rows[gnew_first + k]
             channel_gamma = gamma[c]
             channel_beta = beta[c]
             total_g = sum_g.dtype.type(0)
@@ -332,10 +382,11 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
                 block_dy = dy_row[block_start:block_stop]
                 block_x = x_row[block_start:block_stop]
                 block_gnew = gnew_row[block_start:block_stop]
-                # in rounds of PREFETCH_ROUND positions, after each of which the round's dx
-                # lines are prefetched for writing (not for the half formats: bound by the
-                # arithmetic, they lost a little; they run one round per block). One copy of the loop body for both: two
-                # copies of the inlined Swish derivative cost compile time, not speed.
+                # when prefetching, in rounds of PREFETCH_ROUND positions, after each of which
+                # the round's dx lines are prefetched for writing (the half formats, bound by
+                # the arithmetic, lost a little; without it a block is one round). One copy of
+                # the loop body for both: two copies of the inlined Swish derivative cost
+                # compile time, not speed.
                 dx_start = (n * channels + c) * hw + block_start
                 for round_start in range(0, block_stop - block_start, round_size):
                     round_stop = min(round_start + round_size, block_stop - block_start)
@@ -365,7 +416,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
             c = start + k
             x_row = x[n, c]
             dx_row = dx[n, c]
-            gnew_row = gnew_group[k]
+            gnew_row = gnew_rows[gnew_first + k]
             channel_gamma = gamma[c]
             for i in range(hw):
                 xhat = (load(x_row[i], fmt) - group_mean) * group_rstd
@@ -373,32 +424,6 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
 
 
 # ---- NHWC: x, dy, dx as (N, HxW, C) -----------------------------------------------------------
-
-
-def _gnew_in_dx(dx, like):
-    """Whether dx's elements have the compute type (``like``'s), so that an NHWC task can keep its
-    gnew in its own dx elements between the passes (njit only; a constant of the types)."""
-    raise NotImplementedError("_gnew_in_dx() is only callable from @njit code")
-
-
-@overload(_gnew_in_dx, inline="always")
-def _gnew_in_dx_overload(dx, like):
-    if dx.dtype == like.dtype:
-        return lambda dx, like: True
-    return lambda dx, like: False
-
-
-def _gnew_storage(flat_dx, like, size, in_place):
-    """``flat_dx`` itself when ``in_place`` (only ever true when :func:`_gnew_in_dx`), else a
-    new compute-type array of ``size`` elements."""
-    raise NotImplementedError("_gnew_storage() is only callable from @njit code")
-
-
-@overload(_gnew_storage, inline="always")
-def _gnew_storage_overload(flat_dx, like, size, in_place):
-    if flat_dx.dtype == like.dtype:
-        return lambda flat_dx, like, size, in_place: flat_dx if in_place else np.empty(size, like.dtype)
-    return lambda flat_dx, like, size, in_place: np.empty(size, like.dtype)
 
 
 @parallel_kernel

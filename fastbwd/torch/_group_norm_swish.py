@@ -58,13 +58,13 @@ def group_norm_swish(
     """
     if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
         return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
+    if input.is_cpu and input.numel() and _ops.use_eager_path(input):
+        return _ops.eager_group_norm_swish(input, weight, bias, num_groups, eps, swish_scale, _check_input)
     _check_input(input, num_groups, weight, bias)
     if input.device.type != "cpu":
         # fastbwd is a CPU library: other devices keep PyTorch's composite (same formula).
         y = torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
         return y * torch.sigmoid(swish_scale * y)
-    if _ops.use_eager_path(input):
-        return _ops.EagerGroupNormSwish.apply(input, weight, bias, num_groups, float(eps), float(swish_scale))
     return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
 
 

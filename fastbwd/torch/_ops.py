@@ -236,7 +236,15 @@ def _parameters(input, weight, bias):
 def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
     """``(y, mean, rstd)`` by ``fastbwd.group_norm_swish`` (§5.1), ``y`` in the memory format
     :func:`_convert.memory_format` gives ``input``."""
-    return _forward_arrays(input, weight, bias, num_groups, eps, swish_scale)[0]
+    if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
+        x = c.dense(input, c.memory_format(input))
+        y, mean, rstd = torch.native_group_norm(
+            x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
+        )
+        return y * torch.sigmoid(swish_scale * y), mean, rstd
+    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    y, arrays = _forward_arrays(geometry, input, weight, bias)
+    return y, c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
 
 
 class _Geometry:
@@ -255,6 +263,7 @@ class _Geometry:
         self.gamma = None if weight is not None else gamma
         self.beta = None if bias is not None else beta
         self.swish_scale = swish_scale
+        self.checked = False  # nn.GroupNorm's input checks passed (the eager path's own)
         self._backward = {}
         if eps is not None:  # the forward's scalars and plan (validated here, ParamError)
             self.eps, _ = gns_api.forward_scalars(eps, swish_scale)
@@ -274,10 +283,19 @@ class _Geometry:
             self.beta if bias is None else c.as_array(bias),
         )
 
-    def backward_plan(self, dy, arrays, need_weight, need_bias):
-        """The api's backward plan for these arrays (validated on the first call of their
-        metadata; ``dy``, ``mean`` and ``rstd`` may differ between calls of the custom op)."""
-        key = (need_weight, need_bias) + tuple((a.shape, a.strides, a.dtype) for a in (dy, arrays.mean, arrays.rstd))
+    def result(self, array):
+        """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
+        arrays come back in the (N, C, H, W) shape."""
+        tensor = c.as_tensor(array)
+        return tensor.permute(0, 3, 1, 2) if self.channels_last else tensor
+
+    def backward_plan(self, dy, arrays, need_weight, need_bias, own_statistics):
+        """The api's backward plan for these arrays, validated on the first call of their
+        metadata. ``own_statistics``: mean and rstd are the forward's own arrays (the eager
+        path), whose metadata this geometry fixes; the custom op may be given any."""
+        key = (need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
+        if not own_statistics:
+            key += tuple((a.shape, a.strides, a.dtype) for a in (arrays.mean, arrays.rstd))
         plan = self._backward.get(key)
         if plan is None:
             plan = gns_api.plan(
@@ -300,40 +318,42 @@ class _Geometry:
 _GEOMETRIES = _plans.Plans()
 
 
-def _tensor_key(tensor):
-    return None if tensor is None else (tensor.shape, tensor.stride(), tensor.dtype)
-
-
-def _geometry(input, weight, bias, num_groups, eps, swish_scale):
-    """The :class:`_Geometry` of a call (``eps`` and ``swish_scale`` floats, as the operators'
-    schemas give them; ``eps`` None for the backward alone), made on its first call. The key
-    holds what it depends on: each tensor's metadata and the other arguments' values, with
-    their types (``True`` and ``1`` differ)."""
-    key = (_tensor_key(input), _tensor_key(weight), _tensor_key(bias), type(num_groups), num_groups, eps, swish_scale)
+def geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input=None):
+    """The :class:`_Geometry` of a call on CPU tensors (``eps`` and ``swish_scale`` floats, as
+    the operators' schemas give them; ``eps`` None for the backward alone), made on its first
+    call, after ``check_input(input, num_groups, weight, bias)`` when given (once per geometry).
+    The key holds what it depends on: each tensor's metadata and the other arguments' values,
+    with their types (``True`` and ``1`` differ)."""
+    key = (
+        input.shape,
+        input.stride(),
+        input.dtype,
+        None if weight is None else (weight.shape, weight.stride(), weight.dtype),
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+        type(num_groups),
+        num_groups,
+        eps,
+        swish_scale,
+    )
     geometry = _GEOMETRIES.get(key)
-    if geometry is None:
+    if check_input is not None and (geometry is None or not geometry.checked):
+        check_input(input, num_groups, weight, bias)  # its errors before the api's
+        geometry = geometry or _GEOMETRIES.add(key, _Geometry(input, weight, bias, num_groups, eps, swish_scale))
+        geometry.checked = True
+    elif geometry is None:
         geometry = _GEOMETRIES.add(key, _Geometry(input, weight, bias, num_groups, eps, swish_scale))
     return geometry
 
 
-def _forward_arrays(input, weight, bias, num_groups, eps, swish_scale):
-    """:func:`_forward_kernel`'s ``(y, mean, rstd)``, and the arrays the backward kernel takes
-    besides ``dy`` (:class:`_KernelArrays`; None for an empty input), which the eager path keeps
-    so that its backward converts only ``dy``."""
-    if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
-        x = c.dense(input, c.memory_format(input))
-        y, mean, rstd = torch.native_group_norm(
-            x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
-        )
-        return (y * torch.sigmoid(swish_scale * y), mean, rstd), None
-    geometry = _geometry(input, weight, bias, num_groups, eps, swish_scale)
+def _forward_arrays(geometry, input, weight, bias):
+    """The forward kernel on a non-empty ``input`` of ``geometry``: ``y`` as a tensor, and the
+    arrays the backward kernel takes besides ``dy`` (:class:`_KernelArrays`, with ``mean`` and
+    ``rstd``), which the eager path keeps so that its backward converts only ``dy``."""
     x = geometry.x_array(input)
     gamma, beta = geometry.parameters(weight, bias)
     match_torch_threads()
-    y, mean, rstd = gns_api.run_forward(geometry.forward, x, gamma, beta, geometry.eps, swish_scale, None)
-    y = c.as_tensor(y)
-    outputs = (y.permute(0, 3, 1, 2) if geometry.channels_last else y, c.as_tensor(mean), c.as_tensor(rstd))
-    return outputs, _KernelArrays(geometry, x, mean, rstd, gamma, beta)
+    y, mean, rstd = gns_api.run_forward(geometry.forward, x, gamma, beta, geometry.eps, geometry.swish_scale, None)
+    return geometry.result(y), _KernelArrays(geometry, x, mean, rstd, gamma, beta)
 
 
 class _KernelArrays(NamedTuple):
@@ -371,27 +391,26 @@ def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, s
             torch.zeros_like(gamma) if need_weight else None,
             torch.zeros_like(beta) if need_bias else None,
         )
-    geometry = _geometry(input, weight, bias, num_groups, None, swish_scale)
+    geometry = geometry_of(input, weight, bias, num_groups, None, swish_scale)
     arrays = _KernelArrays(
         geometry, geometry.x_array(input), c.as_array(mean), c.as_array(rstd), *geometry.parameters(weight, bias)
     )
-    return _backward_from_arrays(grad_output, arrays, need_weight, need_bias)
+    return _backward_from_arrays(grad_output, arrays, need_weight, need_bias, False)
 
 
-def _backward_from_arrays(grad_output, arrays, need_weight, need_bias):
-    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`); the
-    results come back as new NumPy arrays, wrapped without a copy (dx channels_last again for
-    channels_last input)."""
+def _backward_from_arrays(grad_output, arrays, need_weight, need_bias, own_statistics):
+    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`;
+    ``own_statistics`` see :meth:`_Geometry.backward_plan`); the results come back as new NumPy
+    arrays, wrapped without a copy (dx channels_last again for channels_last input)."""
     geometry = arrays.geometry
     dy = geometry.x_array(grad_output)
-    plan = geometry.backward_plan(dy, arrays, need_weight, need_bias)
+    plan = geometry.backward_plan(dy, arrays, need_weight, need_bias, own_statistics)
     match_torch_threads()
     grad_input, grad_weight, grad_bias = gns_api.run(
         plan, dy, arrays.mean, arrays.rstd, arrays.x, arrays.gamma, arrays.beta, geometry.swish_scale, None
     )
-    grad_input = c.as_tensor(grad_input)
     return (
-        grad_input.permute(0, 3, 1, 2) if geometry.channels_last else grad_input,
+        geometry.result(grad_input),
         None if grad_weight is None else c.as_tensor(grad_weight),
         None if grad_bias is None else c.as_tensor(grad_bias),
     )
@@ -457,26 +476,28 @@ def _group_norm_swish_setup(ctx, inputs, output):
 def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     if grad_output is None:
         return (None,) * 6
-    return _grad(ctx, grad_output, *ctx.saved_tensors, None)
+    input, weight, bias, mean, rstd = ctx.saved_tensors
+    return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd), None)
 
 
-def _grad(ctx, grad_output, input, weight, bias, mean, rstd, arrays):
-    """The operator's backward formula; ``arrays`` (:class:`_KernelArrays`) are those the eager
-    path's forward kept, or None."""
+def _grad(ctx, grad_output, input, weight, bias, statistics, arrays):
+    """The operator's backward formula; ``statistics()`` gives the forward's mean and rstd
+    tensors, ``arrays`` (:class:`_KernelArrays`) are those the eager path's forward kept, or
+    None."""
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled():
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
         # derivative, so differentiate PyTorch's composite instead (exact double backward).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
-    arguments = (grad_output, input, mean, rstd, weight, bias, ctx.num_groups, ctx.swish_scale)
-    if _eager(grad_output, input):
-        if arrays is None:
+    if arrays is not None and _eager(grad_output, input):
+        grads = _backward_from_arrays(grad_output, arrays, need_weight, need_bias, True)
+    else:
+        arguments = (grad_output, input, *statistics(), weight, bias, ctx.num_groups, ctx.swish_scale)
+        if _eager(grad_output, input):
             grads = _backward_kernel(*arguments, need_weight, need_bias)
         else:
-            grads = _backward_from_arrays(grad_output, arrays, need_weight, need_bias)
-    else:
-        grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
+            grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
     return (
         grads[0] if needs[0] else None,
         grads[1] if need_weight else None,
@@ -580,16 +601,31 @@ class EagerRoIAlign(torch.autograd.Function):
 
 
 class EagerGroupNormSwish(torch.autograd.Function):
-    """The operator's forward and backward for ``y`` alone (mean and rstd stay inside: the
-    public function returns ``y`` only, and each extra output costs autograd bookkeeping)."""
+    """The operator's forward and backward for ``y`` alone, on a call's :class:`_Geometry` (mean
+    and rstd stay inside as arrays: the public function returns ``y`` only, and each extra
+    output costs autograd bookkeeping)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, num_groups, eps, swish_scale):
-        (y, ctx.mean, ctx.rstd), ctx.kernel_arrays = _forward_arrays(input, weight, bias, num_groups, eps, swish_scale)
+    def forward(ctx, input, weight, bias, geometry, eps, swish_scale):
+        y, ctx.kernel_arrays = _forward_arrays(geometry, input, weight, bias)
         ctx.save_for_backward(input, weight, bias)
-        ctx.num_groups, ctx.eps, ctx.swish_scale = num_groups, eps, swish_scale
+        ctx.num_groups, ctx.eps, ctx.swish_scale = geometry.num_groups, eps, swish_scale
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _grad(ctx, grad_output, *ctx.saved_tensors, ctx.mean, ctx.rstd, ctx.kernel_arrays)
+        arrays = ctx.kernel_arrays
+
+        def statistics():
+            return c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
+
+        return _grad(ctx, grad_output, *ctx.saved_tensors, statistics, arrays)
+
+
+def eager_group_norm_swish(input, weight, bias, num_groups, eps, swish_scale, check_input):
+    """The eager path of ``fastbwd.torch.group_norm_swish`` for a plain, non-empty CPU tensor
+    (see :func:`use_eager_path`): ``check_input`` (nn.GroupNorm's checks) runs on the first call
+    of each geometry, whose later calls repeat what it decided."""
+    eps, swish_scale = float(eps), float(swish_scale)
+    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input)
+    return EagerGroupNormSwish.apply(input, weight, bias, geometry, eps, swish_scale)
