@@ -230,14 +230,22 @@ def kernels_native():
     return NATIVE
 
 
-def test_serial_twin_equals_parallel():
-    x, gamma, beta = inputs((2, 6, 300), 3, F32, seed=12)
-    results = []
-    for kernel in (kernels.group_norm_swish_fwd_nchw.parallel, kernels.group_norm_swish_fwd_nchw.serial):
-        y, mean, rstd = np.empty_like(x), np.empty((2, 3), F32), np.empty((2, 3), F32)
-        kernel(x, gamma, beta, F32.type(1e-5), True, F32.type(1), y, mean, rstd, kernels_native())
-        results.append((y, mean, rstd))
-    assert all(bitwise_equal(a, b) for a, b in zip(*results))
+def test_serial_twin_and_paired_groups_equal_parallel():
+    """The serial twin, and NCHW tasks of one group or of two (sums interleaved, an odd group
+    count leaving a task of one), give the same bits; blocks of BLOCK elements included."""
+    for shape, groups in (((2, 6, 300), 3), ((3, 4, kernels.BLOCK + 50), 2)):
+        x, gamma, beta = inputs(shape, groups, F32, seed=12)
+        results = []
+        for kernel in (kernels.group_norm_swish_fwd_nchw.parallel, kernels.group_norm_swish_fwd_nchw.serial):
+            for groups_per_task in (1, 2):
+                y, mean, rstd = np.empty_like(x), np.empty((shape[0], groups), F32), np.empty((shape[0], groups), F32)
+                kernel(
+                    x, gamma, beta, F32.type(1e-5), True, F32.type(1), y, mean, rstd, groups_per_task, kernels_native()
+                )
+                results.append((y, mean, rstd))
+        assert_all_match(results[0], expected(x, gamma, beta, groups))
+        for other in results[1:]:
+            assert all(bitwise_equal(a, b) for a, b in zip(results[0], other))
 
 
 def test_channels_last_strides_strided_views_and_synonyms():

@@ -357,8 +357,9 @@ def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
         (_randn((2, 6, 5, 4), seed=42), weight, bias, 1e-5, 1.0),
         (_randn((2, 6, 5, 4), seed=43, memory_format=torch.channels_last), weight, bias, 1e-5, 1.0),
         (_randn((2, 6, 5, 4), seed=44), None, None, 1e-5, 1.0),
-        (_randn((2, 6, 5, 4), seed=45), weight, bias, 1e-3, -0.5),
-        (_randn((3, 6, 20), seed=46), weight, bias, 1e-5, 1.0),
+        (_randn((2, 6, 5, 4), seed=45), weight, bias, 1e-3, 1.0),
+        (_randn((2, 6, 5, 4), seed=46), weight, bias, 1e-5, -0.5),
+        (_randn((3, 6, 20), seed=47), weight, bias, 1e-5, 1.0),
     ]
     for index, (x, w, b, eps, scale) in enumerate(geometries):
         x.requires_grad_()
@@ -381,6 +382,16 @@ def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
         with pytest.raises(fastbwd.ParamError, match="eps"):
             ft.group_norm_swish(x, 3, weight, bias, -1.0)
     assert len(_ops._GEOMETRIES) == len(geometries)
+
+
+def test_eager_call_checks_a_geometry_the_operator_made_first():
+    """A geometry first reached through the operator (no nn.GroupNorm checks) is checked on its
+    first eager call: one value per group runs in fastbwd, but nn.GroupNorm refuses it."""
+    x, weight, bias = _randn((1, 2, 1), seed=64), _randn((2,), seed=65), _randn((2,), seed=66)
+    OPS.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            ft.group_norm_swish(x, 2, weight, bias)
 
 
 def test_backward_operator_takes_new_statistics_layouts():

@@ -27,6 +27,9 @@ MAX_RANK = 8
 _NHWC_TASK_CHANNELS = 512
 #: Tasks per thread the NHWC runs are split into at least, when the batch alone gives fewer.
 _NHWC_TASKS_PER_THREAD = 2
+#: NCHW forward tasks take two groups each (:func:`_nchw_groups_per_task`) only while that
+#: leaves at least this many tasks per thread: fewer, larger tasks balance worse.
+_NCHW_PAIRED_TASKS_PER_THREAD = 4
 #: An NHWC dx of float16 or bfloat16 (a float32 or float64 dx holds gnew between the kernel's
 #: passes and is overwritten in place) of at least this many bytes is written with streaming
 #: (non-temporal) stores. An NHWC task's x and gnew (a whole image's channels) outgrow L2 and are
@@ -116,9 +119,9 @@ def group_norm_swish_backward(
     derivative uses a polynomial exp with about 1e-7 relative error for float32 and ``exp``
     for float64. Sums run in a fixed order (blocks of 4096 spatial positions, 16 interleaved
     partial sums each, folded pairwise), identical for NCHW and NHWC and for any thread
-    count, so results are bitwise reproducible. Each (sample, group) task keeps its group's
-    ``gnew`` in a compute-type scratch array between its two passes (D*HxW elements, float32
-    for the half formats), so the Swish derivative is evaluated once per element.
+    count, so results are bitwise reproducible. Each task keeps its groups' ``gnew`` between
+    its two passes, in dx itself for float32 and float64 data, in a float32 scratch array for
+    the half formats, so the Swish derivative is evaluated once per element.
 
     Raises
     ------
@@ -369,6 +372,12 @@ def _nhwc_groups_per_task(groups, group_size, batch, threads):
     return max(1, min(groups, by_width, by_tasks))
 
 
+def _nchw_groups_per_task(groups, batch, threads):
+    """Groups one NCHW forward task handles: two (their sums interleaved, the same bits) while
+    that leaves at least ``_NCHW_PAIRED_TASKS_PER_THREAD`` tasks per thread, else one."""
+    return 2 if batch * (groups // 2) >= _NCHW_PAIRED_TASKS_PER_THREAD * threads else 1
+
+
 def _nhwc_streaming(dx):
     """Whether the NHWC kernel writes dx with streaming stores: from ``_NHWC_STREAM_MIN_BYTES``
     on. Either choice gives the same bits."""
@@ -581,6 +590,7 @@ def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
             d.kernel_view(y_phys).reshape(shape),
             mean_c,
             rstd_c,
+            _nchw_groups_per_task(groups, batch, thread_count()),
             fmt,
             work=x.size,
         )
