@@ -20,12 +20,13 @@ then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grad
 NHWC tasks read whole rows (all C channels of a position) wherever they can: a narrow channel
 strip of an NHWC array streams from memory several times slower than whole rows, which ruled out
 transposing L2-sized channel strips into NCHW-shaped scratch (docs/design.md). So an NHWC task's x and gnew span the whole image and its second pass
-rereads them from L3 or memory. When dx has the compute type (float32, float64) the task keeps
-gnew in its own dx elements, and the second pass overwrites each with its dx: the dx lines are
-read for ownership once, in the first pass, and no separate scratch passes through the caches
-(faster than a scratch with streaming dx stores). float16 and
-bfloat16 keep gnew (float32) in a scratch array and write dx with streaming stores when the api
-asks (large dx), so that the dx lines are neither read first nor evict x and gnew.
+rereads them from L3 or memory. In both layouts, when dx has the compute type (float32,
+float64) a task keeps gnew in its own dx elements, and the second pass overwrites each with its
+dx: the dx lines are read for ownership once, in the first pass, and no separate scratch is
+allocated or passes through the caches (in NHWC also faster than a scratch with streaming dx
+stores). float16 and bfloat16 keep gnew (float32) in a scratch array; NHWC writes their dx with
+streaming stores when the api asks (large dx), so that the dx lines are neither read first nor
+evict x and gnew.
 
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
 float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
@@ -680,8 +681,9 @@ def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want
 
 # ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
 #
-# One task per (n, group) (NCHW family) or per (n, run of whole groups) (NHWC). Statistics in
-# two passes over the group, which a task rereads from its cache (G1's group is 64 KB): the
+# One task per (n, group) or per two groups of an image (NCHW family), or per (n, run of whole
+# groups) (NHWC). Statistics in two passes over the group, which a task rereads from its cache
+# (G1's group is 64 KB): the
 # mean of ``x - shift`` (``shift`` is the group's first element, so a constant group has mean
 # exactly that value and variance exactly 0, hence rstd = inf at eps = 0 as in PyTorch), then
 # the centred sums ``t1 = sum(x - mean)`` and ``t2 = sum((x - mean)^2)`` with
