@@ -726,37 +726,15 @@ def _swish(y, swish_scale):
 
 
 @intrinsic
-def _block_moments(typingctx, row, start, stop, center, fmt):
-    """``(sum of (x - center), sum of (x - center)^2)`` over ``row[start:stop]`` (1-D,
-    C-contiguous, decoded with ``fmt``) in the order of the backward's :func:`_block_sums`:
-    element ``start + i`` goes to lane ``i % LANES`` (each lane from +0.0, in order), then the
-    lanes are folded by halving. A last partial vector reads only its elements (masked load)."""
-    sig = types.UniTuple(center, 2)(row, types.intp, types.intp, center, fmt)
-    format_name = fmt.format_name
-
-    def codegen(context, builder, signature, args):
-        (x,) = array_structs(context, builder, signature, args, 0)
-        start, stop, center_value = args[1], args[2], args[3]
-        vector = ir.VectorType(context.get_data_type(signature.args[3]), LANES)
-        center_lanes = splat(builder, vector, center_value)
-
-        def terms(position, used):
-            value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
-            deviation = builder.fsub(value, center_lanes)
-            return deviation, builder.fmul(deviation, deviation)
-
-        totals = _lane_sums(builder, vector, start, stop, terms, 2)
-        return context.make_tuple(builder, signature.return_type, totals)
-
-    return sig, codegen
-
-
-@intrinsic
-def _block_moments_pair(typingctx, row, start, stop, offset, center, other_center, fmt):
-    """:func:`_block_moments` of ``row[start:stop]`` about ``center`` and of the same block of
-    the next group, ``offset`` elements on, about ``other_center``: ``(d, d^2, other d, other
-    d^2)``, each in exactly :func:`_block_moments`' order. The two groups' adds are independent
-    chains that run side by side, where one group's sums wait on each add's latency."""
+def _block_moments(typingctx, row, start, stop, offset, center, other_center, fmt):
+    """``(sum of d, sum of d^2, other sum of d, other sum of d^2)``: ``d = x - center`` over
+    ``row[start:stop]`` (1-D, C-contiguous, decoded with ``fmt``), and ``x - other_center`` over
+    the same positions ``offset`` elements on (a second group's block; offset 0 repeats the
+    first). Each sum in the order of the backward's :func:`_block_sums`: element ``start + i``
+    goes to lane ``i % LANES`` (each lane from +0.0, in order), then the lanes are folded by
+    halving; a last partial vector reads only its elements (masked loads). The two groups' adds
+    are independent chains that run side by side, where one group's sums would wait on each
+    add's latency."""
     sig = types.UniTuple(center, 4)(row, types.intp, types.intp, types.intp, center, other_center, fmt)
     format_name = fmt.format_name
 
@@ -809,53 +787,36 @@ def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale,
 
 
 @helper
-def _group_statistics(row, first, stop, count, eps, zero, one, fmt):
-    """``(mean, rstd)`` of the group ``row[first:stop]``: the shifted sum, then the centred sums,
-    in blocks of :data:`BLOCK` (:func:`_block_moments`), block sums added in order."""
-    shift = _shift_of(load(row[first], fmt), zero)
-    total = zero
-    for block_start in range(first, stop, BLOCK):
-        total += _block_moments(row, block_start, min(block_start + BLOCK, stop), shift, fmt)[0]
-    group_mean = shift + total / count
-    t1 = zero
-    t2 = zero
-    for block_start in range(first, stop, BLOCK):
-        d1, d2 = _block_moments(row, block_start, min(block_start + BLOCK, stop), group_mean, fmt)
-        t1 += d1
-        t2 += d2
-    return group_mean, _group_rstd(t1, t2, count, eps, zero, one)
-
-
-@helper
-def _group_pair_statistics(row, first, size, count, eps, zero, one, fmt):
-    """:func:`_group_statistics` of the groups ``row[first:first + size]`` and the next one,
-    their sums interleaved block by block (:func:`_block_moments_pair`): the same bits, about
-    1.2x faster where the groups are in cache. Returns ``(mean, rstd, next mean, next rstd)``."""
-    stop = first + size
-    shift = _shift_of(load(row[first], fmt), zero)
-    other_shift = _shift_of(load(row[stop], fmt), zero)
-    total = zero
-    other_total = zero
-    for block_start in range(first, stop, BLOCK):
-        d, _, other_d, _ = _block_moments_pair(
-            row, block_start, min(block_start + BLOCK, stop), size, shift, other_shift, fmt
-        )
-        total += d
-        other_total += other_d
-    group_mean = shift + total / count
-    other_mean = other_shift + other_total / count
+def _moment_sums(row, first, stop, offset, center, other_center, zero, fmt):
+    """:func:`_block_moments` over ``row[first:stop]`` (and ``offset`` further) in blocks of
+    :data:`BLOCK`, block sums added in order: ``(t1, t2, other t1, other t2)``."""
     t1 = zero
     t2 = zero
     other_t1 = zero
     other_t2 = zero
     for block_start in range(first, stop, BLOCK):
-        d1, d2, other_d1, other_d2 = _block_moments_pair(
-            row, block_start, min(block_start + BLOCK, stop), size, group_mean, other_mean, fmt
+        d1, d2, other_d1, other_d2 = _block_moments(
+            row, block_start, min(block_start + BLOCK, stop), offset, center, other_center, fmt
         )
         t1 += d1
         t2 += d2
         other_t1 += other_d1
         other_t2 += other_d2
+    return t1, t2, other_t1, other_t2
+
+
+@helper
+def _group_statistics(row, first, size, offset, count, eps, zero, one, fmt):
+    """``(mean, rstd, other mean, other rstd)`` of the group ``row[first:first + size]`` and of
+    the group ``offset`` elements on (offset 0: the same group twice, its results repeated):
+    the shifted sums, then the centred sums, the two groups' side by side."""
+    shift = _shift_of(load(row[first], fmt), zero)
+    other_shift = _shift_of(load(row[first + offset], fmt), zero)
+    stop = first + size
+    total, _, other_total, _ = _moment_sums(row, first, stop, offset, shift, other_shift, zero, fmt)
+    group_mean = shift + total / count
+    other_mean = other_shift + other_total / count
+    t1, t2, other_t1, other_t2 = _moment_sums(row, first, stop, offset, group_mean, other_mean, zero, fmt)
     return (
         group_mean,
         _group_rstd(t1, t2, count, eps, zero, one),
@@ -872,9 +833,9 @@ def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, 
     Parallel over (n, run of ``groups_per_task`` groups, 1 or 2; the last run of an image may
     be shorter); a task writes only its groups' channels of ``y[n]`` and their ``mean[n, g]``
     and ``rstd[n, g]``. A group is one contiguous run of D*HxW elements, summed in blocks of
-    :data:`BLOCK` (:func:`_block_moments`), block sums added in order; a task of two groups
-    interleaves their sums, in the same order each (:func:`_group_pair_statistics`), so the run
-    length changes no bit.
+    :data:`BLOCK` (:func:`_block_moments`), block sums added in order; the sums of a task's
+    two groups run side by side (a lone group's with a copy of themselves:
+    :func:`_group_statistics`), each in the same order, so the run length changes no bit.
     """
     batch, channels, hw = x.shape
     groups = mean.shape[1]
@@ -889,15 +850,16 @@ def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, 
         wide_vectors()
         n = task // runs
         g = (task - n * runs) * groups_per_task
-        row = flat_x[n]
-        if groups_per_task == 2 and g + 1 < groups:
-            mean[n, g], rstd[n, g], mean[n, g + 1], rstd[n, g + 1] = _group_pair_statistics(
-                row, g * size, size, count, eps, zero, one, fmt
-            )
-            last = g + 2
-        else:
-            mean[n, g], rstd[n, g] = _group_statistics(row, g * size, (g + 1) * size, count, eps, zero, one, fmt)
-            last = g + 1
+        last = min(g + groups_per_task, groups)
+        offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
+        group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
+            flat_x[n], g * size, size, offset, count, eps, zero, one, fmt
+        )
+        mean[n, g] = group_mean
+        rstd[n, g] = group_rstd
+        if offset:
+            mean[n, g + 1] = other_mean
+            rstd[n, g + 1] = other_rstd
         for c in range(g * group_size, last * group_size):
             group = c // group_size
             _normalise_row(
