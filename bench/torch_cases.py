@@ -45,6 +45,21 @@ def _routed(function):
     return run
 
 
+def _sgd_step(model, inputs, target):
+    """One training step of ``model``: the MSE of ``model(*inputs)`` against ``target``, its
+    backward, and a plain SGD update; returns the step's gradients."""
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(*inputs), target).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-1e-3)
+        return [p.grad for p in model.parameters()]
+
+    return run
+
+
 def _assert_close(actual, expected, rtol, atol, what):
     """Each gradient within ``rtol`` of its own largest value, or ``atol`` of the largest of all
     (a gradient that is zero in exact arithmetic, like a bias before a norm, is rounding noise)."""
@@ -222,19 +237,7 @@ def _training_step_case(batch, channels, size, target):
     x = _randn((batch, channels, size, size), 36)
     target_y = _randn((batch, channels, size, size), 37)
 
-    def step(model):
-        def run():
-            model.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), target_y)
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(p.grad, alpha=-1e-3)
-            return [p.grad for p in model.parameters()]
-
-        return run
-
-    fastbwd_step, torch_step = _routed(step(fused)), step(plain)
+    fastbwd_step, torch_step = _routed(_sgd_step(fused, (x,), target_y)), _sgd_step(plain, (x,), target_y)
 
     def check():
         # Gradients of one step from the same parameters (the steps above also update them).
@@ -397,18 +400,8 @@ def _unet_training_case(batch, size, channels, groups, target):
     x, temb = _randn((batch, 3, size, size), 72), _randn((batch, 64), 73)
     target_y = _randn((batch, 3, size, size), 74)
 
-    def step(model):
-        def run():
-            model.zero_grad(set_to_none=True)
-            F.mse_loss(model(x, temb), target_y).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(p.grad, alpha=-1e-3)
-            return [p.grad for p in model.parameters()]
-
-        return run
-
-    fastbwd_step, torch_step = _routed(step(fused)), step(plain)
+    fastbwd_step = _routed(_sgd_step(fused, (x, temb), target_y))
+    torch_step = _sgd_step(plain, (x, temb), target_y)
 
     def check():
         # One step's gradients from the same parameters (the steps also update them); then the
