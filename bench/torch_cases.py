@@ -38,20 +38,22 @@ def _randn(shape, seed, dtype=torch.float32, requires_grad=False):
 def _routed(function):
     """``function`` run with the routing enabled (and left disabled afterwards)."""
 
-    def run():
+    def run(*args):
         with ft.enabled():
-            return function()
+            return function(*args)
 
     return run
 
 
-def _sgd_step(model, inputs, target):
-    """One training step of ``model``: the MSE of ``model(*inputs)`` against ``target``, its
-    backward, and a plain SGD update; returns the step's gradients."""
+def _sgd_step(model, inputs, target, forward=None):
+    """One training step of ``model``: the MSE of ``model(*inputs)`` (or of ``forward(*inputs)``,
+    a compiled call of it) against ``target``, its backward, and a plain SGD update; returns the
+    step's gradients."""
+    forward = forward or model
 
     def run():
         model.zero_grad(set_to_none=True)
-        F.mse_loss(model(*inputs), target).backward()
+        F.mse_loss(forward(*inputs), target).backward()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-1e-3)
@@ -420,3 +422,184 @@ def _unet_training_case(batch, size, channels, groups, target):
         check,
         target,
     )
+
+
+# ---- torch.compile: C1-C6 --------------------------------------------------------------------
+
+
+def _compiled(function, name):
+    """``torch.compile`` of a call of ``function`` through a code object of its own (named
+    ``name``): Dynamo keeps compiled graphs per code object, so the graph compiled with fastbwd
+    enabled and the one compiled without it never stand in for each other."""
+
+    def call(*args):
+        return function(*args)
+
+    call.__code__ = call.__code__.replace(co_name=name)
+    return torch.compile(call)
+
+
+def _compiled_backward_case(id, label, module, input_shape, target, seed):
+    """C1, C2, C4: forward + backward of ``module`` compiled with fastbwd (enabled before its first
+    call, and while it runs) against ``module`` compiled without."""
+    x = _randn(input_shape, seed, requires_grad=True)
+    g = _randn(module(x).shape, seed + 1)
+    parameters = [x, *module.parameters()]
+
+    def step(forward):
+        return lambda: torch.autograd.grad(forward(x), parameters, g)
+
+    with_fastbwd = _routed(step(_compiled(module, f"{id}_fastbwd")))
+    plain = step(_compiled(module, f"{id}_plain"))
+
+    def check():
+        expected = _routed(step(module))()
+        _assert_close(with_fastbwd(), expected, 1e-4, 1e-5, f"{id} compiled with fastbwd")
+        _assert_close(plain(), expected, 1e-4, 1e-5, f"{id} compiled")
+
+    return TorchCase(id, label, with_fastbwd, plain, check, target)
+
+
+class ConvUpsamplePad(nn.Module):
+    """C3's decoder block: conv3x3 -> bilinear x2 -> replication pad -> conv3x3, the block plain
+    Inductor cannot train (its layout optimisation hands the pad's backward a channels_last
+    gradient that the aten meta function says is contiguous)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.pad = nn.ReplicationPad2d(1)
+        self.conv2 = nn.Conv2d(channels, channels, 3)
+
+    def forward(self, x):
+        return self.conv2(self.pad(self.up(self.conv1(x))))
+
+
+def _compiled_training_case(id, label, model, inputs, target_shape, target, baseline="compiled"):
+    """C3 and C6: one SGD step of ``model`` compiled with fastbwd against the same model compiled
+    without it (``baseline="compiled"``) or run eagerly with fastbwd (``"eager"``)."""
+    target_y = _randn(target_shape, 82)
+    fastbwd_step = _routed(_sgd_step(model, inputs, target_y, _compiled(model, f"{id}_fastbwd")))
+    if baseline == "eager":
+        other_step = _routed(_sgd_step(model, inputs, target_y))
+    else:
+        other_step = _sgd_step(model, inputs, target_y, _compiled(model, f"{id}_plain"))
+
+    def check():
+        # one step's gradients from the same parameters (each step also updates them)
+        state = {name: value.clone() for name, value in model.state_dict().items()}
+        expected = _routed(_sgd_step(model, inputs, target_y))()
+        for step, what in ((fastbwd_step, "compiled with fastbwd"), (other_step, baseline)):
+            model.load_state_dict(state)
+            _assert_close(step(), expected, 1e-3, 1e-4, f"{id} {what}")
+        model.load_state_dict(state)
+
+    return TorchCase(id, label, fastbwd_step, other_step, check, target)
+
+
+def _compiled_roi_align_case(input_shape, num_boxes, target):
+    """C5: ``fastbwd.torch.roi_align`` forward + backward compiled against the same eager calls."""
+    spatial_scale, sampling_ratio, aligned, pooled = 0.25, 2, True, 7
+    x = _randn(input_shape, 91, requires_grad=True)
+    boxes = torch.from_numpy(roi_boxes(num_boxes, input_shape, spatial_scale))
+    g = _randn((num_boxes, input_shape[1], pooled, pooled), 92)
+
+    def forward(x):
+        return ft.roi_align(x, boxes, pooled, spatial_scale, sampling_ratio, aligned)
+
+    def step(forward):
+        def run():
+            y = forward(x)
+            return (y,) + torch.autograd.grad(y, x, g)
+
+        return run
+
+    compiled, eager = step(_compiled(forward, "C5_compiled")), step(forward)
+
+    def check():
+        assert all(torch.equal(a, e) for a, e in zip(compiled(), eager())), "C5: compiled roi_align is not eager's"
+
+    return TorchCase(
+        "C5",
+        f"ft.roi_align fwd + bwd {input_shape}, {num_boxes} boxes: compiled vs eager",
+        compiled,
+        eager,
+        check,
+        target,
+    )
+
+
+def compile_cases(quick=False):
+    """C1-C6: models under ``torch.compile`` (Inductor) with fastbwd enabled before their first
+    compiled call, against the same models compiled without fastbwd (C3: run eagerly with
+    fastbwd; C5: ``roi_align`` compiled against eager); ``quick`` uses small shapes."""
+    from .torch_unet import SmallUNet
+
+    if quick:
+        up, pool, decoder, norm, roi, unet = (
+            (2, 8, 16, 16),
+            (2, 8, 14, 14),
+            (2, 16, 16),
+            ((2, 64, 8, 8), 32),
+            ((2, 16, 25, 38), 32),
+            (2, 16, (16, 32), 8),
+        )
+    else:
+        up, pool, decoder, norm, roi, unet = (
+            (8, 64, 64, 64),
+            (32, 128, 56, 56),
+            (8, 64, 64),
+            ((8, 512, 32, 32), 32),
+            ((2, 256, 50, 76), 256),
+            (4, 64, (32, 64, 128), 16),
+        )
+    torch.manual_seed(81)
+    (norm_shape, groups), (batch, channels, size) = norm, decoder
+    unet_batch, unet_size, unet_channels, unet_groups = unet
+    return [
+        _compiled_backward_case(
+            "C1",
+            f"F.interpolate bilinear x2 fwd+bwd {up}: compiled + fastbwd vs compiled",
+            nn.Upsample(scale_factor=2, mode="bilinear"),
+            up,
+            ">= 5x",
+            83,
+        ),
+        _compiled_backward_case(
+            "C2",
+            f"F.avg_pool2d k3 s2 p1 fwd+bwd {pool}: compiled + fastbwd vs compiled",
+            nn.AvgPool2d(3, 2, 1),
+            pool,
+            ">= 2x",
+            85,
+        ),
+        _compiled_training_case(
+            "C3",
+            f"training step, conv + bilinear + replication pad + conv ({batch}, {channels}, {size}, {size}): "
+            "compiled + fastbwd vs eager + fastbwd",
+            ConvUpsamplePad(channels),
+            (_randn((batch, channels, size, size), 87),),
+            (batch, channels, 2 * size, 2 * size),
+            "trains; report",
+            baseline="eager",
+        ),
+        _compiled_backward_case(
+            "C4",
+            f"nn.GroupNorm + nn.SiLU fwd+bwd {norm_shape}, {groups} groups: compiled + fastbwd vs compiled",
+            nn.Sequential(nn.GroupNorm(groups, norm_shape[1]), nn.SiLU()),
+            norm_shape,
+            ">= 1.4x",
+            88,
+        ),
+        _compiled_roi_align_case(*roi, ">= 0.95x"),
+        _compiled_training_case(
+            "C6",
+            f"training step, T7's UNet (batch {unet_batch}, {unet_size}x{unet_size}, {unet_channels}): "
+            "compiled + fastbwd vs compiled",
+            SmallUNet(3, unet_channels, 64, unet_groups),
+            (_randn((unet_batch, 3, unet_size, unet_size), 89), _randn((unet_batch, 64), 90)),
+            (unet_batch, 3, unet_size, unet_size),
+            ">= 1.0x; report",
+        ),
+    ]
