@@ -235,8 +235,8 @@ class _Block(nn.Module):
         return self.nonlinearity(x) + h
 
 
-@pytest.mark.slow
-def test_group_norm_silu_pairs_fuse_in_a_compiled_block():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_pairs_fuse_in_a_compiled_block(backend):
     torch.manual_seed(1)
     block = _Block(8)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_group_norm_silu_pairs_fuse_in_a_compiled_block():
     grad_output = _randn((2, 8, 6, 5), 12)
     parameters = (block.norm1.weight, block.norm1.bias, block.conv.weight)
     ft.enable()
-    compiled = torch.compile(block, fullgraph=True)
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
     for arguments, pairs in (((), 2), ((scale,), 1)):  # scale=: norm2's output is multiplied first
         before = _routing.GRAPH_CALLS.copy()
         output = compiled(x.requires_grad_(), *arguments)
@@ -258,9 +258,9 @@ def test_group_norm_silu_pairs_fuse_in_a_compiled_block():
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
-def test_group_norm_silu_pass_fuses_only_pairs():
-    """The pass on captured graphs: a GroupNorm whose output feeds only a SiLU is fused, one whose
-    output is used twice, goes through another op first, or feeds a SiLU subclass is not."""
+def _pair_programs():
+    """name -> (program, pairs in it): a GroupNorm whose output feeds only a SiLU is a pair; one
+    whose output is used twice, goes through another op first, or feeds a SiLU subclass is not."""
 
     class Tanh(nn.SiLU):  # a SiLU subclass that changes the activation
         def forward(self, input):
@@ -280,7 +280,12 @@ def test_group_norm_silu_pass_fuses_only_pairs():
         "subclass": (lambda x: tanh(norm(x)), 0),
         "used twice": (used_twice, 0),
     }
-    for name, (program, pairs) in programs.items():
+    return programs
+
+
+def test_group_norm_silu_pre_grad_pass_fuses_only_pairs():
+    """Inductor's pass, on the graphs Dynamo captures."""
+    for name, (program, pairs) in _pair_programs().items():
         graphs = []
 
         def capture(gm, example_inputs, graphs=graphs):
@@ -296,8 +301,24 @@ def test_group_norm_silu_pass_fuses_only_pairs():
         torch.testing.assert_close(gm(*example_inputs)[0], program(x), rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.slow
-def test_group_norm_silu_dtypes_layouts_and_parameters():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_compiled_fuses_only_pairs(backend):
+    """Compiled with fastbwd: pairs run fused (the joint-graph pass under aot_eager, the pre-grad
+    pass under Inductor), everything else as PyTorch; outputs and gradients as eager PyTorch's."""
+    ft.enable()
+    for name, (program, pairs) in _pair_programs().items():
+        torch._dynamo.reset()
+        x, grad_output = _randn((2, 4, 3, 3), 24), _randn((2, 4, 3, 3), 25)
+        before = _routing.GRAPH_CALLS.copy()
+        actual = _gradients(torch.compile(program, backend=backend, fullgraph=True), [x], grad_output)
+        expected = {"group_norm_silu": pairs, "group_norm_silu_backward": pairs} if pairs else {}
+        assert _counts(_routing.GRAPH_CALLS, before) == expected, name
+        for a, e in zip(actual, _gradients(program, [x], grad_output)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
     ft.enable()
     for dtype, parameters in (
         (torch.float32, torch.float32),
@@ -311,7 +332,8 @@ def test_group_norm_silu_dtypes_layouts_and_parameters():
             x = _randn((2, 6, 5, 4), 16, dtype, memory_format)
             grad_output = _randn((2, 6, 5, 4), 17, dtype, memory_format)
             before = _routing.GRAPH_CALLS.copy()
-            actual = _gradients(torch.compile(lambda x, norm=norm: F.silu(norm(x)), fullgraph=True), [x], grad_output)
+            compiled = torch.compile(lambda x, norm=norm: F.silu(norm(x)), backend=backend, fullgraph=True)
+            actual = _gradients(compiled, [x], grad_output)
             assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
             expected = _gradients(lambda x, n=norm: ft.group_norm_swish(x, 3, n.weight, n.bias), [x], grad_output)
             for a, e in zip(actual, expected):
@@ -345,8 +367,8 @@ def test_graph_compiled_while_enabled_runs_pytorchs_kernels_after_disable(backen
     assert torch.equal(_gradients(compiled, [x], grad_output)[1], enabled[1])  # and back
 
 
-@pytest.mark.slow
-def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise(backend):
     norm = nn.GroupNorm(2, 4)
     x, grad_output = _randn((2, 4, 5, 5), 20), _randn((2, 4, 5, 5), 21)
 
@@ -356,7 +378,7 @@ def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise():
         return (output, *torch.autograd.grad(output, (input, norm.weight, norm.bias), grad_output))
 
     ft.enable()
-    compiled = torch.compile(lambda x: F.silu(norm(x)), fullgraph=True)
+    compiled = torch.compile(lambda x: F.silu(norm(x)), backend=backend, fullgraph=True)
     gradients(compiled)
     ft.disable()
     before = _routing.GRAPH_CALLS.copy()
@@ -380,12 +402,20 @@ def test_graph_compiled_while_disabled_keeps_pytorchs_code():
 
 
 def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    calls = []
+
     def users_pass(graph):
-        return None
+        calls.append("pre-grad")
+
+    def users_joint_pass(gm, inputs):
+        calls.append("joint")
+        return gm
 
     inductor_config.pre_grad_custom_pass = users_pass
+    functorch_config.joint_custom_pass = users_joint_pass
     try:
         kernels = {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS}
         ft.enable()
@@ -394,12 +424,19 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         assert all(key[0].py_kernels[key[1]] is kernel for key, kernel in _compile._KERNELS.items())
         ft.enable()  # idempotent
         assert len(inductor_config.pre_grad_custom_pass) == 2
+        norm = nn.GroupNorm(2, 4)
+        before = _routing.GRAPH_CALLS.copy()
+        torch.compile(lambda x: F.silu(norm(x)), backend="aot_eager")(_randn((2, 4, 3, 3), 26)).sum().backward()
+        assert calls == ["joint"]  # the user's pass ran, and then fastbwd's
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
         ft.disable()
         assert not _compile.is_installed()
         assert inductor_config.pre_grad_custom_pass is users_pass
+        assert functorch_config.joint_custom_pass is users_joint_pass
         assert {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS} == kernels
     finally:
         inductor_config.pre_grad_custom_pass = None
+        functorch_config.joint_custom_pass = None
 
 
 def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):

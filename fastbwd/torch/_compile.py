@@ -30,6 +30,7 @@ import warnings
 from typing import Optional
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -49,6 +50,7 @@ _installed = {}  # (OpOverload, DispatchKey) -> the py_kernel it had before (Non
 _warned = False
 _passes_before = None  # Inductor's pre_grad_custom_pass before install()
 _passes_set = None  # the value install() gave it
+_joint_before = None  # AOTAutograd's joint_custom_pass before install()
 
 
 def _torch_version():
@@ -70,6 +72,8 @@ def unavailable_reason():
         return f"a compiler interface is missing ({error})"
     if not hasattr(inductor_config, "pre_grad_custom_pass"):
         return "torch._inductor.config has no pre_grad_custom_pass"
+    if not hasattr(functorch_config, "joint_custom_pass"):
+        return "torch._functorch.config has no joint_custom_pass"
     for overload, _ in _KERNELS:
         if not isinstance(getattr(overload, "py_kernels", None), dict) or not hasattr(overload, "_dispatch_cache"):
             return f"{overload} has no Python-dispatcher kernel table"
@@ -371,6 +375,145 @@ def fuse_group_norm_silu(graph):
     return count
 
 
+def _single_user(node, target):
+    """``node``'s one user when it is a call of ``target``, else None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target is target:
+        return users[0]
+    return None
+
+
+def _getitems(node):
+    """``{index: getitem node}`` of a node returning a tuple, or None if anything else uses it."""
+    items = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[1] in items:
+            return None
+        items[user.args[1]] = user
+    return items
+
+
+def _through_detaches(node):
+    """The node ``node`` is, seen through the ``aten.detach`` chain AOTAutograd puts between a
+    saved statistic and its use in the backward."""
+    while node.op == "call_function" and node.target is aten.detach.default:
+        node = node.args[0]
+    return node
+
+
+def _call(graph, fake_mode, target, *arguments):
+    """A new ``call_function`` node with its ``meta["val"]`` (what AOTAutograd's partitioner reads),
+    computed by running ``target`` on the arguments' fake values."""
+    node = graph.call_function(target, arguments)
+    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in arguments]
+    with fake_mode:
+        node.meta["val"] = target(*values)
+    return node
+
+
+def _silu_and_its_backward(normalised):
+    """``(silu, silu_backward)`` when the GroupNorm output ``normalised`` has exactly two uses: the
+    SiLU, and its backward's saved input (directly, or a clone of it that an in-place SiLU
+    needs); else ``(None, None)``."""
+    silu = _single_user_of(normalised, aten.silu.default)
+    others = [user for user in normalised.users if user is not silu]
+    if silu is None or silu.args != (normalised,) or len(others) != 1:
+        return None, None
+    saved = others[0]
+    if saved.op == "call_function" and saved.target is aten.clone.default and len(saved.users) == 1:
+        saved_input, (backward,) = saved, saved.users
+    else:
+        saved_input, backward = normalised, saved
+    if backward.op != "call_function" or backward.target is not aten.silu_backward.default:
+        return None, None
+    if backward.args[1] is not saved_input:
+        return None, None
+    return silu, backward
+
+
+def _single_user_of(node, target):
+    """The one user of ``node`` that calls ``target`` (None if none or several)."""
+    calls = [user for user in node.users if user.op == "call_function" and user.target is target]
+    return calls[0] if len(calls) == 1 else None
+
+
+def fuse_group_norm_silu_joint(graph):
+    """The GroupNorm -> SiLU pairs of an AOTAutograd joint graph (``aot_eager`` and other backends
+    that keep ``native_group_norm``; Inductor has decomposed it by then, and its pre-grad pass
+    fused the pairs already) as ``fastbwd::group_norm_silu`` and its backward: the forward
+    ``native_group_norm -> silu`` and the backward ``silu_backward -> native_group_norm_backward``
+    of the same pair are replaced together. Returns how many pairs."""
+    count = 0
+    for norm in list(graph.nodes):
+        if norm.op != "call_function" or norm.target is not aten.native_group_norm.default:
+            continue
+        input, weight, bias, _, _, _, num_groups, eps = norm.args
+        eps = float(eps)
+        items = _getitems(norm)
+        value = input.meta.get("val") if hasattr(input, "meta") else None
+        if items is None or 0 not in items or not isinstance(value, torch.Tensor):
+            continue
+        if value.device.type != "cpu" or value.dtype not in _FUSED_DTYPES:
+            continue
+        silu, silu_backward = _silu_and_its_backward(items[0])
+        if silu is None:
+            continue
+        backward = _single_user(silu_backward, aten.native_group_norm_backward.default)
+        if backward is None or backward.args[0] is not silu_backward:
+            continue
+        _, saved_input, mean, rstd, saved_weight, _, _, _, _, mask = backward.args
+        if saved_input is not input or saved_weight is not weight:
+            continue
+        if _through_detaches(mean) is not items.get(1) or _through_detaches(rstd) is not items.get(2):
+            continue
+        gradients = _getitems(backward)
+        if gradients is None:
+            continue
+        mask = [mask[0], mask[1] and weight is not None, mask[2] and bias is not None]
+        with graph.inserting_before(silu):
+            fused = _call(
+                graph, value.fake_mode, torch.ops.fastbwd.group_norm_silu.default, input, weight, bias, num_groups, eps
+            )
+            outputs = [_call(graph, value.fake_mode, operator.getitem, fused, index) for index in range(3)]
+        silu.replace_all_uses_with(outputs[0])
+        with graph.inserting_before(backward):
+            fused_backward = _call(
+                graph,
+                value.fake_mode,
+                torch.ops.fastbwd.group_norm_silu_backward.default,
+                silu_backward.args[0],
+                input,
+                outputs[1],
+                outputs[2],
+                weight,
+                bias,
+                num_groups,
+                eps,
+                mask,
+            )
+            for index, item in gradients.items():
+                item.replace_all_uses_with(_call(graph, value.fake_mode, operator.getitem, fused_backward, index))
+        for node in (*gradients.values(), backward, silu_backward, silu):
+            graph.erase_node(node)
+        graph.eliminate_dead_code()  # native_group_norm, its items and the detaches, now unused
+        count += 1
+    return count
+
+
+def _joint_pass(previous):
+    """AOTAutograd's joint-graph hook: the user's pass first (if any), then the pair fusion."""
+
+    def joint_pass(gm, inputs):
+        if previous is not None:
+            gm = previous(gm, inputs)
+        if fuse_group_norm_silu_joint(gm.graph):
+            gm.recompile()
+        return gm
+
+    joint_pass.fastbwd = True
+    return joint_pass
+
+
 @functools.cache
 def _graph_pass():
     """The pre-grad pass object (made on first use: importing Inductor takes a while). Its uuid
@@ -396,7 +539,7 @@ def _graph_pass():
 def install():
     """Put the hooks in place (``enable()``); True when they are, False (after one warning per
     process) when this PyTorch's compiler interfaces are not the ones fastbwd knows."""
-    global _warned, _passes_before, _passes_set
+    global _warned, _passes_before, _passes_set, _joint_before
     with _lock:
         if _installed:
             return True
@@ -420,6 +563,8 @@ def install():
         _passes_before = inductor_config.pre_grad_custom_pass
         _passes_set = _as_list(_passes_before) + [_graph_pass()]
         inductor_config.pre_grad_custom_pass = _passes_set
+        _joint_before = functorch_config.joint_custom_pass
+        functorch_config.joint_custom_pass = _joint_pass(_joint_before)
         return True
 
 
@@ -437,6 +582,8 @@ def uninstall():
         _installed.clear()
         import torch._inductor.config as inductor_config
 
+        if getattr(functorch_config.joint_custom_pass, "fastbwd", False):
+            functorch_config.joint_custom_pass = _joint_before
         if inductor_config.pre_grad_custom_pass is _passes_set:
             inductor_config.pre_grad_custom_pass = _passes_before
         else:  # changed since install (by the user): take only fastbwd's pass out
