@@ -216,6 +216,14 @@ def _target_heading(args):
     return "target" if args.full else "target (for the --full shapes)"
 
 
+def _compile_cases(args):
+    """C1-C6 (models under torch.compile, ``bench/torch_cases.py``): with ``--full`` only, since
+    Inductor compiles each model twice (a minute or more on two cores)."""
+    from .torch_cases import compile_cases
+
+    return compile_cases() if args.full else []
+
+
 def torch_bridge(args):
     """The PyTorch bridge's cases T1-T7 (``bench/torch_cases.py``): each checks its
     gradients against plain PyTorch, then both are timed; returns the rows."""
@@ -227,13 +235,13 @@ def torch_bridge(args):
     )
     say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'torch ms':>9} {'speed-up':>8}  {_target_heading(args)}")
     rows = []
-    for case in cases(quick=not args.full):
+    for case in cases(quick=not args.full) + _compile_cases(args):
         case.check()
         fastbwd_seconds, torch_seconds = _alternating_medians((case.fastbwd, case.torch), args.repeats, args.seconds)
         speedup = torch_seconds / fastbwd_seconds
         say(
             f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
-            f"{speedup:7.2f}x  {case.target}"
+            f"{speedup:7.2f}x  {case.target}" + (f"  ({case.note})" if case.note else "")
         )
         rows.append(
             dict(
@@ -249,6 +257,7 @@ def torch_bridge(args):
                 baseline_ms=torch_seconds * 1e3,
                 speedup=speedup,
                 target=case.target,
+                note=case.note,
             )
         )
     from .torch_cases import measure_overhead, overhead_cases

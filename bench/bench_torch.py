@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
-from .torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import cases, compile_cases, measure_overhead, overhead_cases  # noqa: E402
 
 #: T1-T7's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
@@ -18,6 +18,11 @@ CASE_IDS = [case.id for case in cases(quick=True)]
 def _cases(quick):
     """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
     return {case.id: case for case in cases(quick=quick)}
+
+
+@functools.cache
+def _compile_cases(quick):
+    return {case.id: case for case in compile_cases(quick=quick)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,6 +39,24 @@ def bench_torch_bridge(case_id, variant, benchmark, smoke):
     case = _cases(smoke)[case_id]
     if variant == "fastbwd":
         case.check()  # gradients agree with plain PyTorch before anything is timed
+    function = getattr(case, variant)
+    function()  # warm-up (compiles)
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
+    benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
+
+
+#: C1-C6's ids: models under torch.compile (Inductor compiles each twice: slow even when small).
+COMPILE_IDS = ["C1", "C2", "C3", "C4", "C5", "C6"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["fastbwd", "torch"])
+@pytest.mark.parametrize("case_id", COMPILE_IDS)
+def bench_torch_compile(case_id, variant, benchmark, smoke):
+    case = _compile_cases(smoke)[case_id]
+    if variant == "fastbwd":
+        case.check()  # gradients agree with eager before anything is timed
     function = getattr(case, variant)
     function()  # warm-up (compiles)
     benchmark.group = f"{case.id} {case.label}"

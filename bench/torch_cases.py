@@ -28,6 +28,8 @@ class TorchCase:
     torch: Callable[[], object]
     check: Callable[[], None]
     target: str
+    #: What ``check()`` found wrong with the baseline (not with fastbwd, which it asserts), if anything.
+    note: str = ""
 
 
 def _randn(shape, seed, dtype=torch.float32, requires_grad=False):
@@ -60,6 +62,14 @@ def _sgd_step(model, inputs, target, forward=None):
         return [p.grad for p in model.parameters()]
 
     return run
+
+
+def _largest_relative_error(actual, expected):
+    """The largest ``max |a - e| / max |e|`` over the pairs of gradients."""
+    return max(
+        float((a.detach().double() - e.detach().double()).abs().max()) / max(float(e.detach().abs().max()), 1e-30)
+        for a, e in zip(actual, expected)
+    )
 
 
 def _assert_close(actual, expected, rtol, atol, what):
@@ -487,15 +497,20 @@ def _compiled_training_case(id, label, model, inputs, target_shape, target, base
         other_step = _sgd_step(model, inputs, target_y, _compiled(model, f"{id}_plain"))
 
     def check():
-        # one step's gradients from the same parameters (each step also updates them)
+        # One step's gradients from the same parameters (each step also updates them). The
+        # baseline's are compared, not asserted: plain Inductor gets T7's UNet wrong (docs/history.md).
         state = {name: value.clone() for name, value in model.state_dict().items()}
         expected = _routed(_sgd_step(model, inputs, target_y))()
-        for step, what in ((fastbwd_step, "compiled with fastbwd"), (other_step, baseline)):
-            model.load_state_dict(state)
-            _assert_close(step(), expected, 1e-3, 1e-4, f"{id} {what}")
+        model.load_state_dict(state)
+        _assert_close(fastbwd_step(), expected, 1e-3, 1e-4, f"{id} compiled with fastbwd")
+        model.load_state_dict(state)
+        error = _largest_relative_error(other_step(), expected)
+        if error > 1e-3:
+            case.note = f"{baseline}: gradients up to {error:.0%} off eager's"
         model.load_state_dict(state)
 
-    return TorchCase(id, label, fastbwd_step, other_step, check, target)
+    case = TorchCase(id, label, fastbwd_step, other_step, check, target)
+    return case
 
 
 def _compiled_roi_align_case(input_shape, num_boxes, target):

@@ -477,3 +477,35 @@ def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
     assert result.returncode == 0, result.stderr
     calls = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own program's output
     assert set(calls) == set(_routing.ROUTES) | {"group_norm_silu", "group_norm_silu_backward"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_unet_compiled_with_fastbwd_has_eagers_gradients(backend):
+    """T7's UNet (bench/torch_unet.py: GroupNorm + SiLU in its blocks' forward(), avg-pool down,
+    bilinear up, a time embedding). Plain Inductor in torch 2.13 gets these gradients wrong by up
+    to half their size (its decomposed bilinear backward under layout optimisation,
+    docs/history.md); with fastbwd enabled every pair fuses and every gradient is eager's."""
+    from bench.torch_unet import SmallUNet
+
+    torch.manual_seed(2)
+    model = SmallUNet(3, (16, 32), 32, 8)
+    x, temb, target = _randn((2, 3, 16, 16), 27), _randn((2, 32), 28), _randn((2, 3, 16, 16), 29)
+
+    def gradients(forward):
+        model.zero_grad()
+        F.mse_loss(forward(x, temb), target).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ft.enable()
+    expected = gradients(model)
+    before = _routing.GRAPH_CALLS.copy()
+    actual = gradients(torch.compile(model, backend=backend, fullgraph=True))
+    pairs = sum(isinstance(m, nn.GroupNorm) for m in model.modules())
+    assert _counts(_routing.GRAPH_CALLS, before) == {
+        "group_norm_silu": pairs,
+        "group_norm_silu_backward": pairs,
+        "avg_pool2d_backward": 2,
+        "upsample_bilinear2d_backward": 2,
+    }
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
