@@ -217,7 +217,7 @@ def _target_heading(args):
 
 
 def _compile_cases(args):
-    """C1-C6 (models under torch.compile, ``bench/torch_cases.py``): with ``--full`` only, since
+    """C1-C7 (models under torch.compile, ``bench/torch_cases.py``): with ``--full`` only, since
     Inductor compiles each model twice (a minute or more on two cores)."""
     from .torch_cases import compile_cases
 

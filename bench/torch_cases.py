@@ -545,10 +545,36 @@ def _compiled_roi_align_case(input_shape, num_boxes, target):
     )
 
 
+def _compiled_group_norm_swish_case(shape, groups, target):
+    """C7: a ``GroupNormSwish`` module's forward + backward compiled against the same eager calls."""
+    module = ft.GroupNormSwish(groups, shape[1])
+    x = _randn(shape, 93, requires_grad=True)
+    g = _randn(shape, 94)
+    parameters = (x, module.weight, module.bias)
+
+    def step(forward):
+        return lambda: torch.autograd.grad(forward(x), parameters, g)
+
+    compiled, eager = step(_compiled(module, "C7_compiled")), step(module)
+
+    def check():
+        assert all(torch.equal(a, e) for a, e in zip(compiled(), eager())), "C7: compiled GroupNormSwish is not eager's"
+
+    return TorchCase(
+        "C7",
+        f"GroupNormSwish fwd + bwd {shape}, {groups} groups: compiled vs eager",
+        compiled,
+        eager,
+        check,
+        target,
+    )
+
+
 def compile_cases(quick=False):
-    """C1-C6: models under ``torch.compile`` (Inductor) with fastbwd enabled before their first
+    """C1-C7: models under ``torch.compile`` (Inductor) with fastbwd enabled before their first
     compiled call, against the same models compiled without fastbwd (C3: run eagerly with
-    fastbwd; C5: ``roi_align`` compiled against eager); ``quick`` uses small shapes."""
+    fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager); ``quick``
+    uses small shapes."""
     from .torch_unet import SmallUNet
 
     if quick:
@@ -608,6 +634,7 @@ def compile_cases(quick=False):
             88,
         ),
         _compiled_roi_align_case(*roi, ">= 0.95x"),
+        _compiled_group_norm_swish_case(*norm, ">= 0.95x"),
         _compiled_training_case(
             "C6",
             f"training step, T7's UNet (batch {unet_batch}, {unet_size}x{unet_size}, {unet_channels}): "
