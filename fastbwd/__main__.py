@@ -40,13 +40,15 @@ def small_check(name):
 
 
 def installed_folder():
-    """The folder of the fastbwd package that pip installed into this Python (an editable install:
-    the package folder of its checkout), or None when pip's record of it names none."""
+    """The folder of the fastbwd package that pip installed into this Python's site-packages (an
+    editable install: the package folder of its checkout), or None when none is installed there.
+    Only site-packages count: a checkout's own fastbwd.egg-info is no installation."""
+    import site
     from importlib import metadata
 
-    try:
-        distribution = metadata.distribution("fastbwd")
-    except metadata.PackageNotFoundError:
+    folders = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    distribution = next(iter(metadata.distributions(name="fastbwd", path=folders)), None)
+    if distribution is None:
         return None
     direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
     if direct_url.get("dir_info", {}).get("editable"):

@@ -212,6 +212,9 @@ def test_the_compare_workflow_on_two_smoke_cases(tmp_path):
     """The README's workflow: save a run with --benchmark-autosave, compare the next one with it
     (--benchmark-compare), and fail on a regression (--benchmark-compare-fail); in a temporary
     folder, on the small shapes of one case: fastbwd beside its baseline."""
+    readme = (ROOT / "README.md").read_text()  # the workflow the README shows
+    assert "--benchmark-only --benchmark-autosave\n" in readme
+    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in readme
     torch_installed = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     second = "bench_baseline[P1-float32-torch]" if torch_installed else "bench_fastbwd_out[P1-float32]"
     ids = [f"{ROOT}/bench/bench_replication_pad2d.py::{name}" for name in ("bench_fastbwd[P1-float32]", second)]
