@@ -272,7 +272,8 @@ class Run:
                     variant=variant,
                     ms=seconds * 1e3,
                     gbps=gbps,
-                    pct_bandwidth=100 * gbps / bandwidth,
+                    # small shapes stay in the caches: a share of the memory's copy rate means nothing there
+                    pct_bandwidth=100 * gbps / bandwidth if self.full else None,
                     baseline=baseline,
                     baseline_ms=None if base_seconds is None else base_seconds * 1e3,
                     speedup=None if base_seconds is None else base_seconds / seconds,
@@ -283,7 +284,7 @@ class Run:
                 timing,
             )
             left = (
-                f"  {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} {gbps:6.1f} {row['pct_bandwidth']:4.0f}%"
+                f"  {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} {gbps:6.1f} {targets.percent_text(row['pct_bandwidth']):>5}"
                 if variant not in shown
                 else " " * 42
             )
@@ -442,7 +443,8 @@ class Run:
             say(
                 "Small shapes: a case id ending in q is the --full case of that id at a small size (its shapes are "
                 "printed), where fixed per-call costs weigh more; the targets are set for the --full shapes, so "
-                "rows get no verdict here. `python3 -m bench --full` runs the full-size cases."
+                "rows get no verdict here, and the data stays in the caches, so no % of the memory's copy rate "
+                "either. `python3 -m bench --full` runs the full-size cases."
             )
         say(
             f"Each row: medians of alternating rounds (until the spread settles or {self.settings.budget:g} s per "

@@ -51,6 +51,11 @@ def speedup_text(speedup):
     return f"{speedup:.2f}x" if speedup < 10 else f"{speedup:.1f}x"
 
 
+def percent_text(value):
+    """``46%``; ``-`` when not measured (small shapes: their data stays in the caches)."""
+    return "-" if value is None else f"{value:.0f}%"
+
+
 def spread_text(spread):
     """``±4.2%`` (one decimal below 10%), ``±12%``; ``-`` when not measured."""
     if spread is None:

@@ -100,7 +100,7 @@ def table(results):
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
         lines.append(
             f"| {row['case']} | {row['op']} | {row['dtype']} | {row['variant']} | {row['ms']:.2f} | "
-            f"{row['gbps']:.1f} | {row['pct_bandwidth']:.0f}% | {baseline} | {base_ms} | {_speedup_cell(row)} | "
+            f"{row['gbps']:.1f} | {targets.percent_text(row['pct_bandwidth'])} | {baseline} | {base_ms} | {_speedup_cell(row)} | "
             f"{_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
         )
     if bridge:
