@@ -50,8 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The second copy the main job times: the size of the large cases' results (A1 51 MB, P1 67 MB).
 CASE_SIZE_COPY_BYTES = 64 << 20
 
-#: A 1-minute load average above this, before the run starts, means another process is running.
+#: A 1-minute load average above this, before the run starts, means other processes ran; this
+#: many other runnable processes on average, sampled over half a second, mean they run now.
 BUSY_LOAD = 0.75
+BUSY_RUNNING = 0.5
 #: Two readings of the copy bandwidth further apart than this (relative to the larger) mean the
 #: machine's speed is moving.
 BANDWIDTH_DISAGREEMENT = 0.2
@@ -101,6 +103,20 @@ def stream_write_bandwidth(nbytes):
     parallel_stream_fill(destination, pattern)
     best = min(median_seconds(lambda: parallel_stream_fill(destination, pattern), 5, 0.2) for _ in range(3))
     return destination.nbytes / best / 1e9
+
+
+def running_elsewhere(samples=10, interval=0.05):
+    """How many other processes are running, on average over ``samples`` readings of
+    /proc/loadavg's runnable count (this process is one of them); None where it cannot be read."""
+    counts = []
+    for _ in range(samples):
+        try:
+            with open("/proc/loadavg") as handle:
+                counts.append(int(handle.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return None
+        time.sleep(interval)
+    return sum(counts) / len(counts)
 
 
 def _disagree(first, second):
@@ -160,6 +176,7 @@ class Run:
 
     def machine(self, torch):
         load = os.getloadavg()
+        others = running_elsewhere()
         machine = dict(
             fastbwd=fastbwd.__version__,
             numba=numba.__version__,
@@ -171,6 +188,7 @@ class Run:
             threading_layer=threading_layer(),
             torch=getattr(torch, "__version__", None),
             load_average=list(load),
+            running_elsewhere=others,
         )
         say(
             f"fastbwd {machine['fastbwd']} ({os.path.dirname(os.path.abspath(fastbwd.__file__))}) | numba "
@@ -180,10 +198,11 @@ class Run:
         note = shadowing_note()
         if note:
             say(note)
-        if load[0] > BUSY_LOAD:
+        if load[0] > BUSY_LOAD or (others is not None and others >= BUSY_RUNNING):
+            now = "" if others is None else f"; {others:.1f} other processes were running as it started"
             self.warn(
-                f"the machine is busy: its load average was {load[0]:.2f} over the last minute (on {machine['cpus']} "
-                "CPUs) before this run started, so other processes compete for the cores. Expect wide spreads; a "
+                f"the machine is busy: its load average over the last minute was {load[0]:.2f} on "
+                f"{machine['cpus']} CPUs{now}. Other processes compete for the cores: expect wide spreads, and a "
                 "parallel call on small shapes can wait milliseconds for a descheduled worker thread."
             )
         return machine

@@ -81,7 +81,10 @@ def table(results):
         "(same thread count)."
     ]
     if machine.get("load_average") is not None:
-        lines[0] += f" Load average at the start: {machine['load_average'][0]:.2f} (1 min) on {machine['cpus']} CPUs."
+        lines[0] += f" Load average at the start: {machine['load_average'][0]:.2f} (1 min) on {machine['cpus']} CPUs"
+        if machine.get("running_elsewhere") is not None:
+            lines[0] += f", {machine['running_elsewhere']:.1f} other processes running"
+        lines[0] += "."
     for warning in results.get("warnings", []):
         lines += ["", f"**Warning from this run:** {warning}"]
     lines += [

@@ -123,7 +123,7 @@ def test_noisy_calls_run_until_the_budget_and_show_a_wide_spread():
 
 def _results(quick=False):
     machine = dict(fastbwd="0.1.0", numba="0", numpy="0", python="3", cpu="CPU", cpus=2, threads=2,
-                   threading_layer="omp", torch="2", jax="0.1", load_average=[2.5, 1.0, 0.5])  # fmt: skip
+                   threading_layer="omp", torch="2", jax="0.1", load_average=[2.5, 1.0, 0.5], running_elsewhere=1.5)  # fmt: skip
     kernel = dict(op="replication_pad2d_backward", case="P1", label="(16,64,128,128) pad 3", dtype="float32",
                   gbps=20.0, pct_bandwidth=50.0)  # fmt: skip
     rows = [
@@ -140,7 +140,7 @@ def _results(quick=False):
 def test_table_shows_spreads_verdicts_warnings_and_the_summary():
     text = to_table.table(_results())
     assert "**Warning from this run:** the machine is busy" in text
-    assert "40.0, 20.0, 39.0 GB/s" in text and "Load average at the start: 2.50" in text
+    assert "40.0, 20.0, 39.0 GB/s" in text and "Load average at the start: 2.50 (1 min) on 2 CPUs, 1.5 other" in text
     assert "| **6.00x** | ±1.0% | >= 5x: met |" in text
     assert "| **2.00x** | ±30%, noisy | >= 3x: not trustworthy |" in text
     assert "| C9 | a new row | 1.00 | 0.90 | **0.90x** | ±2.0% | ≥ 1.0×: **missed** |" in text  # a new row slots in
