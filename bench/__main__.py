@@ -42,7 +42,7 @@ from fastbwd.kernels._jit import threading_layer
 from . import targets, to_table
 from .bandwidth import parallel_copy, parallel_stream_fill
 from .cases import OPS
-from .timing import Settings, alternating_rounds, spread
+from .timing import Settings, alternating_rounds, parallel_stall, spread
 
 #: The checkout's root: where --publish writes bench/results.json and README.md.
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,10 +145,11 @@ class Run:
 
     # ---- the rows' spread, target and verdict ---------------------------------------------
 
-    def finish_row(self, row, series, timing):
+    def finish_row(self, row, series, timing, stall):
         """Add the spread of ``series`` (the row's per-round values), its round count, whether
-        the case's rounds settled, and (``--full``) the verdict; store and return the row."""
-        row.update(spread=spread(series), rounds=len(series), settled=timing.settled)
+        the case's rounds settled, the case's parallel stall, and (``--full``) the verdict; store
+        and return the row."""
+        row.update(spread=spread(series), rounds=len(series), settled=timing.settled, stall=stall)
         row.setdefault("target", None)
         if self.full:
             row["verdict"] = targets.verdict(row, self.max_spread)
@@ -169,8 +170,7 @@ class Run:
         )
 
     def spread_text(self, row):
-        text = targets.spread_text(row.get("spread"))
-        return f"{text} noisy" if targets.noisy(row, self.max_spread) else text
+        return f"{targets.spread_text(row.get('spread'))} {targets.trust_text(row, self.max_spread)}".strip()
 
     # ---- the machine --------------------------------------------------------------------
 
@@ -203,7 +203,15 @@ class Run:
             self.warn(
                 f"the machine is busy: its load average over the last minute was {load[0]:.2f} on "
                 f"{machine['cpus']} CPUs{now}. Other processes compete for the cores: expect wide spreads, and a "
-                "parallel call on small shapes can wait milliseconds for a descheduled worker thread."
+                "parallel call can wait milliseconds for a descheduled worker thread."
+            )
+        machine["parallel_stall"] = stall = parallel_stall()
+        if stall > targets.STALL_LIMIT:
+            self.warn(
+                f"parallel calls stall: a short parallel copy took {stall:.1f}x its one-thread time on "
+                f"{machine['threads']} threads (at most about 1 on an idle machine), waiting for worker threads "
+                "that other processes keep off the cores. Rows timed in such a state are marked 'stalled' and "
+                "their targets get no verdict."
             )
         return machine
 
@@ -276,6 +284,7 @@ class Run:
         series = [(index[variant], None if baseline is None else index[baseline]) for variant, baseline in pairs]
         # fastbwd's variants and the baselines in alternating rounds: the load of a shared
         # machine moves within a case, and sequential medians put a change on one side
+        stall = parallel_stall()
         timing = alternating_rounds([function for _, function in named], series, self.settings)
         shown = set()
         for (variant, baseline), (i, b) in zip(pairs, series):
@@ -301,6 +310,7 @@ class Run:
                 ),
                 timing.series(i, b),
                 timing,
+                stall,
             )
             left = (
                 f"  {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} {gbps:6.1f} {targets.percent_text(row['pct_bandwidth']):>5}"
@@ -331,6 +341,7 @@ class Run:
             case.check()
             baseline = getattr(case, baseline_attribute)
             functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
+            stall = parallel_stall()
             timing = alternating_rounds(functions, [(0, 1 if baseline is not None else None)], self.settings)
             seconds = timing.median(0)
             base_seconds = timing.median(1) if baseline is not None else None
@@ -351,6 +362,7 @@ class Run:
                 ),
                 timing.series(0, 1 if baseline is not None else None),
                 timing,
+                stall,
             )
             other = (
                 f"{base_seconds * 1e3:10.2f} {targets.speedup_text(row['speedup']):>8}"
@@ -374,6 +386,7 @@ class Run:
         say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
         say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
         for case in overhead_cases():
+            stall = parallel_stall()
             us = measure_overhead(case)
             # the widest of the three ways' spreads over their rounds of 100 calls
             spreads = [spread(values) for values in us.get("rounds", {}).values()]
@@ -388,6 +401,7 @@ class Run:
                 direct_us=us["direct"],
                 torch_us=us["torch"],
                 spread=max(spreads) if spreads else None,
+                stall=stall,
                 target=None,
             )
             self.rows.append(row)
@@ -412,6 +426,7 @@ class Run:
         )
         self.paired_cases(list(cases(quick=not self.full)), "jax", "fastbwd.jax", "jit(grad)", "jax")
         transport = Settings(round_seconds=0.02, min_rounds=7, tolerance=0.05, budget=3.0)
+        stall = parallel_stall()
         timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
         one, many = timing.median(0), timing.median(1)
         per_call = (many - one) / 10
@@ -432,6 +447,7 @@ class Run:
             spread=spread(slopes),
             rounds=len(slopes),
             settled=timing.settled,
+            stall=stall,
         )
         self.rows.append(row)
         say(

@@ -15,6 +15,11 @@ _AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*(?:x|×)")
 
 MET, MISSED, UNTRUSTED = "met", "missed", "not trustworthy"
 
+#: A case timed while a short parallel call took more than this many times its one-thread time
+#: (``timing.parallel_stall``) was timed while parallel calls stalled: its numbers are the
+#: scheduler's, however small their spread.
+STALL_LIMIT = 2.0
+
 
 def threshold(target):
     """The speed-up ``target`` asks for, or None when it asks for none."""
@@ -28,12 +33,23 @@ def noisy(row, max_spread):
     return spread is not None and spread > max_spread
 
 
+def stalled(row):
+    """The row's case was timed while parallel calls stalled (rows saved before this was measured: never)."""
+    stall = row.get("stall")
+    return stall is not None and stall > STALL_LIMIT
+
+
+def trust_text(row, max_spread):
+    """Why the row cannot be trusted ("noisy", "stalled", both), or "" when it can."""
+    return " ".join(word for word, bad in (("noisy", noisy(row, max_spread)), ("stalled", stalled(row))) if bad)
+
+
 def verdict(row, max_spread):
     """MET, MISSED or UNTRUSTED for a row with a target and a speed-up; None otherwise."""
     limit = threshold(row.get("target"))
     if limit is None or row.get("speedup") is None:
         return None
-    if noisy(row, max_spread):
+    if noisy(row, max_spread) or stalled(row):
         return UNTRUSTED
     return MET if row["speedup"] >= limit else MISSED
 
@@ -67,7 +83,8 @@ def summarize(rows, max_spread, judge=True):
     """``{"met": [...], "missed": [...], "untrusted": [...], "noisy": [...], "rows": n, "judged": judge}``:
     the rows (as :func:`row_name` and numbers) of each verdict, and every row whose spread is too
     wide. ``judge=False`` (a run on small shapes, to which the targets do not apply): no verdicts."""
-    result = {"met": [], "missed": [], "untrusted": [], "noisy": [], "rows": len(rows), "judged": judge}
+    result = {"met": [], "missed": [], "untrusted": [], "noisy": [], "stalled": [], "rows": len(rows)}
+    result["judged"] = judge
     result["measured"] = any(row.get("spread") is not None for row in rows)
     for row in rows:
         name = row_name(row)
@@ -77,9 +94,13 @@ def summarize(rows, max_spread, judge=True):
         elif outcome == MISSED:
             result["missed"].append(f"{name}: {speedup_text(row['speedup'])}, target {row['target']}")
         elif outcome == UNTRUSTED:
-            result["untrusted"].append(f"{name}: {speedup_text(row['speedup'])} {spread_text(row['spread'])}")
+            result["untrusted"].append(
+                f"{name}: {speedup_text(row['speedup'])} {spread_text(row['spread'])} {trust_text(row, max_spread)}"
+            )
         if noisy(row, max_spread):
             result["noisy"].append(f"{name} {spread_text(row['spread'])}")
+        if stalled(row):
+            result["stalled"].append(name)
     return result
 
 
@@ -96,10 +117,16 @@ def summary_text(summary, max_spread):
             parts.append("none missed")
         if summary["untrusted"]:
             parts.append(
-                f"{len(summary['untrusted'])} not trustworthy this run, their spread wider than "
-                f"{spread_text(max_spread)} ({'; '.join(summary['untrusted'])})"
+                f"{len(summary['untrusted'])} not trustworthy this run, noisy (a spread wider than "
+                f"{spread_text(max_spread)}) or stalled ({'; '.join(summary['untrusted'])})"
             )
         text = ", ".join(parts) + "."
+    if summary.get("stalled"):
+        text += (
+            f" {len(summary['stalled'])} of {summary['rows']} rows were timed while parallel calls stalled (a short "
+            f"parallel copy took more than {STALL_LIMIT:g}x its one-thread time: other processes held the cores), so "
+            f"their times are the scheduler's: {', '.join(summary['stalled'])}."
+        )
     if not summary.get("measured", True):
         text += " Spreads were not measured (the run was saved before the main job measured them)."
     elif summary["noisy"]:

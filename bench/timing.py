@@ -17,7 +17,10 @@ import math
 import time
 from dataclasses import dataclass
 
+import numba
 import numpy as np
+
+from .bandwidth import parallel_copy
 
 #: The standard error of the median of n normal values is 1.2533 sigma / sqrt(n), and their
 #: interquartile range is 1.349 sigma: relative to the median, 1.858 * spread / sqrt(n).
@@ -36,6 +39,35 @@ def median_error(values):
     """The relative standard error of the median of ``values`` (from their spread); None for fewer than 3."""
     width = spread(values)
     return None if width is None else _MEDIAN_ERROR_PER_SPREAD * width / math.sqrt(len(values))
+
+
+def parallel_stall(calls=15):
+    """How many times longer a short parallel call takes on all of Numba's threads than on one
+    (a parallel copy of 8 MB, about a millisecond of work): at most about 1 on an idle machine,
+    where the threads share the work; far more when other processes hold the cores and the call
+    waits for a descheduled worker thread (70x measured at load 3.7 on 2 cores, where every
+    kernel took 12 ms whatever its size, with a small spread). 1.0 with one thread."""
+    threads = numba.get_num_threads()
+    if threads == 1:
+        return 1.0
+    source = np.ones(1 << 21, np.float32)
+    destination = np.empty_like(source)
+    parallel_copy(source, destination)
+
+    def median(count):
+        numba.set_num_threads(count)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            parallel_copy(source, destination)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    try:
+        every, one = median(threads), median(1)
+    finally:
+        numba.set_num_threads(threads)
+    return every / one
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ def _speedup_cell(row):
 
 
 def _spread_cell(row, results):
-    text = targets.spread_text(row.get("spread"))
-    return f"{text}, noisy" if targets.noisy(row, results.get("max_spread", DEFAULT_MAX_SPREAD)) else text
+    trust = targets.trust_text(row, results.get("max_spread", DEFAULT_MAX_SPREAD))
+    return f"{targets.spread_text(row.get('spread'))}, {trust}" if trust else targets.spread_text(row.get("spread"))
 
 
 def table(results):
@@ -84,6 +84,8 @@ def table(results):
         lines[0] += f" Load average at the start: {machine['load_average'][0]:.2f} (1 min) on {machine['cpus']} CPUs"
         if machine.get("running_elsewhere") is not None:
             lines[0] += f", {machine['running_elsewhere']:.1f} other processes running"
+        if machine.get("parallel_stall") is not None:
+            lines[0] += f"; a short parallel copy took {machine['parallel_stall']:.2f}x its one-thread time"
         lines[0] += "."
     for warning in results.get("warnings", []):
         lines += ["", f"**Warning from this run:** {warning}"]

@@ -56,6 +56,11 @@ def test_verdicts():
     assert targets.verdict(_row(None, ">= 5x"), 0.1) is None
     # results saved before spreads were measured: judged on the speed-up alone
     assert targets.verdict(_row(6.0, ">= 5x", spread=None), 0.1) == targets.MET
+    # timed while parallel calls stalled: the scheduler's numbers, however steady
+    assert targets.verdict(_row(6.0, ">= 5x", stall=70.0), 0.1) == targets.UNTRUSTED
+    assert targets.verdict(_row(6.0, ">= 5x", stall=1.2), 0.1) == targets.MET
+    assert targets.trust_text(_row(6.0, ">= 5x", spread=0.5, stall=70.0), 0.1) == "noisy stalled"
+    assert targets.trust_text(_row(6.0, ">= 5x", stall=0.8), 0.1) == ""
 
 
 def test_summary_names_what_was_missed_and_what_cannot_be_trusted():
@@ -66,18 +71,21 @@ def test_summary_names_what_was_missed_and_what_cannot_be_trusted():
         _row(2.0, ">= 1.4x", spread=0.25) | {"case": "T3"},
         _row(1.1, "report", spread=0.5) | {"case": "T5"},
         kernel | dict(speedup=5.5, target=">= 6x", spread=0.01),
+        _row(9.0, ">= 3x", stall=12.0) | {"case": "T2"},
     ]
     summary = targets.summarize(rows, 0.1)
     assert summary["met"] == ["T9"]
     assert summary["missed"] == ["T6.2: 0.79x, target >= 1.0x", "A1 float32 out= vs torch out=: 5.50x, target >= 6x"]
-    assert summary["untrusted"] == ["T3: 2.00x ±25%"]
-    assert summary["noisy"] == ["T3 ±25%", "T5 ±50%"]
+    assert summary["untrusted"] == ["T3: 2.00x ±25% noisy", "T2: 9.00x ±2.0% stalled"]
+    assert summary["noisy"] == ["T3 ±25%", "T5 ±50%"] and summary["stalled"] == ["T2"]
     text = targets.summary_text(summary, 0.1)
-    assert "4 rows have one; 1 met" in text and "2 missed" in text and "1 not trustworthy this run" in text
-    assert "2 of 5 rows had a spread wider than ±10%" in text
+    assert "5 rows have one; 1 met" in text and "2 missed" in text and "2 not trustworthy this run" in text
+    assert "2 of 6 rows had a spread wider than ±10%" in text
+    assert "1 of 6 rows were timed while parallel calls stalled" in text
     # small shapes: the targets do not apply, the noise is still reported
     quick = targets.summarize(rows, 0.1, judge=False)
     assert quick["met"] == quick["missed"] == quick["untrusted"] == [] and len(quick["noisy"]) == 2
+    assert quick["stalled"] == ["T2"]
     assert "no verdict" in targets.summary_text(quick, 0.1)
 
 
@@ -128,7 +136,7 @@ def _results(quick=False):
                   gbps=20.0, pct_bandwidth=50.0)  # fmt: skip
     rows = [
         kernel | dict(variant="alloc", ms=2.0, baseline="torch", baseline_ms=12.0, speedup=6.0, target=">= 5x", spread=0.01),
-        kernel | dict(variant="out=", ms=1.0, baseline="torch out=", baseline_ms=2.0, speedup=2.0, target=">= 3x", spread=0.3),
+        kernel | dict(variant="out=", ms=1.0, baseline="torch out=", baseline_ms=2.0, speedup=2.0, target=">= 3x", spread=0.3, stall=5.0),
         dict(op="fastbwd.torch", case="C9", label="a new row", dtype="float32", variant="autograd", ms=1.0,
              gbps=None, pct_bandwidth=None, baseline="torch", baseline_ms=0.9, speedup=0.9, target="≥ 1.0×", spread=0.02),
     ]  # fmt: skip
@@ -142,7 +150,7 @@ def test_table_shows_spreads_verdicts_warnings_and_the_summary():
     assert "**Warning from this run:** the machine is busy" in text
     assert "40.0, 20.0, 39.0 GB/s" in text and "Load average at the start: 2.50 (1 min) on 2 CPUs, 1.5 other" in text
     assert "| **6.00x** | ±1.0% | >= 5x: met |" in text
-    assert "| **2.00x** | ±30%, noisy | >= 3x: not trustworthy |" in text
+    assert "| **2.00x** | ±30%, noisy stalled | >= 3x: not trustworthy |" in text
     assert "| C9 | a new row | 1.00 | 0.90 | **0.90x** | ±2.0% | ≥ 1.0×: **missed** |" in text  # a new row slots in
     assert text.endswith(targets.summary_text(targets.summarize(_results()["rows"], 0.1), 0.1))
     quick = to_table.table(_results(quick=True))
@@ -190,7 +198,8 @@ def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(saved.read_text())
     assert results["quick"] and {row["case"] for row in results["rows"]} == {"P1q"}
-    assert all(row["spread"] is not None and row["rounds"] >= 3 for row in results["rows"])
+    assert all(row["spread"] is not None and row["rounds"] >= 3 and row["stall"] > 0 for row in results["rows"])
+    assert results["machine"]["parallel_stall"] > 0 and results["machine"]["load_average"]
     assert len(results["bandwidth_readings_gbps"]) == 3
     text = readme.read_text()
     assert to_table.tables_in(text) == to_table.table(results)
