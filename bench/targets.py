@@ -4,8 +4,9 @@ and ``bench/to_table.py``.
 A target is the text a case carries (``bench/cases.py``'s ``Case.targets``, the ``target`` of the
 PyTorch and JAX bridges' cases): the first ``>= N x`` in it (``≥ N×`` too) is the speed-up the
 row must reach; text without one (``report``, ``trains; report``) asks for the number alone and
-gets no verdict. A row whose spread is wider than the run's limit gets no verdict either: its
-speed-up cannot be trusted this run, whichever side of the target it fell.
+gets no verdict. A row whose spread is wider than the run's limit (noisy), or whose case was
+timed while parallel calls stalled, gets no verdict either: its speed-up cannot be trusted this
+run, whichever side of the target it fell.
 """
 
 import re
