@@ -1,5 +1,6 @@
 """PyTorch-bridge benchmarks T1-T7 (fastbwd.torch against plain PyTorch, same thread count)."""
 
+import contextlib
 import functools
 
 import numba
@@ -108,14 +109,20 @@ def bench_two_pools(variant, benchmark, smoke):
 OVERHEAD = {case.id: case for case in overhead_cases()}
 
 
+@pytest.mark.parametrize("way", ["routed", "direct", "torch"])
 @pytest.mark.parametrize("case_id", list(OVERHEAD))
-def bench_routing_overhead(case_id, benchmark):
+def bench_routing_overhead(case_id, way, benchmark):
+    """One group per case: the routed aten call, the direct fastbwd call and PyTorch's own kernel."""
     case = OVERHEAD[case_id]
-    us = measure_overhead(case, calls=300)
-    benchmark.group = "per-call overhead of the routing (tiny inputs)"
-    benchmark.extra_info.update(case=case.id, label=case.label, **{f"{k}_us": v for k, v in us.items()})
-    with ft.enabled():
-        benchmark.pedantic(case.aten, rounds=200, warmup_rounds=10, iterations=1)
+    if way == "routed":
+        # checks first that the routed call is served by fastbwd and equals the direct one bitwise
+        us = measure_overhead(case, calls=100)
+        benchmark.extra_info.update({f"{k}_us": v for k, v in us.items() if k != "rounds"})
+    benchmark.group = f"{case.id} routing overhead: {case.label}"
+    benchmark.extra_info.update(case=case.id, label=case.label, variant=way)
+    assert not ft.is_enabled()  # "torch" runs PyTorch's own kernel
+    with ft.enabled() if way == "routed" else contextlib.nullcontext():
+        benchmark.pedantic(case.direct if way == "direct" else case.aten, rounds=200, warmup_rounds=10, iterations=1)
 
 
 # ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------

@@ -362,9 +362,10 @@ def overhead_cases():
 
 def measure_overhead(case, calls=2000):
     """Median microseconds of ``case``'s three ways, interleaved in rounds of 100 calls so that
-    a noisy neighbour slows them alike: ``{"routed": ..., "direct": ..., "torch": ...}``. Checks
-    first that the routed call is served and equals the direct one bitwise. The routing is left
-    as it was found."""
+    a noisy neighbour slows them alike: ``{"routed": ..., "direct": ..., "torch": ...}``, and
+    under ``"rounds"`` each way's per-round medians (us; their spread is the measurement's
+    noise). Checks first that the routed call is served and equals the direct one bitwise. The
+    routing is left as it was found."""
     import time
 
     import numpy as np
@@ -373,6 +374,7 @@ def measure_overhead(case, calls=2000):
 
     was_enabled = ft.is_enabled()
     timings = {"routed": [], "direct": [], "torch": []}
+    rounds = {way: [] for way in timings}
     try:
         ft.enable()
         served = _routing.SERVED.copy()
@@ -391,9 +393,10 @@ def measure_overhead(case, calls=2000):
                     start = time.perf_counter()
                     function()
                     timings[way].append(time.perf_counter() - start)
+                rounds[way].append(float(np.median(timings[way][-100:])) * 1e6)
     finally:
         (ft.enable if was_enabled else ft.disable)()
-    return {way: float(np.median(values)) * 1e6 for way, values in timings.items()}
+    return {way: float(np.median(values)) * 1e6 for way, values in timings.items()} | {"rounds": rounds}
 
 
 def _unet_training_case(batch, size, channels, groups, target):

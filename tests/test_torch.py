@@ -49,6 +49,7 @@ def _assert_close_to_torch(actual, expected):
     if expected.numel() == 0:
         return
     tol = TORCH_TOL[actual.dtype]
+    actual, expected = actual.detach(), expected.detach()  # values only: no autograd graph to keep
     scale = max(float(expected.double().abs().max()), 1e-30)
     error = float((actual.double() - expected.double()).abs().max())
     assert error <= tol * scale, f"max error {error:.3g} (scale {scale:.3g}, {actual.dtype})"
