@@ -12,6 +12,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
+from ..kernels.avg_pool2d import axis_windows  # noqa: F401 - the JAX forward divides by its windows
 from . import _plans
 
 FUNC = "avg_pool2d_backward"

@@ -11,6 +11,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import upsample_bilinear2d as kernels
+from ..kernels.upsample_bilinear2d import compute_source_index_and_lambda  # noqa: F401 - the JAX forward's
 from . import _plans
 
 FUNC = "upsample_bilinear2d_backward"
