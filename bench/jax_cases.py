@@ -8,8 +8,8 @@ JAX lacks); ``check()`` runs both once and asserts that their gradients agree. T
 to ``g``. Only imported where jax is installed.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 
 import fastbwd.jax as fj
 from fastbwd.jax import _avg_pool, _group_norm_swish, _pad, _upsample
-from fastbwd._registry import roi_boxes
+
+from .inputs import roi_boxes
 
 
 @dataclass
@@ -25,7 +26,7 @@ class JaxCase:
     id: str
     label: str
     fastbwd: Callable[[], object]
-    jax: Optional[Callable[[], object]]
+    jax: Callable[[], object] | None
     check: Callable[[], None]
     target: str
 

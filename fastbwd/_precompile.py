@@ -14,9 +14,9 @@ compiles at import.
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

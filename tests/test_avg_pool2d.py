@@ -10,14 +10,9 @@ import pytest
 import fastbwd
 from fastbwd import avg_pool2d_backward as pool_bwd
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, DTYPES, channels_last, random
+from conftest import BF16, DTYPES, assert_thread_invariant, channels_last, raises_param_error, random
 
 
 def pair(value):

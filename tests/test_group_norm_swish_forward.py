@@ -9,14 +9,9 @@ from fastbwd import group_norm_swish as gns
 from fastbwd import group_norm_swish_backward as gns_bwd
 from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, to_nhwc
+from conftest import BF16, assert_thread_invariant, raises_param_error, to_nhwc
 
 F = "group_norm_swish"
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)

@@ -9,8 +9,8 @@ bad arguments raise ParamError at trace time. Everything here skips cleanly with
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,14 +21,15 @@ from jax.test_util import check_grads  # noqa: E402
 
 import fastbwd  # noqa: E402
 import fastbwd.jax as fj  # noqa: E402
+from bench.inputs import roi_boxes  # noqa: E402
 from fastbwd.api import avg_pool2d as avg_pool_api  # noqa: E402
 from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
 from fastbwd.api.roi_align import roi_align_forward  # noqa: E402
 from fastbwd.jax import _ffi  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
-from fastbwd._registry import roi_boxes  # noqa: E402
-from fastbwd.testing.checks import assert_matches_reference, bitwise_equal, raises_param_error  # noqa: E402
-from conftest import BF16, DTYPES, random  # noqa: E402
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
+
+from conftest import BF16, DTYPES, raises_param_error, random  # noqa: E402
 
 
 def _x64(dtype):

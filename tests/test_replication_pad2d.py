@@ -7,14 +7,9 @@ import pytest
 import fastbwd
 from fastbwd import replication_pad2d_backward as pad_bwd
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, COMPLEX, DTYPES, channels_last, random
+from conftest import BF16, COMPLEX, DTYPES, assert_thread_invariant, channels_last, raises_param_error, random
 
 F = "replication_pad2d_backward"
 

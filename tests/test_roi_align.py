@@ -9,14 +9,9 @@ from fastbwd import roi_align_backward as roi_bwd
 from fastbwd.api import roi_align as api
 from fastbwd.kernels import roi_align as kernels
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, DTYPES, channels_last
+from conftest import BF16, DTYPES, assert_thread_invariant, channels_last, raises_param_error
 
 
 def random_boxes(rng, num_boxes, batch, height, width, spatial_scale, outside=0.3):

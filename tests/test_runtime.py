@@ -179,7 +179,7 @@ def test_import_compiles_nothing_and_never_imports_torch():
 
 _EVERY_KERNEL_PATH = """
 from fastbwd.testing import reference as ref
-from fastbwd._registry import roi_boxes
+from bench.inputs import roi_boxes
 rng = np.random.default_rng(0)
 
 def close(actual, want):
@@ -267,8 +267,9 @@ def test_every_kernel_path_within_bounds():
 _MORE_THREADS_THAN_CORES = """
 import itertools, numba
 import ml_dtypes
-from fastbwd._registry import channels_last, roi_boxes
-from fastbwd.testing.checks import assert_thread_invariant, thread_counts
+from bench.inputs import channels_last, roi_boxes
+sys.path.insert(0, "tests")
+from conftest import assert_thread_invariant, thread_counts
 
 assert numba.config.NUMBA_NUM_THREADS == 4 and thread_counts() == [1, 2, 3, 4], thread_counts()
 # the check itself can fail: a result that depends on the thread count (4 vs 1) is flagged

@@ -6,7 +6,9 @@ import pytest
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels import _separable as S
-from fastbwd.testing.checks import assert_matches_reference, assert_thread_invariant, bitwise_equal
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
+
+from conftest import assert_thread_invariant
 
 
 def random_band(rng, input_size, output_size, slots, dtype):

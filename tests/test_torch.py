@@ -18,8 +18,7 @@ from fastbwd.api import replication_pad2d as replication_pad2d_api  # noqa: E402
 from fastbwd.api import upsample_bilinear2d as upsample_api  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
-from fastbwd.torch import _convert  # noqa: E402
-from fastbwd.torch import _routing  # noqa: E402
+from fastbwd.torch import _convert, _routing  # noqa: E402
 
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -5,14 +5,9 @@ import pytest
 
 import fastbwd
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16
+from conftest import BF16, assert_thread_invariant, raises_param_error
 
 F = fastbwd.upsample_bilinear2d_backward
 

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -27,16 +28,16 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 def avg_pool2d_backward(
     grad_output: ArrayLike,
-    input: Union[ArrayLike, Sequence[int]],
-    kernel_size: Union[int, Sequence[int]],
-    stride: Optional[Union[int, Sequence[int]]] = None,
-    padding: Union[int, Sequence[int]] = 0,
+    input: ArrayLike | Sequence[int],
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
-    divisor_override: Optional[int] = 0,
+    divisor_override: int | None = 0,
     cube_math_type: int = 0,
     *,
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
 

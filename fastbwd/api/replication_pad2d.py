@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -19,10 +20,10 @@ FUNC = "replication_pad2d_backward"
 
 def replication_pad2d_backward(
     grad_output: ArrayLike,
-    input: Union[ArrayLike, Sequence[int]],
+    input: ArrayLike | Sequence[int],
     padding: Sequence[int],
     *,
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
 

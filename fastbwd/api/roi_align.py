@@ -4,7 +4,8 @@ forward ``roi_align_forward`` (for fastbwd.torch; not exported by fastbwd)."""
 # annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -31,7 +32,7 @@ def roi_align_backward(
     sampling_ratio: int,
     aligned: bool,
     *,
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of torchvision's ``roi_align`` with respect to its input (docs/semantics.md §4).
 
@@ -174,7 +175,7 @@ def roi_align_forward(
     sampling_ratio: int,
     aligned: bool,
     *,
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """torchvision's ``roi_align`` forward (docs/semantics.md §4, "Forward"): the adjoint of
     :func:`roi_align_backward`.

@@ -3,7 +3,8 @@
 # annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -23,11 +24,11 @@ def upsample_bilinear2d_backward(
     output_size: Sequence[int],
     input_size: Sequence[int],
     align_corners: bool = False,
-    scales_h: Optional[float] = 0.0,
-    scales_w: Optional[float] = 0.0,
+    scales_h: float | None = 0.0,
+    scales_w: float | None = 0.0,
     *,
     layout: str = "NCHW",
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.interpolate(input, output_size, mode="bilinear")``.
 

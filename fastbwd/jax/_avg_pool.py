@@ -1,7 +1,7 @@
 """2-D average pooling for JAX: PyTorch's forward in lax, fastbwd's backward."""
 
 import functools
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +109,9 @@ _avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)
 
 def avg_pool2d(
     x: jax.Array,
-    kernel_size: Union[int, Sequence[int]],
-    stride: Optional[Union[int, Sequence[int]]] = None,
-    padding: Union[int, Sequence[int]] = 0,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
     divisor_override: int = 0,

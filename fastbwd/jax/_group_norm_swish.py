@@ -1,7 +1,6 @@
 """GroupNorm + Swish for JAX: the forward in jax.numpy, fastbwd's fused backward."""
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +92,8 @@ _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
 def group_norm_swish(
     x: jax.Array,
     num_groups: int,
-    weight: Optional[jax.Array],
-    bias: Optional[jax.Array],
+    weight: jax.Array | None,
+    bias: jax.Array | None,
     eps: float = 1e-5,
     swish_scale: float = 1.0,
     *,

@@ -1,7 +1,7 @@
 """Replication (edge) padding for JAX: ``jnp.pad(mode="edge")`` forward, fastbwd's backward."""
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -2,7 +2,7 @@
 the FFI transport (JAX has no RoIAlign of its own)."""
 
 import functools
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,8 +87,8 @@ def _rois(boxes, dtype):
 
 def roi_align(
     input: jax.Array,
-    boxes: Union[jax.Array, Sequence[jax.Array]],
-    output_size: Union[int, Sequence[int]],
+    boxes: jax.Array | Sequence[jax.Array],
+    output_size: int | Sequence[int],
     spatial_scale: float = 1.0,
     sampling_ratio: int = -1,
     aligned: bool = False,

@@ -1,7 +1,7 @@
 """Bilinear upsampling for JAX: PyTorch's forward in jax.numpy, fastbwd's backward."""
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

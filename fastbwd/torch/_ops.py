@@ -16,7 +16,7 @@ end); the kernels here only translate tensors to arrays and back.
 """
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -361,7 +361,7 @@ class _KernelArrays(NamedTuple):
 
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
 def group_norm_swish(
-    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float, swish_scale: float
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int, eps: float, swish_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _forward_kernel(input, weight, bias, num_groups, eps, swish_scale)
 
@@ -414,8 +414,8 @@ def group_norm_swish_backward(
     input: Tensor,
     mean: Tensor,
     rstd: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     num_groups: int,
     swish_scale: float,
     output_mask: list[bool],

@@ -27,7 +27,8 @@ import collections
 import contextlib
 import threading
 import warnings
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
