@@ -255,8 +255,14 @@ class _Geometry:
 
     def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
         self.memory_format = c.memory_format(input)
-        self.channels_last = self.memory_format == torch.channels_last
+        self.channels_last = self.memory_format != torch.contiguous_format
         self.data_format = "NHWC" if self.channels_last else "NCHW"
+        self.shape = input.shape
+        self.to_nhwc, self.to_nchw = c.channels_last_permutation(input.dim())
+        # The kernels take rank 2 to 8; nn.GroupNorm any rank. A group's values do not depend
+        # on how the spatial axes are split, so a higher-rank (contiguous) input is seen as
+        # (N, C, HxW).
+        self.flat = input.dim() > gns_api.MAX_RANK
         self.num_groups = num_groups
         gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
         # made here when the call has no such parameter: the kernels only read them
@@ -272,9 +278,12 @@ class _Geometry:
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
-        dense in the memory format, channels-last as its (N, H, W, C) view."""
+        dense in the memory format, channels-last as its (N, *spatial, C) view, above the
+        kernels' rank as (N, C, HxW)."""
         array = c.as_array(c.dense(tensor, self.memory_format))
-        return array.transpose(0, 2, 3, 1) if self.channels_last else array
+        if self.flat:
+            return array.reshape(array.shape[0], array.shape[1], -1)
+        return array.transpose(self.to_nhwc) if self.channels_last else array
 
     def parameters(self, weight, bias):
         """gamma and beta as the api takes them (see :func:`_parameters`)."""
@@ -285,9 +294,11 @@ class _Geometry:
 
     def result(self, array):
         """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
-        arrays come back in the (N, C, H, W) shape."""
+        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's."""
         tensor = c.as_tensor(array)
-        return tensor.permute(0, 3, 1, 2) if self.channels_last else tensor
+        if self.flat:
+            return tensor.reshape(self.shape)
+        return tensor.permute(self.to_nchw) if self.channels_last else tensor
 
     def backward_plan(self, dy, arrays, need_weight, need_bias, own_statistics):
         """The api's backward plan for these arrays, validated on the first call of their
@@ -387,7 +398,7 @@ def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, s
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
         gamma, beta = _parameters(input, weight, bias)
         return (
-            torch.zeros(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)),
+            torch.empty(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)).zero_(),
             torch.zeros_like(gamma) if need_weight else None,
             torch.zeros_like(beta) if need_bias else None,
         )
