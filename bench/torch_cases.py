@@ -395,9 +395,9 @@ def _unet_training_case(batch, size, channels, groups, target):
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
     fused = copy.deepcopy(plain)
-    report = ft.fuse_group_norm_swish(fused)
-    norms = report.count + len(report.skipped)
     x, temb = _randn((batch, 3, size, size), 72), _randn((batch, 64), 73)
+    report = ft.fuse_group_norm_swish(fused, (x, temb))
+    norms = report.count + len(report.skipped)
     target_y = _randn((batch, 3, size, size), 74)
 
     fastbwd_step = _routed(_sgd_step(fused, (x, temb), target_y))

@@ -15,6 +15,7 @@ the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager
 end); the kernels here only translate tensors to arrays and back.
 """
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -291,6 +292,12 @@ class _Geometry:
             self.gamma if weight is None else c.as_array(weight),
             self.beta if bias is None else c.as_array(bias),
         )
+
+    @functools.cached_property
+    def output_strides(self):
+        """The strides of ``F.group_norm``'s output (and of this geometry's y): dense in the
+        input's suggested memory format."""
+        return torch.empty(self.shape, device="meta", memory_format=self.memory_format).stride()
 
     def result(self, array):
         """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
