@@ -553,8 +553,9 @@ def test_without_example_inputs_the_first_call_observes_and_the_next_decides(mon
     reasons = dict(report.skipped)  # live: the report reads the modules
     assert [f.name for f in report.fused] == ["pair"]
     assert report.pending == ("never_called",)
+    by_example = dict(ft.fuse_group_norm_swish(Reasons(), (x,)).skipped)
     for name in ("before_mul", "twice", "unused", "relu"):
-        assert reasons[name] == dict(ft.fuse_group_norm_swish(Reasons(), (x,)).skipped)[name]
+        assert reasons[name] == by_example[name]
     assert reasons["kept"].startswith("its output is still referenced")
     assert reasons["returned"].startswith("its output is still referenced")  # kept by the caller
     assert all(type(getattr(model, name)) is ft.FusedGroupNorm for name in names)  # plain behaviour, inspectable

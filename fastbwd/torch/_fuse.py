@@ -199,6 +199,8 @@ def fuse_group_norm_swish(module: nn.Module, example_inputs=None, example_kwargs
             for undo_one in reversed(undo):
                 undo_one()
             raise
+        if any(_kept(sub, returned) for sub in candidates):
+            gc.collect()  # an output held only by a reference cycle is not kept
         for sub in candidates:
             state, text = _decide(sub, final=True, returned=returned)
             if state == _FUSED:
@@ -285,8 +287,7 @@ def _group_norm_swish(norm):
 
 _GROUP_LIMIT = 4000  # fastbwd.api.group_norm_swish.MAX_GROUP_SIZE, the documents' limit
 _PENDING, _OBSERVING, _FUSED, _SKIPPED = "pending", "observing", "fused", "skipped"
-_HALF = (torch.float16, torch.bfloat16)
-_FLOATING = (torch.float32, torch.float64) + _HALF
+_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -357,18 +358,11 @@ class FusedGroupNorm(nn.GroupNorm):
             return None
         if _forward_ad._current_level >= 0:  # dual tensors: the fused operator has no forward derivative
             return None
-        weight, bias = self.weight, self.bias
-        for parameter in (weight, bias):
-            if parameter is not None and parameter.dtype != input.dtype:
-                if not (input.dtype in _HALF and parameter.dtype == torch.float32):
-                    return None
-        if weight is not None and bias is not None and weight.dtype != bias.dtype:
-            return None
         if input.dim() < 2 or input.numel() == 0:
             return None
-        try:
-            return _ops.geometry_of(input, weight, bias, self.num_groups, float(self.eps), 1.0, _check_input)
-        except Exception:  # noqa: BLE001 - nn.GroupNorm raises its own error (or accepts it)
+        try:  # nn.GroupNorm's checks (dtype pairings included), once per geometry
+            return _ops.geometry_of(input, self.weight, self.bias, self.num_groups, float(self.eps), 1.0, _check_input)
+        except Exception:  # noqa: BLE001 - the call is nn.GroupNorm's, which raises its own error
             return None
 
     def _settle(self, state, text):
@@ -384,12 +378,15 @@ class FusedGroupNorm(nn.GroupNorm):
         self._settle(_SKIPPED, reason)
         if not self._fusion_warned:
             self._fusion_warned = True
+            frame, level = sys._getframe(), 1  # the warning points at the code that used the output
+            while frame is not None and frame.f_code.co_filename in _PLUMBING:
+                frame, level = frame.f_back, level + 1
             warnings.warn(
                 f"fastbwd.torch: the output of the fused GroupNorm {self.fusion_name!r} was used again after "
                 "its SiLU (a path not seen when it was fused): that SiLU's result came from fastbwd's fused "
                 "kernel, the other use got nn.GroupNorm's exact output. This GroupNorm is not fused from now on.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=level,
             )
 
     def extra_repr(self):
@@ -487,10 +484,6 @@ def _decide(norm, final, returned=frozenset()):
         if len(record.uses) > 1:
             return _SKIPPED, f"its output is used {len(record.uses)} times ({'; '.join(u.what for u in record.uses)})"
     alive = [record.output() for record in records if record.output() is not None]
-    if alive and final:
-        del alive
-        gc.collect()  # a reference cycle may hold one
-        alive = [record.output() for record in records if record.output() is not None]
     if alive:
         if any(id(output) in returned for output in alive):
             return _SKIPPED, "its output is returned from the model's forward unconsumed"
@@ -504,6 +497,13 @@ def _decide(norm, final, returned=frozenset()):
     if any(not record.uses for record in records):
         return _SKIPPED, "its output is not used"
     return _FUSED, records[0].uses[0].what
+
+
+def _kept(norm, returned):
+    """Whether an output of ``norm``'s observed calls is still referenced, and not returned."""
+    return any(
+        output is not None and id(output) not in returned for output in (r.output() for r in norm._fusion_records)
+    )
 
 
 def _observe(module, args, kwargs):
