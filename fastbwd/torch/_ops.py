@@ -503,9 +503,11 @@ def _grad(ctx, grad_output, input, weight, bias, statistics, arrays):
     tensors, ``arrays`` (:class:`_KernelArrays`) are those the eager path's forward kept, or
     None."""
     needs = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and input.numel() != 0:
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
-        # derivative, so differentiate PyTorch's composite instead (exact double backward).
+        # derivative, so differentiate PyTorch's composite instead (exact double backward). An
+        # empty input's gradients are constant zeros (and group_norm's decomposition cannot
+        # reshape an empty input under dynamic shapes).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
     if arrays is not None and _eager(grad_output, input):
@@ -560,7 +562,7 @@ def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, 
     given ``mean`` and ``rstd``: the derivative of ``fastbwd::group_norm_swish_backward``."""
     batch, channels = input.shape[:2]
     broadcast = (1, channels) + (1,) * (input.dim() - 2)
-    grouped = (batch, num_groups, -1)
+    grouped = (batch, num_groups, math.prod(input.shape[1:]) // num_groups)  # no -1: empty inputs too
     gamma = weight if weight is not None else torch.ones(channels, dtype=mean.dtype)
     beta = bias if bias is not None else torch.zeros(channels, dtype=mean.dtype)
     xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)).reshape(
