@@ -1,4 +1,4 @@
-"""PyTorch-bridge benchmarks T1-T7 (fastbwd.torch against plain PyTorch, same thread count)."""
+"""PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count)."""
 
 import functools
 
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import fastbwd.torch as ft  # noqa: E402
 from .torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
 
-#: T1-T7's ids, the same at both sizes.
+#: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
 
 

@@ -264,6 +264,32 @@ def test_in_place_silu_runs_fused_and_later_uses_see_its_output(spelling, monkey
     torch.testing.assert_close(y, F.silu(plain(x)), rtol=1e-6, atol=1e-6)
 
 
+def test_an_in_place_silu_ends_what_is_observed():
+    """After ``nn.SiLU(inplace=True)`` the tensor holds the SiLU's output: its later uses are not
+    uses of the GroupNorm's output."""
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.GroupNorm(2, 4)
+            self.act = nn.SiLU(inplace=True)
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            h = self.norm(x)
+            self.act(h)
+            return self.conv(h) + h
+
+    model = InPlace()
+    reference = copy.deepcopy(model)
+    x = _randn(2, 4, 3, 3)
+    report = ft.fuse_group_norm_swish(model, (x,))
+    assert [f.name for f in report.fused] == ["norm"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
 def test_the_c_spelling_of_silu_runs_fused(monkeypatch):
     norm, plain = armed()
     count = Counter(monkeypatch)
