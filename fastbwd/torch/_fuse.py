@@ -401,7 +401,7 @@ class FusedGroupNorm(nn.GroupNorm):
 
     def __getstate__(self):
         # what is being observed (weak references) belongs to this process's calls
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_fusion_records"] = []
         state["_fusion_names"] = {}
         if state.get("fusion_state") == _OBSERVING:
