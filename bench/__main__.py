@@ -1,33 +1,66 @@
-"""The main job, from the checkout: ``python3 -m bench [--full] [--json FILE]``.
+"""The main job, from the checkout: ``python3 -m bench [--full] [--json FILE] [--publish]``.
 
-For every operator implemented in this build it checks a small case against the float64
-reference (``python -m fastbwd``'s self-check), then runs the benchmark cases of
-``bench/cases.py`` (small shapes; ``--full``: the docs/semantics.md §6 shapes, as in the README's
-table) and prints, per case:
+For every operator it checks a small case against the float64 reference (``python -m
+fastbwd``'s self-check), then runs the benchmark cases of ``bench/cases.py`` (small shapes;
+``--full``: the docs/semantics.md §6 shapes, as in the README's tables) and prints, per row:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
-(measured on the spot with a large parallel copy) and the speed-up over each baseline timed in
-the same alternating rounds: PyTorch's calls when torch is importable (the same thread count for
-both), and for the NHWC GroupNorm+Swish case fastbwd's own NCHW call on the same values (the
-speed-up is then the NHWC/NCHW speed ratio). When jax is importable, the
-``fastbwd.jax`` section times ``jax.jit(jax.grad(loss))`` through the bridge against JAX's own
-gradient of the same forward.
+(measured on the spot with a large parallel copy), the speed-up over each baseline timed in the
+same alternating rounds, the row's spread, and its target with a verdict (``--full``). The
+baselines: PyTorch's calls when torch is importable (the same thread count for both), and for
+the NHWC GroupNorm+Swish case fastbwd's own NCHW call on the same values (the speed-up is then
+the NHWC/NCHW speed ratio). Then the PyTorch bridge's cases (``bench/torch_cases.py``) and,
+when jax is importable, the JAX bridge's (``bench/jax_cases.py``): each row is fastbwd's way
+against the plain framework's, timed the same way.
+
+The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
+rounds until the spread of the rounds settles or the case's time budget runs out; a row whose
+spread is wider than ``--max-spread`` is marked noisy and its target gets no verdict. The run
+warns at its start when the machine is busy (its load average; two readings of the copy
+bandwidth far apart) and ends with a summary: the targets met, missed and not trustworthy.
+
+``--publish`` (with ``--full``) saves the results to ``bench/results.json`` and regenerates the
+README's tables from them (``bench/to_table.py``): the one command behind the README's numbers.
 """
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
 
 import fastbwd
-from fastbwd.__main__ import small_check
+from fastbwd.__main__ import shadowing_note, small_check
+from fastbwd._registry import OPERATORS, ops_help
 from fastbwd.kernels._jit import threading_layer
 
+from . import targets, to_table
 from .bandwidth import parallel_copy, parallel_stream_fill
-from .cases import implemented_ops
+from .cases import OPS
+from .timing import Settings, alternating_rounds, parallel_stall, spread
+
+#: The checkout's root: where --publish writes bench/results.json and README.md.
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The second copy the main job times: the size of the large cases' results (A1 51 MB, P1 67 MB).
+CASE_SIZE_COPY_BYTES = 64 << 20
+
+#: A 1-minute load average above this, before the run starts, means other processes ran; this
+#: many other runnable processes on average, sampled over half a second, mean they run now.
+BUSY_LOAD = 0.75
+BUSY_RUNNING = 0.5
+#: Two readings of the copy bandwidth further apart than this (relative to the larger) mean the
+#: machine's speed is moving.
+BANDWIDTH_DISAGREEMENT = 0.2
+
+#: The main job's timing settings, per size (``--budget``, ``--tolerance`` override theirs).
+FULL = Settings(round_seconds=0.05, min_rounds=7, tolerance=0.02, budget=12.0)
+QUICK = Settings(round_seconds=0.01, min_rounds=5, tolerance=0.03, budget=1.0)
 
 
 def say(text="", end="\n"):
@@ -45,10 +78,6 @@ def median_seconds(function, min_repeats, min_seconds):
         if len(times) >= 200:
             break
     return float(np.median(times))
-
-
-#: The second copy the main job times: the size of the large cases' results (A1 51 MB, P1 67 MB).
-CASE_SIZE_COPY_BYTES = 64 << 20
 
 
 def copy_bandwidth(nbytes):
@@ -76,193 +105,303 @@ def stream_write_bandwidth(nbytes):
     return destination.nbytes / best / 1e9
 
 
-def run(args):
-    quick = not args.full
-    torch = None
-    if not args.no_torch:
+def running_elsewhere(samples=10, interval=0.05):
+    """How many other processes are running, on average over ``samples`` readings of
+    /proc/loadavg's runnable count (this process is one of them); None where it cannot be read."""
+    counts = []
+    for _ in range(samples):
         try:
-            import torch
-        except ImportError:
-            torch = None
-    if torch is not None:
-        torch.set_num_threads(numba.get_num_threads())
+            with open("/proc/loadavg") as handle:
+                counts.append(int(handle.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return None
+        time.sleep(interval)
+    return sum(counts) / len(counts)
 
-    machine = dict(
-        fastbwd=fastbwd.__version__,
-        numba=numba.__version__,
-        numpy=np.__version__,
-        python=platform.python_version(),
-        cpu=_cpu_name(),
-        threads=numba.get_num_threads(),
-        threading_layer=threading_layer(),
-        torch=getattr(torch, "__version__", None),
-    )
-    say(
-        f"fastbwd {machine['fastbwd']} | numba {machine['numba']} | {machine['threads']} threads "
-        f"({machine['threading_layer']}) | {machine['cpu']} | torch {machine['torch'] or 'not installed'}"
-    )
-    say("measuring memory bandwidth (parallel copy) ... ", end="")
-    yardstick_bytes = CASE_SIZE_COPY_BYTES if quick else 512 << 20
-    bandwidth = copy_bandwidth(yardstick_bytes)
-    # The large copy's halves are above glibc's non-temporal threshold (192 MB per memcpy on
-    # these machines), so it stores without reading the destination first; a copy the size of
-    # the cases' results takes plain stores, as a kernel writing its result does (the small
-    # shapes' yardstick is already that copy).
-    case_size_bandwidth = bandwidth if quick else copy_bandwidth(CASE_SIZE_COPY_BYTES)
-    write_bandwidth = stream_write_bandwidth(CASE_SIZE_COPY_BYTES)
-    say(
-        f"{bandwidth:.1f} GB/s ({yardstick_bytes >> 20} MB); a 64 MB copy: {case_size_bandwidth:.1f} GB/s; "
-        f"a 64 MB streamed write: {write_bandwidth:.1f} GB/s written"
-    )
 
-    rows = []
-    header = (
-        f"{'operator':<29} {'case':<8} {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}"
-        f"  {'baseline':<18} {'ms':>8} {'speed-up':>8}"
-    )
-    for spec in implemented_ops():
-        if args.ops and spec.name not in args.ops:
-            continue
-        say(
-            f"\n{spec.name}: compiling and checking a small case (a first run compiles, which takes seconds; "
-            "python -m fastbwd --precompile compiles everything ahead) ... ",
-            end="",
+def _disagree(first, second):
+    return abs(first - second) > BANDWIDTH_DISAGREEMENT * max(first, second)
+
+
+class Run:
+    """One main-job run: its settings, the rows it collects and its printing."""
+
+    def __init__(self, args):
+        self.args = args
+        self.full = args.full
+        base = FULL if args.full else QUICK
+        self.settings = Settings(
+            round_seconds=base.round_seconds,
+            min_rounds=base.min_rounds,
+            tolerance=args.tolerance if args.tolerance is not None else base.tolerance,
+            budget=args.budget if args.budget is not None else base.budget,
         )
-        t0 = time.perf_counter()
-        verdict = small_check(spec.name)
-        say(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
-        say(header)
-        for case in spec.quick_cases if quick else spec.cases:
+        self.max_spread = args.max_spread
+        self.rows = []
+        self.warnings = []
+
+    def selected(self, name):
+        return not self.args.ops or name in self.args.ops
+
+    # ---- the rows' spread, target and verdict ---------------------------------------------
+
+    def finish_row(self, row, series, timing, stall):
+        """Add the spread of ``series`` (the row's per-round values), its round count, whether
+        the case's rounds settled, the case's parallel stall, and (``--full``) the verdict; store
+        and return the row."""
+        row.update(spread=spread(series), rounds=len(series), settled=timing.settled, stall=stall)
+        row.setdefault("target", None)
+        if self.full:
+            row["verdict"] = targets.verdict(row, self.max_spread)
+        self.rows.append(row)
+        return row
+
+    def verdict_text(self, row):
+        """The printed target column: the target, and its verdict in a --full run."""
+        if not row.get("target"):
+            return ""
+        if not self.full:
+            return row["target"]
+        outcome = row.get("verdict")
+        return (
+            f"{row['target']}: {outcome.upper() if outcome == targets.MISSED else outcome}"
+            if outcome
+            else row["target"]
+        )
+
+    def spread_text(self, row):
+        return f"{targets.spread_text(row.get('spread'))} {targets.trust_text(row, self.max_spread)}".strip()
+
+    # ---- the machine --------------------------------------------------------------------
+
+    def machine(self, torch):
+        load = os.getloadavg()
+        others = running_elsewhere()
+        machine = dict(
+            fastbwd=fastbwd.__version__,
+            numba=numba.__version__,
+            numpy=np.__version__,
+            python=platform.python_version(),
+            cpu=_cpu_name(),
+            cpus=os.cpu_count(),
+            threads=numba.get_num_threads(),
+            threading_layer=threading_layer(),
+            torch=getattr(torch, "__version__", None),
+            load_average=list(load),
+            running_elsewhere=others,
+        )
+        say(
+            f"fastbwd {machine['fastbwd']} ({os.path.dirname(os.path.abspath(fastbwd.__file__))}) | numba "
+            f"{machine['numba']} | {machine['threads']} threads ({machine['threading_layer']}) | {machine['cpu']}, "
+            f"{machine['cpus']} CPUs | torch {machine['torch'] or 'not installed'}"
+        )
+        note = shadowing_note()
+        if note:
+            say(note)
+        if load[0] > BUSY_LOAD or (others is not None and others >= BUSY_RUNNING):
+            now = "" if others is None else f"; {others:.1f} other processes were running as it started"
+            self.warn(
+                f"the machine is busy: its load average over the last minute was {load[0]:.2f} on "
+                f"{machine['cpus']} CPUs{now}. Other processes compete for the cores: expect wide spreads, and a "
+                "parallel call can wait milliseconds for a descheduled worker thread."
+            )
+        machine["parallel_stall"] = stall = parallel_stall()
+        if stall > targets.STALL_LIMIT:
+            self.warn(
+                f"parallel calls stall: a short parallel copy took {stall:.1f}x its one-thread time on "
+                f"{machine['threads']} threads (at most about 1 on an idle machine), waiting for worker threads "
+                "that other processes keep off the cores. Rows timed in such a state are marked 'stalled' and "
+                "their targets get no verdict."
+            )
+        return machine
+
+    def warn(self, text):
+        self.warnings.append(text)
+        say(f"WARNING: {text}")
+
+    def bandwidth(self):
+        """The copy yardstick (two readings, the higher one kept), the case-size copy and the streamed write."""
+        yardstick_bytes = CASE_SIZE_COPY_BYTES if not self.full else 512 << 20
+        say(f"measuring memory bandwidth (a {yardstick_bytes >> 20} MB parallel copy, twice) ... ", end="")
+        first = copy_bandwidth(yardstick_bytes)
+        # The large copy's halves are above glibc's non-temporal threshold (192 MB per memcpy on
+        # these machines), so it stores without reading the destination first; a copy the size of
+        # the cases' results takes plain stores, as a kernel writing its result does (the small
+        # shapes' yardstick is already that copy).
+        case_size = copy_bandwidth(CASE_SIZE_COPY_BYTES) if self.full else None
+        write = stream_write_bandwidth(CASE_SIZE_COPY_BYTES)
+        second = copy_bandwidth(yardstick_bytes)
+        bandwidth = max(first, second)
+        say(
+            f"{first:.1f} and {second:.1f} GB/s"
+            + (f"; a 64 MB copy: {case_size:.1f} GB/s" if case_size is not None else "")
+            + f"; a 64 MB streamed write: {write:.1f} GB/s written"
+        )
+        if _disagree(first, second):
+            self.warn(
+                f"two readings of the copy bandwidth, a second apart, differ by more than "
+                f"{100 * BANDWIDTH_DISAGREEMENT:.0f}% ({first:.1f} and {second:.1f} GB/s): another process is using "
+                f"the memory or the cores, so timings move within the run; % of copy bw uses the higher reading."
+            )
+        self.yardstick_bytes = yardstick_bytes
+        return dict(
+            bandwidth_gbps=bandwidth,
+            bandwidth_readings_gbps=[first, second],
+            case_size_copy_gbps=case_size if case_size is not None else bandwidth,
+            stream_write_gbps=write,
+        )
+
+    # ---- the operators' cases -----------------------------------------------------------
+
+    def operators(self, with_torch, bandwidth):
+        for spec in OPS.values():
+            if not self.selected(spec.name):
+                continue
+            say(f"\n{spec.name}: checking a small case against the float64 reference ... ", end="")
             t0 = time.perf_counter()
-            prepared = spec.prepare(case, torch is not None)
-            setup = time.perf_counter() - t0
-            variants = [("alloc", prepared.run)] + ([("out=", prepared.run_out)] if prepared.run_out else [])
-            # fastbwd's variants and the baselines in alternating rounds: the load of a shared
-            # machine moves within a case, and sequential medians put a change on one side
-            named = variants + list(prepared.baselines.items())
-            seconds_of = dict(
-                zip(
-                    [name for name, _ in named],
-                    _alternating_medians([fn for _, fn in named], args.repeats, args.seconds),
-                )
+            say(f"{small_check(spec.name)} ({time.perf_counter() - t0:.1f} s)")
+            cases = spec.cases if self.full else spec.quick_cases
+            say(
+                f"  {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}  {'baseline':<21} {'ms':>9} "
+                f"{'speed-up':>8} {'spread':>7}  {'target' if self.full else 'target (for the --full shapes)'}"
             )
-            timings = {name: seconds_of[name] for name, _ in variants}
-            baselines = {name: seconds_of[name] for name in prepared.baselines}
-            for variant, seconds in timings.items():
-                gbps = prepared.nbytes / seconds / 1e9
-                # out= variants are compared with the out= baseline, everything else with the rest
-                matching = {k: v for k, v in baselines.items() if (k.endswith("out=")) == (variant == "out=")}
-                if not matching:
-                    matching = {"": None}
-                for index, (baseline, base_seconds) in enumerate(matching.items()):
-                    first = index == 0
-                    row = dict(
-                        op=spec.name,
-                        case=case.id,
-                        label=case.label,
-                        dtype=case.dtype,
-                        variant=variant,
-                        ms=seconds * 1e3,
-                        gbps=gbps,
-                        pct_bandwidth=100 * gbps / bandwidth,
-                        baseline=baseline or None,
-                        baseline_ms=None if base_seconds is None else base_seconds * 1e3,
-                        speedup=None if base_seconds is None else base_seconds / seconds,
-                        setup_s=setup,
-                    )
-                    rows.append(row)
-                    left = (
-                        (
-                            f"{spec.name:<29} {case.id:<8} {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} "
-                            f"{gbps:6.1f} {row['pct_bandwidth']:4.0f}%"
-                        )
-                        if first
-                        else " " * 78
-                    )
-                    # two decimals below 1 (the NHWC/NCHW ratio has a target of 0.8)
-                    right = (
-                        f"  {baseline:<18} {row['baseline_ms']:8.2f} "
-                        f"{row['speedup']:7.{2 if row['speedup'] < 1 else 1}f}x"
-                        if base_seconds is not None
-                        else ""
-                    )
-                    say(left + right)
-            del prepared
-    if torch is not None and (not args.ops or "torch" in args.ops):
-        rows.extend(torch_bridge(args))
-    if not args.no_jax and (not args.ops or "jax" in args.ops):
-        machine["jax"], jax_rows = jax_bridge(args)
-        rows.extend(jax_rows)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(
+            for case in cases:
+                self.operator_case(spec, case, with_torch, bandwidth)
+
+    def operator_case(self, spec, case, with_torch, bandwidth):
+        say(f"  {case.id} {case.dtype}: {case.label}")
+        t0 = time.perf_counter()
+        prepared = spec.prepare(case, with_torch)
+        setup = time.perf_counter() - t0
+        variants = [("alloc", prepared.run)] + ([("out=", prepared.run_out)] if prepared.run_out else [])
+        named = variants + list(prepared.baselines.items())
+        index = {name: i for i, (name, _) in enumerate(named)}
+        # out= variants are compared with the out= baselines, everything else with the rest
+        pairs = []
+        for variant, _ in variants:
+            matching = [name for name in prepared.baselines if name.endswith("out=") == (variant == "out=")]
+            pairs += [(variant, baseline) for baseline in matching] or [(variant, None)]
+        series = [(index[variant], None if baseline is None else index[baseline]) for variant, baseline in pairs]
+        # fastbwd's variants and the baselines in alternating rounds: the load of a shared
+        # machine moves within a case, and sequential medians put a change on one side
+        stall = parallel_stall()
+        timing = alternating_rounds([function for _, function in named], series, self.settings)
+        shown = set()
+        for (variant, baseline), (i, b) in zip(pairs, series):
+            seconds = timing.median(i)
+            gbps = prepared.nbytes / seconds / 1e9
+            base_seconds = None if b is None else timing.median(b)
+            row = self.finish_row(
                 dict(
-                    machine=machine,
-                    bandwidth_gbps=bandwidth,
-                    case_size_copy_gbps=case_size_bandwidth,
-                    stream_write_gbps=write_bandwidth,
-                    quick=quick,
-                    rows=rows,
+                    op=spec.name,
+                    case=case.id,
+                    label=case.label,
+                    dtype=case.dtype,
+                    variant=variant,
+                    ms=seconds * 1e3,
+                    gbps=gbps,
+                    # small shapes stay in the caches: a share of the memory's copy rate means nothing there
+                    pct_bandwidth=100 * gbps / bandwidth if self.full else None,
+                    baseline=baseline,
+                    baseline_ms=None if base_seconds is None else base_seconds * 1e3,
+                    speedup=None if base_seconds is None else base_seconds / seconds,
+                    target=case.targets.get(baseline) if baseline else None,
+                    setup_s=setup,
                 ),
-                handle,
-                indent=1,
+                timing.series(i, b),
+                timing,
+                stall,
             )
-        say(f"\nresults saved to {args.json}")
-    return 0
-
-
-def _target_heading(args):
-    """The targets are set for the full-size cases: on small shapes fixed per-call costs dominate."""
-    return "target" if args.full else "target (for the --full shapes)"
-
-
-def torch_bridge(args):
-    """The PyTorch bridge's cases T1-T7 (``bench/torch_cases.py``): each checks its
-    gradients against plain PyTorch, then both are timed; returns the rows."""
-    from .torch_cases import cases
-
-    say(
-        "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
-        "against plain PyTorch, then timing both in alternating rounds"
-    )
-    say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'torch ms':>9} {'speed-up':>8}  {_target_heading(args)}")
-    rows = []
-    for case in cases(quick=not args.full):
-        case.check()
-        fastbwd_seconds, torch_seconds = _alternating_medians((case.fastbwd, case.torch), args.repeats, args.seconds)
-        speedup = torch_seconds / fastbwd_seconds
-        say(
-            f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} {torch_seconds * 1e3:9.2f} "
-            f"{speedup:7.2f}x  {case.target}"
-        )
-        rows.append(
-            dict(
-                op="fastbwd.torch",
-                case=case.id,
-                label=case.label,
-                dtype="float32",
-                variant="autograd",
-                ms=fastbwd_seconds * 1e3,
-                gbps=None,
-                pct_bandwidth=None,
-                baseline="torch",
-                baseline_ms=torch_seconds * 1e3,
-                speedup=speedup,
-                target=case.target,
+            left = (
+                f"  {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} {gbps:6.1f} {targets.percent_text(row['pct_bandwidth']):>5}"
+                if variant not in shown
+                else " " * 42
             )
-        )
-    from .torch_cases import measure_overhead, overhead_cases
+            shown.add(variant)
+            right = (
+                f"  {baseline:<21} {row['baseline_ms']:9.2f} {targets.speedup_text(row['speedup']):>8}"
+                if baseline
+                else f"  {'':<21} {'':>9} {'':>8}"
+            )
+            say(f"{left}{right} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip())
 
-    say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
-    say(f"{'case':<5} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8}")
-    for case in overhead_cases():
-        us = measure_overhead(case)
+    # ---- the bridges: fastbwd's way against the framework's own, case by case -------------
+
+    def paired_cases(self, cases, baseline_attribute, op, variant, baseline_name):
+        """Time each case's ``fastbwd`` against its ``baseline_attribute`` callable (after its
+        ``check()``) and print a row each: any case object with ``id``, ``label``, ``fastbwd``,
+        ``check``, ``target`` and the baseline slots in."""
+        heading = "target" if self.full else "target (for the --full shapes)"
+        width = max([len(case.label) for case in cases] + [60])
         say(
-            f"{case.id:<5} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
-            f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f}"
+            f"{'case':<6} {'what':<{width}} {'fastbwd ms':>10} {baseline_name + ' ms':>10} {'speed-up':>8} "
+            f"{'spread':>7}  {heading}"
         )
-        rows.append(
-            dict(
+        for case in cases:
+            case.check()
+            baseline = getattr(case, baseline_attribute)
+            functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
+            stall = parallel_stall()
+            timing = alternating_rounds(functions, [(0, 1 if baseline is not None else None)], self.settings)
+            seconds = timing.median(0)
+            base_seconds = timing.median(1) if baseline is not None else None
+            row = self.finish_row(
+                dict(
+                    op=op,
+                    case=case.id,
+                    label=case.label,
+                    dtype="float32",
+                    variant=variant,
+                    ms=seconds * 1e3,
+                    gbps=None,
+                    pct_bandwidth=None,
+                    baseline=baseline_name if baseline is not None else None,
+                    baseline_ms=None if base_seconds is None else base_seconds * 1e3,
+                    speedup=None if base_seconds is None else base_seconds / seconds,
+                    target=case.target,
+                    note=getattr(case, "note", ""),
+                ),
+                timing.series(0, 1 if baseline is not None else None),
+                timing,
+                stall,
+            )
+            other = (
+                f"{base_seconds * 1e3:10.2f} {targets.speedup_text(row['speedup']):>8}"
+                if base_seconds is not None
+                else f"{'-':>10} {'-':>8}"
+            )
+            say(
+                f"{case.id:<6} {case.label:<{width}} {seconds * 1e3:10.2f} {other} {self.spread_text(row):>7}  "
+                f"{self.verdict_text(row)}".rstrip()
+                + (f"  ({row['note']})" if row["note"] else "")
+            )
+
+    def torch_bridge(self):
+        """The PyTorch bridge's cases (``bench/torch_cases.py``) and the routing's per-call cost."""
+        from .torch_cases import cases, measure_overhead, overhead_cases
+
+        say(
+            "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
+            "against plain PyTorch, then timing both in alternating rounds"
+        )
+        self.paired_cases(list(cases(quick=not self.full)), "torch", "fastbwd.torch", "autograd", "torch")
+        if self.full:  # Inductor compiles each model twice: a minute or more on two cores
+            from .torch_cases import compile_cases
+
+            say(
+                "\nfastbwd.torch under torch.compile (Inductor; fastbwd enabled before the first compiled call): "
+                "checking each case's gradients against eager, then timing it against its baseline (the label says which)"
+            )
+            self.paired_cases(compile_cases(), "torch", "fastbwd.torch", "compiled", "baseline")
+        say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
+        say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
+        for case in overhead_cases():
+            stall = parallel_stall()
+            us = measure_overhead(case)
+            # the widest of the three ways' spreads over their rounds of 100 calls
+            spreads = [spread(values) for values in us.get("rounds", {}).values()]
+            spreads = [value for value in spreads if value is not None]
+            row = dict(
                 op="fastbwd.torch overhead",
                 case=case.id,
                 label=case.label,
@@ -271,79 +410,38 @@ def torch_bridge(args):
                 routed_us=us["routed"],
                 direct_us=us["direct"],
                 torch_us=us["torch"],
+                spread=max(spreads) if spreads else None,
+                stall=stall,
+                target=None,
             )
-        )
-    return rows
+            self.rows.append(row)
+            say(
+                f"{case.id:<6} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
+                f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f} {self.spread_text(row):>7}"
+            )
 
+    def jax_bridge(self):
+        """The JAX bridge's cases (``bench/jax_cases.py``) and its per-call transport cost.
+        Returns the jax version, None without jax."""
+        try:
+            import jax
+        except ImportError:
+            say("\nfastbwd.jax: jax is not installed, its cases are left out")
+            return None
+        from .jax_cases import cases, transport_overhead
 
-def _alternating_medians(functions, min_repeats, min_seconds, rounds=4):
-    """Median seconds of each of ``functions`` (None: not timed), timed in alternating rounds
-    so that a change in the machine's load lands on all of them alike."""
-    times = [[] for _ in functions]
-    for _ in range(rounds):
-        for function, samples in zip(functions, times):
-            if function is None:
-                continue
-            start, count = time.perf_counter(), 0
-            while count < max(1, min_repeats // rounds) or time.perf_counter() - start < min_seconds / rounds:
-                t0 = time.perf_counter()
-                function()
-                samples.append(time.perf_counter() - t0)
-                count += 1
-                if count >= 50:
-                    break
-    return [float(np.median(samples)) if samples else None for samples in times]
-
-
-def jax_bridge(args):
-    """The JAX bridge's cases J1-J5 (``bench/jax_cases.py``) and its per-call transport
-    cost; each case checks its gradients first. Returns ``(jax version, rows)``, ``(None, [])``
-    without jax."""
-    try:
-        import jax
-    except ImportError:
-        return None, []
-    from .jax_cases import cases, transport_overhead
-
-    say(
-        f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
-        "each case's gradients against JAX's own, then timing both"
-    )
-    say(f"{'case':<5} {'what':<76} {'fastbwd ms':>10} {'jax ms':>9} {'speed-up':>8}  {_target_heading(args)}")
-    rows = []
-    for case in cases(quick=not args.full):
-        case.check()
-        fastbwd_seconds, jax_seconds = _alternating_medians((case.fastbwd, case.jax), args.repeats, args.seconds)
-        speedup = None if jax_seconds is None else jax_seconds / fastbwd_seconds
         say(
-            f"{case.id:<5} {case.label:<76} {fastbwd_seconds * 1e3:10.2f} "
-            + (f"{jax_seconds * 1e3:9.2f} {speedup:7.2f}x" if speedup else f"{'-':>9} {'-':>8}")
-            + f"  {case.target}"
+            f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
+            "each case's gradients against JAX's own, then timing both"
         )
-        rows.append(
-            dict(
-                op="fastbwd.jax",
-                case=case.id,
-                label=case.label,
-                dtype="float32",
-                variant="jit(grad)",
-                ms=fastbwd_seconds * 1e3,
-                gbps=None,
-                pct_bandwidth=None,
-                baseline="jax" if jax_seconds else None,
-                baseline_ms=jax_seconds and jax_seconds * 1e3,
-                speedup=speedup,
-                target=case.target,
-            )
-        )
-    one, many = _alternating_medians(tuple(transport_overhead().values()), 200, 0.4)
-    per_call = (many - one) / 10
-    say(
-        f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
-        f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us)"
-    )
-    rows.append(
-        dict(
+        self.paired_cases(list(cases(quick=not self.full)), "jax", "fastbwd.jax", "jit(grad)", "jax")
+        transport = Settings(round_seconds=0.02, min_rounds=7, tolerance=0.05, budget=3.0)
+        stall = parallel_stall()
+        timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
+        one, many = timing.median(0), timing.median(1)
+        per_call = (many - one) / 10
+        slopes = [(m - o) / 10 for o, m in zip(timing.rounds[0], timing.rounds[1])]
+        row = dict(
             op="fastbwd.jax",
             case="overhead",
             label="per FFI call (11 vs 1 chained no-op calls, 4 KB)",
@@ -356,9 +454,83 @@ def jax_bridge(args):
             baseline_ms=one * 1e3,
             speedup=None,
             target="report",
+            spread=spread(slopes),
+            rounds=len(slopes),
+            settled=timing.settled,
+            stall=stall,
         )
-    )
-    return jax.__version__, rows
+        self.rows.append(row)
+        say(
+            f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
+            f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us), spread {self.spread_text(row)}"
+        )
+        return jax.__version__
+
+    # ---- the whole run ------------------------------------------------------------------
+
+    def run(self):
+        args = self.args
+        torch = None
+        if not args.no_torch:
+            try:
+                import torch
+            except ImportError:
+                torch = None
+        if torch is not None:
+            torch.set_num_threads(numba.get_num_threads())
+        machine = self.machine(torch)
+        measured = self.bandwidth()
+        say(
+            "\nA first run compiles each kernel it calls (seconds per operator; `python -m fastbwd --precompile` "
+            "compiles them all ahead); the checks below include that time, the timings do not."
+        )
+        if not self.full:
+            say(
+                "Small shapes: a case id ending in q is the --full case of that id at a small size (its shapes are "
+                "printed), where fixed per-call costs weigh more; the targets are set for the --full shapes, so "
+                "rows get no verdict here, and the data stays in the caches, so no % of the memory's copy rate "
+                "either. `python3 -m bench --full` runs the full-size cases."
+            )
+        say(
+            f"Each row: medians of alternating rounds (until the spread settles or {self.settings.budget:g} s per "
+            f"case); spread: half the interquartile range of the rounds' speed-ups (or times) over their median, "
+            f"'noisy' above {targets.spread_text(self.max_spread)}."
+        )
+        self.operators(torch is not None, measured["bandwidth_gbps"])
+        if torch is not None and self.selected("torch"):
+            self.torch_bridge()
+        if not args.no_jax and self.selected("jax"):
+            machine["jax"] = self.jax_bridge()
+        end = copy_bandwidth(self.yardstick_bytes)
+        measured["bandwidth_readings_gbps"].append(end)
+        if _disagree(measured["bandwidth_gbps"], end):
+            self.warn(
+                f"the copy bandwidth read {end:.1f} GB/s at the end of the run against "
+                f"{measured['bandwidth_gbps']:.1f} at its start: the machine's speed changed during the run."
+            )
+        summary = targets.summarize(self.rows, self.max_spread, judge=self.full)
+        say("\n" + targets.summary_text(summary, self.max_spread))
+        if self.warnings:
+            say(f"This run warned {len(self.warnings)} time(s) that the machine was busy (above).")
+        results = dict(
+            machine=machine,
+            **measured,
+            quick=not self.full,
+            max_spread=self.max_spread,
+            settings=dataclasses.asdict(self.settings),
+            warnings=self.warnings,
+            summary=summary,
+            rows=self.rows,
+        )
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=1)
+                handle.write("\n")
+            say(f"results saved to {args.json}")
+        if args.readme:
+            to_table.write_readme(args.readme, results)
+            say(f"{args.readme}: benchmark tables regenerated from this run")
+        return 0
 
 
 def _cpu_name():
@@ -373,26 +545,61 @@ def _cpu_name():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m bench",
+        description="The main job: checks and benchmarks every operator against PyTorch and JAX (see bench/__main__.py).",
+    )
     parser.add_argument(
         "--full",
         action="store_true",
-        help="the full-size docs/semantics.md §6 shapes (the README's table; minutes per operator)",
+        help="the full-size docs/semantics.md §6 shapes (the README's tables; tens of minutes)",
     )
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
+    parser.add_argument("--readme", metavar="FILE", help="regenerate the benchmark tables of this README from the run")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="with --full: save bench/results.json and regenerate README.md's tables (the README's numbers)",
+    )
     parser.add_argument(
         "--ops",
-        nargs="*",
-        help="only these operators (public names; 'torch' for the PyTorch bridge's cases, 'jax' for the JAX bridge's)",
+        nargs="+",
+        metavar="OP",
+        choices=list(OPERATORS) + ["torch", "jax"],
+        help=ops_help("; torch: the PyTorch bridge's cases; jax: the JAX bridge's cases"),
     )
-    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines and cases")
     parser.add_argument("--no-jax", action="store_true", help="skip the fastbwd.jax section")
-    parser.add_argument("--repeats", type=int, default=10, help="minimum timed calls per row (default 10)")
-    parser.add_argument("--seconds", type=float, default=0.5, help="minimum seconds per row (default 0.5)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help=f"the most seconds a case's rounds may take (default {FULL.budget:g} with --full, {QUICK.budget:g} without)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        help=(
+            "rounds stop when each row's median is known to within this fraction "
+            f"(default {FULL.tolerance:g} with --full, {QUICK.tolerance:g} without)"
+        ),
+    )
+    parser.add_argument(
+        "--max-spread",
+        type=float,
+        default=to_table.DEFAULT_MAX_SPREAD,
+        help="a row whose spread is wider than this fraction is noisy, its target unjudged (default %(default)g)",
+    )
     args = parser.parse_args(argv)
-    if not args.full:
-        args.repeats, args.seconds = min(args.repeats, 3), min(args.seconds, 0.05)
-    return run(args)
+    if args.publish:
+        if not args.full or args.ops or args.no_torch or args.no_jax:
+            parser.error("--publish records the whole --full run: give --full, and no --ops, --no-torch or --no-jax")
+        args.json = args.json or str(ROOT / "bench" / "results.json")
+        args.readme = args.readme or str(ROOT / "README.md")
+    if args.readme and to_table.BEGIN not in Path(args.readme).read_text():
+        # fail now rather than after the run
+        parser.error(f"{args.readme} has no benchmark tables to regenerate (no line {to_table.BEGIN!r})")
+    return Run(args).run()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,16 @@
 """roi_align benchmarks: the backward on docs/semantics.md §6 R1, R2 and one 1e7-pixel box with adaptive
 sampling, with the two baselines of ``bench/roi_baselines.py`` when torch is installed
 (the pure-PyTorch formulation, autograd through index_add, and the serial torchvision-style loop);
-the forward ``roi_align_forward`` (for fastbwd.torch) on the R1 and R2 shapes, NCHW and
-channels-last, with the pure-PyTorch forward as its baseline.
+the forward ``roi_align_forward`` (for fastbwd.torch and fastbwd.jax) on the R1 and R2 shapes
+(R1f, R2f; NCHW and channels-last), with the pure-PyTorch forward as its baseline.
 
 Run: python -m pytest bench/bench_roi_align.py --benchmark-enable --benchmark-only
 """
 
-import numba
 import numpy as np
 import pytest
 
 import fastbwd
-from fastbwd._registry import channels_last, roi_boxes
-from fastbwd.api.roi_align import roi_align_forward
 
 from .benchutil import case_id, standard_benchmarks
 from .cases import OPS, Case, Prepared, fastbwd_calls
@@ -64,51 +61,9 @@ def bench_fastbwd_huge_box(case, measure, smoke):
     measure(case, prepared.run, prepared.nbytes, "fastbwd")
 
 
-# ---- the forward --------------------------------------------------------------------------------
+# ---- the forward (roi_align_forward, behind fastbwd.torch.roi_align and fastbwd.jax.roi_align):
+# R1 and R2's shapes, NCHW and channels-last, beside the pure-PyTorch forward (float32 NCHW, fixed sampling)
 
-FORWARD_CASES = [
-    pytest.param(
-        Case(case.id + "-fwd", "roi_align_forward", case.label + ", forward", case.params, case.dtype),
-        layout,
-        id=f"{case_id(case)}-fwd-{layout}",
-    )
-    for case in OPS["roi_align_backward"].cases
-    for layout in ("NCHW", "NHWC")
-]
-
-
-def _prepare_forward(case, layout, smoke):
-    p = (OPS["roi_align_backward"].smoke_case(case) if smoke else case).params
-    input_shape = tuple(p["input_shape"])
-    boxes = roi_boxes(p["num_boxes"], input_shape, p["spatial_scale"], dtype=np.dtype(case.dtype))
-    x = np.random.default_rng(0).uniform(-1, 1, input_shape).astype(case.dtype)
-    if layout == "NHWC":
-        x = channels_last(x)
-    args = (x, boxes, p["pooled_height"], p["pooled_width"], p["spatial_scale"], p["sampling_ratio"], p["aligned"])
-    run, run_out, out = fastbwd_calls(roi_align_forward, *args)
-    return args, Prepared(run=run, run_out=run_out, nbytes=x.nbytes + boxes.nbytes + out.nbytes)
-
-
-@pytest.mark.parametrize("case, layout", FORWARD_CASES)
-def bench_forward(case, layout, measure, smoke):
-    _, prepared = _prepare_forward(case, layout, smoke)
-    measure(case, prepared.run, prepared.nbytes, f"fastbwd forward {layout}")
-
-
-@pytest.mark.parametrize("case, layout", FORWARD_CASES)
-def bench_forward_out(case, layout, measure, smoke):
-    _, prepared = _prepare_forward(case, layout, smoke)
-    measure(case, prepared.run_out, prepared.nbytes, f"fastbwd forward {layout} out=")
-
-
-@pytest.mark.parametrize("case, layout", [p for p in FORWARD_CASES if p.values[1] == "NCHW"])
-def bench_forward_baseline(case, layout, measure, smoke):
-    torch = pytest.importorskip("torch")
-    from .roi_baselines import torch_forward
-
-    torch.set_num_threads(numba.get_num_threads())  # same thread count as fastbwd
-    if case.params["sampling_ratio"] == 0:
-        # ~10^4 samples per box, 4 corners x 256 channels each: many GB of gathered values
-        pytest.skip(f"the pure-PyTorch forward of {case.id} (adaptive sampling) would not fit in memory")
-    args, prepared = _prepare_forward(case, layout, smoke)
-    measure(case, lambda: torch_forward(*args), prepared.nbytes, "torch forward (pure PyTorch)")
+bench_forward, bench_forward_out, bench_forward_baseline = standard_benchmarks(
+    "roi_align_forward", baselines=["torch (pure PyTorch)"]
+)

@@ -1,5 +1,6 @@
 """PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count)."""
 
+import contextlib
 import functools
 
 import numba
@@ -8,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
-from .torch_cases import cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import cases, compile_cases, measure_overhead, overhead_cases  # noqa: E402
 
 #: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
@@ -18,6 +19,11 @@ CASE_IDS = [case.id for case in cases(quick=True)]
 def _cases(quick):
     """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
     return {case.id: case for case in cases(quick=quick)}
+
+
+@functools.cache
+def _compile_cases(quick):
+    return {case.id: case for case in compile_cases(quick=quick)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,6 +40,24 @@ def bench_torch_bridge(case_id, variant, benchmark, smoke):
     case = _cases(smoke)[case_id]
     if variant == "fastbwd":
         case.check()  # gradients agree with plain PyTorch before anything is timed
+    function = getattr(case, variant)
+    function()  # warm-up (compiles)
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
+    benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
+
+
+#: C1-C7's ids: models under torch.compile (Inductor compiles each twice: slow even when small).
+COMPILE_IDS = ["C1", "C2", "C3", "C4", "C5", "C6", "C7"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["fastbwd", "torch"])
+@pytest.mark.parametrize("case_id", COMPILE_IDS)
+def bench_torch_compile(case_id, variant, benchmark, smoke):
+    case = _compile_cases(smoke)[case_id]
+    if variant == "fastbwd":
+        case.check()  # gradients agree with eager before anything is timed
     function = getattr(case, variant)
     function()  # warm-up (compiles)
     benchmark.group = f"{case.id} {case.label}"
@@ -85,14 +109,20 @@ def bench_two_pools(variant, benchmark, smoke):
 OVERHEAD = {case.id: case for case in overhead_cases()}
 
 
+@pytest.mark.parametrize("way", ["routed", "direct", "torch"])
 @pytest.mark.parametrize("case_id", list(OVERHEAD))
-def bench_routing_overhead(case_id, benchmark):
+def bench_routing_overhead(case_id, way, benchmark):
+    """One group per case: the routed aten call, the direct fastbwd call and PyTorch's own kernel."""
     case = OVERHEAD[case_id]
-    us = measure_overhead(case, calls=300)
-    benchmark.group = "per-call overhead of the routing (tiny inputs)"
-    benchmark.extra_info.update(case=case.id, label=case.label, **{f"{k}_us": v for k, v in us.items()})
-    with ft.enabled():
-        benchmark.pedantic(case.aten, rounds=200, warmup_rounds=10, iterations=1)
+    if way == "routed":
+        # checks first that the routed call is served by fastbwd and equals the direct one bitwise
+        us = measure_overhead(case, calls=100)
+        benchmark.extra_info.update({f"{k}_us": v for k, v in us.items() if k != "rounds"})
+    benchmark.group = f"{case.id} routing overhead: {case.label}"
+    benchmark.extra_info.update(case=case.id, label=case.label, variant=way)
+    assert not ft.is_enabled()  # "torch" runs PyTorch's own kernel
+    with ft.enabled() if way == "routed" else contextlib.nullcontext():
+        benchmark.pedantic(case.direct if way == "direct" else case.aten, rounds=200, warmup_rounds=10, iterations=1)
 
 
 # ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------

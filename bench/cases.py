@@ -23,13 +23,18 @@ from fastbwd._registry import OPERATORS, Operator, channels_last, group_norm_swi
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: an id of docs/semantics.md §6 (with a suffix for variants) and its parameters."""
+    """One benchmark case: an id of docs/semantics.md §6 (with a suffix for variants), what it
+    is (its shapes), its parameters and its targets. Ids ending in ``q`` are the main job's small
+    versions of the ``--full`` case of the same id."""
 
     id: str
     op: str
     label: str
     params: dict
     dtype: str = "float32"
+    #: baseline name -> target for the speed-up over it, e.g. ``{"torch": ">= 10x"}`` (the issue
+    #: that set it in a comment beside it); set on the full-size cases, whose rows get a verdict
+    targets: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -55,10 +60,6 @@ class OpSpec(Operator):
     #: a case's params -> the same case at a small size: the benchmark files' smoke run
     #: (``python -m pytest`` without ``--benchmark-enable``) runs every case this size
     smoke: Callable[[dict], dict]
-
-    @property
-    def implemented(self):
-        return hasattr(fastbwd, self.name)
 
     def smoke_case(self, case):
         """``case`` (same id, dtype, layout and parameters) at the smoke run's size."""
@@ -148,10 +149,18 @@ PAD = extend(
     "replication_pad2d_backward",
     prepare=_prepare_pad,
     smoke=_smoke_pad,
+    # targets: issue 2 (P1 float32 >= 5x allocating; complex64 and float64 >= 2x), issue 14
+    # (P1 float32 out= >= 3x PyTorch's out=)
     cases=(
-        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1),
-        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "complex64"),
-        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "float64"),
+        Case(
+            "P1",
+            "replication_pad2d_backward",
+            "(16,64,128,128) pad 3",
+            _P1,
+            targets={"torch": ">= 5x", "torch out=": ">= 3x"},
+        ),
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "complex64", targets={"torch": ">= 2x"}),
+        Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "float64", targets={"torch": ">= 2x"}),
         Case("P1", "replication_pad2d_backward", "(16,64,128,128) pad 3", _P1, "bfloat16"),
         Case(
             "P1-NHWC",
@@ -196,7 +205,9 @@ def _prepare_upsample(case, with_torch):
 
 
 _U1 = dict(input_size=(8, 64, 64, 64), output_size=(128, 128), align_corners=False)
+_U1_LABEL = "(8,64,128,128) -> (8,64,64,64)"
 _U1_QUICK = dict(input_size=(2, 16, 32, 32), output_size=(64, 64), align_corners=False)
+_U1_QUICK_LABEL = "(2,16,64,64) -> (2,16,32,32)"
 
 
 def _smoke_upsample(p):
@@ -209,16 +220,30 @@ UPSAMPLE = extend(
     prepare=_prepare_upsample,
     smoke=_smoke_upsample,
     cases=(
-        Case("U1", "upsample_bilinear2d_backward", "(8,64,128,128) -> (8,64,64,64)", _U1),
-        Case("U2", "upsample_bilinear2d_backward", "U1, align_corners", dict(_U1, align_corners=True)),
-        Case("U3", "upsample_bilinear2d_backward", "U1, NHWC", dict(_U1, layout="NHWC")),
+        # targets: issue 3 (U1 >= 10x, U2 and U4 >= 6x, U5 >= 8x, U3 >= 1.5x PyTorch's channels_last call)
+        Case("U1", "upsample_bilinear2d_backward", _U1_LABEL, _U1, targets={"torch": ">= 10x"}),
+        Case(
+            "U2",
+            "upsample_bilinear2d_backward",
+            f"{_U1_LABEL}, align_corners",
+            dict(_U1, align_corners=True),
+            targets={"torch": ">= 6x"},
+        ),
+        Case(
+            "U3",
+            "upsample_bilinear2d_backward",
+            f"{_U1_LABEL}, NHWC",
+            dict(_U1, layout="NHWC"),
+            targets={"torch": ">= 1.5x"},
+        ),
         Case(
             "U4",
             "upsample_bilinear2d_backward",
             "(4,32,173,173) -> (4,32,100,100)",
             dict(input_size=(4, 32, 100, 100), output_size=(173, 173), align_corners=False),
+            targets={"torch": ">= 6x"},
         ),
-        Case("U5", "upsample_bilinear2d_backward", "U1 in bfloat16", _U1, "bfloat16"),
+        Case("U5", "upsample_bilinear2d_backward", _U1_LABEL, _U1, "bfloat16", targets={"torch": ">= 8x"}),
         Case(
             "U6",
             "upsample_bilinear2d_backward",
@@ -227,9 +252,9 @@ UPSAMPLE = extend(
         ),
     ),
     quick_cases=(
-        Case("U1q", "upsample_bilinear2d_backward", "(2,16,64,64) -> (2,16,32,32)", _U1_QUICK),
-        Case("U3q", "upsample_bilinear2d_backward", "U1q, NHWC", dict(_U1_QUICK, layout="NHWC")),
-        Case("U5q", "upsample_bilinear2d_backward", "U1q in bfloat16", _U1_QUICK, "bfloat16"),
+        Case("U1q", "upsample_bilinear2d_backward", _U1_QUICK_LABEL, _U1_QUICK),
+        Case("U3q", "upsample_bilinear2d_backward", f"{_U1_QUICK_LABEL}, NHWC", dict(_U1_QUICK, layout="NHWC")),
+        Case("U5q", "upsample_bilinear2d_backward", _U1_QUICK_LABEL, _U1_QUICK, "bfloat16"),
     ),
 )
 
@@ -281,7 +306,9 @@ def _prepare_avg_pool(case, with_torch):
 
 
 _A1 = dict(input_shape=(32, 128, 56, 56), kernel_size=(3, 3), stride=(2, 2), padding=(1, 1), count_include_pad=False)
+_A1_LABEL = "(32,128,56,56) k3 s2 p1, no pad count"
 _A1_QUICK = dict(_A1, input_shape=(4, 32, 28, 28))
+_A1_QUICK_LABEL = "(4,32,28,28) k3 s2 p1, no pad count"
 
 
 def _smoke_avg_pool(p):
@@ -292,26 +319,36 @@ AVG_POOL = extend(
     "avg_pool2d_backward",
     prepare=_prepare_avg_pool,
     smoke=_smoke_avg_pool,
+    # targets: issue 4 (A1 >= 4x allocating, A2 >= 4x, A3 >= 1x, A1 bfloat16 >= 8x, A1
+    # channels-last >= 1x PyTorch's channels_last call), issue 14 (A1 out= >= 6x PyTorch's out=)
     cases=(
-        Case("A1", "avg_pool2d_backward", "(32,128,56,56) k3 s2 p1, no pad count", _A1),
+        Case("A1", "avg_pool2d_backward", _A1_LABEL, _A1, targets={"torch": ">= 4x", "torch out=": ">= 6x"}),
         Case(
             "A2",
             "avg_pool2d_backward",
             "(32,128,56,56) k2 s2",
             dict(input_shape=(32, 128, 56, 56), kernel_size=(2, 2), stride=(2, 2), padding=(0, 0)),
+            targets={"torch": ">= 4x"},
         ),
         Case(
             "A3",
             "avg_pool2d_backward",
             "(32,512,7,7) k7 s1, global",
             dict(input_shape=(32, 512, 7, 7), kernel_size=(7, 7), stride=(1, 1), padding=(0, 0)),
+            targets={"torch": ">= 1x"},
         ),
-        Case("A1", "avg_pool2d_backward", "A1 in bfloat16", _A1, "bfloat16"),
-        Case("A1-NHWC", "avg_pool2d_backward", "A1, channels-last", dict(_A1, channels_last=True)),
+        Case("A1", "avg_pool2d_backward", _A1_LABEL, _A1, "bfloat16", targets={"torch": ">= 8x"}),
+        Case(
+            "A1-NHWC",
+            "avg_pool2d_backward",
+            f"{_A1_LABEL}, channels-last",
+            dict(_A1, channels_last=True),
+            targets={"torch": ">= 1x"},
+        ),
     ),
     quick_cases=(
-        Case("A1q", "avg_pool2d_backward", "(4,32,28,28) k3 s2 p1", _A1_QUICK),
-        Case("A1q", "avg_pool2d_backward", "A1q in bfloat16", _A1_QUICK, "bfloat16"),
+        Case("A1q", "avg_pool2d_backward", _A1_QUICK_LABEL, _A1_QUICK),
+        Case("A1q", "avg_pool2d_backward", _A1_QUICK_LABEL, _A1_QUICK, "bfloat16"),
     ),
 )
 
@@ -351,7 +388,9 @@ _R1 = dict(
     sampling_ratio=2,
     aligned=True,
 )
+_R1_LABEL = "(2,256,200,304), 512 boxes 7x7, sampling 2"
 _R1_QUICK = dict(_R1, input_shape=(2, 32, 50, 76), num_boxes=64)
+_R1_QUICK_LABEL = "(2,32,50,76), 64 boxes 7x7, sampling 2"
 
 
 def _smoke_roi_align(p):
@@ -362,11 +401,74 @@ ROI_ALIGN = extend(
     "roi_align_backward",
     prepare=_prepare_roi_align,
     smoke=_smoke_roi_align,
+    # targets: issue 5 (R1 >= 20x the pure-PyTorch formulation and >= 10x the serial loop, R2 >= 10x the serial loop)
     cases=(
-        Case("R1", "roi_align_backward", "(2,256,200,304), 512 boxes 7x7, sampling 2", _R1),
-        Case("R2", "roi_align_backward", "R1, adaptive sampling", dict(_R1, sampling_ratio=0)),
+        Case(
+            "R1",
+            "roi_align_backward",
+            _R1_LABEL,
+            _R1,
+            targets={"torch (pure PyTorch)": ">= 20x", "serial loop": ">= 10x"},
+        ),
+        Case(
+            "R2",
+            "roi_align_backward",
+            "(2,256,200,304), 512 boxes 7x7, adaptive sampling",
+            dict(_R1, sampling_ratio=0),
+            targets={"serial loop": ">= 10x"},
+        ),
     ),
-    quick_cases=(Case("R1q", "roi_align_backward", "(2,32,50,76), 64 boxes 7x7", _R1_QUICK),),
+    quick_cases=(Case("R1q", "roi_align_backward", _R1_QUICK_LABEL, _R1_QUICK),),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# roi_align_forward (docs/semantics.md §4, "Forward"; fastbwd.torch.roi_align's and
+# fastbwd.jax.roi_align's forward): R1 and R2's shapes, NCHW and channels-last input, against the
+# pure-PyTorch gather formulation (float32 NCHW; not for adaptive sampling, whose gathered values
+# would take many GB).
+# --------------------------------------------------------------------------------------------
+
+
+def _prepare_roi_align_forward(case, with_torch):
+    from fastbwd.api.roi_align import roi_align_forward
+
+    p = case.params
+    dtype = BY_NAME[case.dtype]
+    input_shape = tuple(p["input_shape"])
+    boxes = roi_boxes(p["num_boxes"], input_shape, p["spatial_scale"], dtype=dtype)
+    x = _random(input_shape, dtype)
+    if p.get("channels_last"):
+        x = channels_last(x)
+    args = (x, boxes, p["pooled_height"], p["pooled_width"], p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    run, run_out, out = fastbwd_calls(roi_align_forward, *args)
+    prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(x, boxes, out))
+    torch = _torch() if with_torch else None
+    if torch is not None and case.dtype == "float32" and not p.get("channels_last") and p["sampling_ratio"] > 0:
+        from .roi_baselines import torch_forward
+
+        prepared.baselines["torch (pure PyTorch)"] = lambda: torch_forward(*args)
+    return prepared
+
+
+ROI_ALIGN_FORWARD = extend(
+    "roi_align_forward",
+    prepare=_prepare_roi_align_forward,
+    smoke=_smoke_roi_align,
+    cases=(
+        Case("R1f", "roi_align_forward", _R1_LABEL, _R1),
+        Case("R1f-NHWC", "roi_align_forward", f"{_R1_LABEL}, channels-last", dict(_R1, channels_last=True)),
+        Case(
+            "R2f", "roi_align_forward", "(2,256,200,304), 512 boxes 7x7, adaptive sampling", dict(_R1, sampling_ratio=0)
+        ),
+        Case(
+            "R2f-NHWC",
+            "roi_align_forward",
+            "(2,256,200,304), 512 boxes 7x7, adaptive sampling, channels-last",
+            dict(_R1, sampling_ratio=0, channels_last=True),
+        ),
+    ),
+    quick_cases=(Case("R1fq", "roi_align_forward", _R1_QUICK_LABEL, _R1_QUICK),),
 )
 
 
@@ -406,7 +508,10 @@ def _prepare_group_norm_swish(case, with_torch):
 
 
 _G1 = dict(shape=(8, 512, 32, 32), num_groups=32)
+_G1_LABEL = "x (8,512,32,32), 32 groups"
+_G3_LABEL = "x (2,320,64,64), 32 groups"
 _G1_QUICK = dict(shape=(2, 64, 16, 16), num_groups=8)
+_G1_QUICK_LABEL = "x (2,64,16,16), 8 groups"
 
 
 def _smoke_group_norm_swish(p):
@@ -417,17 +522,29 @@ GROUP_NORM_SWISH = extend(
     "group_norm_swish_backward",
     prepare=_prepare_group_norm_swish,
     smoke=_smoke_group_norm_swish,
+    # targets: issue 6 (G1 >= 2x, G3 >= 1.5x; G1 bfloat16's was withdrawn in issue 14), issue 14
+    # (NHWC at >= 0.8 of the NCHW speed)
     cases=(
-        Case("G1", "group_norm_swish_backward", "x (8,512,32,32), 32 groups", _G1),
+        Case("G1", "group_norm_swish_backward", _G1_LABEL, _G1, targets={"torch autograd": ">= 2x"}),
         Case(
-            "G3", "group_norm_swish_backward", "x (2,320,64,64), 32 groups", dict(shape=(2, 320, 64, 64), num_groups=32)
+            "G3",
+            "group_norm_swish_backward",
+            _G3_LABEL,
+            dict(shape=(2, 320, 64, 64), num_groups=32),
+            targets={"torch autograd": ">= 1.5x"},
         ),
-        Case("G1", "group_norm_swish_backward", "G1 in bfloat16", _G1, "bfloat16"),
-        Case("G1-NHWC", "group_norm_swish_backward", "G1, NHWC", dict(_G1, data_format="NHWC")),
+        Case("G1", "group_norm_swish_backward", _G1_LABEL, _G1, "bfloat16"),
+        Case(
+            "G1-NHWC",
+            "group_norm_swish_backward",
+            f"{_G1_LABEL}, NHWC",
+            dict(_G1, data_format="NHWC"),
+            targets={"fastbwd NCHW": ">= 0.8x", "fastbwd NCHW out=": ">= 0.8x"},
+        ),
     ),
     quick_cases=(
-        Case("G1q", "group_norm_swish_backward", "x (2,64,16,16), 8 groups", _G1_QUICK),
-        Case("G1q", "group_norm_swish_backward", "G1q in bfloat16", _G1_QUICK, "bfloat16"),
+        Case("G1q", "group_norm_swish_backward", _G1_QUICK_LABEL, _G1_QUICK),
+        Case("G1q", "group_norm_swish_backward", _G1_QUICK_LABEL, _G1_QUICK, "bfloat16"),
     ),
 )
 
@@ -469,19 +586,17 @@ GROUP_NORM_SWISH_FORWARD = extend(
     prepare=_prepare_group_norm_swish_forward,
     smoke=_smoke_group_norm_swish,
     cases=(
-        Case("G1f", "group_norm_swish", "x (8,512,32,32), 32 groups", _G1),
-        Case("G3f", "group_norm_swish", "x (2,320,64,64), 32 groups", dict(shape=(2, 320, 64, 64), num_groups=32)),
-        Case("G1f", "group_norm_swish", "G1f in bfloat16", _G1, "bfloat16"),
-        Case("G1f-NHWC", "group_norm_swish", "G1f, NHWC", dict(_G1, data_format="NHWC")),
+        Case("G1f", "group_norm_swish", _G1_LABEL, _G1),
+        Case("G3f", "group_norm_swish", _G3_LABEL, dict(shape=(2, 320, 64, 64), num_groups=32)),
+        Case("G1f", "group_norm_swish", _G1_LABEL, _G1, "bfloat16"),
+        Case("G1f-NHWC", "group_norm_swish", f"{_G1_LABEL}, NHWC", dict(_G1, data_format="NHWC")),
     ),
-    quick_cases=(Case("G1fq", "group_norm_swish", "x (2,64,16,16), 8 groups", _G1_QUICK),),
+    quick_cases=(Case("G1fq", "group_norm_swish", _G1_QUICK_LABEL, _G1_QUICK),),
 )
 
 
-#: Every operator, in the order of docs/semantics.md table (the forward after its backward).
-OPS = {spec.name: spec for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)}
-
-
-def implemented_ops():
-    """The OpSpecs whose public function exists in this build."""
-    return [spec for spec in OPS.values() if spec.implemented]
+#: Every operator of the registry, in its order (each forward after its backward).
+OPS = {
+    spec.name: spec
+    for spec in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, ROI_ALIGN_FORWARD, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)
+}

@@ -2,9 +2,11 @@
 
 Each benchmark file parametrises over its operator's cases (``benchutil.op_cases``) and calls
 the ``measure`` fixture, which compiles first (a warm-up call outside the timing), times
-the callable, and records threads, threading layer and GB/s in ``extra_info``. With
-``--benchmark-disable`` (the default in pyproject.toml) every benchmark runs once as a smoke test,
-on small shapes (the ``smoke`` fixture); ``--benchmark-enable`` times the benchmark shapes.
+the callable, and records threads, threading layer and GB/s in ``extra_info``. Each case is a
+benchmark group: fastbwd's calls beside their baselines (PyTorch's, or JAX's own gradient).
+With ``--benchmark-disable`` (the default in pyproject.toml) every benchmark runs once as a smoke
+test, on small shapes (the ``smoke`` fixture); ``--benchmark-enable`` times the benchmark shapes,
+or with ``--small-shapes`` the smoke run's small ones (a quick comparison between two commits).
 """
 
 import numba
@@ -35,8 +37,16 @@ def measure(benchmark):
     return run
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--small-shapes",
+        action="store_true",
+        help="fastbwd benchmarks: time the smoke run's small shapes instead of the benchmark shapes",
+    )
+
+
 @pytest.fixture
-def smoke(benchmark):
-    """True when the benchmarks run once each as a smoke test (pytest-benchmark disabled, as
-    ``python -m pytest`` runs them): the cases then take small shapes."""
-    return not benchmark.enabled
+def smoke(benchmark, request):
+    """True when the cases take small shapes: when the benchmarks run once each as a smoke test
+    (pytest-benchmark disabled, as ``python -m pytest`` runs them), or with ``--small-shapes``."""
+    return not benchmark.enabled or request.config.getoption("small_shapes", default=False)

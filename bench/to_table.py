@@ -1,11 +1,32 @@
 """Turn the main job's JSON (``python3 -m bench --full --json results.json``) into the README's
-Markdown benchmark table.
+Markdown benchmark tables, or put them into the README between its markers.
 
-Usage: python bench/to_table.py results.json
+Usage:
+    python bench/to_table.py RESULTS.json                      print the tables
+    python bench/to_table.py RESULTS.json --readme README.md   replace the README's tables with them
+
+``python3 -m bench --full --publish`` runs the full benchmark, saves ``bench/results.json`` and
+does the second; ``tests/test_readme.py`` checks that the README's tables are this module's
+``table()`` of ``bench/results.json``.
 """
 
+import argparse
 import json
 import sys
+from pathlib import Path
+
+if not __package__:  # run as a script, python bench/to_table.py: the checkout's root holds bench
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import targets  # noqa: E402
+
+#: The README's generated region lies between these two lines.
+BEGIN = (
+    "<!-- benchmark tables: generated from bench/results.json by `python3 -m bench --full --publish`; do not edit -->"
+)
+END = "<!-- end of the benchmark tables -->"
+
+#: The spread above which a row is not trusted, for results saved before the run recorded its own.
+DEFAULT_MAX_SPREAD = 0.10
 
 
 def _machine_notes(results):
@@ -19,17 +40,63 @@ def _machine_notes(results):
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _readings(results):
+    readings = results.get("bandwidth_readings_gbps")
+    if not readings:
+        return ""
+    return f"; the copy read {', '.join(f'{value:.1f}' for value in readings)} GB/s at the run's start and end"
+
+
+def _verdict_cell(row, results):
+    """The target and, for a --full run, its verdict."""
+    if not row.get("target"):
+        return "-"
+    if results.get("quick"):
+        return f"{row['target']} (at full size)"
+    outcome = targets.verdict(row, results.get("max_spread", DEFAULT_MAX_SPREAD))
+    if outcome is None:
+        return row["target"]
+    return f"{row['target']}: {'**missed**' if outcome == targets.MISSED else outcome}"
+
+
+def _speedup_cell(row):
+    return f"**{targets.speedup_text(row['speedup'])}**" if row.get("speedup") is not None else "-"
+
+
+def _spread_cell(row, results):
+    trust = targets.trust_text(row, results.get("max_spread", DEFAULT_MAX_SPREAD))
+    return f"{targets.spread_text(row.get('spread'))}, {trust}" if trust else targets.spread_text(row.get("spread"))
+
+
 def table(results):
+    """The README's benchmark section (machine line, tables, summary) for ``results``."""
     machine = results["machine"]
+    max_spread = results.get("max_spread", DEFAULT_MAX_SPREAD)
+    size = "small shapes (not --full): " if results.get("quick") else ""
     lines = [
-        f"Machine: {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}), "
-        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s{_machine_notes(results)}; fastbwd {machine['fastbwd']}, "
-        f"numba {machine['numba']}, torch {machine['torch'] or 'not installed'} (same thread count).",
-        "",
-        "| case | operator | dtype | variant | fastbwd ms | GB/s | % of copy bw | baseline | baseline ms | speed-up |",
-        "|---|---|---|---|---:|---:|---:|---|---:|---:|",
+        f"Machine ({size}one `python3 -m bench{'' if results.get('quick') else ' --full'}` run): {machine['cpu']}, "
+        f"{machine['threads']} threads ({machine['threading_layer']}), "
+        f"parallel copy {results['bandwidth_gbps']:.1f} GB/s{_machine_notes(results)}{_readings(results)}; "
+        f"fastbwd {machine['fastbwd']}, numba {machine['numba']}, torch {machine['torch'] or 'not installed'} "
+        "(same thread count)."
     ]
-    bridge = [row for row in results["rows"] if row["op"] == "fastbwd.torch"]
+    if machine.get("load_average") is not None:
+        lines[0] += f" Load average at the start: {machine['load_average'][0]:.2f} (1 min) on {machine['cpus']} CPUs"
+        if machine.get("running_elsewhere") is not None:
+            lines[0] += f", {machine['running_elsewhere']:.1f} other processes running"
+        if machine.get("parallel_stall") is not None:
+            lines[0] += f"; a short parallel copy took {machine['parallel_stall']:.2f}x its one-thread time"
+        lines[0] += "."
+    for warning in results.get("warnings", []):
+        lines += ["", f"**Warning from this run:** {warning}"]
+    lines += [
+        "",
+        "| case | operator | dtype | variant | fastbwd ms | GB/s | % of copy bw | baseline | baseline ms | speed-up "
+        "| spread | target |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    bridge = [row for row in results["rows"] if row["op"] == "fastbwd.torch" and row["variant"] != "compiled"]
+    compiled = [row for row in results["rows"] if row["op"] == "fastbwd.torch" and row["variant"] == "compiled"]
     overhead = [row for row in results["rows"] if row["op"] == "fastbwd.torch overhead"]
     jax_bridge = [row for row in results["rows"] if row["op"] == "fastbwd.jax"]
     for row in results["rows"]:
@@ -37,25 +104,38 @@ def table(results):
             continue
         baseline = row["baseline"] or "-"
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
-        speedup = (
-            f"**{row['speedup']:.{2 if row['speedup'] < 1 else 1}f}x**" if row["speedup"] is not None else "-"
-        )  # two decimals below 1 (the NHWC/NCHW ratio has a target of 0.8)
         lines.append(
             f"| {row['case']} | {row['op']} | {row['dtype']} | {row['variant']} | {row['ms']:.2f} | "
-            f"{row['gbps']:.1f} | {row['pct_bandwidth']:.0f}% | {baseline} | {base_ms} | {speedup} |"
+            f"{row['gbps']:.1f} | {targets.percent_text(row['pct_bandwidth'])} | {baseline} | {base_ms} | {_speedup_cell(row)} | "
+            f"{_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
         )
     if bridge:
         lines += [
             "",
             "PyTorch models through `fastbwd.torch` against plain PyTorch (autograd, same threads):",
             "",
-            "| case | what | fastbwd.torch ms | PyTorch ms | speed-up | target |",
-            "|---|---|---:|---:|---:|---|",
+            "| case | what | fastbwd.torch ms | PyTorch ms | speed-up | spread | target |",
+            "|---|---|---:|---:|---:|---:|---|",
         ]
         for row in bridge:
             lines.append(
                 f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {row['baseline_ms']:.2f} | "
-                f"**{row['speedup']:.2f}x** | {row['target']} |"
+                f"{_speedup_cell(row)} | {_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
+            )
+    if compiled:
+        lines += [
+            "",
+            "Models under `torch.compile` (Inductor) with fastbwd enabled before their first compiled call, against "
+            "the baseline each row names (compiled without fastbwd, or eager):",
+            "",
+            "| case | what | fastbwd ms | baseline ms | speed-up | spread | target |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for row in compiled:
+            note = f" ({row['note']})" if row.get("note") else ""
+            lines.append(
+                f"| {row['case']} | {row['label']}{note} | {row['ms']:.2f} | {row['baseline_ms']:.2f} | "
+                f"{_speedup_cell(row)} | {_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
             )
     if overhead:
         lines += [
@@ -64,13 +144,13 @@ def table(results):
             "`.grad_input` call routed to fastbwd, the direct fastbwd call with `out=` on the "
             "same memory, and the same aten call on PyTorch's own kernel):",
             "",
-            "| case | what | routed us | direct us | routing adds | PyTorch us |",
-            "|---|---|---:|---:|---:|---:|",
+            "| case | what | routed us | direct us | routing adds | PyTorch us | spread |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
         for row in overhead:
             lines.append(
                 f"| {row['case']} | {row['label']} | {row['routed_us']:.1f} | {row['direct_us']:.1f} | "
-                f"{row['routed_us'] - row['direct_us']:.1f} | {row['torch_us']:.1f} |"
+                f"{row['routed_us'] - row['direct_us']:.1f} | {row['torch_us']:.1f} | {_spread_cell(row, results)} |"
             )
     if jax_bridge:
         lines += [
@@ -78,36 +158,62 @@ def table(results):
             f"JAX programs through `fastbwd.jax` against JAX's own gradients (jax "
             f"{machine.get('jax')}, CPU; `jax.jit(jax.grad(loss))`, same forward, same process):",
             "",
-            "| case | what | fastbwd.jax ms | JAX ms | speed-up | target |",
-            "|---|---|---:|---:|---:|---|",
+            "| case | what | fastbwd.jax ms | JAX ms | speed-up | spread | target |",
+            "|---|---|---:|---:|---:|---:|---|",
         ]
         for row in jax_bridge:
             if row["case"] == "overhead":
                 continue
             jax_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
-            speedup = f"**{row['speedup']:.2f}x**" if row["speedup"] is not None else "-"
             lines.append(
-                f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {speedup} | {row['target']} |"
+                f"| {row['case']} | {row['label']} | {row['ms']:.2f} | {jax_ms} | {_speedup_cell(row)} | "
+                f"{_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
             )
         for row in jax_bridge:
             if row["case"] == "overhead":
+                spread = f", spread {targets.spread_text(row['spread'])}" if row.get("spread") is not None else ""
                 lines += [
                     "",
                     f"Transport cost: {row['ms'] * 1e3:.0f} us per FFI call (the slope between jitted "
                     f"programs of 1 and 11 chained calls whose handler does nothing; the 1-call program "
-                    f"takes {row['baseline_ms'] * 1e3:.0f} us).",
+                    f"takes {row['baseline_ms'] * 1e3:.0f} us{spread}).",
                 ]
+    summary = targets.summarize(results["rows"], max_spread, judge=not results.get("quick"))
+    lines += ["", targets.summary_text(summary, max_spread)]
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    with open(argv[1]) as handle:
-        print(table(json.load(handle)))
+def tables_in(readme):
+    """The generated region of the README text ``readme`` (between :data:`BEGIN` and :data:`END`)."""
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    return readme[start:end].strip("\n")
+
+
+def with_tables(readme, results):
+    """``readme`` with its generated region replaced by ``table(results)``."""
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    return readme[:start] + "\n" + table(results) + "\n" + readme[end:]
+
+
+def write_readme(readme_path, results):
+    path = Path(readme_path)
+    path.write_text(with_tables(path.read_text(), results))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python bench/to_table.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="the main job's JSON (python3 -m bench --json FILE)")
+    parser.add_argument("--readme", metavar="FILE", help="replace the tables in this README instead of printing them")
+    args = parser.parse_args(argv)
+    with open(args.results) as handle:
+        results = json.load(handle)
+    if args.readme:
+        write_readme(args.readme, results)
+        print(f"{args.readme}: benchmark tables replaced with those of {args.results}")
+    else:
+        print(table(results))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

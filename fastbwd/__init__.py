@@ -1,10 +1,31 @@
-"""fastbwd: exact, fast, parallel, deterministic CPU kernels for five neural-network backward
-operators and the GroupNorm+Swish forward (the Huawei Ascend aclnn operators described in
-``docs/semantics.md``), written with Numba.
+"""fastbwd: exact, fast, parallel and bitwise-deterministic CPU kernels, written with Numba, for
+five neural-network backward operators and the GroupNorm+Swish forward (the Huawei Ascend aclnn
+operators; their semantics are in the checkout's ``docs/semantics.md``).
 
-Importing fastbwd compiles nothing and never imports torch; each kernel compiles on first use
-and is cached on disk (``fastbwd.precompile()`` or ``python -m fastbwd --precompile`` fills the
-cache ahead of time).
+The NumPy functions (arrays in, NumPy arrays out; ``ArrayLike`` in the signatures is anything
+``numpy.asarray`` accepts, PyTorch CPU tensors included):
+
+- ``upsample_bilinear2d_backward``: the gradient of bilinear upsampling (``F.interpolate``)
+- ``avg_pool2d_backward``: the gradient of 2-D average pooling
+- ``replication_pad2d_backward``: the gradient of replication padding
+- ``roi_align_backward``: the gradient of torchvision's ``roi_align``
+- ``group_norm_swish_backward``: the gradient of GroupNorm followed by Swish (SiLU)
+- ``group_norm_swish``: GroupNorm followed by Swish, forward (y, mean, rstd)
+- ``precompile``: compile every kernel into the disk cache ahead of time
+- ``ParamError``: the one exception for bad arguments; ``__version__``
+
+The bridges, imported on their own (``import fastbwd`` imports neither torch nor jax):
+
+- ``fastbwd.torch``: PyTorch models train on these kernels: ``enable()`` routes PyTorch's own
+  backward of bilinear upsampling, average pooling and replication padding to fastbwd;
+  ``GroupNormSwish``/``group_norm_swish``, ``roi_align``/``RoIAlign`` and
+  ``fuse_group_norm_swish`` for the fused operators.
+- ``fastbwd.jax``: the five operators as JAX functions whose gradients run on these kernels
+  under ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+Importing fastbwd compiles nothing; each kernel compiles on its first call and is cached on disk
+(``fastbwd.precompile()`` or ``python -m fastbwd --precompile`` fills the cache ahead of time).
+``python -m fastbwd`` checks each operator against the float64 reference.
 """
 
 from ._errors import ParamError

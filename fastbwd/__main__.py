@@ -10,11 +10,16 @@ compiles every kernel into Numba's disk cache (``fastbwd.precompile``) and exits
 """
 
 import argparse
+import json
+import os
 import sys
 import time
+import urllib.parse
+import urllib.request
 
 import fastbwd
-from fastbwd._registry import OPERATORS
+from fastbwd._dtypes import BY_NAME
+from fastbwd._registry import OPERATORS, ops_help
 from fastbwd.testing.checks import assert_matches_reference
 
 #: operator name -> () -> (result, float64 reference): the self-check's small cases.
@@ -34,13 +39,52 @@ def small_check(name):
     return "matches the float64 reference"
 
 
+def installed_folder():
+    """The folder of the fastbwd package that pip installed into this Python's site-packages (an
+    editable install: the package folder of its checkout), or None when none is installed there.
+    Only site-packages count: a checkout's own fastbwd.egg-info is no installation."""
+    import site
+    from importlib import metadata
+
+    folders = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    distribution = next(iter(metadata.distributions(name="fastbwd", path=folders)), None)
+    if distribution is None:
+        return None
+    direct_url = json.loads(distribution.read_text("direct_url.json") or "{}")
+    if direct_url.get("dir_info", {}).get("editable"):
+        checkout = urllib.request.url2pathname(urllib.parse.urlparse(direct_url["url"]).path)
+        return os.path.join(checkout, "fastbwd")
+    return str(distribution.locate_file("fastbwd"))
+
+
+def shadowing_note():
+    """A note when the fastbwd running is not the one installed into this Python (a folder
+    earlier on ``sys.path``, such as the current one, holds another copy of the package): what
+    shadows what, and what to do. None when they are the same, or nothing is installed."""
+    running = os.path.dirname(os.path.abspath(fastbwd.__file__))
+    installed = installed_folder()
+    if installed is None or os.path.realpath(installed) == os.path.realpath(running):
+        return None
+    holder = os.path.dirname(running)
+    where = "the current folder" if os.path.realpath(holder) == os.path.realpath(os.getcwd()) else holder
+    return (
+        f"note: this is the fastbwd package in {running}, found in {where} ahead of the fastbwd installed "
+        f"in this Python ({installed}), which it shadows. To run the installed one, run from another "
+        f"folder; to install this one, run: {sys.executable} -m pip install -e {holder}"
+    )
+
+
 def self_check(ops=None):
     """Check each operator (of ``ops``, default all) and print one line each; returns the exit status."""
     print(
-        f"fastbwd {fastbwd.__version__}: each operator on a small float32 case against the float64 "
-        "reference (a first run compiles, which takes seconds per operator)",
+        f"fastbwd {fastbwd.__version__} ({os.path.dirname(os.path.abspath(fastbwd.__file__))}): each operator "
+        "on a small float32 case against the float64 reference (a first run compiles, which takes seconds "
+        "per operator)",
         flush=True,
     )
+    note = shadowing_note()
+    if note:
+        print(note, flush=True)
     failed = 0
     for name in SMALL_CHECKS:
         if ops and name not in ops:
@@ -53,8 +97,12 @@ def self_check(ops=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fastbwd", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", nargs="*", help="only these operators (public names)")
+    parser = argparse.ArgumentParser(
+        prog="python -m fastbwd",
+        description="A self-check of every operator against the float64 reference; --precompile instead "
+        "compiles every kernel into the disk cache.",
+    )
+    parser.add_argument("--ops", nargs="+", metavar="OP", choices=list(OPERATORS), help=ops_help())
     group = parser.add_argument_group("precompiling", "fill the disk cache instead of checking")
     group.add_argument(
         "--precompile",
@@ -62,23 +110,22 @@ def main(argv=None):
         help="compile every kernel (of --ops, --dtypes, --layouts) into the disk cache and exit",
     )
     group.add_argument(
-        "--dtypes", nargs="*", help="only these dtypes (float32 float16 bfloat16 float64 complex64 complex128)"
+        "--dtypes", nargs="+", metavar="DTYPE", choices=list(BY_NAME), help=f"only these dtypes: {', '.join(BY_NAME)}"
     )
-    group.add_argument("--layouts", nargs="*", help="only these layouts (NCHW NHWC)")
+    group.add_argument(
+        "--layouts", nargs="+", metavar="LAYOUT", choices=["NCHW", "NHWC"], help="only these layouts: NCHW, NHWC"
+    )
     group.add_argument("--serial", action="store_true", help="also the serial twins (used after fork)")
     group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     args = parser.parse_args(argv)
     if args.precompile:
         try:
-            result = fastbwd.precompile(
-                args.ops or None, args.dtypes or None, args.layouts or None, serial=args.serial, workers=args.workers
-            )
+            result = fastbwd.precompile(args.ops, args.dtypes, args.layouts, serial=args.serial, workers=args.workers)
         except ValueError as error:
             parser.error(str(error))
         return 1 if result["errors"] else 0
-    unknown = sorted(set(args.ops or ()) - set(SMALL_CHECKS))
-    if unknown:
-        parser.error(f"unknown operator(s) {unknown}; known: {sorted(SMALL_CHECKS)}")
+    if args.dtypes or args.layouts or args.serial or args.workers:
+        parser.error("--dtypes, --layouts, --serial and --workers go with --precompile")
     return self_check(args.ops)
 
 

@@ -147,7 +147,12 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
     Parameters
     ----------
     ops : str or sequence of str, optional
-        Public function names (default: all five operators).
+        Operator names (default: all seven): the six public functions
+        (``upsample_bilinear2d_backward``, ``avg_pool2d_backward``, ``replication_pad2d_backward``,
+        ``roi_align_backward``, ``group_norm_swish_backward``, ``group_norm_swish``) and
+        ``roi_align_forward`` (the forward kernel of ``fastbwd.torch.roi_align`` and
+        ``fastbwd.jax.roi_align``); the same names as ``--ops`` in ``python -m fastbwd`` and
+        ``python3 -m bench``.
     dtypes : str or sequence of str, optional
         dtype names: "float32", "float16", "bfloat16", "float64", "complex64", "complex128"
         (default: every dtype each operator accepts).

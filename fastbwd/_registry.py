@@ -37,7 +37,7 @@ class Path:
 class Operator:
     """One operator: its kernel paths (precompile) and its self-check."""
 
-    name: str  # public function name (roi_align_forward: fastbwd.api.roi_align's, for fastbwd.torch)
+    name: str  # public function name (roi_align_forward: fastbwd.api.roi_align's, for the bridges)
     paths: tuple  # of Path
     #: () -> (result, float64 reference) on a small float32 case; None: no self-check
     check: Callable[[], tuple] | None = None
@@ -271,6 +271,16 @@ def _check_roi_align():
     )
 
 
+def _check_roi_align_forward():
+    from .api.roi_align import roi_align_forward
+
+    shape = (2, 3, 10, 12)
+    boxes = roi_boxes(6, shape, 0.5)
+    x = _rng_array(shape)
+    params = (3, 2, 0.5, 0, True)
+    return roi_align_forward(x, boxes, *params), _reference().roi_align_forward(x, boxes, *params)
+
+
 ROI_ALIGN = Operator("roi_align_backward", (Path(HALVES_AND_FLOATS, "NCHW", "backward", _roi_align),), _check_roi_align)
 ROI_ALIGN_FORWARD = Operator(
     "roi_align_forward",
@@ -278,6 +288,7 @@ ROI_ALIGN_FORWARD = Operator(
         Path(HALVES_AND_FLOATS, "NCHW", "forward", _roi_align_forward("NCHW"), variant=True),
         Path(HALVES_AND_FLOATS, "NHWC", "forward", _roi_align_forward("NHWC"), variant=True),
     ),
+    _check_roi_align_forward,
 )
 
 
@@ -364,7 +375,19 @@ GROUP_NORM_SWISH_FORWARD = Operator(
 
 
 #: Every operator, in the order of docs/semantics.md's table (each forward after its backward).
+#: Its names are the one vocabulary of ``--ops`` in ``python -m fastbwd`` (the self-check and
+#: ``--precompile``) and ``python3 -m bench``: the six public functions and roi_align_forward.
 OPERATORS = {
     op.name: op
     for op in (UPSAMPLE, AVG_POOL, PAD, ROI_ALIGN, ROI_ALIGN_FORWARD, GROUP_NORM_SWISH, GROUP_NORM_SWISH_FORWARD)
 }
+
+
+def ops_help(extra=""):
+    """The ``--ops`` help of every command: the operator names of :data:`OPERATORS` (and ``extra``)."""
+    return (
+        "only these operators (default: all): "
+        + ", ".join(OPERATORS)
+        + " (roi_align_forward: the forward kernel of fastbwd.torch.roi_align and fastbwd.jax.roi_align)"
+        + extra
+    )

@@ -59,10 +59,11 @@ def warm(code):
         run_program(code, limit=300)
 
 
-def warm_and_run(code):
-    """Run ``code`` as its own process, with the compiler's work done beforehand."""
+def warm_and_run(code, limit=None):
+    """Run ``code`` as its own process, with the compiler's work done beforehand, within ``limit``
+    seconds (default :data:`LIMIT`)."""
     warm(code)
-    return run_program(code)
+    return run_program(code, limit=limit or LIMIT)
 
 
 # ---- fastbwd.jax: jitted gradients dispatched, never waited for -------------------------------

@@ -1,11 +1,14 @@
 """The README's examples run as written, each block on its own as a program that exits by
-itself, and its two commands are the ones CI runs."""
+itself, its two commands are the ones CI runs, and its benchmark tables are the saved run's."""
 
+import json
 import pathlib
 import re
 
 import pytest
 from test_exit import warm_and_run
+
+from bench import to_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
@@ -44,11 +47,26 @@ def test_ci_runs_the_readme_test_command_and_the_slow_tests():
     assert f"\npython -m pytest {readme_set}\npython -m pytest -m slow\n" in ci
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize(
+    "index",
+    # a block that compiles with torch.compile takes a minute: the slow set's
+    [pytest.param(i, marks=pytest.mark.slow) if "torch.compile" in b else i for i, b in enumerate(BLOCKS)],
+)
 def test_each_readme_block_is_a_program_that_exits(index):
     """Each Python block, alone (its own imports), as a separate process with a time limit."""
     code = BLOCKS[index]
     for framework in ("torch", "jax"):
         if re.search(rf"^import .*\b{framework}\b", code, re.M):
             pytest.importorskip(framework)
-    warm_and_run(code)
+    # torch.compile traces and loads its compiled code again in the child (Inductor's cache keeps
+    # only the generated code): seconds, not the 30 s of a hang
+    warm_and_run(code, limit=180 if "torch.compile" in code else None)
+
+
+def test_readme_benchmark_tables_are_the_saved_run():
+    """The README's tables are exactly bench/to_table.py's of bench/results.json (regenerate them
+    with `python bench/to_table.py bench/results.json --readme README.md`, or rerun the whole
+    benchmark with `python3 -m bench --full --publish`)."""
+    results = json.loads((ROOT / "bench" / "results.json").read_text())
+    assert to_table.tables_in((ROOT / "README.md").read_text()) == to_table.table(results)
+    assert not results["quick"], "the README's tables come from a --full run"

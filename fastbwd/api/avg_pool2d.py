@@ -1,5 +1,8 @@
 """fastbwd.avg_pool2d_backward (aclnnAvgPool2dBackward, docs/semantics.md §2)."""
 
+# annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
+from __future__ import annotations
+
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -29,7 +32,7 @@ def avg_pool2d_backward(
     padding: Union[int, Sequence[int]] = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
-    divisor_override: int = 0,
+    divisor_override: Optional[int] = 0,
     cube_math_type: int = 0,
     *,
     out: Optional[np.ndarray] = None,

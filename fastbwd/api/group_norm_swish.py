@@ -1,6 +1,9 @@
 """fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5) and its forward
 fastbwd.group_norm_swish (aclnnGroupNormSwish, §5.1), which share their validation."""
 
+# annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
+from __future__ import annotations
+
 import math
 from typing import NamedTuple, Optional, Sequence, Tuple
 

@@ -1,5 +1,8 @@
 """fastbwd.replication_pad2d_backward (aclnnReplicationPad2dBackward, docs/semantics.md §3)."""
 
+# annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
+from __future__ import annotations
+
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 

@@ -1,6 +1,9 @@
 """fastbwd.roi_align_backward (aclnnRoiAlignV2Backward, docs/semantics.md §4) and the RoIAlign
 forward ``roi_align_forward`` (for fastbwd.torch; not exported by fastbwd)."""
 
+# annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
+from __future__ import annotations
+
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -167,7 +170,17 @@ def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_
     return _Plan(input_shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
 
 
-def roi_align_forward(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, *, out=None):
+def roi_align_forward(
+    input: ArrayLike,
+    boxes: ArrayLike,
+    pooled_height: int,
+    pooled_width: int,
+    spatial_scale: float,
+    sampling_ratio: int,
+    aligned: bool,
+    *,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """torchvision's ``roi_align`` forward (docs/semantics.md §4, "Forward"): the adjoint of
     :func:`roi_align_backward`.
 

@@ -1,5 +1,8 @@
 """fastbwd.upsample_bilinear2d_backward (aclnnUpsampleBilinear2dBackwardV2, docs/semantics.md §1)."""
 
+# annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
+from __future__ import annotations
+
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -19,8 +22,8 @@ def upsample_bilinear2d_backward(
     output_size: Sequence[int],
     input_size: Sequence[int],
     align_corners: bool = False,
-    scales_h: float = 0.0,
-    scales_w: float = 0.0,
+    scales_h: Optional[float] = 0.0,
+    scales_w: Optional[float] = 0.0,
     *,
     layout: str = "NCHW",
     out: Optional[np.ndarray] = None,

@@ -26,6 +26,7 @@ from ._fuse import FusedGroupNorm, FusionReport, fuse_group_norm_swish
 from ._group_norm_swish import GroupNormSwish, group_norm_swish
 from ._roi_align import RoIAlign, roi_align
 from ._routing import disable, enable, enabled, is_enabled
+from . import _compile  # noqa: E402,F401  (registers the operators compiled graphs call)
 
 __all__ = [
     "enable",

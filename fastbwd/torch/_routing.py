@@ -260,6 +260,103 @@ def _kernel(name, overload):
     return kernel
 
 
+# ---- the routed operators as graph nodes (torch.compile) -------------------------------------
+# In a compiled graph the aten override above is not enough: AOTAutograd decomposes the bilinear
+# upsample (its backward becomes scatters), Inductor generates its own avg-pool backward, and the
+# aten meta functions do not give the memory formats the CPU kernels return. So while fastbwd is
+# enabled, _compile makes the forward operators' autograd emit these operators instead: opaque
+# custom ops whose fake kernels give exactly the strides their real kernels return.
+
+#: Calls of the graph operators below, per aten operator (for tests and curious users).
+GRAPH_CALLS = collections.Counter()
+
+_GRAPH_SCHEMAS = {
+    "upsample_bilinear2d_backward": "(Tensor grad_output, SymInt[2] output_size, SymInt[4] input_size, "
+    "bool align_corners, float? scales_h=None, float? scales_w=None) -> Tensor",
+    "avg_pool2d_backward": "(Tensor grad_output, Tensor input, int[2] kernel_size, int[2] stride, int[2] padding, "
+    "bool ceil_mode, bool count_include_pad, int? divisor_override) -> Tensor",
+    "replication_pad2d_backward": "(Tensor grad_output, Tensor input, SymInt[4] padding) -> Tensor",
+}
+
+
+def result_format(name, grad_output, input_or_size):
+    """The memory format of ``name``'s gradient as the routed kernel writes it (what
+    :data:`ROUTES` gives a functional call): the upsample's follows grad_output, the pool's and
+    the pad's the forward input. Both kernels of a graph operator follow it, so its fake strides
+    are its real strides."""
+    return c.memory_format(input_or_size if ROUTES[name].tensors == 2 else grad_output)
+
+
+def _result_shape(name, args):
+    return args[2] if name == "upsample_bilinear2d_backward" else args[1].shape
+
+
+def _graph_operator(name):
+    """``fastbwd::<name>``: calls ``aten::<name>``, whose CPU kernel is fastbwd's while enabled
+    and PyTorch's own while disabled (so a compiled graph follows the switch at run time), and
+    returns the gradient in :func:`result_format`."""
+    aten_operator = getattr(torch.ops.aten, name).default
+
+    def real(*args):
+        GRAPH_CALLS[name] += 1
+        memory_format = result_format(name, args[0], args[1])
+        return aten_operator(*args).contiguous(memory_format=memory_format)
+
+    def fake(*args):
+        memory_format = result_format(name, args[0], args[1])
+        grad_output = args[0]
+        shape = _result_shape(name, args)
+        return torch.empty(shape, dtype=grad_output.dtype, device=grad_output.device, memory_format=memory_format)
+
+    operator = torch.library.custom_op(
+        f"fastbwd::{name}", real, mutates_args=(), device_types="cpu", schema=_GRAPH_SCHEMAS[name]
+    )
+    operator.register_fake(fake)
+    return operator
+
+
+GRAPH_OPERATORS = {name: _graph_operator(name) for name in ROUTES}
+
+
+# Each gradient is linear in grad_output: its derivative there is the forward operator (as in
+# PyTorch's derivatives.yaml), and none reaches the forward input, so double backward is exact.
+def _setup(ctx, inputs, output):
+    ctx.arguments = inputs[1:]
+
+
+def _upsample_double_backward(ctx, grad):
+    output_size, input_size, align_corners, scales_h, scales_w = ctx.arguments
+    return (
+        torch.ops.aten.upsample_bilinear2d(grad, output_size, align_corners, scales_h, scales_w),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _avg_pool_double_backward(ctx, grad):
+    _, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.arguments
+    forward = torch.ops.aten.avg_pool2d(
+        grad, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+    return (forward,) + (None,) * 7
+
+
+def _pad_double_backward(ctx, grad):
+    _, padding = ctx.arguments
+    return torch.ops.aten.replication_pad2d(grad, padding), None, None
+
+
+for _name, _formula in (
+    ("upsample_bilinear2d_backward", _upsample_double_backward),
+    ("avg_pool2d_backward", _avg_pool_double_backward),
+    ("replication_pad2d_backward", _pad_double_backward),
+):
+    GRAPH_OPERATORS[_name].register_autograd(_formula, setup_context=_setup)
+
+
 # ---- enable / disable ------------------------------------------------------------------------
 # PyTorch's dispatcher does not support changing a kernel registration while other threads may
 # be calling that operator (a call can read a half-replaced table entry). So the kernels are
@@ -298,9 +395,12 @@ def enable() -> None:
     ``F.pad(mode="replicate")`` and ``nn.ReplicationPad2d`` runs on fastbwd.
     """
     global _active
+    from . import _compile
+
     with _lock:
         if _library is None:
             _register()
+        _compile.install()
         _active = True
 
 
@@ -308,8 +408,11 @@ def disable() -> None:
     """Give these operators back to PyTorch's own CPU kernels (the same bits as before
     :func:`enable`). Idempotent and thread-safe, also while other threads run the operators."""
     global _active
+    from . import _compile
+
     with _lock:
         _active = False
+        _compile.uninstall()
 
 
 def is_enabled() -> bool:

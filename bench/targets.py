@@ -1,0 +1,140 @@
+"""Targets, verdicts and the end-of-run summary, shared by the main job (``python3 -m bench``)
+and ``bench/to_table.py``.
+
+A target is the text a case carries (``bench/cases.py``'s ``Case.targets``, the ``target`` of the
+PyTorch and JAX bridges' cases): the first ``>= N x`` in it (``≥ N×`` too) is the speed-up the
+row must reach; text without one (``report``, ``trains; report``) asks for the number alone and
+gets no verdict. A row whose spread is wider than the run's limit (noisy), or whose case was
+timed while parallel calls stalled, gets no verdict either: its speed-up cannot be trusted this
+run, whichever side of the target it fell.
+"""
+
+import re
+
+#: ``>= 5x``, ``>= 1.5x``, ``≥ 1.0×`` (anywhere in the text: "every pair fused; >= 1.0x" too).
+_AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*(?:x|×)")
+
+MET, MISSED, UNTRUSTED = "met", "missed", "not trustworthy"
+
+#: A case timed while a short parallel call took more than this many times its one-thread time
+#: (``timing.parallel_stall``) was timed while parallel calls stalled: its numbers are the
+#: scheduler's, however small their spread.
+STALL_LIMIT = 2.0
+
+
+def threshold(target):
+    """The speed-up ``target`` asks for, or None when it asks for none."""
+    match = _AT_LEAST.search(target or "")
+    return float(match.group(1)) if match else None
+
+
+def noisy(row, max_spread):
+    """The row's spread is wider than ``max_spread`` (rows saved before spreads were measured: never)."""
+    spread = row.get("spread")
+    return spread is not None and spread > max_spread
+
+
+def stalled(row):
+    """The row's case was timed while parallel calls stalled (rows saved before this was measured: never)."""
+    stall = row.get("stall")
+    return stall is not None and stall > STALL_LIMIT
+
+
+def trust_text(row, max_spread):
+    """Why the row cannot be trusted ("noisy", "stalled", both), or "" when it can."""
+    return " ".join(word for word, bad in (("noisy", noisy(row, max_spread)), ("stalled", stalled(row))) if bad)
+
+
+def verdict(row, max_spread):
+    """MET, MISSED or UNTRUSTED for a row with a target and a speed-up; None otherwise."""
+    limit = threshold(row.get("target"))
+    if limit is None or row.get("speedup") is None:
+        return None
+    if noisy(row, max_spread) or stalled(row):
+        return UNTRUSTED
+    return MET if row["speedup"] >= limit else MISSED
+
+
+def row_name(row):
+    """How the summary names a row: its case, and for the operators' rows the dtype, variant and baseline."""
+    if row["op"].startswith("fastbwd."):
+        return row["case"]
+    name = f"{row['case']} {row['dtype']} {row['variant']}"
+    return f"{name} vs {row['baseline']}" if row.get("baseline") else name
+
+
+def speedup_text(speedup):
+    """Two decimals below 10 (targets such as 0.8x and 1.5x), one above."""
+    return f"{speedup:.2f}x" if speedup < 10 else f"{speedup:.1f}x"
+
+
+def percent_text(value):
+    """``46%``; ``-`` when not measured (small shapes: their data stays in the caches)."""
+    return "-" if value is None else f"{value:.0f}%"
+
+
+def spread_text(spread):
+    """``±4.2%`` (one decimal below 10%), ``±12%``; ``-`` when not measured."""
+    if spread is None:
+        return "-"
+    return f"±{100 * spread:.1f}%" if spread < 0.1 else f"±{100 * spread:.0f}%"
+
+
+def summarize(rows, max_spread, judge=True):
+    """``{"met": [...], "missed": [...], "untrusted": [...], "noisy": [...], "rows": n, "judged": judge}``:
+    the rows (as :func:`row_name` and numbers) of each verdict, and every row whose spread is too
+    wide. ``judge=False`` (a run on small shapes, to which the targets do not apply): no verdicts."""
+    result = {"met": [], "missed": [], "untrusted": [], "noisy": [], "stalled": [], "rows": len(rows)}
+    result["judged"] = judge
+    result["measured"] = any(row.get("spread") is not None for row in rows)
+    for row in rows:
+        name = row_name(row)
+        outcome = verdict(row, max_spread) if judge else None
+        if outcome == MET:
+            result["met"].append(name)
+        elif outcome == MISSED:
+            result["missed"].append(f"{name}: {speedup_text(row['speedup'])}, target {row['target']}")
+        elif outcome == UNTRUSTED:
+            result["untrusted"].append(
+                f"{name}: {speedup_text(row['speedup'])} {spread_text(row['spread'])} {trust_text(row, max_spread)}"
+            )
+        if noisy(row, max_spread):
+            result["noisy"].append(f"{name} {spread_text(row['spread'])}")
+        if stalled(row):
+            result["stalled"].append(name)
+    return result
+
+
+def summary_text(summary, max_spread):
+    """The summary as a paragraph (the main job's last lines and the README's)."""
+    judged = len(summary["met"]) + len(summary["missed"]) + len(summary["untrusted"])
+    if not summary["judged"]:
+        text = "Targets: set for the --full shapes, so a run on small shapes gives them no verdict."
+    else:
+        parts = [f"Targets: {judged} rows have one; {len(summary['met'])} met"]
+        if summary["missed"]:
+            parts.append(f"{len(summary['missed'])} missed ({'; '.join(summary['missed'])})")
+        else:
+            parts.append("none missed")
+        if summary["untrusted"]:
+            parts.append(
+                f"{len(summary['untrusted'])} not trustworthy this run, noisy (a spread wider than "
+                f"{spread_text(max_spread)}) or stalled ({'; '.join(summary['untrusted'])})"
+            )
+        text = ", ".join(parts) + "."
+    if summary.get("stalled"):
+        text += (
+            f" {len(summary['stalled'])} of {summary['rows']} rows were timed while parallel calls stalled (a short "
+            f"parallel copy took more than {STALL_LIMIT:g}x its one-thread time: other processes held the cores), so "
+            f"their times are the scheduler's: {', '.join(summary['stalled'])}."
+        )
+    if not summary.get("measured", True):
+        text += " Spreads were not measured (the run was saved before the main job measured them)."
+    elif summary["noisy"]:
+        text += (
+            f" {len(summary['noisy'])} of {summary['rows']} rows had a spread wider than {spread_text(max_spread)}"
+            f" ({', '.join(summary['noisy'])})."
+        )
+    else:
+        text += f" Every row's spread was within {spread_text(max_spread)}."
+    return text

@@ -1,0 +1,261 @@
+"""The main job's machinery (bench/): targets and verdicts, the noise measurement, the README's
+tables, the one command that regenerates them, and the pytest-benchmark tracking workflow."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import targets, timing, to_table
+from bench import __main__ as main_job
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---- targets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (">= 5x", 5.0),
+        (">= 1.5x", 1.5),
+        (">=0.8x", 0.8),
+        ("≥ 5×", 5.0),
+        ("≥ 1.0×; report", 1.0),
+        ("every pair fused; ≥ 1.0×", 1.0),
+        (">= 1.0x; report the fused count", 1.0),
+        ("report", None),
+        ("trains; report", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_threshold_reads_every_way_the_cases_write_targets(text, expected):
+    assert targets.threshold(text) == expected
+
+
+def _row(speedup, target, spread=0.02, **more):
+    return dict(op="fastbwd.torch", case="T9", dtype="float32", variant="autograd", baseline="torch",
+                speedup=speedup, target=target, spread=spread, **more)  # fmt: skip
+
+
+def test_verdicts():
+    assert targets.verdict(_row(5.2, ">= 5x"), 0.1) == targets.MET
+    assert targets.verdict(_row(5.0, ">= 5x"), 0.1) == targets.MET
+    assert targets.verdict(_row(4.99, ">= 5x"), 0.1) == targets.MISSED
+    # too noisy to judge, whichever side of the target it fell
+    assert targets.verdict(_row(9.0, ">= 5x", spread=0.3), 0.1) == targets.UNTRUSTED
+    assert targets.verdict(_row(1.0, ">= 5x", spread=0.3), 0.1) == targets.UNTRUSTED
+    assert targets.verdict(_row(3.0, "trains; report"), 0.1) is None
+    assert targets.verdict(_row(None, ">= 5x"), 0.1) is None
+    # results saved before spreads were measured: judged on the speed-up alone
+    assert targets.verdict(_row(6.0, ">= 5x", spread=None), 0.1) == targets.MET
+    # timed while parallel calls stalled: the scheduler's numbers, however steady
+    assert targets.verdict(_row(6.0, ">= 5x", stall=70.0), 0.1) == targets.UNTRUSTED
+    assert targets.verdict(_row(6.0, ">= 5x", stall=1.2), 0.1) == targets.MET
+    assert targets.trust_text(_row(6.0, ">= 5x", spread=0.5, stall=70.0), 0.1) == "noisy stalled"
+    assert targets.trust_text(_row(6.0, ">= 5x", stall=0.8), 0.1) == ""
+
+
+def test_summary_names_what_was_missed_and_what_cannot_be_trusted():
+    kernel = dict(op="avg_pool2d_backward", case="A1", dtype="float32", variant="out=", baseline="torch out=")
+    rows = [
+        _row(6.0, ">= 5x"),
+        _row(0.79, ">= 1.0x") | {"case": "T6.2"},
+        _row(2.0, ">= 1.4x", spread=0.25) | {"case": "T3"},
+        _row(1.1, "report", spread=0.5) | {"case": "T5"},
+        kernel | dict(speedup=5.5, target=">= 6x", spread=0.01),
+        _row(9.0, ">= 3x", stall=12.0) | {"case": "T2"},
+    ]
+    summary = targets.summarize(rows, 0.1)
+    assert summary["met"] == ["T9"]
+    assert summary["missed"] == ["T6.2: 0.79x, target >= 1.0x", "A1 float32 out= vs torch out=: 5.50x, target >= 6x"]
+    assert summary["untrusted"] == ["T3: 2.00x ±25% noisy", "T2: 9.00x ±2.0% stalled"]
+    assert summary["noisy"] == ["T3 ±25%", "T5 ±50%"] and summary["stalled"] == ["T2"]
+    text = targets.summary_text(summary, 0.1)
+    assert "5 rows have one; 1 met" in text and "2 missed" in text and "2 not trustworthy this run" in text
+    assert "2 of 6 rows had a spread wider than ±10%" in text
+    assert "1 of 6 rows were timed while parallel calls stalled" in text
+    # small shapes: the targets do not apply, the noise is still reported
+    quick = targets.summarize(rows, 0.1, judge=False)
+    assert quick["met"] == quick["missed"] == quick["untrusted"] == [] and len(quick["noisy"]) == 2
+    assert quick["stalled"] == ["T2"]
+    assert "no verdict" in targets.summary_text(quick, 0.1)
+
+
+# ---- the noise measurement -----------------------------------------------------------------
+
+
+def test_spread_and_median_error():
+    assert timing.spread([1.0, 1.0]) is None  # too few rounds to say
+    assert timing.spread([1.0, 1.0, 1.0, 1.0]) == 0.0
+    values = [0.9, 1.0, 1.0, 1.1, 1.2]
+    assert timing.spread(values) == pytest.approx((1.1 - 1.0) / 2 / 1.0)
+    assert timing.median_error(values * 4) == pytest.approx(timing.median_error(values) / 2, rel=0.25)
+
+
+def _sleeper(seconds):
+    return lambda: time.sleep(seconds)
+
+
+def test_steady_calls_settle_after_the_minimum_rounds():
+    settings = timing.Settings(round_seconds=0.002, min_rounds=5, tolerance=0.1, budget=20.0)
+    result = timing.alternating_rounds([_sleeper(0.002), _sleeper(0.004)], [(0, 1)], settings)
+    assert result.settled and len(result.rounds[0]) == len(result.rounds[1]) >= 5
+    assert result.median(1) / result.median(0) == pytest.approx(2.0, rel=0.5)
+    assert len(result.series(0, 1)) == len(result.rounds[0])
+
+
+def test_noisy_calls_run_until_the_budget_and_show_a_wide_spread():
+    state = {"calls": 0}
+
+    def erratic():  # alternately fast and 20x slower: one call a round, so round after round
+        state["calls"] += 1
+        time.sleep(0.0005 if state["calls"] % 2 else 0.01)
+
+    settings = timing.Settings(round_seconds=0.001, min_rounds=3, tolerance=0.01, budget=0.5)
+    start = time.perf_counter()
+    result = timing.alternating_rounds([erratic], [(0, None)], settings)
+    assert not result.settled and time.perf_counter() - start < 2.0
+    assert timing.spread(result.series(0)) > 0.5
+
+
+# ---- the README's tables -------------------------------------------------------------------
+
+
+def _results(quick=False):
+    machine = dict(fastbwd="0.1.0", numba="0", numpy="0", python="3", cpu="CPU", cpus=2, threads=2,
+                   threading_layer="omp", torch="2", jax="0.1", load_average=[2.5, 1.0, 0.5], running_elsewhere=1.5)  # fmt: skip
+    kernel = dict(op="replication_pad2d_backward", case="P1", label="(16,64,128,128) pad 3", dtype="float32",
+                  gbps=20.0, pct_bandwidth=50.0)  # fmt: skip
+    rows = [
+        kernel | dict(variant="alloc", ms=2.0, baseline="torch", baseline_ms=12.0, speedup=6.0, target=">= 5x", spread=0.01),
+        kernel | dict(variant="out=", ms=1.0, baseline="torch out=", baseline_ms=2.0, speedup=2.0, target=">= 3x", spread=0.3, stall=5.0),
+        dict(op="fastbwd.torch", case="C9", label="a new row", dtype="float32", variant="autograd", ms=1.0,
+             gbps=None, pct_bandwidth=None, baseline="torch", baseline_ms=0.9, speedup=0.9, target="≥ 1.0×", spread=0.02),
+    ]  # fmt: skip
+    return dict(machine=machine, bandwidth_gbps=40.0, bandwidth_readings_gbps=[40.0, 20.0, 39.0],
+                case_size_copy_gbps=30.0, stream_write_gbps=25.0, quick=quick, max_spread=0.1,
+                warnings=["the machine is busy"], rows=rows)  # fmt: skip
+
+
+def test_table_shows_spreads_verdicts_warnings_and_the_summary():
+    text = to_table.table(_results())
+    assert "**Warning from this run:** the machine is busy" in text
+    assert "40.0, 20.0, 39.0 GB/s" in text and "Load average at the start: 2.50 (1 min) on 2 CPUs, 1.5 other" in text
+    assert "| **6.00x** | ±1.0% | >= 5x: met |" in text
+    assert "| **2.00x** | ±30%, noisy stalled | >= 3x: not trustworthy |" in text
+    assert "| C9 | a new row | 1.00 | 0.90 | **0.90x** | ±2.0% | ≥ 1.0×: **missed** |" in text  # a new row slots in
+    assert text.endswith(targets.summary_text(targets.summarize(_results()["rows"], 0.1), 0.1))
+    quick = to_table.table(_results(quick=True))
+    assert "small shapes" in quick and ">= 5x (at full size)" in quick and ": met" not in quick
+
+
+def test_with_tables_replaces_only_the_generated_region():
+    readme = f"# title\\n\\nbefore\\n\\n{to_table.BEGIN}\\nold table\\n{to_table.END}\\n\\nafter\\n"
+    new = to_table.with_tables(readme, _results())
+    assert new.startswith("# title\\n\\nbefore\\n\\n") and new.endswith(f"{to_table.END}\\n\\nafter\\n")
+    assert to_table.tables_in(new) == to_table.table(_results())
+    assert to_table.with_tables(new, _results()) == new  # idempotent
+
+
+def test_publish_refuses_a_partial_run(capsys):
+    for argv in (
+        ["--publish"],
+        ["--full", "--publish", "--ops", "avg_pool2d_backward"],
+        ["--full", "--publish", "--no-jax"],
+    ):
+        with pytest.raises(SystemExit):
+            main_job.main(argv)
+        assert "--publish records the whole --full run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main_job.main(["--ops", "roi_align"])  # not an operator name
+    assert "invalid choice: 'roi_align'" in capsys.readouterr().err
+
+
+def _environment():
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@pytest.mark.slow
+def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
+    """The main job's whole path on one operator, into copies: the JSON saved, the copy's
+    tables regenerated from it (what --publish does to bench/results.json and README.md)."""
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    saved = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--ops", "replication_pad2d_backward", "--no-jax", "--budget", "0.5",
+         "--json", str(saved), "--readme", str(readme)],
+        cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(saved.read_text())
+    assert results["quick"] and {row["case"] for row in results["rows"]} == {"P1q"}
+    assert all(row["spread"] is not None and row["rounds"] >= 3 and row["stall"] > 0 for row in results["rows"])
+    assert results["machine"]["parallel_stall"] > 0 and results["machine"]["load_average"]
+    assert len(results["bandwidth_readings_gbps"]) == 3
+    text = readme.read_text()
+    assert to_table.tables_in(text) == to_table.table(results)
+    # everything outside the tables is the README's own
+    original = (ROOT / "README.md").read_text()
+    assert text.split(to_table.BEGIN)[0] == original.split(to_table.BEGIN)[0]
+    assert text.split(to_table.END)[1] == original.split(to_table.END)[1]
+    # the shapes of the small cases, the compile hint once, a summary at the end
+    assert "P1q float32: (2,16,64,64) pad 3" in done.stdout
+    assert done.stdout.count("--precompile") == 1
+    assert "Targets: set for the --full shapes" in done.stdout
+
+
+# ---- performance tracking with pytest-benchmark ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_compare_workflow_on_two_smoke_cases(tmp_path):
+    """The README's workflow: save a run with --benchmark-autosave, compare the next one with it
+    (--benchmark-compare), and fail on a regression (--benchmark-compare-fail); in a temporary
+    folder, on the small shapes of one case: fastbwd beside its baseline."""
+    readme = (ROOT / "README.md").read_text()  # the workflow the README shows
+    assert "--benchmark-only --benchmark-autosave\n" in readme
+    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in readme
+    torch_installed = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
+    second = "bench_baseline[P1-float32-torch]" if torch_installed else "bench_fastbwd_out[P1-float32]"
+    ids = [f"{ROOT}/bench/bench_replication_pad2d.py::{name}" for name in ("bench_fastbwd[P1-float32]", second)]
+    common = [sys.executable, "-m", "pytest", *ids, "-p", "no:cacheprovider", "--benchmark-enable",
+              "--benchmark-only", "--small-shapes", f"--benchmark-storage=file://{tmp_path}/.benchmarks"]  # fmt: skip
+
+    def pytest_run(*more):
+        return subprocess.run(
+            [*common, *more], cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=600
+        )
+
+    saved = pytest_run("--benchmark-autosave")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    (run_file,) = (tmp_path / ".benchmarks").glob("*/0001_*.json")
+    benchmarks = json.loads(run_file.read_text())["benchmarks"]
+    assert len(benchmarks) == 2 and len({b["group"] for b in benchmarks}) == 1  # one group, side by side
+    assert {b["extra_info"]["variant"] for b in benchmarks} == {
+        "fastbwd",
+        "torch" if torch_installed else "fastbwd out=",
+    }
+
+    # a bound in seconds: a stalled machine can make tiny calls 100x slower from one run to the next
+    compared = pytest_run("--benchmark-compare", "--benchmark-compare-fail=median:1")
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert "0001" in compared.stdout and "NOW" in compared.stdout
+
+    # the saved run made 100x faster: now the current one has regressed, and the run fails
+    data = json.loads(run_file.read_text())
+    for benchmark in data["benchmarks"]:
+        for key in ("min", "max", "mean", "median", "q1", "q3"):
+            benchmark["stats"][key] /= 100
+    run_file.write_text(json.dumps(data))
+    regressed = pytest_run("--benchmark-compare", "--benchmark-compare-fail=median:50%")
+    assert regressed.returncode != 0
+    assert "Performance has regressed" in regressed.stdout + regressed.stderr

@@ -1,0 +1,511 @@
+"""fastbwd inside torch.compile (docs/semantics.md §7, "torch.compile"): with fastbwd enabled
+before a model's first compiled call, compiled graphs run the routed backward operators and
+GroupNorm -> SiLU pairs on fastbwd's kernels, with fake strides equal to the real ones."""
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+nn = torch.nn
+
+import fastbwd.torch as ft  # noqa: E402
+from fastbwd.torch import _compile, _routing  # noqa: E402
+
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    ft.disable()
+    torch._dynamo.reset()
+    yield
+    ft.disable()
+    torch._dynamo.reset()
+
+
+def _randn(shape, seed, dtype=torch.float32, memory_format=torch.contiguous_format):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    return values.contiguous(memory_format=memory_format)
+
+
+def _counts(counter, before):
+    return {name: count for name, count in (counter - before).items() if count}
+
+
+def _gradients(function, inputs, grad_output):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    output = function(*inputs)
+    return (output.detach(), *torch.autograd.grad(output, inputs, grad_output))
+
+
+# ---- the routed backward operators inside compiled graphs -----------------------------------------
+
+ROUTED = {
+    "upsample": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), "upsample_bilinear2d_backward"),
+    "upsample-size-aligned": (
+        lambda x: F.interpolate(x, size=(13, 7), mode="bilinear", align_corners=True),
+        "upsample_bilinear2d_backward",
+    ),
+    "upsample-module": (nn.Upsample(scale_factor=(1.5, 2.25), mode="bilinear"), "upsample_bilinear2d_backward"),
+    "avg-pool": (lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False), "avg_pool2d_backward"),
+    "avg-pool-ceil-divisor": (
+        lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 0), ceil_mode=True, divisor_override=5),
+        "avg_pool2d_backward",
+    ),
+    "avg-pool-module": (nn.AvgPool2d(2), "avg_pool2d_backward"),
+    "pad": (lambda x: F.pad(x, (3, 1, 2, 0), mode="replicate"), "replication_pad2d_backward"),
+    "pad-module": (nn.ReplicationPad2d(1), "replication_pad2d_backward"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(ROUTED))
+def test_compiled_backward_runs_fastbwd_with_eager_fastbwds_bits(case, dtype, memory_format, backend):
+    function, operator = ROUTED[case]
+    x = _randn((2, 5, 11, 9), 1, dtype, memory_format)
+    grad_output = _randn(function(x).shape, 2, dtype, memory_format)
+    ft.enable()
+    eager = _gradients(function, [x], grad_output)
+    graph_calls, served = _routing.GRAPH_CALLS.copy(), _routing.SERVED.copy()
+    compiled = _gradients(torch.compile(function, backend=backend, fullgraph=True), [x], grad_output)
+    assert _counts(_routing.GRAPH_CALLS, graph_calls) == {operator: 1}  # a node of the compiled graph
+    assert _counts(_routing.SERVED, served) == {operator: 1}  # ... whose kernel was fastbwd's
+    # the gradient is the same kernel on the same grad_output: bitwise eager fastbwd's, same strides
+    assert torch.equal(compiled[1], eager[1]) and compiled[1].stride() == eager[1].stride()
+    torch.testing.assert_close(compiled[0], eager[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_shapes_compile_once_and_run_fastbwd_for_every_shape(backend):
+    def model(x):
+        y = F.interpolate(x, scale_factor=2, mode="bilinear")
+        return F.avg_pool2d(F.pad(y, (1, 1, 1, 1), mode="replicate"), 3, 2, 1)
+
+    ft.enable()
+    frames = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=frames, fullgraph=True, dynamic=True)
+    shapes = [(2, 3, 6, 5), (3, 4, 9, 7), (5, 2, 8, 13), (4, 6, 17, 10)]  # no size 1, no repeated sizes
+    for index, shape in enumerate(shapes):
+        x = _randn(shape, 10 + index)
+        grad_output = _randn(model(x).shape, 20 + index)
+        before = _routing.GRAPH_CALLS.copy()
+        actual = _gradients(compiled, [x], grad_output)
+        assert _counts(_routing.GRAPH_CALLS, before) == {name: 1 for name in _routing.ROUTES}
+        assert torch.equal(actual[1], _gradients(model, [x], grad_output)[1])
+    assert frames.frame_count == 1  # one graph for every shape: no recompile per shape
+
+
+def test_recompiles_are_no_more_than_plain_pytorchs():
+    """Shapes that force PyTorch to specialise (a size 1, sizes equal then different) recompile as
+    often with fastbwd as without it."""
+    shapes = [(2, 3, 8, 8), (1, 3, 9, 7), (4, 3, 5, 5), (2, 3, 6, 11)]
+
+    def frame_count(enabled):
+        torch._dynamo.reset()
+        (ft.enable if enabled else ft.disable)()
+        frames = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), backend=frames)
+        for shape in shapes:
+            compiled(_randn(shape, 3).requires_grad_()).sum().backward()
+        return frames.frame_count
+
+    assert frame_count(True) == frame_count(False) <= len(shapes)
+
+
+# ---- layouts that agree: fake strides are the real strides ----------------------------------------
+
+
+def _graph_operator_samples():
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        x = _randn((2, 5, 7, 6), 4, memory_format=memory_format)
+        up = _randn((2, 5, 14, 12), 5, memory_format=memory_format)
+        pooled = _randn((2, 5, 4, 3), 6, memory_format=memory_format)
+        padded = _randn((2, 5, 10, 9), 7, memory_format=memory_format)
+        yield "upsample_bilinear2d_backward", (up, [14, 12], [2, 5, 7, 6], False, None, None)
+        yield "upsample_bilinear2d_backward", (up, [14, 12], [2, 5, 7, 6], True, 2.0, 2.0)
+        yield "avg_pool2d_backward", (pooled, x, [3, 3], [2, 2], [1, 1], False, True, None)
+        yield "avg_pool2d_backward", (pooled, x, [2, 2], [2, 2], [0, 0], True, False, 3)
+        yield "replication_pad2d_backward", (padded, x, [1, 2, 3, 0])
+        # the mixed case Inductor's layout optimisation produces: channels_last grad, NCHW input
+        yield (
+            "replication_pad2d_backward",
+            (padded.contiguous(memory_format=torch.channels_last), x.contiguous(), [1, 2, 3, 0]),
+        )
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_graph_operators_fake_kernels_match_the_real_ones(enabled):
+    (ft.enable if enabled else ft.disable)()
+    for name, arguments in _graph_operator_samples():
+        operator = getattr(torch.ops.fastbwd, name).default
+        torch.library.opcheck(operator, arguments)  # fake vs real shapes, dtypes and strides, schema, autograd
+        real = operator(*arguments)
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake = operator(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in arguments])
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), name
+
+
+def test_graph_operators_double_backward():
+    """Each graph operator is linear in grad_output: its derivative there is the forward
+    operator (gradcheck), and that derivative's own derivative too (gradgradcheck)."""
+    ft.enable()
+    for name, arguments in _graph_operator_samples():
+        operator = getattr(torch.ops.fastbwd, name).default
+        rest = [a.double() if isinstance(a, torch.Tensor) else a for a in arguments[1:]]
+
+        def function(grad_output, operator=operator, rest=rest):
+            return operator(grad_output, *rest)
+
+        grad_output = arguments[0].double().requires_grad_()
+        assert torch.autograd.gradcheck(function, (grad_output,))
+        assert torch.autograd.gradgradcheck(function, (grad_output,))
+
+
+def _decoder_block(channels):
+    """The block plain Inductor cannot train (issue 36): conv, bilinear x2, replication pad, conv."""
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1),
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.ReplicationPad2d(1),
+        nn.Conv2d(channels, channels, 3),
+    )
+
+
+def _train(model, forward, steps, x, target):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(forward(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_decoder_block_trains_under_compile_with_eagers_losses(backend):
+    torch.manual_seed(0)
+    model = _decoder_block(16)
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    x, target = _randn((2, 16, 12, 12), 9), _randn((2, 16, 24, 24), 10)
+    ft.enable()
+    eager = _train(model, model, 3, x, target)
+    model.load_state_dict(state)
+    graph_calls = _routing.GRAPH_CALLS.copy()
+    compiled = _train(model, torch.compile(model, backend=backend, fullgraph=True), 3, x, target)
+    assert _counts(_routing.GRAPH_CALLS, graph_calls) == {
+        "upsample_bilinear2d_backward": 3,
+        "replication_pad2d_backward": 3,
+    }
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert eager[-1] < eager[0]
+
+
+# ---- GroupNorm -> SiLU pairs in the captured graph (Inductor) ------------------------------------
+
+
+class _Block(nn.Module):
+    """A block written as diffusion models write theirs: norm and a shared activation in
+    forward(), *args/**kwargs, a branch on a shape; one pair is not a pair (scale/shift between)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(4, channels), nn.GroupNorm(4, channels, affine=False)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.nonlinearity = nn.SiLU()
+
+    def forward(self, x, scale=None, *args, **kwargs):
+        h = self.nonlinearity(self.norm1(x))
+        if h.shape[0] >= 64:
+            h = h.contiguous()
+        h = self.conv(h)
+        if scale is not None:
+            h = self.norm2(h) * (1 + scale)  # not a pair: the output goes through a product first
+        else:
+            h = F.silu(self.norm2(h))
+        return self.nonlinearity(x) + h
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_pairs_fuse_in_a_compiled_block(backend):
+    torch.manual_seed(1)
+    block = _Block(8)
+    with torch.no_grad():
+        block.norm1.weight.normal_()
+        block.norm1.bias.normal_()
+    x, scale = _randn((2, 8, 6, 5), 11), _randn((2, 8, 1, 1), 13)
+    grad_output = _randn((2, 8, 6, 5), 12)
+    parameters = (block.norm1.weight, block.norm1.bias, block.conv.weight)
+    ft.enable()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    for arguments, pairs in (((), 2), ((scale,), 1)):  # scale=: norm2's output is multiplied first
+        before = _routing.GRAPH_CALLS.copy()
+        output = compiled(x.requires_grad_(), *arguments)
+        actual = (output, *torch.autograd.grad(output, (x, *parameters), grad_output))
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": pairs, "group_norm_silu_backward": pairs}
+        output = block(x, *arguments)
+        expected = (output, *torch.autograd.grad(output, (x, *parameters), grad_output))
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def _pair_programs():
+    """name -> (program, pairs in it): a GroupNorm whose output feeds only a SiLU is a pair; one
+    whose output is used twice, goes through another op first, or feeds a SiLU subclass is not."""
+
+    class Tanh(nn.SiLU):  # a SiLU subclass that changes the activation
+        def forward(self, input):
+            return torch.tanh(input)
+
+    def used_twice(x):
+        h = F.group_norm(x, 2)
+        return F.silu(h) * h
+
+    norm, silu, tanh = nn.GroupNorm(2, 4), nn.SiLU(), Tanh()
+    programs = {
+        "pair": (lambda x: F.silu(norm(x)), 1),
+        "inplace": (lambda x: F.silu(F.group_norm(x, 2), inplace=True), 1),
+        "module": (lambda x: silu(torch.group_norm(x, 2, None, None, 1e-3)), 1),
+        "separate calls": (lambda x: F.silu(norm(x)) + norm(x).sum() + F.silu(x) * F.group_norm(x, 2), 1),
+        "op between": (lambda x: F.silu(norm(x) * 2), 0),
+        "subclass": (lambda x: tanh(norm(x)), 0),
+        "used twice": (used_twice, 0),
+    }
+    return programs
+
+
+def test_group_norm_silu_pre_grad_pass_fuses_only_pairs():
+    """Inductor's pass, on the graphs Dynamo captures."""
+    for name, (program, pairs) in _pair_programs().items():
+        graphs = []
+
+        def capture(gm, example_inputs, graphs=graphs):
+            graphs.append((gm, example_inputs))
+            return gm.forward
+
+        torch._dynamo.reset()
+        x = _randn((2, 4, 3, 3), 14)
+        torch.compile(program, backend=capture, fullgraph=True)(x)
+        ((gm, example_inputs),) = graphs
+        assert _compile.fuse_group_norm_silu(gm.graph) == pairs, name
+        gm.recompile()
+        torch.testing.assert_close(gm(*example_inputs)[0], program(x), rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_compiled_fuses_only_pairs(backend):
+    """Compiled with fastbwd: pairs run fused (the joint-graph pass under aot_eager, the pre-grad
+    pass under Inductor), everything else as PyTorch; outputs and gradients as eager PyTorch's."""
+    ft.enable()
+    for name, (program, pairs) in _pair_programs().items():
+        torch._dynamo.reset()
+        x, grad_output = _randn((2, 4, 3, 3), 24), _randn((2, 4, 3, 3), 25)
+        before = _routing.GRAPH_CALLS.copy()
+        actual = _gradients(torch.compile(program, backend=backend, fullgraph=True), [x], grad_output)
+        expected = {"group_norm_silu": pairs, "group_norm_silu_backward": pairs} if pairs else {}
+        assert _counts(_routing.GRAPH_CALLS, before) == expected, name
+        for a, e in zip(actual, _gradients(program, [x], grad_output)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
+    ft.enable()
+    for dtype, parameters in (
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ):
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            torch._dynamo.reset()
+            norm = nn.GroupNorm(3, 6, dtype=parameters)
+            x = _randn((2, 6, 5, 4), 16, dtype, memory_format)
+            grad_output = _randn((2, 6, 5, 4), 17, dtype, memory_format)
+            before = _routing.GRAPH_CALLS.copy()
+            compiled = torch.compile(lambda x, norm=norm: F.silu(norm(x)), backend=backend, fullgraph=True)
+            actual = _gradients(compiled, [x], grad_output)
+            assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+            expected = _gradients(lambda x, n=norm: ft.group_norm_swish(x, 3, n.weight, n.bias), [x], grad_output)
+            for a, e in zip(actual, expected):
+                assert a.dtype == e.dtype and a.stride() == e.stride()
+                assert torch.equal(a, e), (dtype, memory_format)
+
+
+# ---- the switch: graphs compiled while enabled follow it at run time -----------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_compiled_while_enabled_runs_pytorchs_kernels_after_disable(backend):
+    def model(x):
+        y = F.interpolate(x, scale_factor=2, mode="bilinear")
+        return F.avg_pool2d(F.pad(y, (1, 1, 1, 1), mode="replicate"), 3, 2, 1)
+
+    x = _randn((2, 3, 6, 5), 18)
+    grad_output = _randn(model(x).shape, 19)
+    ft.enable()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    enabled = _gradients(compiled, [x], grad_output)
+    ft.disable()
+    graph_calls, served = _routing.GRAPH_CALLS.copy(), _routing.SERVED.copy()
+    disabled = _gradients(compiled, [x], grad_output)
+    assert _counts(_routing.GRAPH_CALLS, graph_calls) == {name: 1 for name in _routing.ROUTES}
+    assert not _counts(_routing.SERVED, served)  # the nodes ran PyTorch's own kernels
+    eager = _gradients(model, [x], grad_output)  # disabled: PyTorch's kernels
+    assert torch.equal(disabled[1], eager[1])
+    torch.testing.assert_close(enabled[1], eager[1], rtol=2e-5, atol=1e-6)
+    ft.enable()
+    assert torch.equal(_gradients(compiled, [x], grad_output)[1], enabled[1])  # and back
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise(backend):
+    norm = nn.GroupNorm(2, 4)
+    x, grad_output = _randn((2, 4, 5, 5), 20), _randn((2, 4, 5, 5), 21)
+
+    def gradients(function):
+        input = x.detach().requires_grad_()
+        output = function(input)
+        return (output, *torch.autograd.grad(output, (input, norm.weight, norm.bias), grad_output))
+
+    ft.enable()
+    compiled = torch.compile(lambda x: F.silu(norm(x)), backend=backend, fullgraph=True)
+    gradients(compiled)
+    ft.disable()
+    before = _routing.GRAPH_CALLS.copy()
+    actual = gradients(compiled)
+    assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+    expected = gradients(lambda x: F.silu(norm(x)))  # PyTorch's native_group_norm and silu, eagerly
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+def test_graph_compiled_while_disabled_keeps_pytorchs_code():
+    def model(x):
+        return F.interpolate(x, scale_factor=2, mode="bilinear")
+
+    x = _randn((2, 3, 6, 5), 22).requires_grad_()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled(x).sum().backward()  # compiled while disabled: the upsample is decomposed, its backward a scatter
+    ft.enable()
+    before = _routing.GRAPH_CALLS.copy(), _routing.SERVED.copy()
+    compiled(x).sum().backward()
+    assert not _counts(_routing.GRAPH_CALLS, before[0]) and not _counts(_routing.SERVED, before[1])
+
+
+def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    calls = []
+
+    def users_pass(graph):
+        calls.append("pre-grad")
+
+    def users_joint_pass(gm, inputs):
+        calls.append("joint")
+        return gm
+
+    inductor_config.pre_grad_custom_pass = users_pass
+    functorch_config.joint_custom_pass = users_joint_pass
+    try:
+        kernels = {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS}
+        ft.enable()
+        assert _compile.is_installed()
+        assert inductor_config.pre_grad_custom_pass[0] is users_pass
+        assert all(key[0].py_kernels[key[1]] is kernel for key, kernel in _compile._KERNELS.items())
+        ft.enable()  # idempotent
+        assert len(inductor_config.pre_grad_custom_pass) == 2
+        norm = nn.GroupNorm(2, 4)
+        before = _routing.GRAPH_CALLS.copy()
+        torch.compile(lambda x: F.silu(norm(x)), backend="aot_eager")(_randn((2, 4, 3, 3), 26)).sum().backward()
+        assert calls == ["joint"]  # the user's pass ran, and then fastbwd's
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+        ft.disable()
+        assert not _compile.is_installed()
+        assert inductor_config.pre_grad_custom_pass is users_pass
+        assert functorch_config.joint_custom_pass is users_joint_pass
+        assert {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS} == kernels
+    finally:
+        inductor_config.pre_grad_custom_pass = None
+        functorch_config.joint_custom_pass = None
+
+
+def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):
+    monkeypatch.setattr(_compile, "SUPPORTED_RANGE", ((1, 0), (1, 1)))
+    monkeypatch.setattr(_compile, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ft.enable()
+        ft.disable()
+        ft.enable()
+    assert [str(w.message) for w in caught if "torch.compile keeps" in str(w.message)] == [
+        next(str(w.message) for w in caught if "torch.compile keeps" in str(w.message))
+    ]
+    assert not _compile.is_installed()
+    x = _randn((2, 3, 6, 5), 23).requires_grad_()
+    before = _routing.SERVED.copy()
+    torch.compile(lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), backend="aot_eager")(x).sum().backward()
+    assert _counts(_routing.SERVED, before) == {"replication_pad2d_backward": 1}  # eager routing still works
+
+
+@pytest.mark.slow
+def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
+    program = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        import fastbwd.torch as ft
+
+        ft.enable()
+        model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(),
+                              nn.Upsample(scale_factor=2, mode="bilinear"), nn.ReplicationPad2d(1),
+                              nn.Conv2d(8, 4, 3), nn.AvgPool2d(2))
+        compiled = torch.compile(model)
+        compiled(torch.randn(2, 4, 8, 8)).square().mean().backward()
+        print(dict(ft._routing.GRAPH_CALLS))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    calls = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own program's output
+    assert set(calls) == set(_routing.ROUTES) | {"group_norm_silu", "group_norm_silu_backward"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_unet_compiled_with_fastbwd_has_eagers_gradients(backend):
+    """T7's UNet (bench/torch_unet.py: GroupNorm + SiLU in its blocks' forward(), avg-pool down,
+    bilinear up, a time embedding). Plain Inductor in torch 2.13 gets these gradients wrong by up
+    to half their size (its decomposed bilinear backward under layout optimisation,
+    docs/history.md); with fastbwd enabled every pair fuses and every gradient is eager's."""
+    from bench.torch_unet import SmallUNet
+
+    torch.manual_seed(2)
+    model = SmallUNet(3, (16, 32), 32, 8)
+    x, temb, target = _randn((2, 3, 16, 16), 27), _randn((2, 32), 28), _randn((2, 3, 16, 16), 29)
+
+    def gradients(forward):
+        model.zero_grad()
+        F.mse_loss(forward(x, temb), target).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ft.enable()
+    expected = gradients(model)
+    before = _routing.GRAPH_CALLS.copy()
+    actual = gradients(torch.compile(model, backend=backend, fullgraph=True))
+    pairs = sum(isinstance(m, nn.GroupNorm) for m in model.modules())
+    assert _counts(_routing.GRAPH_CALLS, before) == {
+        "group_norm_silu": pairs,
+        "group_norm_silu_backward": pairs,
+        "avg_pool2d_backward": 2,
+        "upsample_bilinear2d_backward": 2,
+    }
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
