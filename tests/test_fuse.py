@@ -395,6 +395,38 @@ def test_torch_compile_sees_nn_group_norm(backend):
     assert type(compiled(x)) is torch.Tensor
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_with_fastbwd_enabled_the_compilers_pass_fuses_the_pair(backend):
+    """Compiled, a FusedGroupNorm is nn.GroupNorm, so the compiler's own GroupNorm -> SiLU pass
+    (fastbwd enabled) fuses the pair in the captured graph: the eager fused results (bitwise
+    where the same kernels run: aot_eager)."""
+    from fastbwd.torch import _routing
+
+    block, _ = _fused_block()
+    x = _randn(2, 4, 3, 3).requires_grad_()
+    grad = _randn(2, 4, 3, 3, seed=1)
+    parameters = (x, block.norm.weight, block.norm.bias)
+    try:
+        ft.enable()
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=backend, fullgraph=True)
+        before = _routing.GRAPH_CALLS.copy()
+        output = compiled(x)
+        actual = (output, *torch.autograd.grad(output, parameters, grad))
+        calls = {name: count for name, count in (_routing.GRAPH_CALLS - before).items() if count}
+        output = block(x)
+        expected = (output, *torch.autograd.grad(output, parameters, grad))
+    finally:
+        ft.disable()
+        torch._dynamo.reset()
+    assert calls == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+    for a, e in zip(actual, expected):
+        if backend == "aot_eager":
+            assert torch.equal(a, e)
+        else:  # Inductor generates the conv's bias and its gradient's sums: its own rounding
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
 def test_autocast_functorch_fake_tensors_and_forward_ad_see_nn_group_norm(monkeypatch):
     block, reference = _fused_block()
     x = _randn(2, 4, 3, 3)
