@@ -372,6 +372,8 @@ def _fused_block():
     return block, reference
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script and trace are deprecated
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # nn.GroupNorm's own checks, traced
 def test_fx_tracing_scripting_and_jit_tracing_see_nn_group_norm():
     block, reference = _fused_block()
     x = _randn(2, 4, 3, 3)
@@ -427,6 +429,8 @@ def test_compiled_with_fastbwd_enabled_the_compilers_pass_fuses_the_pair(backend
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
+# forward AD's first use loads PyTorch's own decompositions, which call the deprecated torch.jit.script
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_autocast_functorch_fake_tensors_and_forward_ad_see_nn_group_norm(monkeypatch):
     block, reference = _fused_block()
     x = _randn(2, 4, 3, 3)

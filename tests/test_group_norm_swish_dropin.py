@@ -64,7 +64,7 @@ def _close_as_pytorch(actual, pytorch, truth, what):
     """``actual`` is as close to ``truth`` as PyTorch's ``pytorch`` is: within twice its error,
     plus a rounding of the result's dtype at the values' scale (float32: a few; float64, whose
     truth is PyTorch's own arithmetic: 1e-12 relative)."""
-    truth = truth.detach()
+    truth, actual, pytorch = truth.detach(), actual.detach(), pytorch.detach()
     scale = float(truth.abs().max()) if truth.numel() else 0.0
     ours = float((actual.double() - truth).abs().max()) if truth.numel() else 0.0
     theirs = float((pytorch.double() - truth).abs().max()) if truth.numel() else 0.0
@@ -178,7 +178,7 @@ def test_general(requires_grad):
         halved = ft.GroupNormSwish(groups, channels, eps=0, swish_scale=0.0)
         module = ft.GroupNormSwish(groups, channels, eps=0)
         output = 2 * halved(x)
-        normalised = output.view(batch, groups, -1)
+        normalised = output.detach().view(batch, groups, -1)
         assert float(normalised.mean(-1).abs().mean()) < 1e-5
         assert abs(float(normalised.var(-1, unbiased=False).mean()) - 1) < 1e-5
         torch.testing.assert_close(module(x), F.silu(output), rtol=1e-5, atol=1e-5)
@@ -189,7 +189,7 @@ def test_general(requires_grad):
                 m.weight.copy_(scale)
                 m.bias.copy_(shift)
         output = 2 * halved(x)
-        undone = (output.view(batch, channels, -1) - shift.view(channels, 1)) / scale.view(channels, 1)
+        undone = (output.detach().view(batch, channels, -1) - shift.view(channels, 1)) / scale.view(channels, 1)
         undone = undone.view(batch, groups, -1)
         assert float(undone.mean(-1).abs().mean()) < 1e-5
         assert abs(float(undone.var(-1, unbiased=False).mean()) - 1) < 1e-5
