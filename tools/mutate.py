@@ -1502,7 +1502,7 @@ MUTANTS = [
         "torch-ops-gn-no-composite",
         "torch",
         B_OPS,
-        "    if torch.is_grad_enabled():\n        # A graph of the backward",
+        "    if torch.is_grad_enabled() and input.numel() != 0:\n        # A graph of the backward",
         "    if False:\n        # A graph of the backward",
         T_TORCH_OPS,
         "GroupNorm+Swish double backward through the backward operator (misses mean/rstd's dependence on x)",
