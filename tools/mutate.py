@@ -5,8 +5,8 @@ Each mutant is an exact-string replacement in one file of the package (a kernel,
 or the oracle) that changes results, paired with the test file that must catch it. For each
 mutant this script copies the working tree (tracked and untracked-but-not-ignored files, so
 uncommitted edits are included) into a temporary directory, applies the replacement THERE (the
-real tree is never written), and runs the test file with ``FASTBWD_CACHE=0`` and
-``-x -q -p no:cacheprovider``. Outcomes:
+real tree is never written), and runs the test file with ``FASTBWD_CACHE=0``, an Inductor cache
+folder of its own (``TORCHINDUCTOR_CACHE_DIR``) and ``-x -q -p no:cacheprovider``. Outcomes:
 
 * killed        the test run failed (the mutant was caught);
 * killed (timeout)  the run exceeded ``--timeout``: a hang counts as caught, reported apart;
@@ -1825,8 +1825,15 @@ def apply(mutant, tree):
 
 def run_tests(tree, test, timeout):
     """Run ``test`` in ``tree``: ``(passed, timed_out, seconds, tail of the output)``."""
-    env = dict(os.environ, FASTBWD_CACHE="0", PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="fastbwd-inductor-") as inductor_cache:
+        # Inductor's caches key fastbwd's pass by _compile.py alone: with the shared default folder
+        # a mutant elsewhere (a fake kernel, a schema) would load the graphs compiled unmutated
+        env = dict(os.environ, FASTBWD_CACHE="0", PYTHONDONTWRITEBYTECODE="1", TORCHINDUCTOR_CACHE_DIR=inductor_cache)
+        env.pop("PYTHONPATH", None)
+        return _run_pytest(tree, test, timeout, env)
+
+
+def _run_pytest(tree, test, timeout, env):
     start = time.monotonic()
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],
