@@ -1,4 +1,4 @@
-"""PyTorch-bridge benchmarks T1-T7 (fastbwd.torch against plain PyTorch, same thread count)."""
+"""PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count)."""
 
 import contextlib
 import functools
@@ -12,7 +12,7 @@ import fastbwd.torch as ft  # noqa: E402
 
 from .torch_cases import cases, compile_cases, measure_overhead, overhead_cases  # noqa: E402
 
-#: T1-T7's ids, the same at both sizes.
+#: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
 
 
@@ -131,15 +131,19 @@ def bench_routing_overhead(case_id, way, benchmark):
 
 
 def bench_unet_fusion(benchmark):
-    """fuse_group_norm_swish on a fresh SmallUNet (tracing every block's forward()): its time,
-    and the fused and skipped counts in extra_info."""
+    """fuse_group_norm_swish on a fresh SmallUNet (one example forward decides): its time, and
+    the fused and skipped counts in extra_info."""
     from .torch_unet import SmallUNet
 
     models = iter([SmallUNet() for _ in range(6)])
+    example = (torch.randn(1, 3, 16, 16), torch.randn(1, 128))
     reports = []
-    benchmark.group = "T7 fusion: fuse_group_norm_swish(SmallUNet())"
+    benchmark.group = "T7 fusion: fuse_group_norm_swish(SmallUNet(), example inputs)"
     benchmark.pedantic(
-        lambda: reports.append(ft.fuse_group_norm_swish(next(models))), rounds=5, warmup_rounds=1, iterations=1
+        lambda: reports.append(ft.fuse_group_norm_swish(next(models), example)),
+        rounds=5,
+        warmup_rounds=1,
+        iterations=1,
     )
     benchmark.extra_info.update(fused=reports[-1].count, skipped=len(reports[-1].skipped))
     assert reports[-1].count == 15 and not reports[-1].skipped

@@ -1,4 +1,4 @@
-"""The PyTorch-bridge benchmark cases T1-T7 (bench/bench_torch.py and ``python3 -m bench``).
+"""The PyTorch-bridge benchmark cases T1-T8 (bench/bench_torch.py and ``python3 -m bench``).
 
 Each case builds, at full size (or ``quick`` small size), a pair of zero-argument callables over
 the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plain PyTorch), plus
@@ -268,8 +268,8 @@ def _training_step_case(batch, channels, size, target):
 
 
 def cases(quick=False):
-    """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes) and T7; ``quick`` uses
-    small shapes."""
+    """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes), T7 and T8; ``quick``
+    uses small shapes."""
     if quick:
         up, pool, norm, roi, block = (
             (2, 8, 16, 16),
@@ -304,6 +304,10 @@ def cases(quick=False):
         *module_cases(quick),
         *module_cases(quick, forward_only=True),
         _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
+        _diffusion_unet_case(
+            *((2, 16, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
+            "every pair fused; >= 1.0x",
+        ),
     ]
 
 
@@ -410,9 +414,9 @@ def _unet_training_case(batch, size, channels, groups, target):
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
     fused = copy.deepcopy(plain)
-    report = ft.fuse_group_norm_swish(fused)
-    norms = report.count + len(report.skipped)
     x, temb = _randn((batch, 3, size, size), 72), _randn((batch, 64), 73)
+    report = ft.fuse_group_norm_swish(fused, (x, temb))
+    norms = report.count + len(report.skipped)
     target_y = _randn((batch, 3, size, size), 74)
 
     fastbwd_step = _routed(_sgd_step(fused, (x, temb), target_y))
@@ -429,6 +433,52 @@ def _unet_training_case(batch, size, channels, groups, target):
     return TorchCase(
         "T7",
         f"training step, small UNet (batch {batch}, {size}x{size}, {channels}): "
+        f"{report.count} of {norms} GroupNorms fused",
+        fastbwd_step,
+        torch_step,
+        check,
+        target,
+    )
+
+
+def _diffusion_unet_case(batch, size, config, target):
+    """T8 (issue 37): a training step of the UNet of bench/torch_diffusion.py, written as diffusion
+    libraries write theirs (resnet blocks with ``*args, **kwargs``, one shared SiLU, a shape
+    branch, attention, a top-level forward symbolic tracing cannot run), plain PyTorch vs
+    ``fuse_group_norm_swish`` (one example forward) + ``enabled()``. Every GroupNorm -> SiLU pair
+    must be fused (all but the attention's GroupNorm)."""
+    import copy
+
+    from . import torch_diffusion as D
+
+    config = {**D.T8_CONFIG, **config}
+    plain = D.t8_model(81, **config)
+    fused = copy.deepcopy(plain)
+    sample, timestep = D.unet_inputs(batch, size, seed=82)
+    target_y = _randn(sample.shape, 83)
+    report = ft.fuse_group_norm_swish(fused, (sample, timestep))
+    pairs, norms = D.count_pairs(config["block_out_channels"], config["layers_per_block"])
+    assert report.count == pairs and len(report.skipped) == norms - pairs, report
+
+    def prediction(model, sample, timestep):
+        return model(sample, timestep).sample
+
+    fastbwd_step = _routed(_sgd_step(fused, (sample, timestep), target_y, lambda *a: prediction(fused, *a)))
+    torch_step = _sgd_step(plain, (sample, timestep), target_y, lambda *a: prediction(plain, *a))
+
+    def check():
+        # One step's gradients from the same parameters (the steps also update them), and the
+        # fused model's output against the plain one's.
+        plain.load_state_dict(fused.state_dict())
+        with torch.no_grad():
+            output = _routed(lambda: prediction(fused, sample, timestep))()
+            _assert_close([output], [prediction(plain, sample, timestep)], 1e-4, 1e-5, "T8 output")
+        _assert_close(fastbwd_step(), torch_step(), 1e-3, 1e-4, "T8")
+
+    levels = len(config["block_out_channels"])
+    return TorchCase(
+        "T8",
+        f"training step, diffusion UNet (batch {batch}, {size}x{size}, {levels} levels): "
         f"{report.count} of {norms} GroupNorms fused",
         fastbwd_step,
         torch_step,

@@ -2,7 +2,7 @@
 diffusion models write theirs: residual blocks that call GroupNorm, SiLU and conv in
 ``forward()`` (the activation a module attribute in one place, ``F.silu`` in another), an
 optional time embedding, avg-pool downsampling and bilinear upsampling. Nothing in it knows
-about fastbwd: ``fastbwd.torch.fuse_group_norm_swish`` has to find the pairs by tracing."""
+about fastbwd: ``fastbwd.torch.fuse_group_norm_swish`` finds the pairs by watching a forward."""
 
 import torch
 from torch import nn

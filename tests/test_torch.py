@@ -608,13 +608,14 @@ def test_fuse_group_norm_swish():
     reference.load_state_dict(model.state_dict())
     keys = model.state_dict().keys()
     weights = [p for p in model.parameters()]
-    assert ft.fuse_group_norm_swish(model) == 3
-    assert ft.fuse_group_norm_swish(model) == 0  # idempotent
+    x = _randn((2, 4, 6, 6), torch.float64, 24).requires_grad_()
+    assert ft.fuse_group_norm_swish(model, (x,)) == 3
+    again = ft.fuse_group_norm_swish(model, (x,))  # nothing new: the same three, already GroupNormSwish
+    assert again == 3 and all(f.where.startswith("already a GroupNormSwish") for f in again.fused)
     assert model.state_dict().keys() == keys
     assert [p for p in model.parameters()] == weights  # the same Parameter objects
     assert sum(isinstance(m, ft.GroupNormSwish) for m in model.modules()) == 3
     assert sum(type(m) is torch.nn.GroupNorm for m in model.modules()) == 2  # followed by ReLU
-    x = _randn((2, 4, 6, 6), torch.float64, 24).requires_grad_()
     model(x).square().sum().backward()
     reference(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):

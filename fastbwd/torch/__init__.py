@@ -8,7 +8,8 @@ Needs PyTorch: ``pip install torch`` (or ``pip install -e ".[torch]"`` in fastbw
   ``F.avg_pool2d``, ``F.pad(mode="replicate")`` and their modules train on fastbwd unchanged.
 * :func:`group_norm_swish`, :class:`GroupNormSwish`: GroupNorm followed by Swish/SiLU with
   fastbwd's fused backward; :func:`fuse_group_norm_swish` puts them into a model (nn.Sequential
-  pairs and pairs inside submodules' forward(), via torch.fx), returning a :class:`FusionReport`.
+  pairs, and every other GroupNorm whose output goes only into a SiLU, as a
+  :class:`FusedGroupNorm`, however the forward is written), returning a :class:`FusionReport`.
 * :func:`roi_align`, :class:`RoIAlign`: ``torchvision.ops.roi_align`` on fastbwd's forward and
   backward kernels.
 """
@@ -22,7 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
     ) from error
 
 from . import _compile  # noqa: E402,F401  (registers the operators compiled graphs call)
-from ._fuse import FusionReport, fuse_group_norm_swish
+from ._fuse import FusedGroupNorm, FusionReport, fuse_group_norm_swish
 from ._group_norm_swish import GroupNormSwish, group_norm_swish
 from ._roi_align import RoIAlign, roi_align
 from ._routing import disable, enable, enabled, is_enabled
@@ -36,6 +37,7 @@ __all__ = [
     "GroupNormSwish",
     "fuse_group_norm_swish",
     "FusionReport",
+    "FusedGroupNorm",
     "roi_align",
     "RoIAlign",
 ]

@@ -53,17 +53,25 @@ def as_tensor(array):
     return torch.from_numpy(array)
 
 
+#: The axis order, innermost first, of a channels-last tensor of each rank PyTorch has a
+#: channels-last memory format for (4-D ``channels_last``, 5-D ``channels_last_3d``).
+_CHANNELS_LAST_ORDER = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}
+_CHANNELS_LAST_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def is_channels_last(tensor):
-    """PyTorch's rule for a 4-D tensor suggesting ``torch.channels_last`` (as
-    ``Tensor.suggest_memory_format`` decides it from the strides): channels innermost, then width,
-    height and batch, with the ambiguous cases (sizes 1, zero channel stride) left NCHW."""
-    if tensor.dim() != 4 or tensor.layout != torch.strided:
+    """PyTorch's rule for a 4-D or 5-D tensor suggesting ``torch.channels_last`` or
+    ``torch.channels_last_3d`` (as ``Tensor.suggest_memory_format`` decides it from the strides):
+    channels innermost, then the spatial axes from the last to the first, then batch, with the
+    ambiguous cases (sizes 0 or 1, zero channel stride) left contiguous."""
+    order = _CHANNELS_LAST_ORDER.get(tensor.dim())
+    if order is None or tensor.layout != torch.strided:
         return False
     sizes, strides = tensor.shape, tensor.stride()
     if strides[1] == 0:
         return False
     smallest = 0
-    for axis in (1, 3, 2, 0):
+    for axis in order:
         if sizes[axis] == 0 or strides[axis] < smallest:
             return False
         if axis == 0 and smallest == strides[1]:
@@ -73,8 +81,15 @@ def is_channels_last(tensor):
 
 
 def memory_format(tensor):
-    """``torch.channels_last`` or ``torch.contiguous_format``, as PyTorch suggests for ``tensor``."""
-    return torch.channels_last if is_channels_last(tensor) else torch.contiguous_format
+    """``torch.channels_last`` (4-D), ``torch.channels_last_3d`` (5-D) or
+    ``torch.contiguous_format``, as PyTorch suggests for ``tensor``."""
+    return _CHANNELS_LAST_FORMAT[tensor.dim()] if is_channels_last(tensor) else torch.contiguous_format
+
+
+def channels_last_permutation(rank):
+    """The axes of an (N, C, *spatial) tensor of ``rank`` in the order of its (N, *spatial, C)
+    view, and the inverse (which takes that view back to (N, C, *spatial))."""
+    return (0, *range(2, rank), 1), (0, rank - 1, *range(1, rank - 1))
 
 
 def dense(tensor, memory_format):
@@ -83,13 +98,16 @@ def dense(tensor, memory_format):
 
 
 def empty(shape, dtype, memory_format=torch.contiguous_format):
-    """A new CPU tensor for fastbwd to write into, in ``memory_format``.
+    """A new CPU tensor for fastbwd to write into, in ``memory_format`` (contiguous, or the
+    channels-last format of its rank).
 
     Its memory comes from NumPy (``np.empty``, wrapped without a copy): a large ``torch.empty``
     is several times slower to first touch than the same ``np.empty`` (NumPy asks for huge pages;
     docs/history.md), which would cost an allocating backward more than the kernel itself. The tensor behaves like any other CPU tensor.
     """
-    channels_last = memory_format == torch.channels_last and len(shape) == 4
-    physical = (shape[0], shape[2], shape[3], shape[1]) if channels_last else tuple(shape)
-    tensor = as_tensor(np.empty(physical, ARRAY_DTYPES[dtype]))
-    return tensor.permute(0, 3, 1, 2) if channels_last else tensor
+    channels_last = memory_format != torch.contiguous_format and _CHANNELS_LAST_FORMAT.get(len(shape)) == memory_format
+    if not channels_last:
+        return as_tensor(np.empty(tuple(shape), ARRAY_DTYPES[dtype]))
+    to_physical, to_logical = channels_last_permutation(len(shape))
+    physical = tuple(shape[axis] for axis in to_physical)
+    return as_tensor(np.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)

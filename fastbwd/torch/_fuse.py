@@ -1,32 +1,39 @@
-"""``fuse_group_norm_swish``: GroupNorm + SiLU pairs of a model become one :class:`GroupNormSwish`
-(docs/semantics.md §7), in ``nn.Sequential`` containers and inside submodules' ``forward()``.
+"""``fuse_group_norm_swish``: GroupNorm -> SiLU pairs of a model run as fastbwd's fused
+GroupNorm+Swish (docs/semantics.md §7, docs/design.md "Fusion").
 
-A submodule whose ``forward()`` calls a GroupNorm it owns is traced with ``torch.fx`` (its
-children as leaves, so only its own code is read), once per training flag and per pattern of
-``None`` among its optional arguments; where the GroupNorm's output goes only into a SiLU (an
-``nn.SiLU`` module or ``F.silu``), the SiLU is dropped from the graph and the GroupNorm replaced
-by a GroupNormSwish holding the same Parameter objects under the same name. The submodule keeps
-its class, attributes and state_dict keys; only its instance gets a new ``forward``, generated
-from the rewritten graphs, which picks the graph matching each call.
+Two mechanisms, neither of which touches a module's own ``forward()``:
+
+* ``nn.Sequential``: a GroupNorm directly followed by an ``nn.SiLU`` becomes a
+  :class:`GroupNormSwish` and the SiLU's slot an ``nn.Identity`` (fixed by the structure).
+* Every other ``nn.GroupNorm`` becomes a :class:`FusedGroupNorm` (the same object: only its
+  class changes). On an eager CPU call its output is a :class:`_LazyGroupNorm`, a tensor that
+  holds the input and computes nothing until it is used: a SiLU applied to it first (``F.silu``,
+  hence ``nn.SiLU``) runs the fused operator, any other use gets ``F.group_norm``'s exact result.
+  Which norms do that ("armed") is decided by watching where their outputs go, in one example
+  forward or at their first calls (:func:`_decide`).
 """
 
-import copy
-import inspect
-import itertools
+import gc
+import math
+import sys
+import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
-from torch import fx, nn
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import forward_ad as _forward_ad
+from torch.utils._pytree import tree_map
 
-from ._group_norm_swish import GroupNormSwish
+from . import _ops
+from ._group_norm_swish import GroupNormSwish, _check_input
 
-#: Optional arguments (default None) a traced forward() may have: each doubles the traces.
-MAX_OPTIONAL_ARGUMENTS = 3
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+# ---- the report -----------------------------------------------------------------------------
 
 
 class Fused(NamedTuple):
-    """A GroupNorm that became a GroupNormSwish: its qualified name and where its SiLU was."""
+    """A GroupNorm that runs fused with its SiLU: its qualified name and where the SiLU is."""
 
     name: str
     where: str
@@ -40,14 +47,50 @@ class Skipped(NamedTuple):
 
 
 class FusionReport:
-    """What :func:`fuse_group_norm_swish` did: ``fused`` and ``skipped`` (tuples of
-    :class:`Fused` and :class:`Skipped`, in module order). It also behaves as the number of
-    pairs fused (``int(report)``, ``report == 3``, ``if report:``), which is what the function
-    returned before it reported."""
+    """What :func:`fuse_group_norm_swish` did to each GroupNorm of the model, in module order:
+    ``fused`` (:class:`Fused`), ``skipped`` (:class:`Skipped`) and ``pending`` (names of the
+    GroupNorms still deciding, without example inputs). It also behaves as the number of pairs
+    fused (``int(report)``, ``report == 3``, ``if report:``).
 
-    def __init__(self, fused, skipped):
-        self.fused = tuple(fused)
-        self.skipped = tuple(skipped)
+    A report made without example inputs is live: each access reads the modules' current
+    state, so it shows decisions taken at the model's first calls (and a later disarm)."""
+
+    def __init__(self, fused=(), skipped=(), pending=(), *, live=None):
+        self._fused, self._skipped, self._pending = tuple(fused), tuple(skipped), tuple(pending)
+        self._live = live  # [(name, Fused | Skipped | FusedGroupNorm)], read on every access
+
+    def _entries(self):
+        if self._live is None:
+            return self._fused, self._skipped, self._pending
+        fused, skipped, pending = [], [], []
+        for name, entry in self._live:
+            if type(entry) is FusedGroupNorm:
+                entry._resolve()
+            if isinstance(entry, Fused):
+                fused.append(entry)
+            elif isinstance(entry, Skipped):
+                skipped.append(entry)
+            elif type(entry) is not FusedGroupNorm:
+                skipped.append(Skipped(name, f"no longer a FusedGroupNorm (now {type(entry).__name__})"))
+            elif entry.fusion_state == _FUSED:
+                fused.append(Fused(name, entry.fusion_where))
+            elif entry.fusion_state == _SKIPPED:
+                skipped.append(Skipped(name, entry.fusion_reason))
+            else:
+                pending.append(name)
+        return tuple(fused), tuple(skipped), tuple(pending)
+
+    @property
+    def fused(self):
+        return self._entries()[0]
+
+    @property
+    def skipped(self):
+        return self._entries()[1]
+
+    @property
+    def pending(self):
+        return self._entries()[2]
 
     @property
     def count(self):
@@ -65,74 +108,173 @@ class FusionReport:
         if isinstance(other, int) and not isinstance(other, bool):
             return self.count == other
         if isinstance(other, FusionReport):
-            return (self.fused, self.skipped) == (other.fused, other.skipped)
+            return self._entries() == other._entries()
         return NotImplemented
 
     __hash__ = None
 
     def __repr__(self):
-        return f"FusionReport(fused={list(self.fused)!r}, skipped={list(self.skipped)!r})"
+        fused, skipped, pending = self._entries()
+        return f"FusionReport(fused={list(fused)!r}, skipped={list(skipped)!r}, pending={list(pending)!r})"
 
     def __str__(self):
-        lines = [f"fused {self.count} GroupNorm + SiLU pair(s), skipped {len(self.skipped)} GroupNorm(s)"]
-        lines += [f"  fused   {f.name}: {f.where}" for f in self.fused]
-        lines += [f"  skipped {s.name}: {s.reason}" for s in self.skipped]
+        fused, skipped, pending = self._entries()
+        head = f"fused {len(fused)} GroupNorm + SiLU pair(s), skipped {len(skipped)} GroupNorm(s)"
+        if pending:
+            head += f", {len(pending)} pending (decided at their first calls)"
+        lines = [head]
+        lines += [f"  fused   {f.name}: {f.where}" for f in fused]
+        lines += [f"  skipped {s.name}: {s.reason}" for s in skipped]
+        lines += [f"  pending {name}: decides at its first eager calls" for name in pending]
         return "\n".join(lines)
 
 
-def fuse_group_norm_swish(module: nn.Module) -> FusionReport:
-    """Fuse every ``nn.GroupNorm`` of ``module`` whose output goes only into a SiLU.
+# ---- the entry point ------------------------------------------------------------------------
 
-    Two places are searched (``module`` included, recursively):
 
-    * ``nn.Sequential`` containers: a GroupNorm directly followed by an ``nn.SiLU`` becomes a
-      :class:`GroupNormSwish` and the SiLU's slot an ``nn.Identity`` (indices and state_dict keys
-      do not move);
-    * the ``forward()`` of any other submodule that owns a GroupNorm (directly or through an
-      ``nn.ModuleList``/``nn.ModuleDict``), traced with ``torch.fx``: where each call of the
-      GroupNorm feeds only an ``nn.SiLU`` (for example ``self.nonlinearity``) or ``F.silu``, the
-      GroupNorm is replaced by a GroupNormSwish under the same name and the SiLU call removed
-      from a forward generated for that instance. A forward that cannot be traced (control flow
-      on tensor values or shapes, ``*args``) or that assigns the module's attributes (which a
-      graph would drop) is left as it is.
+def fuse_group_norm_swish(module: nn.Module, example_inputs=None, example_kwargs=None) -> FusionReport:
+    """Run every ``nn.GroupNorm`` of ``module`` whose output goes only into a SiLU as fastbwd's
+    fused GroupNorm+Swish (forward and backward), however the model's ``forward()`` methods are
+    written; nothing else changes behaviour.
 
-    Fused modules hold the same Parameter objects (an optimizer built before keeps working) and
-    state_dict keys do not change, so checkpoints load either way. A rewritten ``forward()`` is
-    specialised to the module's attribute values at fusion time (except its training flag and
-    which optional arguments are None, all of whose cases are traced): fuse a configured model.
-    A model with a rewritten forward can be deep-copied, and saved and loaded by its state_dict,
-    but not pickled whole (``torch.save(model)`` raises).
+    * In an ``nn.Sequential`` (recursively), a GroupNorm directly followed by an ``nn.SiLU``
+      becomes a :class:`GroupNormSwish` (the same Parameter objects) and the SiLU's slot an
+      ``nn.Identity``.
+    * Every other GroupNorm (exactly ``nn.GroupNorm``, not a subclass) becomes a
+      :class:`FusedGroupNorm`: the same module object, parameters, hooks and state_dict keys,
+      whose eager CPU calls return an output that runs fused if a SiLU (``nn.SiLU`` or
+      ``F.silu``, not a subclass of ``nn.SiLU``) is its first and only use, and exactly as
+      ``nn.GroupNorm`` otherwise. Which of them are armed is decided by watching where their
+      outputs go:
 
-    Returns a :class:`FusionReport`: which GroupNorms were fused and which were skipped, and
-    why. It compares equal to, and converts to, the number fused.
+      - ``example_inputs`` (a tuple of positional arguments of ``module``'s forward; a single
+        tensor is taken as a 1-tuple) and/or ``example_kwargs`` (a dict of keyword arguments):
+        one forward runs now, under ``torch.no_grad()``, with the RNG state forked and every
+        buffer restored afterwards. A GroupNorm each of whose calls fed exactly one use, a
+        SiLU, is armed; the others become plain ``nn.GroupNorm`` again, and the report says why.
+      - neither: each GroupNorm decides by itself. Its first eager call observes (exact
+        ``nn.GroupNorm`` results) and its next call decides from what the previous calls'
+        outputs went to (an output still referenced at that point is not fused). The report
+        is live and lists those not yet decided as ``pending``.
+
+      Armed norms stay safe when a forward takes a path not seen while deciding: an output
+      whose first use is not a SiLU is computed exactly (that call is not fused); an output
+      used again after its SiLU gets its exact value there, with a one-time warning, and that
+      GroupNorm is not fused from then on.
+
+    Calling it again re-decides (with example inputs, from a new example forward). Returns a
+    :class:`FusionReport` listing every GroupNorm of ``module``: fused (and where its SiLU is),
+    skipped (and why) or pending.
     """
-    fused, skipped = {}, {}
-    _fuse_sequentials(module, fused, skipped)
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    observe = example_inputs is not None or example_kwargs is not None
+    undo = []
+    static = {}
+    _fuse_sequentials(module, static, undo)
+    names = _names(module)
+    candidates = []
+    for sub in _unique_modules(module):
+        name = names[id(sub)]
+        if isinstance(sub, GroupNormSwish):
+            static.setdefault(name, Fused(name, "already a GroupNormSwish (GroupNorm and Swish in one module)"))
+        elif type(sub) in (nn.GroupNorm, FusedGroupNorm):
+            refusal = _refusal(sub)
+            if refusal:
+                _restore(sub)
+                static[name] = Skipped(name, refusal)
+            else:
+                _arm_candidate(sub, name, not observe, names)
+                candidates.append(sub)
+        elif isinstance(sub, nn.GroupNorm):
+            static[name] = Skipped(
+                name, f"a subclass of nn.GroupNorm ({type(sub).__qualname__}): its forward may differ"
+            )
+    if observe:
+        try:
+            output, returned = _observe(module, example_inputs or (), example_kwargs or {})
+        except BaseException:
+            for sub in candidates:
+                _restore(sub)
+            for undo_one in reversed(undo):
+                undo_one()
+            raise
+        if any(_kept(sub, returned) for sub in candidates):
+            gc.collect()  # an output held only by a reference cycle is not kept
+        for sub in candidates:
+            state, text = _decide(sub, final=True, returned=returned)
+            if state == _FUSED:
+                sub._settle(state, text)
+            else:
+                _restore(sub)
+                static[names[id(sub)]] = Skipped(names[id(sub)], text)
+        del output  # kept until here: the outputs it holds were returned, not dropped
+    entries = []
+    for sub in _unique_modules(module):
+        name = names[id(sub)]
+        if name in static:
+            entries.append((name, static.pop(name)))
+        elif type(sub) is FusedGroupNorm:
+            entries.append((name, sub))
+    entries += list(static.items())  # replaced modules (a Sequential's GroupNorm) by their old names
+    order = {name: index for index, name in enumerate(_all_names(module))}
+    entries.sort(key=lambda entry: order.get(entry[0], len(order)))
+    return FusionReport(live=entries)
+
+
+def _names(module):
+    """``{id(submodule): qualified name}`` (the first name of a module registered under
+    several), ``module`` itself named ``(the model)``."""
     names = {}
     for name, sub in module.named_modules(remove_duplicate=False):
-        names.setdefault(id(sub), []).append(name)
-    for owner_name, owner in list(module.named_modules()):
-        if isinstance(owner, (nn.Sequential, GroupNormSwish) + _CONTAINERS) or type(owner) is nn.GroupNorm:
+        names.setdefault(id(sub), name or "(the model)")
+    return names
+
+
+def _all_names(module):
+    return [name or "(the model)" for name, _ in module.named_modules(remove_duplicate=False)]
+
+
+def _unique_modules(module):
+    return [sub for _, sub in module.named_modules()]
+
+
+def _refusal(norm):
+    """Why fastbwd's fused kernel cannot stand in for ``norm``, or None."""
+    if not (isinstance(norm.eps, (int, float)) and 0 <= norm.eps < math.inf):
+        return f"eps={norm.eps!r}: fastbwd's kernel takes a finite eps >= 0"
+    if norm.num_channels // norm.num_groups > _GROUP_LIMIT:
+        return (
+            f"{norm.num_channels // norm.num_groups} channels per group: fastbwd's kernel takes at most {_GROUP_LIMIT}"
+        )
+    return None
+
+
+# ---- nn.Sequential --------------------------------------------------------------------------
+
+
+def _fuse_sequentials(module, fused, undo):
+    for prefix, sequential in module.named_modules():
+        if not isinstance(sequential, nn.Sequential):
             continue
-        norms = _owned_norms(owner)
-        if norms:
-            _fuse_in_forward(owner, owner_name, norms, names, fused, skipped)
-    order = [name for name, _ in module.named_modules(remove_duplicate=False)]
-    for name, sub in module.named_modules():
-        if type(sub) is nn.GroupNorm and name not in fused and name not in skipped:
-            skipped[name] = "not called by its owner's forward() (nor in an nn.Sequential)"
-    rank = {name: index for index, name in enumerate(order)}
-    return FusionReport(
-        sorted((Fused(n, w) for n, w in fused.items()), key=lambda f: rank.get(f.name, 0)),
-        sorted((Skipped(n, r) for n, r in skipped.items()), key=lambda s: rank.get(s.name, 0)),
-    )
+        slots = list(sequential._modules)
+        for index, first in enumerate(slots[:-1]):
+            norm, following = sequential._modules[first], sequential._modules[slots[index + 1]]
+            if type(norm) in (nn.GroupNorm, FusedGroupNorm) and type(following) is nn.SiLU and not _refusal(norm):
+                _restore(norm)
+                second = slots[index + 1]
+                sequential._modules[first] = _group_norm_swish(norm)
+                sequential._modules[second] = nn.Identity()
+                name = f"{prefix}.{first}" if prefix else first
+                fused[name] = Fused(name, f"nn.Sequential {prefix or '(the model)'}: followed by nn.SiLU")
+
+                def put_back(sequential=sequential, first=first, second=second, norm=norm, silu=following):
+                    sequential._modules[first], sequential._modules[second] = norm, silu
+
+                undo.append(put_back)
 
 
-def _qualified(prefix, name):
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _fused(norm):
+def _group_norm_swish(norm):
     """A GroupNormSwish on ``norm``'s Parameter objects (or None), settings and mode."""
     fused = GroupNormSwish(norm.num_groups, norm.num_channels, norm.eps, affine=False)
     fused.affine = norm.affine
@@ -141,257 +283,530 @@ def _fused(norm):
     return fused
 
 
-# ---- nn.Sequential ---------------------------------------------------------------------------
+# ---- FusedGroupNorm -------------------------------------------------------------------------
+
+_GROUP_LIMIT = 4000  # fastbwd.api.group_norm_swish.MAX_GROUP_SIZE, the documents' limit
+_PENDING, _OBSERVING, _FUSED, _SKIPPED = "pending", "observing", "fused", "skipped"
+_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _fuse_sequentials(module, fused, skipped):
-    for prefix, sequential in module.named_modules():
-        if not isinstance(sequential, nn.Sequential):
-            continue
-        names = list(sequential._modules)
-        for index, first in enumerate(names):
-            norm = sequential._modules[first]
-            if type(norm) is not nn.GroupNorm:
-                continue
-            name = _qualified(prefix, first)
-            following = sequential._modules[names[index + 1]] if index + 1 < len(names) else None
-            if type(following) is nn.SiLU:
-                sequential._modules[first] = _fused(norm)
-                sequential._modules[names[index + 1]] = nn.Identity()
-                fused[name] = f"nn.Sequential {prefix or '(the model)'}: followed by nn.SiLU"
-            else:
-                what = "last in" if following is None else f"followed by {type(following).__name__} in"
-                skipped[name] = f"{what} nn.Sequential {prefix or '(the model)'}"
+class FusedGroupNorm(nn.GroupNorm):
+    """An ``nn.GroupNorm`` that runs as fastbwd's fused GroupNorm+Swish when its output goes
+    into a SiLU (made by :func:`fuse_group_norm_swish`, which changes a GroupNorm's class to
+    this one; parameters, buffers and state_dict are nn.GroupNorm's).
 
+    ``fusion_state`` is ``"fused"`` (armed), ``"skipped"`` (``fusion_reason`` says why: it is
+    then nn.GroupNorm), or, while deciding without example inputs, ``"pending"`` or
+    ``"observing"``. On an eager CPU call an armed module returns an output that computes on
+    its first use: ``F.silu``/``nn.SiLU`` -> fastbwd's fused operator, anything else ->
+    ``F.group_norm``'s result. Under ``torch.compile``, tracing, scripting, autocast, tensor
+    subclasses or dispatch modes, and on other devices, it is ``nn.GroupNorm``.
+    """
 
-# ---- forward() via torch.fx ------------------------------------------------------------------
+    fusion_state = _SKIPPED
+    fusion_reason = "not prepared by fuse_group_norm_swish"
+    fusion_where = ""
+    fusion_name = ""
+    _fusion_live = False
+    _fusion_records = ()
+    _fusion_warned = False
+    _fusion_ineligible = None
+    _fusion_names = {}
 
+    def forward(self, input):
+        if torch.jit.is_scripting():
+            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        return self._fused_forward(input)
 
-def _owned_norms(owner):
-    """``{target: GroupNorm}``: the GroupNorms ``owner`` holds directly or inside
-    ModuleList/ModuleDict children, by their path from ``owner`` (as fx names call targets)."""
-    found = {}
+    @torch.jit.unused
+    def _fused_forward(self, input):
+        # is_compiling first: torch.compile folds it and captures plain F.group_norm, whose
+        # pairs its own graph pass can fuse
+        if torch.compiler.is_compiling() or self.fusion_state == _SKIPPED:
+            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        geometry = self._geometry(input)
+        if geometry is None:
+            if self.fusion_state == _OBSERVING:
+                self._fusion_ineligible = _ineligible(input)
+            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        if self.fusion_state == _FUSED:
+            return _LazyGroupNorm(input, self, geometry, None)
+        if self._resolve():
+            return self._fused_forward(input)
+        self.fusion_state = _OBSERVING
+        record = _Record()
+        self._fusion_records.append(record)
+        lazy = _LazyGroupNorm(input, self, geometry, record)
+        record.output = weakref.ref(lazy)
+        return lazy
 
-    def visit(module, prefix):
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            path = _qualified(prefix, name)
-            if type(child) is nn.GroupNorm:
-                found[path] = child
-            elif isinstance(child, _CONTAINERS):
-                visit(child, path)
+    def _resolve(self):
+        """Without example inputs: take the decision the calls observed so far allow (at the
+        next call, or when a report is read); True when taken."""
+        if not (self._fusion_live and self.fusion_state == _OBSERVING and self._fusion_records):
+            return False
+        state, text = _decide(self, final=False)
+        if state is not None:
+            self._settle(state, text)
+        return state is not None
 
-    visit(owner, "")
-    return found
+    def _geometry(self, input):
+        """The call's GroupNorm+Swish geometry when fastbwd can run it exactly as nn.GroupNorm
+        would (a plain eager CPU call of a dtype pairing PyTorch accepts, checked as
+        nn.GroupNorm checks), else None (the call is nn.GroupNorm's)."""
+        if not _ops.use_eager_path(input) or input.device.type != "cpu" or input.dtype not in _FLOATING:
+            return None
+        if _forward_ad._current_level >= 0:  # dual tensors: the fused operator has no forward derivative
+            return None
+        if input.dim() < 2 or input.numel() == 0:
+            return None
+        try:  # nn.GroupNorm's checks (dtype pairings included), once per geometry
+            return _ops.geometry_of(input, self.weight, self.bias, self.num_groups, float(self.eps), 1.0, _check_input)
+        except Exception:  # noqa: BLE001 - the call is nn.GroupNorm's, which raises its own error
+            return None
 
-
-class _LeafTracer(fx.Tracer):
-    """Traces one module's own forward(): every submodule call stays a call."""
-
-    def is_leaf_module(self, module, qualified_name):
-        return True
-
-
-def _is_silu(node, modules):
-    if node.op == "call_module":
-        return type(modules.get(node.target)) is nn.SiLU
-    return node.op == "call_function" and node.target is torch.nn.functional.silu
-
-
-def _first_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _fuse_in_forward(owner, owner_name, norms, names, fused, skipped):
-    """Trace ``owner.forward`` in every case, fuse the GroupNorms that feed only a SiLU in all of
-    them, and give ``owner`` a forward generated from the rewritten graphs."""
-    label = f"{type(owner).__name__}.forward() of {owner_name or '(the model)'}"
-    qualified = {target: _qualified(owner_name, target) for target in norms}
-
-    def skip_all(reason):
-        for target in norms:
-            skipped.setdefault(qualified[target], reason)
-
-    if "forward" in owner.__dict__:
-        return skip_all(f"{label} is overridden on the instance (already rewritten, or patched)")
-    signature = inspect.signature(type(owner).forward)
-    parameters = list(signature.parameters.values())[1:]  # without self
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
-        return skip_all(f"{label} takes *args or **kwargs (not traced)")
-    optional = [p.name for p in parameters if p.default is None]
-    if len(optional) > MAX_OPTIONAL_ARGUMENTS:
-        return skip_all(f"{label} has more than {MAX_OPTIONAL_ARGUMENTS} arguments that default to None")
-
-    cases = list(itertools.product((True, False), itertools.product((False, True), repeat=len(optional))))
-    graphs = {}
-    training = owner.training
-    try:
-        for mode, nones in cases:
-            owner.training = mode  # the owner's flag only: its children are not run while tracing
-            state = _state(owner)
-            concrete = {name: None for name, none in zip(optional, nones) if none}
-            try:
-                graphs[mode, nones] = _LeafTracer().trace(owner, concrete_args=concrete)
-            finally:
-                changed = _changed(owner, state)
-                if changed:
-                    _restore(owner, state)
-            if changed:  # forward() rebinds attributes (a cache, a counter): a graph would drop that
-                return skip_all(f"{label} assigns attributes of the module, which a traced graph would drop")
-    except Exception as error:  # noqa: BLE001 - anything fx cannot trace: leave the module as it is
-        return skip_all(f"{label} cannot be traced ({_first_line(error)})")
-    finally:
-        owner.training = training
-
-    modules = dict(owner.named_modules())
-    fusable = {}
-    for target, norm in norms.items():
-        if len(names[id(norm)]) > 1:
-            skipped[qualified[target]] = f"the same GroupNorm is registered under several names: {names[id(norm)]}"
-            continue
-        calls = [
-            node
-            for graph in graphs.values()
-            for node in graph.nodes
-            if node.op == "call_module" and node.target == target
-        ]
-        if not calls:
-            skipped[qualified[target]] = f"not called by {label}"
-            continue
-        reason = None
-        for node in calls:
-            users = list(node.users)
-            if len(users) != 1:
-                reason = f"its output is used {len(users)} times in {label}"
-            elif not _is_silu(users[0], modules):
-                reason = f"its output goes to {_describe(users[0], modules)} in {label}, not a SiLU"
-            elif users[0].args[:1] != (node,) or any(node in _flat(a) for a in users[0].args[1:]):
-                reason = f"its output is not the only input of the SiLU in {label}"
-            if reason:
-                break
-        if reason:
-            skipped[qualified[target]] = reason
+    def _settle(self, state, text):
+        self._fusion_records = []
+        self.fusion_state = state
+        if state == _FUSED:
+            self.fusion_where = text
         else:
-            fusable[target] = calls
-    if not fusable:
-        return None
+            self.fusion_reason = text
 
-    where = {}
-    for target, calls in fusable.items():
-        for node in calls:
-            silu = next(iter(node.users))
-            where[target] = f"{label}: {_describe(silu, modules)}"
-            silu.replace_all_uses_with(node)
-            silu.graph.erase_node(silu)
-    functions = {}
-    sources = {}
-    for key, graph in graphs.items():
-        graph.lint()
-        code = graph.python_code(root_module="self")
-        if code.src not in sources:  # cases that trace alike share one function
-            namespace = dict(code.globals)
-            exec(compile(code.src, f"<fastbwd fused {type(owner).__name__}.forward>", "exec"), namespace)
-            sources[code.src] = namespace["forward"]
-        functions[key] = sources[code.src]
-    for target in fusable:
-        _replace(owner, target, _fused(norms[target]))
-        fused[qualified[target]] = where[target]
-    owner.forward = _FusedForward(owner, _dispatcher(signature, optional, functions))
-    return None
+    def _disarm(self, reason):
+        """Not fused from now on; warns once."""
+        self._settle(_SKIPPED, reason)
+        if not self._fusion_warned:
+            self._fusion_warned = True
+            frame, level = sys._getframe(), 1  # the warning points at the code that used the output
+            while frame is not None and frame.f_code.co_filename in _PLUMBING:
+                frame, level = frame.f_back, level + 1
+            warnings.warn(
+                f"fastbwd.torch: the output of the fused GroupNorm {self.fusion_name!r} was used again after "
+                "its SiLU (a path not seen when it was fused): that SiLU's result came from fastbwd's fused "
+                "kernel, the other use got nn.GroupNorm's exact output. This GroupNorm is not fused from now on.",
+                UserWarning,
+                stacklevel=level,
+            )
+
+    def extra_repr(self):
+        state = self.fusion_state
+        if state == _FUSED:
+            what = "fused: runs as fastbwd's GroupNorm+Swish with the SiLU applied to its output"
+        elif state == _SKIPPED:
+            what = f"not fused ({self.fusion_reason})"
+        else:
+            what = "fusion pending: decided from where its first calls' outputs go"
+        return f"{super().extra_repr()}, {what}"
+
+    def __getstate__(self):
+        # what is being observed (weak references) belongs to this process's calls
+        state = super().__getstate__()
+        state["_fusion_records"] = []
+        state["_fusion_names"] = {}
+        if state.get("fusion_state") == _OBSERVING:
+            state["fusion_state"] = _PENDING
+        return state
 
 
-def _tables(module):
-    return (module.__dict__, module._parameters, module._buffers, module._modules)
+def _arm_candidate(norm, name, live, names):
+    """Make ``norm`` a FusedGroupNorm that observes its next calls (``live``: and decides by
+    itself at a later call); ``names`` (``{id(module): qualified name}``) describe its uses."""
+    norm.__class__ = FusedGroupNorm
+    norm.fusion_name = name
+    norm._fusion_names = names
+    norm.fusion_state = _PENDING if live else _OBSERVING
+    norm._fusion_live = live
+    norm._fusion_records = []
+    norm._fusion_warned = False
+    norm._fusion_ineligible = None
+    for attribute in ("fusion_reason", "fusion_where"):
+        norm.__dict__.pop(attribute, None)
 
 
-def _state(module):
-    """Shallow copies of what an attribute assignment in forward() can change: the module's own
-    attributes, parameters, buffers and children."""
-    return tuple(dict(table) for table in _tables(module))
+def _restore(norm):
+    """``norm`` a plain nn.GroupNorm again (a no-op for one)."""
+    if type(norm) is FusedGroupNorm:
+        for attribute in (
+            "fusion_name",
+            "fusion_state",
+            "fusion_reason",
+            "fusion_where",
+            "_fusion_live",
+            "_fusion_records",
+            "_fusion_warned",
+            "_fusion_ineligible",
+            "_fusion_names",
+        ):
+            norm.__dict__.pop(attribute, None)
+        norm.__class__ = nn.GroupNorm
 
 
-def _changed(module, state):
+def _ineligible(input):
+    """Why a call's input is not one the fused path takes (for the report)."""
+    if not isinstance(input, torch.Tensor):
+        return f"its calls are traced or transformed ({type(input).__name__} input), not eager"
+    if input.device.type != "cpu":
+        return f"its input is on {input.device.type}, not the CPU"
+    if input.numel() == 0:
+        return "its input is empty"
+    return "its calls are not plain eager CPU calls fastbwd fuses (dtype, tracing or a tensor mode)"
+
+
+# ---- observing and deciding -----------------------------------------------------------------
+
+
+class _Record:
+    """Where one observed call's output went: its uses in order (:class:`_Use`), until an
+    in-place SiLU (after which the tensor holds the SiLU's output)."""
+
+    __slots__ = ("uses", "closed", "output")
+
+    def __init__(self):
+        self.uses = []
+        self.closed = False
+        self.output = None  # a weak reference to the call's _LazyGroupNorm
+
+
+def _decide(norm, final, returned=frozenset()):
+    """``(state, text)`` from ``norm``'s observed calls: ``(_FUSED, where the SiLU is)`` when
+    every call's output had exactly one use and it was a SiLU, ``(_SKIPPED, why not)``, or
+    ``(None, None)`` while that cannot be known yet (not ``final``, and no call seen yet).
+
+    ``final`` (after the example forward): every output should be gone, but those in
+    ``returned`` (ids of the outputs the forward returned). Otherwise (at a later call of the
+    GroupNorm): an earlier call's output that is still referenced outlives its call (kept, or
+    the GroupNorm called again before that output was used), and is not fused."""
+    records = norm._fusion_records
+    for record in records:
+        if record.uses and not record.uses[0].silu:
+            return _SKIPPED, f"its output goes to {record.uses[0].what} before any SiLU"
+        if len(record.uses) > 1:
+            return _SKIPPED, f"its output is used {len(record.uses)} times ({'; '.join(u.what for u in record.uses)})"
+    alive = [record.output() for record in records if record.output() is not None]
+    if alive:
+        if any(id(output) in returned for output in alive):
+            return _SKIPPED, "its output is returned from the model's forward unconsumed"
+        return _SKIPPED, "its output is still referenced after the call that made it (kept, or returned)"
+    if not records:
+        if not final:
+            return None, None
+        if norm._fusion_ineligible:
+            return _SKIPPED, norm._fusion_ineligible
+        return _SKIPPED, "not called in the example forward"
+    if any(not record.uses for record in records):
+        return _SKIPPED, "its output is not used"
+    return _FUSED, records[0].uses[0].what
+
+
+def _kept(norm, returned):
+    """Whether an output of ``norm``'s observed calls is still referenced, and not returned."""
     return any(
-        table.keys() != saved.keys() or any(table[name] is not saved[name] for name in saved)
-        for table, saved in zip(_tables(module), state)
+        output is not None and id(output) not in returned for output in (r.output() for r in norm._fusion_records)
     )
 
 
-def _restore(module, state):
-    """Undo assignments made while tracing (their values may hold fx proxies)."""
-    for table, saved in zip(_tables(module), state):
-        table.clear()
-        table.update(saved)
+def _observe(module, args, kwargs):
+    """One forward of ``module`` under ``torch.no_grad()``, the RNG state forked and every
+    buffer (BatchNorm statistics, counters) put back afterwards; returns its output and the ids
+    of the lazy outputs in it."""
+    saved = [
+        (owner, name, buffer, buffer.detach().clone())
+        for owner in module.modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    ]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            output = module(*args, **kwargs)
+        return output, frozenset(id(t) for t in _tensors_in(output) if type(t) is _LazyGroupNorm)
+    finally:
+        with torch.no_grad():
+            for owner, name, buffer, value in saved:
+                owner._buffers[name] = buffer
+                buffer.copy_(value)
 
 
-def _flat(value):
+def _tensors_in(value, depth=0):
+    """The tensors in a forward's output (tuples, lists, dicts, objects' attributes)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 4:
+        return []
     if isinstance(value, (tuple, list)):
-        return [item for element in value for item in _flat(element)]
-    if isinstance(value, dict):
-        return _flat(list(value.values()))
-    return [value]
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+        items = vars(value).values()
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item, depth + 1)]
 
 
-def _describe(node, modules):
-    if node.op == "call_module":
-        return f"self.{node.target} ({type(modules.get(node.target)).__name__})"
-    if node.op == "call_function":
-        if node.target is torch.nn.functional.silu:
-            return "F.silu"
-        return getattr(node.target, "__qualname__", str(node.target))
-    if node.op == "call_method":
-        return f".{node.target}()"
-    return node.op
+# ---- the lazy output ------------------------------------------------------------------------
+
+_SILU = {F.silu: False, torch._C._nn.silu: False, torch._C._nn.silu_: True}  # function -> in place
+
+_METADATA = {
+    torch.Tensor.size,
+    torch.Tensor.stride,
+    torch.Tensor.dim,
+    torch.Tensor.ndimension,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.is_signed,
+    torch.Tensor.get_device,
+    torch.Tensor.storage_offset,
+    torch.Tensor.__len__,
+    torch.numel,
+    torch.is_floating_point,
+    torch.is_complex,
+} | {
+    getattr(torch.Tensor, name).__get__
+    for name in (
+        "shape",
+        "ndim",
+        "dtype",
+        "device",
+        "layout",
+        "requires_grad",
+        "is_cpu",
+        "is_cuda",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_mkldnn",
+        "is_nested",
+        "itemsize",
+        "nbytes",
+    )
+    if hasattr(torch.Tensor, name)
+}
+
+#: Frames between a use of a lazy output and the code that uses it.
+_PLUMBING = {
+    torch.overrides.__file__,
+    F.__file__,
+    torch._tensor.__file__,
+    torch._tensor_str.__file__,
+    torch.utils._pytree.__file__,
+    __file__,
+}
 
 
-def _replace(owner, target, module):
-    *path, last = target.split(".")
-    parent = owner
-    for name in path:
-        parent = parent._modules[name]
-    parent._modules[last] = module
+class _LazyGroupNorm(torch.Tensor):
+    """``F.group_norm(input, ...)`` of a :class:`FusedGroupNorm` call, computed when first used.
 
+    A wrapper tensor (``_make_wrapper_subclass``: the real result's metadata, no storage).
+    Metadata reads answer from it; ``F.silu`` as its first use runs the fused operator (armed),
+    anything else gets the exact ``F.group_norm`` result (made once, then reused). When
+    observing, the result is made at once and every use is recorded."""
 
-def _dispatcher(signature, optional, functions):
-    """``call(module, *args, **kwargs)``: the traced function for the module's training flag and
-    which optional arguments are None, called with every argument in signature order."""
-    bind = signature.bind
-    arity = len(signature.parameters) - 1
-
-    def call(module, *args, **kwargs):
-        if not optional and not kwargs and len(args) == arity:  # all positional: no binding
-            return functions[module.training, ()](module, *args)
-        bound = bind(module, *args, **kwargs)
-        bound.apply_defaults()
-        values = list(bound.arguments.values())[1:]
-        nones = tuple(bound.arguments[name] is None for name in optional)
-        return functions[module.training, nones](module, *values)
-
-    return call
-
-
-class _FusedForward:
-    """The forward of a module rewritten by :func:`fuse_group_norm_swish`, set on the instance.
-
-    Deep-copies with its module; refuses to be pickled (the generated code is not importable,
-    and restoring the class's own forward over the fused modules would apply Swish twice)."""
-
-    __slots__ = ("module", "call")
-
-    def __init__(self, module, call):
-        self.module = module
-        self.call = call
-
-    def __call__(self, *args, **kwargs):
-        return self.call(self.module, *args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        return _FusedForward(copy.deepcopy(self.module, memo), self.call)
-
-    def __reduce__(self):
-        raise TypeError(
-            f"{type(self.module).__name__} has a forward() rewritten by fuse_group_norm_swish and "
-            "cannot be pickled whole: save and load its state_dict instead"
+    @staticmethod
+    def __new__(cls, input, norm, geometry, record):
+        weight, bias = norm.weight, norm.bias
+        grad = torch.is_grad_enabled()
+        if record is None:
+            result, strides = None, geometry.output_strides
+        else:
+            result = F.group_norm(input, norm.num_groups, weight, bias, norm.eps)
+            strides = result.stride()
+        requires_grad = grad and (
+            input.requires_grad
+            or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad)
         )
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, input.shape, strides=strides, dtype=input.dtype, device=input.device, requires_grad=requires_grad
+        )
+        self._fb_input, self._fb_weight, self._fb_bias = input, weight, bias
+        self._fb_norm, self._fb_geometry, self._fb_record = norm, geometry, record
+        self._fb_grad, self._fb_inference = grad, torch.is_inference_mode_enabled()
+        self._fb_versions = None if record is not None else _versions(input, weight, bias)
+        self._fb_result = result  # F.group_norm's tensor once made (or, after an in-place SiLU, its output)
+        self._fb_consumed = False  # an armed output whose SiLU ran fused
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA and type(args[0]) is cls:
+            lazy = args[0]
+            if lazy._fb_result is None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            return func(lazy._fb_result, *args[1:], **kwargs)
+        inplace = _SILU.get(func)
+        if inplace is not None and args and type(args[0]) is cls:
+            lazy = args[0]
+            inplace = inplace or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
+            if lazy._fb_record is None and lazy._fb_result is None and not lazy._fb_consumed:
+                if not _is_silu_subclass(_site()[0]):
+                    return lazy._fused_silu(inplace)
+            return _call(func, args, kwargs, inplace)
+        return _call(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"fastbwd.torch: {func} reached the output of a fused GroupNorm below __torch_function__, "
+            "where it would have to compute without knowing its use. This is a fastbwd bug: please "
+            "report it. Until fixed, leave that GroupNorm unfused (fuse with example_inputs, or do not "
+            "fuse the model)."
+        )
+
+    def _fused_silu(self, inplace):
+        """The first use is a SiLU: fastbwd's fused operator on the call's input."""
+        self._check_unmodified()
+        norm, input = self._fb_norm, self._fb_input
+        eps = float(norm.eps)
+        with _grad_mode(self._fb_grad and torch.is_grad_enabled()):
+            if _ops._eager(input):
+                y = _ops.EagerGroupNormSwish.apply(input, self._fb_weight, self._fb_bias, self._fb_geometry, eps, 1.0)
+            else:  # a mode entered between the GroupNorm and its SiLU: through the operator
+                y = torch.ops.fastbwd.group_norm_swish(
+                    input, self._fb_weight, self._fb_bias, norm.num_groups, eps, 1.0
+                )[0]
+        self._fb_consumed = True
+        if inplace:
+            self._fb_result = y  # what the tensor now holds: later uses see the SiLU's output
+        return y
+
+    def _materialise(self, func, silu_inplace):
+        """The tensor an operation other than a first SiLU gets: F.group_norm's result (made
+        once), recording the use when observing (``silu_inplace``: None unless ``func`` is a
+        SiLU, then whether it works in place)."""
+        record = self._fb_record
+        if record is not None:
+            if not record.closed:
+                use = _use(func, silu_inplace is not None, self._fb_norm._fusion_names)
+                record.uses.append(use)
+                record.closed = use.silu and silu_inplace  # the tensor now holds the SiLU's output
+            return self._fb_result
+        if self._fb_result is None:
+            if self._fb_consumed:
+                self._fb_norm._disarm(
+                    "its output was used again after its SiLU at run time (a path not seen when it was fused)"
+                )
+            self._check_unmodified()
+            norm = self._fb_norm
+            with _creation_modes(self):
+                self._fb_result = F.group_norm(
+                    self._fb_input, norm.num_groups, self._fb_weight, self._fb_bias, norm.eps
+                )
+        return self._fb_result
+
+    def _check_unmodified(self):
+        if (
+            self._fb_versions is not None
+            and _versions(self._fb_input, self._fb_weight, self._fb_bias) != self._fb_versions
+        ):
+            raise RuntimeError(
+                f"fastbwd.torch: the input or parameters of the fused GroupNorm {self._fb_norm.fusion_name!r} were "
+                "modified in place between its call and the first use of its output, which the fused GroupNorm "
+                "computes at that use. Fuse this model with example inputs (the GroupNorm is then left unfused) "
+                "or do not modify them in place before using the output."
+            )
+
+
+def _call(func, args, kwargs, silu_inplace=None):
+    """``func`` on the real tensors behind every lazy output among its arguments."""
+
+    def real(value):
+        return value._materialise(func, silu_inplace) if type(value) is _LazyGroupNorm else value
+
+    return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+class _Use(NamedTuple):
+    silu: bool  # a SiLU: nn.SiLU itself, or F.silu called outside an nn.SiLU subclass
+    what: str  # for the report
+
+
+def _use(func, is_silu, names):
+    """The :class:`_Use` of an observed output by ``func``, described with the module names
+    ``names`` (``{id(module): qualified name}``)."""
+    owner, site = _site()
+    where = site
+    if owner is not None:
+        where = f"{names[id(owner)]} ({site})" if id(owner) in names else site
+    if is_silu:
+        if type(owner) is nn.SiLU:
+            return _Use(True, f"nn.SiLU {names.get(id(owner), '(unnamed)')}")
+        if _is_silu_subclass(owner):
+            return _Use(False, f"{type(owner).__qualname__}, a subclass of nn.SiLU (not fused), {where}")
+        return _Use(True, f"F.silu in {where}")
+    name = torch.overrides.resolve_name(func) or getattr(func, "__qualname__", repr(func))
+    name = name.replace("torch.nn.functional.", "F.").replace("torch.Tensor.", "Tensor.")
+    return _Use(False, f"{name} in {where}")
+
+
+def _site():
+    """``(module or None, description)`` of the code that is using a lazy output: the first
+    frame outside fastbwd's and PyTorch's dispatch plumbing; its module when it is a
+    ``forward(self, ...)``."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _PLUMBING:
+        frame = frame.f_back
+    if frame is None:
+        return None, "?"
+    code = frame.f_code
+    if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self":
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            return owner, f"{type(owner).__qualname__}.forward"
+    return None, getattr(code, "co_qualname", code.co_name)
+
+
+def _is_silu_subclass(owner):
+    return isinstance(owner, nn.SiLU) and type(owner) is not nn.SiLU
+
+
+def _versions(*tensors):
+    """The tensors' version counters (None for an inference tensor, which has none)."""
+    return tuple(None if t is None or t.is_inference() else t._version for t in tensors)
+
+
+class _grad_mode:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """``torch.set_grad_enabled(enabled)`` only when it changes something (it costs a few
+    microseconds otherwise)."""
+
+    __slots__ = ("enabled", "previous")
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.previous = torch.is_grad_enabled()
+        if self.previous != self.enabled:
+            torch._C._set_grad_enabled(self.enabled)
+
+    def __exit__(self, *exc):
+        if self.previous != self.enabled:
+            torch._C._set_grad_enabled(self.previous)
+
+
+class _creation_modes:  # noqa: N801
+    """The grad and inference modes of the GroupNorm call, for computing its output later."""
+
+    __slots__ = ("lazy", "guards")
+
+    def __init__(self, lazy):
+        self.lazy = lazy
+
+    def __enter__(self):
+        self.guards = []
+        if torch.is_inference_mode_enabled() != self.lazy._fb_inference:
+            self.guards.append(torch.inference_mode(self.lazy._fb_inference))
+        self.guards.append(_grad_mode(self.lazy._fb_grad))
+        for guard in self.guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self.guards):
+            guard.__exit__(*exc)

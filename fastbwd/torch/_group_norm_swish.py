@@ -32,6 +32,31 @@ def _check_input(input, num_groups, weight, bias):
                 f"Expected {name} to be a vector of size equal to the number of channels in input, "
                 f"but got {name} of shape {list(parameter.shape)} and input of shape {shape}"
             )
+    _check_dtypes(input, weight, bias)
+
+
+#: PyTorch's names of the dtypes in its "expected scalar type" messages.
+_SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+
+
+def _check_dtypes(input, weight, bias):
+    """native_group_norm's dtype rules on the CPU, with its messages: parameters of another
+    dtype than the input's must all be float32, with a float16 or bfloat16 input (mixed
+    precision); otherwise every parameter has the input's dtype."""
+    parameters = [p for p in (weight, bias) if p is not None]
+    if not parameters:
+        return
+    if parameters[0].dtype != input.dtype:  # what PyTorch calls mixed
+        if any(p.dtype != torch.float32 for p in parameters):
+            raise RuntimeError("mixed dtype (CPU): expect parameter to have scalar type of Float")
+        if input.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("mixed dtype (CPU): all inputs must share same datatype.")
+        return
+    for parameter in parameters[1:]:
+        if parameter.dtype != input.dtype:
+            expected = _SCALAR_NAMES.get(input.dtype, str(input.dtype))
+            found = _SCALAR_NAMES.get(parameter.dtype, str(parameter.dtype))
+            raise RuntimeError(f"expected scalar type {expected} but found {found}")
 
 
 # A leaf of torch.fx.symbolic_trace: the checks above read sizes a Proxy does not have.

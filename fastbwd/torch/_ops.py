@@ -15,6 +15,7 @@ the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager
 end); the kernels here only translate tensors to arrays and back.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -247,8 +248,14 @@ class _Geometry:
 
     def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
         self.memory_format = c.memory_format(input)
-        self.channels_last = self.memory_format == torch.channels_last
+        self.channels_last = self.memory_format != torch.contiguous_format
         self.data_format = "NHWC" if self.channels_last else "NCHW"
+        self.shape = input.shape
+        self.to_nhwc, self.to_nchw = c.channels_last_permutation(input.dim())
+        # The kernels take rank 2 to 8; nn.GroupNorm any rank. A group's values do not depend
+        # on how the spatial axes are split, so a higher-rank (contiguous) input is seen as
+        # (N, C, HxW).
+        self.flat = input.dim() > gns_api.MAX_RANK
         self.num_groups = num_groups
         gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
         # made here when the call has no such parameter: the kernels only read them
@@ -264,9 +271,12 @@ class _Geometry:
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
-        dense in the memory format, channels-last as its (N, H, W, C) view."""
+        dense in the memory format, channels-last as its (N, *spatial, C) view, above the
+        kernels' rank as (N, C, HxW)."""
         array = c.as_array(c.dense(tensor, self.memory_format))
-        return array.transpose(0, 2, 3, 1) if self.channels_last else array
+        if self.flat:
+            return array.reshape(array.shape[0], array.shape[1], -1)
+        return array.transpose(self.to_nhwc) if self.channels_last else array
 
     def parameters(self, weight, bias):
         """gamma and beta as the api takes them (see :func:`_parameters`)."""
@@ -275,11 +285,19 @@ class _Geometry:
             self.beta if bias is None else c.as_array(bias),
         )
 
+    @functools.cached_property
+    def output_strides(self):
+        """The strides of ``F.group_norm``'s output (and of this geometry's y): dense in the
+        input's suggested memory format."""
+        return torch.empty(self.shape, device="meta", memory_format=self.memory_format).stride()
+
     def result(self, array):
         """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
-        arrays come back in the (N, C, H, W) shape."""
+        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's."""
         tensor = c.as_tensor(array)
-        return tensor.permute(0, 3, 1, 2) if self.channels_last else tensor
+        if self.flat:
+            return tensor.reshape(self.shape)
+        return tensor.permute(self.to_nchw) if self.channels_last else tensor
 
     def backward_plan(self, dy, arrays, need_weight, need_bias, own_statistics):
         """The api's backward plan for these arrays, validated on the first call of their
@@ -379,7 +397,7 @@ def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, s
     if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
         gamma, beta = _parameters(input, weight, bias)
         return (
-            torch.zeros(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)),
+            torch.empty(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)).zero_(),
             torch.zeros_like(gamma) if need_weight else None,
             torch.zeros_like(beta) if need_bias else None,
         )
@@ -477,9 +495,11 @@ def _grad(ctx, grad_output, input, weight, bias, statistics, arrays):
     tensors, ``arrays`` (:class:`_KernelArrays`) are those the eager path's forward kept, or
     None."""
     needs = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and input.numel() != 0:
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
-        # derivative, so differentiate PyTorch's composite instead (exact double backward).
+        # derivative, so differentiate PyTorch's composite instead (exact double backward). An
+        # empty input's gradients are constant zeros (and group_norm's decomposition cannot
+        # reshape an empty input under dynamic shapes).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
     if arrays is not None and _eager(grad_output, input):
@@ -534,7 +554,7 @@ def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, 
     given ``mean`` and ``rstd``: the derivative of ``fastbwd::group_norm_swish_backward``."""
     batch, channels = input.shape[:2]
     broadcast = (1, channels) + (1,) * (input.dim() - 2)
-    grouped = (batch, num_groups, -1)
+    grouped = (batch, num_groups, math.prod(input.shape[1:]) // num_groups)  # no -1: empty inputs too
     gamma = weight if weight is not None else torch.ones(channels, dtype=mean.dtype)
     beta = bias if bias is not None else torch.zeros(channels, dtype=mean.dtype)
     xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)).reshape(
