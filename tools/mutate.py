@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,18 +45,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 Mutant = collections.namedtuple("Mutant", "name op file original replacement test description")
 
-T_UP = "tests/test_upsample_bilinear2d.py"
-T_AP = "tests/test_avg_pool2d.py"
-T_PAD = "tests/test_replication_pad2d.py"
-T_ROI = "tests/test_roi_align.py"
-T_GN = "tests/test_group_norm_swish.py"
+
+def _with_contract(test_file, contract_ids):
+    """An operator's own test file and its rows of the contract matrix (tests/test_contract.py,
+    selected by the operator's name in their ids): pytest's arguments, split with shlex."""
+    module = os.path.basename(test_file)[: -len(".py")]
+    return f"{test_file} tests/test_contract.py -k '{module} or {contract_ids}'"
+
+
+T_UP = _with_contract("tests/test_upsample_bilinear2d.py", "upsample_bilinear2d_backward")
+T_AP = _with_contract("tests/test_avg_pool2d.py", "avg_pool2d_backward")
+T_PAD = _with_contract("tests/test_replication_pad2d.py", "replication_pad2d_backward")
+T_ROI = _with_contract("tests/test_roi_align.py", "roi_align_backward or roi_align_forward")
+T_GN = _with_contract("tests/test_group_norm_swish.py", "group_norm_swish_backward")
 T_REF = "tests/test_reference.py"
 T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
 T_PLANS = "tests/test_plans.py"
 T_SIMD = "tests/test_simd.py"
 T_EXIT = "tests/test_exit.py"
-T_GNF = "tests/test_group_norm_swish_forward.py"
+T_GNF = _with_contract("tests/test_group_norm_swish_forward.py", "(group_norm_swish and not group_norm_swish_backward)")
 T_FUSE = "tests/test_fuse.py"
 T_COMPILE = "tests/test_compile.py"
 
@@ -2178,7 +2187,7 @@ def run_tests(tree, test, timeout):
 def _run_pytest(tree, test, timeout, env):
     start = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *shlex.split(test), "-x", "-q", "-p", "no:cacheprovider"],
         cwd=tree,
         env=env,
         stdout=subprocess.PIPE,
