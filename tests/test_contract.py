@@ -5,6 +5,7 @@ thread count, ``out=`` (fresh, read-only, overlapping an input, the wrong shape,
 layout: refused with nothing written) and the errors every array argument shares (None, a
 non-float dtype). What is specific to one operator stays in its own file."""
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -262,8 +263,6 @@ def _small(name, dtype):
 
 def _matrix(*axes):
     """(name, dtype, ...) for every contract and each of its dtypes, then the other axes."""
-    import itertools
-
     return [
         pytest.param(name, dtype, *rest, id="-".join([name, str(dtype), *map(str, rest)]))
         for name, contract in CONTRACTS.items()

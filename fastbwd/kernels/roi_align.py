@@ -233,6 +233,42 @@ def slot_bound(grid, size):
 
 
 @parallel_kernel
+def roi_align_boxes_by_image(boxes, batch, box_order, image_start, skipped):
+    """The boxes that contribute, grouped by image (run serially: a few operations per box).
+
+    A box contributes when its five values are finite and ``floor(batch_index)`` is in
+    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). Writes
+    ``box_order[:n]``, the ``n`` contributing boxes sorted by image, each image's in their given
+    order; ``image_start``, image ``b`` owning ``box_order[image_start[b]:image_start[b + 1]]``;
+    ``skipped[:K - n]``, the others in ascending order. Returns ``n``.
+    """
+    num_boxes = boxes.shape[0]
+    image_start[:] = 0
+    images = np.empty(num_boxes, np.int64)
+    misses = 0
+    for k in range(num_boxes):
+        finite = True
+        for i in range(5):
+            finite = finite and math.isfinite(boxes[k, i])
+        image = np.floor(boxes[k, 0]) if finite else -1.0  # a float: a huge index stays out of range
+        if image >= 0 and image < batch:
+            images[k] = int(image)
+            image_start[int(image) + 1] += 1
+        else:
+            images[k] = -1
+            skipped[misses] = k
+            misses += 1
+    for b in range(batch):
+        image_start[b + 1] += image_start[b]
+    cursor = image_start[:batch].copy()
+    for k in range(num_boxes):
+        if images[k] >= 0:
+            box_order[cursor[images[k]]] = k
+            cursor[images[k]] += 1
+    return num_boxes - misses
+
+
+@parallel_kernel
 def roi_align_sample_counts(
     boxes,
     box_order,
@@ -712,17 +748,20 @@ class _BoxTables:
             self.scale = g.compute.type(g.spatial_scale)
         # sampling_ratio travels as a float: any Python int is accepted, none overflows.
         self.ratio = float(g.sampling_ratio)
+        self.by_image = Launch(roi_align_boxes_by_image, None)
         self.counts = Launch(roi_align_sample_counts, None, read_only=(0, 1))
         self.fill = (Launch(roi_align_sample_tables, 0), Launch(roi_align_sample_tables, ONE_THREAD_BELOW))
 
     def __call__(self, boxes):
-        """``(box_order, image_start, box_rows, y_table, x_table)`` for ``boxes`` (K, 5), or None
-        when no box contributes."""
+        """``(box_order, image_start, box_rows, y_table, x_table, skipped)`` for ``boxes`` (K, 5)
+        (``skipped``: the boxes that contribute nothing), or None when no box contributes."""
         g = self.geometry
         # Half-format boxes become float32 (exact); the kernels compute in this dtype.
         boxes = np.ascontiguousarray(boxes, dtype=g.compute)
-        box_order, image_start = _boxes_by_image(boxes, g.batch)
-        if box_order.size == 0 or g.height == 0 or g.width == 0:
+        order, image_start = np.empty((2, boxes.shape[0]), np.int64), np.empty(g.batch + 1, np.int64)
+        contributing = self.by_image(boxes, g.batch, order[0], image_start, order[1])
+        box_order, skipped = order[0, :contributing], order[1, : boxes.shape[0] - contributing]
+        if contributing == 0 or g.height == 0 or g.width == 0:
             return None
         geometry = (g.pooled_height, g.pooled_width, self.scale, self.ratio, g.aligned, g.height, g.width)
         y_slots = np.zeros((box_order.size, g.pooled_height), np.int64)
@@ -732,7 +771,7 @@ class _BoxTables:
         box_rows = np.empty((box_order.size, 2), np.int64)
         entries = y_table.pixel.size + x_table.pixel.size
         self.fill[entries >= ONE_THREAD_BELOW](boxes, box_order, *geometry, box_rows, y_table, x_table)
-        return box_order, image_start, box_rows, y_table, x_table
+        return box_order, image_start, box_rows, y_table, x_table, skipped
 
 
 class _BackwardPlan:
@@ -755,7 +794,7 @@ class _BackwardPlan:
         if tables is None:
             grad_input.fill(0)
             return
-        box_order, image_start, box_rows, y_table, x_table = tables
+        box_order, image_start, box_rows, y_table, x_table, _ = tables
         self.scatter(
             grad_output,
             box_order,
@@ -791,8 +830,7 @@ class _ForwardPlan:
         if tables is None:
             out.fill(0)
             return
-        box_order, image_start, box_rows, y_table, x_table = tables
-        skipped = np.setdiff1d(np.arange(g.num_boxes), box_order).astype(np.int64)
+        box_order, image_start, box_rows, y_table, x_table, skipped = tables
         self.gather(
             source,
             g.channels_last,
@@ -810,23 +848,6 @@ class _ForwardPlan:
             y_table,
             x_table,
         )
-
-
-def _boxes_by_image(boxes, batch):
-    """The boxes that contribute, grouped by image: ``(box_order, image_start)``.
-
-    A box contributes when its five values are finite and ``floor(batch_index)`` is in
-    ``[0, batch)`` (docs/semantics.md §4: floor, where torchvision truncates). ``box_order`` lists them sorted by
-    image with a stable sort, so within an image they keep their given order;
-    image ``b`` owns ``box_order[image_start[b]:image_start[b + 1]]``.
-    """
-    image = np.floor(boxes[:, 0])
-    valid = np.isfinite(boxes).all(axis=1) & (image >= 0) & (image < batch)
-    image = image[valid].astype(np.int64)
-    box_order = np.flatnonzero(valid)[np.argsort(image, kind="stable")]
-    image_start = np.zeros(batch + 1, np.int64)
-    np.cumsum(np.bincount(image, minlength=batch), out=image_start[1:])
-    return box_order.astype(np.int64), image_start
 
 
 def _weight_table(slots, compute):
