@@ -46,18 +46,23 @@ def key(*values):
 
 
 def _key(value):
+    # plain values and sequences by their exact type first (no isinstance for them: keying is
+    # part of every call's cost), then arrays, NumPy scalars and subclasses
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return kind, value
+    if kind is list or kind is tuple or isinstance(value, (tuple, list)):
+        types = tuple(map(type, value))
+        if _PLAIN_TYPES.issuperset(types):  # the common case, keyed without recursion
+            return (kind, tuple(value), types)
+        return (kind,) + tuple(map(_key, value))
     if isinstance(value, np.ndarray):
         flags = value.flags
         # alignment too: a plan's launches call the entry points compiled for their first arrays
         return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)
     if isinstance(value, _SCALAR_TYPES):
-        return (type(value), value)
-    if isinstance(value, (tuple, list)):
-        types = tuple(map(type, value))
-        if _PLAIN_TYPES.issuperset(types):  # the common case, keyed without recursion
-            return (type(value), tuple(value), types)
-        return (type(value),) + tuple(map(_key, value))
-    raise Unkeyable(type(value).__name__)
+        return kind, value
+    raise Unkeyable(kind.__name__)
 
 
 class Plans:

@@ -242,8 +242,10 @@ def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, read_
     """
     rows = grad_input.shape[0] * grad_input.shape[1]
     runs = min(rows, TASK_GROUPS)
+    # every run's scratch in one allocation (one per run cost more than a tiny call's work)
+    scratch = np.full((runs, grad_input.shape[2]), accumulator(grad_output, fmt))
     for run in prange(runs):
-        column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
+        column_sums = scratch[run]
         first, stop = run * rows // runs, (run + 1) * rows // runs
         if read_ahead is None:
             _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, None, fmt)
