@@ -1,4 +1,4 @@
-"""JAX-bridge benchmarks J1-J5: ``jax.jit(jax.grad(loss))`` through fastbwd.jax against the same
+"""JAX-bridge benchmarks J1-J6: ``jax.jit(jax.grad(loss))`` through fastbwd.jax against the same
 forward differentiated by JAX (same process), and the transport's per-call cost."""
 
 import functools
@@ -10,7 +10,7 @@ pytest.importorskip("jax")
 
 from .jax_cases import cases, transport_overhead  # noqa: E402
 
-#: J1-J5's ids, the same at both sizes.
+#: J1-J6's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
 
 

@@ -2,7 +2,8 @@
 sampling, with the two baselines of ``bench/roi_baselines.py`` when torch is installed
 (the pure-PyTorch formulation, autograd through index_add, and the serial torchvision-style loop);
 the forward ``roi_align_forward`` (for fastbwd.torch and fastbwd.jax) on the R1 and R2 shapes
-(R1f, R2f; NCHW and channels-last), with the pure-PyTorch forward as its baseline.
+(R1f, R2f; NCHW and channels-last), with the pure-PyTorch forward as its baseline; O6, a warm
+call of either direction on a tiny input (torchvision's operators beside it where installed).
 
 Run: python -m pytest bench/bench_roi_align.py --benchmark-enable --benchmark-only
 """
@@ -67,3 +68,52 @@ def bench_fastbwd_huge_box(case, measure, smoke):
 bench_forward, bench_forward_out, bench_forward_baseline = standard_benchmarks(
     "roi_align_forward", baselines=["torch (pure PyTorch)"]
 )
+
+
+# ---- O6 (issue 39): the per-call cost on a tiny input ------------------------------------------
+# A warm direct call with out= on (2, 8, 16, 16) and 4 boxes (2 x 2 bins), where the kernels take
+# a microsecond or two: what is left is the call's own cost. torchvision's operators are the
+# baseline where torchvision is installed (it is not on the development machine).
+
+
+def _tiny_roi_calls():
+    from fastbwd.api.roi_align import roi_align_forward
+
+    from .inputs import roi_boxes
+
+    shape, params = (2, 8, 16, 16), (2, 2, 0.5, 2, True)
+    boxes = roi_boxes(4, shape, 0.5)
+    rng = np.random.default_rng(61)
+    x, grad = rng.standard_normal(shape).astype(np.float32), rng.standard_normal((4, 8, 2, 2)).astype(np.float32)
+    grad_input, pooled = np.empty(shape, np.float32), np.empty((4, 8, 2, 2), np.float32)
+    calls = {
+        "backward": lambda: fastbwd.roi_align_backward(grad, boxes, shape, *params, out=grad_input),
+        "forward": lambda: roi_align_forward(x, boxes, *params, out=pooled),
+    }
+    baselines = {}
+    try:
+        import torch
+        import torchvision  # noqa: F401
+
+        ops = torch.ops.torchvision
+        t_x, t_grad, t_boxes = (torch.from_numpy(a) for a in (x, grad, boxes))
+        baselines = {
+            "backward": lambda: ops._roi_align_backward(t_grad, t_boxes, 0.5, 2, 2, *shape, 2, True),
+            "forward": lambda: ops.roi_align(t_x, t_boxes, 0.5, 2, 2, 2, True),
+        }
+    except ImportError:
+        pass
+    return calls, baselines
+
+
+@pytest.mark.parametrize("variant", ["fastbwd", "torchvision"])
+@pytest.mark.parametrize("direction", ["backward", "forward"])
+def bench_tiny_call(direction, variant, benchmark):
+    calls, baselines = _tiny_roi_calls()
+    function = (calls if variant == "fastbwd" else baselines).get(direction)
+    if function is None:
+        pytest.skip("torchvision is not installed")
+    function()  # warm: plan made, kernel compiled
+    benchmark.group = f"O6 roi_align {direction}, tiny (2,8,16,16), 4 boxes 2x2"
+    benchmark.extra_info.update(case="O6", variant=variant, target="report")
+    benchmark.pedantic(function, rounds=200, warmup_rounds=10, iterations=1)

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
+
 from .torch_cases import cases, compile_cases, measure_overhead, overhead_cases  # noqa: E402
 
 #: T1-T8's ids, the same at both sizes.

@@ -11,14 +11,16 @@ builds a :class:`Prepared`: zero-argument callables for the fastbwd call (alloca
 byte count. Nothing here imports torch at module import.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
 
 import numpy as np
 
 import fastbwd
 from fastbwd._dtypes import BY_NAME
-from fastbwd._registry import OPERATORS, Operator, channels_last, group_norm_swish_inputs, roi_boxes
+from fastbwd._registry import OPERATORS, Operator
+
+from .inputs import channels_last, group_norm_swish_inputs, roi_boxes
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ JAX lacks); ``check()`` runs both once and asserts that their gradients agree. T
 to ``g``. Only imported where jax is installed.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 
 import fastbwd.jax as fj
 from fastbwd.jax import _avg_pool, _group_norm_swish, _pad, _upsample
-from fastbwd._registry import roi_boxes
+
+from .inputs import roi_boxes
 
 
 @dataclass
@@ -25,7 +26,7 @@ class JaxCase:
     id: str
     label: str
     fastbwd: Callable[[], object]
-    jax: Optional[Callable[[], object]]
+    jax: Callable[[], object] | None
     check: Callable[[], None]
     target: str
 
@@ -113,7 +114,7 @@ def _roi_align_case(input_shape, num_boxes, target):
 
 def cases(quick=False):
     """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
-    upsample without align_corners); ``quick`` uses small shapes."""
+    upsample without align_corners) and J6 (issue 39: a tiny one); ``quick`` uses small shapes."""
     if quick:
         up, pool, pad, norm, roi = (
             (2, 8, 16, 16),
@@ -183,6 +184,17 @@ def cases(quick=False):
             extra=(weight, bias),
         ),
         _roi_align_case(*roi, "report"),
+        # J6 (issue 39): a tiny gradient, where the per-call cost is all there is; the same
+        # shapes at both sizes
+        _grad_case(
+            "J6",
+            "tiny upsample_bilinear2d grad, input (2, 3, 8, 10) -> (16, 20), against jax.image.resize's",
+            lambda x: fj.upsample_bilinear2d(x, (16, 20)),
+            lambda x: jax.image.resize(x, x.shape[:2] + (16, 20), "linear"),
+            (2, 3, 8, 10),
+            ">= 0.77x",
+            27,
+        ),
     ]
 
 

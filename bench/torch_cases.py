@@ -6,8 +6,8 @@ the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plai
 torch is installed.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 import fastbwd
 import fastbwd.torch as ft
-from fastbwd._registry import roi_boxes
 
+from .inputs import roi_boxes
 from .roi_baselines import torch_roi_align
 
 

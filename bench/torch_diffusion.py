@@ -15,6 +15,7 @@ segmentation decoder of conv-norm-activation modules that loop over an ``order``
 import math
 import warnings
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn

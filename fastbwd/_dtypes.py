@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _validation as v
-from .kernels._halfbits import BFLOAT16, FLOAT16, NATIVE
+from .kernels import BFLOAT16, FLOAT16, NATIVE
 
 float16 = np.dtype(np.float16)
 bfloat16 = np.dtype(ml_dtypes.bfloat16)

@@ -10,11 +10,12 @@ same kernel) on tiny inputs of that dtype: whatever the api layer passes is what
 so the table stays right when a kernel's arguments change. Nothing here compiles at import.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
+from . import _dtypes as d
 from ._dtypes import BY_NAME
 
 HALVES_AND_FLOATS = ("float32", "float16", "bfloat16", "float64")
@@ -54,39 +55,9 @@ def _rng_array(shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
-def channels_last(array):
-    """The same NCHW values with channels-last strides (a copy; what PyTorch calls channels_last)."""
-    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-
-
-def roi_boxes(num_boxes, input_shape, spatial_scale, seed=0, dtype=np.float32):
-    """Detection-head-like boxes ``(K, 5)`` spread over the batch, in input-image coordinates."""
-    rng = np.random.default_rng(seed)
-    batch, _, height, width = input_shape
-    image_h, image_w = height / spatial_scale, width / spatial_scale
-    x1 = rng.uniform(0, image_w * 0.8, num_boxes)
-    y1 = rng.uniform(0, image_h * 0.8, num_boxes)
-    bw = rng.uniform(min(16, image_w * 0.1), image_w * 0.5, num_boxes)
-    bh = rng.uniform(min(16, image_h * 0.1), image_h * 0.5, num_boxes)
-    b = np.arange(num_boxes) % batch
-    boxes = np.stack([b, x1, y1, np.minimum(x1 + bw, image_w), np.minimum(y1 + bh, image_h)], axis=1)
-    return boxes.astype(dtype)
-
-
-def group_norm_swish_inputs(shape, num_groups, dtype, seed=0, eps=1e-5, param_dtype=None):
-    """dy, mean, rstd, x, gamma, beta for an NCHW-family ``shape``; mean/rstd from x in float64."""
-    rng = np.random.default_rng(seed)
-    param_dtype = dtype if param_dtype is None else param_dtype
-    x64 = rng.standard_normal(shape) * 2.0 + 0.5
-    x = x64.astype(dtype)
-    n, c = shape[0], shape[1]
-    grouped = x.astype(np.float64).reshape(n, num_groups, -1)
-    mean = grouped.mean(axis=2)
-    rstd = 1.0 / np.sqrt(grouped.var(axis=2) + eps)
-    gamma = rng.uniform(0.5, 1.5, c).astype(param_dtype)
-    beta = rng.uniform(-0.5, 0.5, c).astype(param_dtype)
-    dy = rng.standard_normal(shape).astype(dtype)
-    return dy, mean.astype(param_dtype), rstd.astype(param_dtype), x, gamma, beta
+def _channels_last(array):
+    """The same NCHW values with channels-last strides (a copy): how the NHWC kernels are reached."""
+    return d.logical(d.physical(array, d.NHWC), d.NHWC)
 
 
 def _fastbwd():
@@ -123,7 +94,7 @@ def _upsample_nhwc(dtype):
     f = _fastbwd()
     g = _array((1, 2, 6, 20), dtype)
     f.upsample_bilinear2d_backward(g.transpose(0, 2, 3, 1).copy(), (6, 20), (1, 2, 3, 10), False, layout="NHWC")
-    return f.upsample_bilinear2d_backward(channels_last(g), (6, 20), (1, 2, 3, 10), False)
+    return f.upsample_bilinear2d_backward(_channels_last(g), (6, 20), (1, 2, 3, 10), False)
 
 
 def _check_upsample():
@@ -157,7 +128,7 @@ def _avg_pool(shape, kernel, layout):
         g, forward_input = _array(out_shape, dtype), shape
         if layout == "NHWC":
             # with a 1 x 1 output the input's memory format decides the layout
-            g, forward_input = channels_last(g), channels_last(np.zeros(shape, dtype))
+            g, forward_input = _channels_last(g), _channels_last(np.zeros(shape, dtype))
         return f.avg_pool2d_backward(g, forward_input, kernel)
 
     return call
@@ -198,7 +169,7 @@ def _pad(layout):
     def call(dtype):
         g = _array((1, 2, 7, 8), dtype)
         if layout == "NHWC":
-            g = channels_last(g)
+            g = _channels_last(g)
         return _fastbwd().replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
 
     return call
@@ -253,16 +224,31 @@ def _roi_align_forward(layout):
 
         boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
         x = _array((2, 3, 8, 8), dtype)
-        x = channels_last(x) if layout == "NHWC" else x
+        x = _channels_last(x) if layout == "NHWC" else x
         roi_align_forward(x, boxes, 2, 2, 1.0, 0, True)
         return roi_align_forward(x, boxes, 2, 2, 0.5, 2, False)
 
     return call
 
 
+#: The self-check's boxes over two 10 x 12 images at spatial scale 0.5: inside, partly outside,
+#: tiny, reversed, on either image.
+_CHECK_BOXES = np.array(
+    [
+        [0, 1, 1, 15, 11],
+        [1, -4, 2, 9, 25],
+        [0, 10, 10, 11, 10.5],
+        [1, 3, 3, 22, 19],
+        [0, 18, 16, 6, 4],
+        [1, 0, 0, 24, 20],
+    ],
+    np.float32,
+)
+
+
 def _check_roi_align():
     shape = (2, 3, 10, 12)
-    boxes = roi_boxes(6, shape, 0.5)
+    boxes = _CHECK_BOXES
     g = _rng_array((6, 3, 3, 2))
     params = (3, 2, 0.5, 0, True)
     return (
@@ -275,7 +261,7 @@ def _check_roi_align_forward():
     from .api.roi_align import roi_align_forward
 
     shape = (2, 3, 10, 12)
-    boxes = roi_boxes(6, shape, 0.5)
+    boxes = _CHECK_BOXES
     x = _rng_array(shape)
     params = (3, 2, 0.5, 0, True)
     return roi_align_forward(x, boxes, *params), _reference().roi_align_forward(x, boxes, *params)
@@ -309,7 +295,7 @@ def _group_norm_swish(layout, params):
         gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
         if layout == "NHWC":
             # data_format="NHWC", and NCHW-shaped arrays with channels-last strides
-            f.group_norm_swish_backward(channels_last(dy), mean, rstd, channels_last(x), gamma, beta, 2)
+            f.group_norm_swish_backward(_channels_last(dy), mean, rstd, _channels_last(x), gamma, beta, 2)
             x, dy = x.transpose(0, 2, 3, 1).copy(), dy.transpose(0, 2, 3, 1).copy()
             return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, "NHWC")
         return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2)
@@ -324,7 +310,7 @@ def _group_norm_swish_forward(layout, params):
         x = _array((2, 4, 3, 3), dtype, 1)
         gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
         if layout == "NHWC":
-            f.group_norm_swish(channels_last(x), gamma, beta, 2)
+            f.group_norm_swish(_channels_last(x), gamma, beta, 2)
             return f.group_norm_swish(x.transpose(0, 2, 3, 1).copy(), gamma, beta, 2, "NHWC")
         return f.group_norm_swish(x, gamma, beta, 2)
 

@@ -6,6 +6,7 @@ Every failure raises :class:`fastbwd.ParamError` with the message
 ``"<function>: <argument> <requirement>, but got <actual>"``.
 """
 
+import contextlib
 import operator
 import re
 import sys
@@ -24,8 +25,40 @@ def fail(func, subject, requirement, actual, *, status=ACLNN_ERR_PARAM_INVALID):
     ``subject`` is what the message talks about: an argument name, or a part of one such as
     ``"grad_output.shape[2]"`` or ``"padding[0]"``; the error's ``param`` is the argument's name.
     """
-    param = re.match(r"\w+", subject).group(0)
-    raise ParamError(f"{func}: {subject} {requirement}, but got {actual}", status=status, param=param)
+    raise _error(func, subject, requirement, actual, status)
+
+
+def _error(func, subject, requirement, actual, status):
+    return ParamError(
+        f"{func}: {subject} {requirement}, but got {actual}",
+        status=status,
+        param=re.match(r"\w+", subject).group(0),
+        parts=(func, subject, requirement, actual),
+    )
+
+
+@contextlib.contextmanager
+def called_as(func, subjects=None):
+    """Errors raised inside the block name ``func``, the function the user called, and the user's
+    own arguments: a bridge function that validates through an api function's plan says, in
+    each ParamError's message, ``func`` for the api function and ``subjects[s]`` for the subject
+    ``s`` (an argument or a part of one: ``"input_size[2]"``, ``"grad_output.dtype"``). A
+    subject found in ``subjects`` whole is replaced whole; otherwise its leading argument name is
+    (``{"grad_output": "x"}`` turns ``grad_output.dtype`` into ``x.dtype``); any other subject
+    keeps its name. The error keeps its status."""
+    try:
+        yield
+    except ParamError as error:
+        if error.parts is None:
+            raise
+        _, subject, requirement, actual = error.parts
+        subjects = subjects or {}
+        if subject in subjects:
+            subject = subjects[subject]
+        else:
+            name = re.match(r"\w+", subject).group(0)
+            subject = subjects.get(name, name) + subject[len(name) :]
+        raise _error(func, subject, requirement, actual, error.status) from None
 
 
 def describe(value):

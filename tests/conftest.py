@@ -1,10 +1,19 @@
-"""What the test files share: the dtypes, random arrays and channels-last copies
-(``from conftest import ...``)."""
+"""What the test files share: the dtypes, random arrays, channels-last copies, the thread-count
+determinism check and the error matcher (``from conftest import ...``); input builders shared
+with the benchmarks come from ``bench/inputs.py``."""
+
+import contextlib
+import re
 
 import ml_dtypes
+import numba
 import numpy as np
+import pytest
 
-from fastbwd._registry import channels_last  # noqa: F401 - the one definition, shared with the tests
+from bench.inputs import channels_last  # noqa: F401 - the one definition, shared with the benchmarks
+from fastbwd._errors import ACLNN_ERR_PARAM_INVALID, ParamError
+from fastbwd.api import _plans
+from fastbwd.testing.checks import bitwise_equal
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The real floating dtypes every operator accepts.
@@ -25,3 +34,63 @@ def random(shape, dtype, seed):
 def to_nhwc(array):
     """An NCHW-family array's values as a C-contiguous NHWC array (channels moved last)."""
     return np.ascontiguousarray(np.moveaxis(array, 1, -1))
+
+
+@pytest.fixture
+def replan():
+    """For a test that patches a constant the plans read (a streaming floor, a task size): call
+    it after each patch, so that the next calls plan afresh; every plan is forgotten after the
+    test too, so that none made under a patched value outlives it."""
+    _plans.forget_all()
+    yield _plans.forget_all
+    _plans.forget_all()
+
+
+def thread_counts():
+    """The thread counts to compare: 1, 2, 3 (an odd count: uneven shares of the tasks) and the
+    most this process may use (``NUMBA_NUM_THREADS``), as far as they are available.
+
+    With ``NUMBA_NUM_THREADS=2`` (a 2-core machine) that is only 1 and 2: tests/test_runtime.py
+    therefore also runs every operator in a subprocess with ``NUMBA_NUM_THREADS=4``, more
+    threads than cores, comparing 1, 2, 3 and 4."""
+    maximum = numba.config.NUMBA_NUM_THREADS
+    return sorted({1, 2, 3, maximum} & set(range(1, maximum + 1)))
+
+
+def assert_thread_invariant(call):
+    """``call()`` gives bitwise identical results for every thread count (tuples allowed).
+
+    Small calls normally run the serial twins on the calling thread; here every call runs the
+    parallel kernels on the thread count being checked, however small its input."""
+    previous = numba.get_num_threads()
+    results = {}
+    try:
+        with _plans.launching("parallel"):
+            for count in thread_counts():
+                numba.set_num_threads(count)
+                result = call()
+                results[count] = result if isinstance(result, tuple) else (result,)
+    finally:
+        numba.set_num_threads(previous)
+    first_count, first = next(iter(results.items()))
+    for count, result in results.items():
+        for index, (x, y) in enumerate(zip(first, result)):
+            if x is None and y is None:
+                continue
+            assert bitwise_equal(x, y), f"result {index} differs between {first_count} and {count} threads"
+
+
+@contextlib.contextmanager
+def raises_param_error(match, *, status=ACLNN_ERR_PARAM_INVALID, param=None):
+    """Expect a ParamError whose message matches ``match`` (a regex), with the given status/param."""
+    try:
+        yield
+    except ParamError as error:
+        message = str(error)
+        assert re.search(match, message), f"message {message!r} does not match {match!r}"
+        assert error.status == status, f"status {error.status} != {status} ({message})"
+        if param is not None:
+            assert error.param == param, f"param {error.param!r} != {param!r} ({message})"
+        assert isinstance(error, ValueError) and isinstance(error, TypeError)
+    else:
+        raise AssertionError(f"no ParamError raised (expected one matching {match!r})")

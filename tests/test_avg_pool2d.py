@@ -10,14 +10,9 @@ import pytest
 import fastbwd
 from fastbwd import avg_pool2d_backward as pool_bwd
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, DTYPES, channels_last, random
+from conftest import BF16, DTYPES, channels_last, raises_param_error, random
 
 
 def pair(value):
@@ -456,7 +451,7 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
     from fastbwd.kernels import _memory
@@ -468,8 +463,10 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     ):
         grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
+        replan()
         expected = pool_bwd(grad_output, input_shape, *args)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
+        replan()
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)
@@ -517,52 +514,6 @@ def test_out_channels_last():
     assert bitwise_equal(np.ascontiguousarray(out), pool_bwd(grad_output, (2, 3, 6, 8), 2))
     with raises_param_error(r"out must be C-contiguous like the result", param="out"):
         pool_bwd(grad_output, (2, 3, 6, 8), 2, out=out)
-
-
-@pytest.mark.parametrize(
-    "bad_out, message",
-    [
-        (np.empty((2, 3, 6, 9), np.float32), r"out\.shape must be \(2, 3, 6, 8\), but got \(2, 3, 6, 9\)"),
-        (np.empty((2, 3, 6, 8), np.float64), r"out\.dtype must be float32, but got float64"),
-        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-        (np.empty((2, 3, 6, 16), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-    ],
-)
-def test_bad_out_is_rejected_and_untouched(bad_out, message):
-    snapshot = np.array(bad_out, copy=True)
-    with raises_param_error(message, param="out"):
-        pool_bwd(random((2, 3, 3, 4), np.float32, 2), (2, 3, 6, 8), 2, out=bad_out)
-    assert bitwise_equal(np.asarray(bad_out), snapshot)
-
-
-def test_out_read_only_and_overlapping():
-    grad_output = random((2, 3, 3, 4), np.float32, 2)
-    read_only = np.zeros((2, 3, 6, 8), np.float32)
-    read_only.flags.writeable = False
-    with raises_param_error(r"out must be writeable, but got a read-only array"):
-        pool_bwd(grad_output, (2, 3, 6, 8), 2, out=read_only)
-    big = np.zeros(2 * 3 * 6 * 8 * 2, np.float32)
-    grad_view, out_view = big[:72].reshape(2, 3, 3, 4), big[50 : 50 + 288].reshape(2, 3, 6, 8)
-    with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
-        pool_bwd(grad_view, (2, 3, 6, 8), 2, out=out_view)
-    x = np.zeros((2, 3, 6, 8), np.float32)
-    with raises_param_error(r"out must not overlap input, but got overlapping memory"):
-        pool_bwd(grad_output, x, 2, out=x)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=str)
-def test_thread_count_does_not_change_bits(dtype):
-    input_shape, kernel, stride, padding = (3, 5, 37, 29), (3, 4), (2, 3), (1, 2)
-    grad_output = random(pooled_shape(input_shape, kernel, stride, padding, True), dtype, 4)
-    args = (input_shape, kernel, stride, padding, True, False)
-    assert_thread_invariant(lambda: pool_bwd(grad_output, *args))
-    assert_thread_invariant(lambda: pool_bwd(channels_last(grad_output), *args))
-    wide_shape = (3, 5, 29, 61)  # grad rows of 31 and 20: the whole-rows kernels (width stride 2, 3)
-    for stride in (2, 3):
-        wide = random(pooled_shape(wide_shape, 3, stride, 1, False), dtype, 6)
-        assert_thread_invariant(lambda wide=wide, stride=stride: pool_bwd(wide, wide_shape, 3, stride, 1, False, False))
-    grad_1x1 = random((3, 5, 1, 1), dtype, 5)
-    assert_thread_invariant(lambda: pool_bwd(grad_1x1, (3, 5, 6, 7), (6, 7)))
 
 
 def test_serial_twin_equals_parallel():

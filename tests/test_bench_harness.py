@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from bench import targets, timing, to_table
 from bench import __main__ as main_job
+from bench import targets, timing, to_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

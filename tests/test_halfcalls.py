@@ -152,3 +152,65 @@ def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
             outputs[name] = [arrays[key] for key in sorted(arrays.files, key=lambda k: int(k.split("_")[1]))]
     for host, generic in zip(outputs["host"], outputs["generic"]):
         assert np.array_equal(host, generic)
+
+
+@pytest.mark.parametrize(
+    "features, needed",
+    [
+        ("+sse2,+avx,+f16c,+avx2", False),
+        ("+f16c", False),
+        # a target without F16C: "-f16c" holds the letters of "+f16c" but not the feature
+        ("+sse2,+avx,-f16c,+avx2", True),
+        ("-f16c", True),
+        ("", True),  # NUMBA_CPU_NAME=generic: no features at all
+    ],
+)
+def test_needed_reads_the_target_features(monkeypatch, features, needed):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    assert _halfcalls.needed.__wrapped__() is needed
+
+
+def test_needed_without_numba_features_reads_the_host(monkeypatch):
+    from numba.core import config
+
+    class Host:
+        def __init__(self, flat):
+            self.flat = flat
+
+        def flatten(self):
+            return self.flat
+
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    for flat, needed in (("+avx,-f16c", True), ("+avx,+f16c", False)):
+        monkeypatch.setattr(llvm, "get_host_cpu_features", lambda flat=flat: Host(flat))
+        assert _halfcalls.needed.__wrapped__() is needed
+
+
+_ONE_SYMBOL_PRESENT = """
+import ctypes, llvmlite.binding as llvm
+from fastbwd.kernels import _halfcalls
+assert not any(llvm.address_of_symbol(name) for name in _halfcalls.NAMES), "the process has them"
+present = ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p).value  # any address: never called
+llvm.add_symbol(PRESENT, present)
+_halfcalls.provide()
+assert _halfcalls._engine, "provide() did nothing: one of the two symbols was still missing"
+assert llvm.address_of_symbol(PRESENT) == present, "provide() replaced the symbol already there"
+missing = [name for name in _halfcalls.NAMES if name != PRESENT][0]
+assert llvm.address_of_symbol(missing) == _halfcalls._engine.get_function_address("fastbwd_" + missing.lstrip("_"))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("present", _halfcalls.NAMES)
+def test_provide_defines_only_the_symbol_that_is_missing(present):
+    """With one of the two symbols already defined (by the process or another library), provide()
+    defines the other and leaves that one alone. A process of its own: LLVM's symbols are global."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"PRESENT = {present!r}\n" + _ONE_SYMBOL_PRESENT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -6,10 +6,11 @@ the semantics' tolerances, and finite differences (check_grads) in float64; jax.
 bad arguments raise ParamError at trace time. Everything here skips cleanly without jax.
 """
 
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,12 +21,15 @@ from jax.test_util import check_grads  # noqa: E402
 
 import fastbwd  # noqa: E402
 import fastbwd.jax as fj  # noqa: E402
+from bench.inputs import roi_boxes  # noqa: E402
+from fastbwd.api import avg_pool2d as avg_pool_api  # noqa: E402
+from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
 from fastbwd.api.roi_align import roi_align_forward  # noqa: E402
 from fastbwd.jax import _ffi  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
-from fastbwd._registry import roi_boxes  # noqa: E402
-from fastbwd.testing.checks import assert_matches_reference, bitwise_equal, raises_param_error  # noqa: E402
-from conftest import BF16, DTYPES, random  # noqa: E402
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
+
+from conftest import BF16, DTYPES, raises_param_error, random  # noqa: E402
 
 
 def _x64(dtype):
@@ -214,14 +218,13 @@ _RECORDED_STATISTICS = []
 def _record_statistics(monkeypatch):
     """Keep copies of the mean and rstd each group_norm_swish backward receives (XLA computes
     them inside the jitted forward; the NumPy call must see the same arrays)."""
-    original = fastbwd.group_norm_swish_backward
+    original = gns_api.run
 
-    def recording(dy, mean, rstd, *args, **kwargs):
-        if isinstance((kwargs.get("out") or (None,))[0], np.ndarray):  # not a trace-time validation
-            _RECORDED_STATISTICS.append((np.array(mean), np.array(rstd)))
-        return original(dy, mean, rstd, *args, **kwargs)
+    def recording(plan, dy, mean, rstd, *args):
+        _RECORDED_STATISTICS.append((np.array(mean), np.array(rstd)))
+        return original(plan, dy, mean, rstd, *args)
 
-    monkeypatch.setattr(fastbwd, "group_norm_swish_backward", recording)
+    monkeypatch.setattr(gns_api, "run", recording)
     yield
     _RECORDED_STATISTICS.clear()
 
@@ -396,14 +399,13 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
     """The fold targets see the vmap batch merged into N (one call of the NumPy function);
     nested vmaps too."""
     shapes = []
-    original = fastbwd.avg_pool2d_backward
+    original = avg_pool_api.run
 
-    def spy(grad_output, *args, **kwargs):
-        if isinstance(kwargs.get("out"), np.ndarray):  # not a trace-time validation
-            shapes.append(grad_output.shape)
-        return original(grad_output, *args, **kwargs)
+    def spy(plan, grad_output, *args):
+        shapes.append(grad_output.shape)
+        return original(plan, grad_output, *args)
 
-    monkeypatch.setattr(fastbwd, "avg_pool2d_backward", spy)
+    monkeypatch.setattr(avg_pool_api, "run", spy)
     x = jnp.asarray(random((4, 5, 2, 3, 9, 8), np.float32, 1))
 
     def grad(x):
@@ -417,50 +419,75 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
 # ---- arguments are checked at trace time -------------------------------------------------------
 
 X = np.zeros((2, 3, 8, 8), np.float32)
+#: Each bridge function's errors name it and its own arguments, never the fastbwd function it
+#: plans through (a backward's grad_output, a forward's pooled_height).
 ERRORS = [
-    (lambda x: fj.upsample_bilinear2d(x, (0, 4)), r"^upsample_bilinear2d_backward: output_size\[0\] must be > 0"),
-    (lambda x: fj.upsample_bilinear2d(x, (4,)), r"^upsample_bilinear2d_backward: output_size must have length 2"),
+    (lambda x: fj.upsample_bilinear2d(x, (0, 4)), r"^upsample_bilinear2d: output_size\[0\] must be > 0"),
+    (lambda x: fj.upsample_bilinear2d(x, (4,)), r"^upsample_bilinear2d: output_size must have length 2"),
+    (lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"), r"^upsample_bilinear2d: layout must be one of"),
     (
-        lambda x: fj.upsample_bilinear2d(x, (4, 4), layout="NHCW"),
-        r"^upsample_bilinear2d_backward: layout must be one of",
+        lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1),
+        r"^upsample_bilinear2d: align_corners must be a bool, but got 1",
     ),
-    (lambda x: fj.upsample_bilinear2d(x, (4, 4), align_corners=1), r"align_corners must be a bool, but got 1"),
     (lambda x: fj.upsample_bilinear2d(x[0], (4, 4)), r"^upsample_bilinear2d: x must be 4-D, but got 3-D"),
-    (lambda x: fj.upsample_bilinear2d(x.astype(jnp.int32), (4, 4)), r"grad_output.dtype must be one of"),
-    (lambda x: fj.avg_pool2d(x, 0), r"^avg_pool2d_backward: kernel_size\[0\] must be > 0, but got 0"),
-    (lambda x: fj.avg_pool2d(x, 3, 2, 2), r"^avg_pool2d_backward: padding\[0\] must be at most half of kernel_size"),
-    (lambda x: fj.avg_pool2d(x, 9), r"^avg_pool2d_backward: kernel_size\[0\] must leave an output height >= 1"),
-    (lambda x: fj.avg_pool2d(x, 2.0), r"kernel_size must be a sequence of integers, but got 2.0"),
-    (lambda x: fj.avg_pool2d(x[0, 0], 2), r"^avg_pool2d: x must be 3-D or 4-D, but got 2-D"),
-    (lambda x: fj.replication_pad2d(x, (1, 1, 1)), r"^replication_pad2d_backward: padding must have length 4"),
     (
-        lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)),
-        r"^replication_pad2d_backward: padding\[0\] \(left\) must be less than",
+        lambda x: fj.upsample_bilinear2d(x.astype(jnp.int32), (4, 4)),
+        r"^upsample_bilinear2d: x.dtype must be one of float32, float16, bfloat16, float64, but got int32",
     ),
+    (
+        lambda x: fj.upsample_bilinear2d(x[:, :, :0], (4, 4)),
+        r"^upsample_bilinear2d: x.shape\[2\] must be > 0, but got 0",
+    ),
+    (
+        lambda x: fj.upsample_bilinear2d(x[:, :0], (4, 4), layout="NHWC"),
+        r"^upsample_bilinear2d: x.shape\[1\] must be > 0, but got 0",
+    ),
+    (
+        lambda x: fj.upsample_bilinear2d(x, (4, 2**20 + 1)),
+        r"^upsample_bilinear2d: output_size\[1\] must be at most 1048576, but got 1048577",
+    ),
+    (lambda x: fj.avg_pool2d(x, 0), r"^avg_pool2d: kernel_size\[0\] must be > 0, but got 0"),
+    (lambda x: fj.avg_pool2d(x, 3, 2, 2), r"^avg_pool2d: padding\[0\] must be at most half of kernel_size"),
+    (lambda x: fj.avg_pool2d(x, 9), r"^avg_pool2d: kernel_size\[0\] must leave an output height >= 1"),
+    (lambda x: fj.avg_pool2d(x, 2.0), r"^avg_pool2d: kernel_size must be a sequence of integers, but got 2.0"),
+    (lambda x: fj.avg_pool2d(x[0, 0], 2), r"^avg_pool2d: x must be 3-D or 4-D, but got 2-D"),
+    (lambda x: fj.avg_pool2d(x.astype(jnp.int32), 2), r"^avg_pool2d: x.dtype must be one of"),
+    (lambda x: fj.avg_pool2d(x[:, :0], 2), r"^avg_pool2d: x.shape\[1\] must be > 0"),
+    (lambda x: fj.replication_pad2d(x, (1, 1, 1)), r"^replication_pad2d: padding must have length 4"),
+    (lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)), r"^replication_pad2d: padding\[0\] \(left\) must be less than"),
     (
         lambda x: fj.replication_pad2d(x, (-5, -4, 0, 0)),
-        r"^replication_pad2d_backward: padding must leave a padded size of at least 1 x 1",
+        r"^replication_pad2d: padding must leave a padded size of at least 1 x 1",
     ),
     (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)), r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
+    (lambda x: fj.replication_pad2d(x.astype(jnp.int32), (1, 1, 1, 1)), r"^replication_pad2d: x.dtype must be one of"),
+    (lambda x: fj.replication_pad2d(x[:, :0], (1, 1, 1, 1)), r"^replication_pad2d: x.shape\[1\] must be > 0"),
+    (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)), r"^group_norm_swish: num_groups must divide"),
+    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)), r"^group_norm_swish: weight.shape must be"),
+    (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(4)), r"^group_norm_swish: bias.shape must be"),
     (
-        lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)),
-        r"^group_norm_swish_backward: num_groups must divide",
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(3, jnp.int32), jnp.zeros(3)),
+        r"^group_norm_swish: weight.dtype must be x's dtype \(float32\) or float32, but got int32",
     ),
-    (
-        lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)),
-        r"^group_norm_swish_backward: gamma.shape must be",
-    ),
+    (lambda x: fj.group_norm_swish(x.astype(jnp.int32), 3, jnp.ones(3), jnp.zeros(3)), r"^group_norm_swish: x.dtype"),
     (
         lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), eps="1"),
         r"^group_norm_swish: eps must be a real number",
     ),
     (
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), swish_scale="1"),
+        r"^group_norm_swish: swish_scale must be a real number",
+    ),
+    (
         lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"),
         r"^group_norm_swish: layout must be one of",
     ),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 4)), 7), r"^roi_align_forward: boxes must have shape \(K, 5\)"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0), r"spatial_scale must be greater than FLT_MIN"),
-    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 0)), r"^roi_align_forward: pooled_width must be > 0"),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 4)), 7), r"^roi_align: boxes must have shape \(K, 5\)"),
+    (
+        lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, spatial_scale=0.0),
+        r"^roi_align: spatial_scale must be greater than FLT_MIN",
+    ),
+    (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 0)), r"^roi_align: output_size\[1\] must be > 0, but got 0"),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 5)), (7, 7, 7)), r"^roi_align: output_size must be an int or a pair"),
     (
         lambda x: fj.roi_align(x, jnp.zeros((4, 5)), 7, sampling_ratio=2.0),
@@ -469,8 +496,9 @@ ERRORS = [
     (lambda x: fj.roi_align(x, [jnp.zeros((2, 5))], 7), r"^roi_align: boxes\[0\] must be an array of shape \(L, 4\)"),
     (
         lambda x: fj.roi_align(x, jnp.zeros((4, 5), jnp.float16), 7),
-        r"^roi_align_forward: boxes.dtype must equal input.dtype",
+        r"^roi_align: boxes.dtype must equal input.dtype",
     ),
+    (lambda x: fj.roi_align(x.astype(jnp.int32), jnp.zeros((4, 5)), 7), r"^roi_align: input.dtype must be one of"),
 ]
 
 
@@ -485,6 +513,12 @@ def test_errors_raise_at_trace_time(call, match):
     with raises_param_error(match):
         jax.jit(function).trace(jnp.asarray(X))  # tracing only: nothing compiles or runs
     assert traced
+    with pytest.raises(fastbwd.ParamError) as caught:
+        call(jnp.asarray(X))
+    message = str(caught.value)
+    for word in ("_backward", "_forward", "grad_output", "pooled_", "input_size", "gamma", "beta", "data_format"):
+        assert word not in message, message
+    assert caught.value.param == re.match(r"\w+: (\w+)", message).group(1)
 
 
 # ---- the transport ----------------------------------------------------------------------------

@@ -7,14 +7,9 @@ import pytest
 import fastbwd
 from fastbwd import replication_pad2d_backward as pad_bwd
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, COMPLEX, DTYPES, channels_last, random
+from conftest import BF16, COMPLEX, DTYPES, channels_last, raises_param_error, random
 
 F = "replication_pad2d_backward"
 
@@ -196,61 +191,20 @@ def test_out_channels_last():
         pad_bwd(grad_output, input_shape, padding, out=out)
 
 
-@pytest.mark.parametrize(
-    "bad_out, message",
-    [
-        (np.empty((2, 3, 5, 5), np.float32), r"out\.shape must be \(2, 3, 5, 4\), but got \(2, 3, 5, 5\)"),
-        (np.empty((2, 3, 5, 4), np.float64), r"out\.dtype must be float32, but got float64"),
-        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-        (np.empty((2, 3, 5, 8), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-    ],
-)
-def test_bad_out_is_rejected_and_untouched(bad_out, message):
-    grad_output = random((2, 3, 7, 7), np.float32, 2)
-    snapshot = np.array(bad_out, copy=True)
-    with raises_param_error(message, param="out"):
-        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=bad_out)
-    assert bitwise_equal(np.asarray(bad_out), snapshot)
-
-
-def test_out_read_only_and_overlapping():
-    grad_output = random((2, 3, 7, 7), np.float32, 2)
-    read_only = np.zeros((2, 3, 5, 4), np.float32)
-    read_only.flags.writeable = False
-    with raises_param_error(r"out must be writeable, but got a read-only array"):
-        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=read_only)
-    overlapping = grad_output[:, :, :5, :4]
-    with raises_param_error(r"out must be C-contiguous|out must not overlap grad_output"):
-        pad_bwd(grad_output, (2, 3, 5, 4), (1, 2, 1, 1), out=overlapping)
-    big = np.zeros(2 * 3 * 7 * 7 * 2, np.float32)
-    grad_view, out_view = big[: 2 * 3 * 7 * 7].reshape(2, 3, 7, 7), big[100 : 100 + 120].reshape(2, 3, 5, 4)
-    with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
-        pad_bwd(grad_view, (2, 3, 5, 4), (1, 2, 1, 1), out=out_view)
-
-
-@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
-def test_thread_count_does_not_change_bits(dtype):
-    input_shape, padding = (3, 5, 37, 29), (3, 2, 4, 1)
-    grad_output = random(padded_shape(input_shape, padding), dtype, 4)
-    grad_cl = channels_last(grad_output)
-    assert_thread_invariant(lambda: pad_bwd(grad_output, input_shape, padding))
-    assert_thread_invariant(lambda: pad_bwd(grad_cl, input_shape, padding))
-
-
-@pytest.mark.parametrize("kernel", ["replication_pad2d_bwd_nchw", "replication_pad2d_bwd_nchw_streaming"])
-def test_serial_twin_equals_parallel(kernel):
+@pytest.mark.parametrize("read_ahead", [None, 512 * 16], ids=["plain", "streaming"])
+def test_serial_twin_equals_parallel(read_ahead):
     from fastbwd.kernels import replication_pad2d as kernels
     from fastbwd.kernels._halfbits import NATIVE
 
     grad_output = random((6, 40, 33), np.float32, 8)
     parallel, serial = np.empty((6, 33, 30), np.float32), np.empty((6, 33, 30), np.float32)
-    getattr(kernels, kernel).parallel(grad_output, parallel, 3, 2, NATIVE)
-    getattr(kernels, kernel).serial(grad_output, serial, 3, 2, NATIVE)
+    kernels.replication_pad2d_bwd_nchw.parallel(grad_output, parallel, 3, 2, read_ahead, NATIVE)
+    kernels.replication_pad2d_bwd_nchw.serial(grad_output, serial, 3, 2, read_ahead, NATIVE)
     assert bitwise_equal(parallel, serial)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
-def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
     # whole cache line of a row with one source row, edge cells put in, and the line it shares
     # with the next such row of its run; otherwise the interiors' whole lines. Every alignment of
@@ -272,9 +226,11 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     for input_shape, padding in cases:
         grad_output = random(padded_shape(input_shape, padding), dtype, 12)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
+        replan()
         expected = pad_bwd(grad_output, input_shape, padding)
         assert_matches_reference(expected, ref.replication_pad2d_backward(grad_output, input_shape, padding))
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
+        replan()
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)

@@ -9,14 +9,9 @@ from fastbwd import roi_align_backward as roi_bwd
 from fastbwd.api import roi_align as api
 from fastbwd.kernels import roi_align as kernels
 from fastbwd.testing import reference as ref
-from fastbwd.testing.checks import (
-    assert_matches_reference,
-    assert_thread_invariant,
-    bitwise_equal,
-    raises_param_error,
-)
+from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, DTYPES, channels_last
+from conftest import BF16, DTYPES, assert_thread_invariant, channels_last, raises_param_error
 
 
 def random_boxes(rng, num_boxes, batch, height, width, spatial_scale, outside=0.3):
@@ -432,23 +427,18 @@ def big_case(dtype=np.float32):
     return grad_output, boxes, input_shape, 5, 4, 0.5, 0, True
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_thread_count_does_not_change_bits(dtype):
-    args = big_case(dtype)
-    assert_thread_invariant(lambda: roi_bwd(*args))
-
-
-def test_task_partition_does_not_change_bits(monkeypatch):
+def test_task_partition_does_not_change_bits(monkeypatch, replan):
     args = big_case()
     expected = check_against_reference(args)
     for block, scratch in ((1, 1), (5, 4000), (64, 1 << 30)):
         monkeypatch.setattr(kernels, "CHANNEL_BLOCK", block)
         monkeypatch.setattr(kernels, "SCRATCH_BYTES", scratch)
+        replan()
         assert bitwise_equal(roi_bwd(*args), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
+def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch, replan):
     # 37 channels: two 16-channel register tiles and 5 leftover channels; PW 18: a full and a
     # 2-column bin-row tile; bands of one 3-pixel row (under a tile) and of many rows.
     check_against_reference(big_case(dtype))
@@ -458,6 +448,7 @@ def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
     args = (grad_output, boxes, (2, 37, 9, 3), 2, 18, 1.0, 2, False)
     expected = check_against_reference(args)
     monkeypatch.setattr(kernels, "SCRATCH_BYTES", 1)
+    replan()
     assert bitwise_equal(roi_bwd(*args), expected)
 
 
@@ -485,33 +476,6 @@ def test_inputs_are_not_mutated_and_out_is_overwritten():
     assert roi_bwd(*args, out=out) is out
     assert bitwise_equal(out, roi_bwd(*args))
     assert bitwise_equal(args[0], snapshot[0]) and bitwise_equal(args[1], snapshot[1])
-
-
-@pytest.mark.parametrize(
-    "bad_out, message",
-    [
-        (np.empty((2, 3, 4, 6), np.float32), r"out\.shape must be \(2, 3, 4, 5\), but got \(2, 3, 4, 6\)"),
-        (np.empty((2, 3, 4, 5), np.float64), r"out\.dtype must be float32, but got float64"),
-        ([0.0], r"out must be a numpy.ndarray, but got \[0.0\]"),
-        (np.empty((2, 3, 4, 10), np.float32)[..., ::2], r"out must be C-contiguous like the result"),
-    ],
-)
-def test_bad_out_is_rejected_and_untouched(bad_out, message):
-    snapshot = np.array(bad_out, copy=True)
-    with raises_param_error(message, param="out"):
-        call(out=bad_out)
-    assert bitwise_equal(np.asarray(bad_out), snapshot)
-
-
-def test_out_read_only_and_overlapping():
-    read_only = np.zeros((2, 3, 4, 5), np.float32)
-    read_only.flags.writeable = False
-    with raises_param_error(r"out must be writeable, but got a read-only array"):
-        call(out=read_only)
-    memory = np.zeros(1000, np.float32)
-    grad_output, out = memory[:24].reshape(2, 3, 2, 2), memory[10:130].reshape(2, 3, 4, 5)
-    with raises_param_error(r"out must not overlap grad_output, but got overlapping memory"):
-        call(grad_output=grad_output, out=out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -737,16 +701,15 @@ def forward_big_case(dtype=np.float32):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
+def test_forward_layout_and_channel_blocks_do_not_change_bits(dtype, monkeypatch, replan):
     x, *rest = forward_big_case(dtype)
     expected = roi_fwd(x, *rest)
     assert_forward_matches(expected, ref.roi_align_forward(x, *rest))
-    assert_thread_invariant(lambda: roi_fwd(x, *rest))
     x_cl = channels_last(x)
     assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
-    assert_thread_invariant(lambda: roi_fwd(x_cl, *rest))
     for block in (1, 16, 128):
         monkeypatch.setattr(kernels, "FORWARD_CHANNEL_BLOCK", block)
+        replan()
         assert bitwise_equal(roi_fwd(x, *rest), expected)
         assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
 
@@ -851,13 +814,6 @@ def test_forward_errors(changes, message, param):
 def test_forward_none_is_nullptr(name):
     with raises_param_error(rf"^roi_align_forward: {name} is required, but got None", status=161001, param=name):
         roi_fwd(**dict(FORWARD_GOOD, **{name: None}))
-
-
-def test_forward_out_overlapping_input():
-    memory = np.zeros(200, np.float32)
-    x, out = memory[:120].reshape(2, 3, 4, 5), memory[100:124].reshape(2, 3, 2, 2)
-    with raises_param_error(r"roi_align_forward: out must not overlap input, but got overlapping memory"):
-        roi_fwd(**dict(FORWARD_GOOD, input=x, out=out))
 
 
 def test_forward_docstring_matches_signature():

@@ -14,10 +14,11 @@ F = torch.nn.functional
 
 import fastbwd  # noqa: E402
 import fastbwd.torch as ft  # noqa: E402
+from fastbwd.api import replication_pad2d as replication_pad2d_api  # noqa: E402
+from fastbwd.api import upsample_bilinear2d as upsample_api  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
-from fastbwd.torch import _convert  # noqa: E402
-from fastbwd.torch import _routing  # noqa: E402
+from fastbwd.torch import _convert, _routing  # noqa: E402
 
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -291,17 +292,17 @@ def test_remembered_decisions_serve_and_fall_back_every_time():
                 op.grad_input(wide, x, [1, 1, 0, 0], grad_input=torch.empty(0, dtype=torch.float64))
 
 
-def test_remembered_decisions_check_overlap_on_every_call():
-    """A remembered decision still runs the api's per-call checks: a grad_input with the
-    metadata of a served one that overlaps grad_output or the forward input gets PyTorch's
-    kernel (every time, whichever came first), and the fresh ones are served again after it."""
+def test_remembered_plans_check_overlap_on_every_call():
+    """A remembered plan still runs the api's per-call checks: a grad_input with the metadata of
+    a served one that overlaps grad_output or the forward input gets PyTorch's kernel (every
+    time, whichever came first), and the fresh ones are served again after it."""
     x = _randn((1, 2, 3, 2), torch.float32, 12)
     grad = _randn((1, 2, 3, 4), torch.float32, 13)
     op = A.replication_pad2d_backward.grad_input
     plain = A.replication_pad2d_backward(grad, x, [1, 1, 0, 0])
     direct = fastbwd.replication_pad2d_backward(*_arrays(grad, x), (1, 1, 0, 0))
     for first_overlapping in (True, False):
-        _routing._DECISIONS.clear()
+        replication_pad2d_api._PLANS.clear()
         with ft.enabled():
             for overlapping in (first_overlapping, not first_overlapping, True, False):
                 served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()
@@ -321,11 +322,11 @@ def test_remembered_decisions_check_overlap_on_every_call():
                     assert bitwise_equal(_convert.as_array(result), direct)
 
 
-def test_dispatcher_hands_kernels_schema_types():
-    """The bridge keys its decisions on argument values (_routing._signature) because PyTorch's
-    dispatcher converts every argument to its schema type before a Python kernel sees it: 1 for
-    a bool arrives as True, a tuple or torch.Size for an int[] as a list of int, 2 for a float as
-    2.0. So differently spelled calls of one geometry share one decision and one result."""
+def test_dispatcher_hands_kernels_schema_types(monkeypatch):
+    """PyTorch's dispatcher converts every argument to its schema type before a Python kernel sees
+    it: 1 for a bool arrives as True, a tuple or torch.Size for an int[] as a list of int, 2 for a
+    float as 2.0. So differently spelled calls of one geometry plan with the same argument types
+    and share one plan of the api (whose key tells types apart) and one result."""
     grad = _randn((1, 2, 6, 8), torch.float32, 14)
     spellings = [
         ([6, 8], [1, 2, 3, 4], True, 2.0, 2.0),
@@ -333,23 +334,20 @@ def test_dispatcher_hands_kernels_schema_types():
         ([np.int64(6), 8], (1, 2, 3, 4), np.bool_(True), 2.0, 2),
     ]
     seen = []
-    original = _routing._decide
+    original = upsample_api.plan
 
-    def recording(prepare, args, grad_input):
-        seen.append([(type(a), [type(v) for v in a] if isinstance(a, list) else None) for a in args[1:]])
-        return original(prepare, args, grad_input)
+    def recording(grad_output, *args):
+        seen.append([(type(a), [type(v) for v in a] if isinstance(a, list) else None) for a in args[:5]])
+        return original(grad_output, *args)
 
-    _routing._DECISIONS.clear()
+    monkeypatch.setattr(upsample_api, "plan", recording)
+    upsample_api._PLANS.clear()
     results = []
-    try:
-        _routing._decide = recording
-        with ft.enabled():
-            for spelling in spellings:
-                results.append(A.upsample_bilinear2d_backward(grad, *spelling))
-    finally:
-        _routing._decide = original
-    assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]]
-    assert len(_routing._DECISIONS) == 1
+    with ft.enabled():
+        for spelling in spellings:
+            results.append(A.upsample_bilinear2d_backward(grad, *spelling))
+    assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]] * 3
+    assert len(upsample_api._PLANS) == 1
     for result in results[1:]:
         assert torch.equal(result, results[0])
 
@@ -683,6 +681,11 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
         ft.roi_align(x, [torch.zeros(2, 5, dtype=torch.float64)], 2)
     with pytest.raises(fastbwd.ParamError, match="Tensor\\[K, 5\\]"):
         ft.roi_align(x, torch.zeros(2, 4, dtype=torch.float64), 2)
+    # the kernels' errors name the function called and its arguments (not roi_align_forward's)
+    with pytest.raises(fastbwd.ParamError, match=r"^roi_align: output_size\[1\] must be > 0, but got 0$"):
+        ft.roi_align(x, rows, (2, 0))
+    with pytest.raises(fastbwd.ParamError, match=r"^roi_align: boxes.dtype must equal input.dtype \(float64\)"):
+        ft.roi_align(x, rows.float(), 2)
 
 
 def test_roi_align_matches_pure_pytorch_formulation():

@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,18 +45,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 Mutant = collections.namedtuple("Mutant", "name op file original replacement test description")
 
-T_UP = "tests/test_upsample_bilinear2d.py"
-T_AP = "tests/test_avg_pool2d.py"
-T_PAD = "tests/test_replication_pad2d.py"
-T_ROI = "tests/test_roi_align.py"
-T_GN = "tests/test_group_norm_swish.py"
+
+def _with_contract(test_file, contract_ids):
+    """An operator's own test file and its rows of the contract matrix (tests/test_contract.py,
+    selected by the operator's name in their ids): pytest's arguments, split with shlex."""
+    module = os.path.basename(test_file)[: -len(".py")]
+    return f"{test_file} tests/test_contract.py -k '{module} or {contract_ids}'"
+
+
+T_UP = _with_contract("tests/test_upsample_bilinear2d.py", "upsample_bilinear2d_backward")
+T_AP = _with_contract("tests/test_avg_pool2d.py", "avg_pool2d_backward")
+T_PAD = _with_contract("tests/test_replication_pad2d.py", "replication_pad2d_backward")
+T_ROI = _with_contract("tests/test_roi_align.py", "roi_align_backward or roi_align_forward")
+T_GN = _with_contract("tests/test_group_norm_swish.py", "group_norm_swish_backward")
 T_REF = "tests/test_reference.py"
 T_HALF = "tests/test_halfbits.py"
 T_TORCH = "tests/test_torch.py"
 T_PLANS = "tests/test_plans.py"
 T_SIMD = "tests/test_simd.py"
 T_EXIT = "tests/test_exit.py"
-T_GNF = "tests/test_group_norm_swish_forward.py"
+T_GNF = _with_contract("tests/test_group_norm_swish_forward.py", "(group_norm_swish and not group_norm_swish_backward)")
 T_FUSE = "tests/test_fuse.py"
 T_COMPILE = "tests/test_compile.py"
 
@@ -174,9 +183,9 @@ MUTANTS = [
     Mutant(
         "up-api-scales-swapped",
         "upsample",
-        A_UP,
-        "*kernels.backward_table(height, output_height, align_corners, scales_h, opmath),",
-        "*kernels.backward_table(height, output_height, align_corners, scales_w, opmath),",
+        K_UP,
+        "*backward_table(g.height, g.out_height, g.align_corners, g.scales_h, g.compute),",
+        "*backward_table(g.height, g.out_height, g.align_corners, g.scales_w, g.compute),",
         T_UP,
         "scales_w used for the H axis",
     ),
@@ -184,8 +193,8 @@ MUTANTS = [
         "up-api-float64-opmath",
         "upsample",
         A_UP,
-        "    opmath = d.compute_dtype(dtype)",
-        "    opmath = np.dtype(np.float64)",
+        "        d.compute_dtype(dtype),\n        d.storage_format(dtype),\n    )\n    plan = None",
+        "        np.dtype(np.float64),\n        d.storage_format(dtype),\n    )\n    plan = None",
         T_UP,
         "index/lambda arithmetic in float64 for float32 data (docs/semantics.md §1 says float32)",
     ),
@@ -285,8 +294,8 @@ MUTANTS = [
         "ap-global-no-override",
         "avg_pool",
         K_AP,
-        "        if divisor_override != 0:\n            divisor = divisor_override",
-        "        if False:\n            divisor = divisor_override",
+        "        if g.divisor_override != 0:\n            divisor = g.divisor_override",
+        "        if False:\n            divisor = g.divisor_override",
         T_AP,
         "global pooling ignores divisor_override",
     ),
@@ -330,8 +339,8 @@ MUTANTS = [
         "ap-override-both-axes",
         "avg_pool",
         K_AP,
-        "(divisor_override, 1) if divisor_override != 0 else (None, None)",
-        "(divisor_override, divisor_override) if divisor_override != 0 else (None, None)",
+        "(g.divisor_override, 1) if g.divisor_override != 0 else (None, None)",
+        "(g.divisor_override, g.divisor_override) if g.divisor_override != 0 else (None, None)",
         T_AP,
         "divisor_override applied on both axes (divides by d squared)",
     ),
@@ -375,8 +384,8 @@ MUTANTS = [
         "ap-rows-dispatch-narrow",
         "avg_pool",
         K_AP,
-        "    if not channels_last and out_width >= LANES:",
-        "    if not channels_last and out_width >= LANES // 2:",
+        "    if g.nhwc or out_width < LANES:",
+        "    if g.nhwc or out_width < LANES // 2:",
         T_AP,
         "grad rows narrower than LANES sent to the whole-rows kernel (tiles start before the row)",
     ),
@@ -402,8 +411,8 @@ MUTANTS = [
         "ap-rows-odd-class",
         "avg_pool",
         K_AP,
-        "                    residue_base[1],\n                    residue_taps[1],",
-        "                    residue_base[0],\n                    residue_taps[0],",
+        "interleaved = (residue_base[0], residue_taps[0], residue_base[1], residue_taps[1])",
+        "interleaved = (residue_base[0], residue_taps[0], residue_base[0], residue_taps[0])",
         T_AP,
         "whole-rows kernel, stride 2: odd columns get the even columns' windows",
     ),
@@ -441,16 +450,7 @@ MUTANTS = [
         "            # the sum of its windows' products), LANES columns at a time\n            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]\n            lanes_scaled_rows(\n                products,\n                source,\n                source_first,\n                source_stop - source_first,\n                out_width,\n                weight_h,\n                source_first % out_height,\n                fmt,\n            )\n            p = first // height\n            lanes_scaled_window_sums(",
         "            # the sum of its windows' products), LANES columns at a time\n            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]\n            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h, 0, fmt)\n            p = first // height\n            lanes_scaled_window_sums(",
         T_AP,
-        "whole-rows kernel, stride 2: every task's products weighted from window 0's weight on",
-    ),
-    Mutant(
-        "ap-rows-any-weight-phase",
-        "avg_pool",
-        K_AP,
-        "            count = min(rows_per_task, rows - first)\n            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]\n            lanes_scaled_rows(\n                products,\n                source,\n                source_first,\n                source_stop - source_first,\n                out_width,\n                weight_h,\n                source_first % out_height,\n                fmt,\n            )\n            p = first // height\n            lanes_scaled_window_sums(",
-        "            count = min(rows_per_task, rows - first)\n            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]\n            lanes_scaled_rows(products, source, source_first, source_stop - source_first, out_width, weight_h, 0, fmt)\n            p = first // height\n            lanes_scaled_window_sums(",
-        T_AP,
-        "whole-rows kernel, other strides: every task's products weighted from window 0's weight on",
+        "whole-rows kernel: every task's products weighted from window 0's weight on",
     ),
     Mutant(
         "ap-rows-depth",
@@ -465,29 +465,10 @@ MUTANTS = [
         "ap-rows-piece-source",
         "avg_pool",
         K_AP,
-        "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)\n"
-        "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
-        "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)\n"
-        "                    copied = ready\n        store_fence()\n\n\n@parallel_kernel",
+        "copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)",
+        "copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)",
         T_AP,
-        "whole-rows kernel, stride 2: every piece copies the block's first rows",
-    ),
-    Mutant(
-        "ap-rows-any-piece-source",
-        "avg_pool",
-        K_AP,
-        "store(sums[residue, k], fmt)\n                ready = piece_stop * width\n"
-        "                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)\n"
-        "                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize\n"
-        "                if ready > copied:\n"
-        "                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)",
-        "store(sums[residue, k], fmt)\n                ready = piece_stop * width\n"
-        "                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)\n"
-        "                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize\n"
-        "                if ready > copied:\n"
-        "                    copy_out(flat, first * width + copied, flat_block, 0, ready - copied, streaming)",
-        T_AP,
-        "whole-rows kernel, other strides: every piece copies the block's first rows",
+        "whole-rows kernel: every piece copies the block's first rows",
     ),
     Mutant(
         "ap-rows-sums-last-vector",
@@ -1038,8 +1019,8 @@ MUTANTS = [
         "roi-weight-no-count",
         "roi_align",
         K_ROI,
-        "                    weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once",
-        "                    weight[slot + used] = weight_sum[q]  # rounded once",
+        "                    table.weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once",
+        "                    table.weight[slot + used] = weight_sum[q]  # rounded once",
         T_ROI,
         "per-pixel weights not divided by the bin's sample count",
     ),
@@ -1056,8 +1037,8 @@ MUTANTS = [
         "roi-api-batch-trunc",
         "roi_align",
         K_ROI,
-        "    image = np.floor(boxes[:, 0])",
-        "    image = np.trunc(boxes[:, 0])",
+        "        image = np.floor(boxes[k, 0]) if finite else -1.0",
+        "        image = np.trunc(boxes[k, 0]) if finite else -1.0",
         T_ROI,
         "batch index truncated instead of floored (docs/semantics.md: floor)",
     ),
@@ -1246,8 +1227,8 @@ MUTANTS = [
         "plans-scalar-type-ignored",
         "plans",
         PLANS,
-        "        return (type(value), value)\n",
-        "        return value\n",
+        "    if kind in _PLAIN_TYPES:\n        return kind, value\n",
+        "    if kind in _PLAIN_TYPES:\n        return value\n",
         T_PLANS,
         "a plan key keeps a scalar's value but not its type (True reuses the plan of 1)",
     ),
@@ -1255,7 +1236,7 @@ MUTANTS = [
         "plans-sequence-types-ignored",
         "plans",
         PLANS,
-        "            return (type(value), tuple(value), types)\n",
+        "            return (kind, tuple(value), types)\n",
         "            return (tuple(value),)\n",
         T_PLANS,
         "a plan key of a sequence drops its element types and its own type",
@@ -1273,19 +1254,46 @@ MUTANTS = [
         "jit-every-call-one-thread",
         "plans",
         "fastbwd/kernels/_jit.py",
-        "        if work is not None and work < ONE_THREAD_BELOW:",
-        "        if work is not None:",
+        "        if work is not None and work < ONE_THREAD_BELOW and _forced is None:",
+        "        if work is not None and _forced is None:",
         "tests/test_runtime.py",
         "every call with a work size runs on one thread (large ones too)",
+    ),
+    Mutant(
+        "jit-launch-threshold",
+        "plans",
+        "fastbwd/kernels/_jit.py",
+        "(_forced is None and work >= ONE_THREAD_BELOW)",
+        "(_forced is None and work > ONE_THREAD_BELOW)",
+        "tests/test_runtime.py",
+        "a launch of exactly ONE_THREAD_BELOW elements of work runs the serial twin",
+    ),
+    Mutant(
+        "jit-launch-serial-only-ignored",
+        "plans",
+        "fastbwd/kernels/_jit.py",
+        "        if _serial_only:\n            return (self._serial_entry or self._resolve_serial(args))(*args)",
+        "        if False:\n            return (self._serial_entry or self._resolve_serial(args))(*args)",
+        "tests/test_runtime.py",
+        "a planned launch ignores FASTBWD_SERIAL (and the serial switch after fork)",
     ),
     Mutant(
         "plans-writeable-ignored",
         "plans",
         PLANS,
-        "        return (np.ndarray, value.shape, value.strides, value.dtype, value.flags.writeable)",
-        "        return (np.ndarray, value.shape, value.strides, value.dtype)",
+        "        return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)",
+        "        return (np.ndarray, value.shape, value.strides, value.dtype, flags.aligned)",
         T_PLANS,
         "a plan key ignores writeability: a read-only out= reuses a writeable one's plan",
+    ),
+    Mutant(
+        "plans-aligned-ignored",
+        "plans",
+        PLANS,
+        "        return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)",
+        "        return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable)",
+        T_PLANS,
+        "a plan key ignores alignment: a misaligned array would reuse launches resolved for aligned ones",
     ),
     # ==== fastbwd.torch (the PyTorch bridge) ==================================================
     Mutant(
@@ -1307,32 +1315,13 @@ MUTANTS = [
         "PyTorch's divisor_override=0 served by fastbwd as unset instead of PyTorch's error",
     ),
     Mutant(
-        "torch-signature-no-strides",
+        "torch-routing-result-format",
         "torch",
         B_ROUTING,
-        "        parts += (array.shape, array.strides, array.dtype)\n",
-        "        parts += (array.shape, array.dtype)\n",
+        "    result = grad_input if in_place else c.empty(call.shape, call.dtype, call.memory_format)",
+        "    result = grad_input if in_place else c.empty(call.shape, call.dtype)",
         T_TORCH,
-        "a remembered decision keyed without strides: a channels_last call reuses a contiguous one's",
-    ),
-    Mutant(
-        "torch-signature-ignores-grad-input",
-        "torch",
-        B_ROUTING,
-        "    if grad_input is not None:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(), grad_input.is_neg())",
-        "    if False:\n        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(), grad_input.is_neg())",
-        T_TORCH,
-        "a remembered decision keyed without the grad_input: another layout reuses its plan",
-    ),
-    Mutant(
-        "torch-overlap-refusal-remembered",
-        "torch",
-        B_ROUTING,
-        "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n        return None",
-        "        served.run(served.plan, *arrays, c.as_array(result))\n    except fastbwd.ParamError:\n"
-        "        _DECISIONS.add(signature, _FALLBACK)\n        return None",
-        T_TORCH,
-        "an out= overlapping an input (a per-call refusal) hands the whole geometry to PyTorch",
+        "the routed result is allocated contiguous whatever the memory format (channels_last calls fall back)",
     ),
     Mutant(
         "torch-gn-bias-grad",
@@ -1406,6 +1395,33 @@ MUTANTS = [
         "  %special = select i1 %is_nan, i32 %special_payload, i32 %special_payload",
         "tests/test_halfcalls.py",
         "a signalling float16 NaN widens unquieted (the hardware quiets it)",
+    ),
+    Mutant(
+        "halfcalls-needed-substring",
+        "halfbits",
+        "fastbwd/kernels/_halfcalls.py",
+        '    return "+f16c" not in features.split(",")',
+        '    return "f16c" not in features',
+        "tests/test_halfcalls.py",
+        "a target with -f16c reads as having F16C: its float16 calls find no conversion functions",
+    ),
+    Mutant(
+        "halfcalls-provide-any-present",
+        "halfbits",
+        "fastbwd/kernels/_halfcalls.py",
+        "        if all(llvm.address_of_symbol(name) for name in NAMES):",
+        "        if any(llvm.address_of_symbol(name) for name in NAMES):",
+        "tests/test_halfcalls.py",
+        "one symbol already present: provide() defines neither, the other stays missing",
+    ),
+    Mutant(
+        "halfcalls-provide-replaces-present",
+        "halfbits",
+        "fastbwd/kernels/_halfcalls.py",
+        "            if not llvm.address_of_symbol(name):\n",
+        "            if True:\n",
+        "tests/test_halfcalls.py",
+        "provide() replaces a conversion function the process already defines",
     ),
     Mutant(
         "halfcalls-not-registered",
@@ -2171,7 +2187,7 @@ def run_tests(tree, test, timeout):
 def _run_pytest(tree, test, timeout, env):
     start = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *shlex.split(test), "-x", "-q", "-p", "no:cacheprovider"],
         cwd=tree,
         env=env,
         stdout=subprocess.PIPE,

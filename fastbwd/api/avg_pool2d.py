@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -12,6 +13,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
+from ..kernels.avg_pool2d import axis_windows  # noqa: F401 - the JAX forward divides by its windows
 from . import _plans
 
 FUNC = "avg_pool2d_backward"
@@ -26,16 +28,16 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 def avg_pool2d_backward(
     grad_output: ArrayLike,
-    input: Union[ArrayLike, Sequence[int]],
-    kernel_size: Union[int, Sequence[int]],
-    stride: Optional[Union[int, Sequence[int]]] = None,
-    padding: Union[int, Sequence[int]] = 0,
+    input: ArrayLike | Sequence[int],
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
-    divisor_override: Optional[int] = 0,
+    divisor_override: int | None = 0,
     cube_math_type: int = 0,
     *,
-    out: Optional[np.ndarray] = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
 
@@ -167,12 +169,8 @@ def run(plan, grad_output, input_array, out):
         inputs=(("grad_output", grad_output), ("input", input_array)),
         checked=True,
     )
-    if plan.loops is None:
-        return result  # empty (N is 0)
-    if grad_output.ndim == 3:
-        grad_output = grad_output[None]
-    entry, tables = plan.loops
-    entry(d.read_only(d.kernel_view(d.physical(grad_output, plan.layout))), d.kernel_view(grad_input), tables, plan.fmt)
+    if plan.kernels is not None:  # None: empty (N is 0)
+        plan.kernels.run(d.kernel_view(d.physical(grad_output, plan.layout)), d.kernel_view(grad_input))
     return result
 
 
@@ -184,8 +182,7 @@ class _Plan(NamedTuple):
 
     input_shape: tuple
     layout: str  # of grad_output and the result: NHWC for channels-last strides
-    loops: tuple  # the kernels' entry and tables (kernels.backward_loops); None for an empty result
-    fmt: object
+    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
 def _plan(
@@ -271,12 +268,14 @@ def _plan(
     ):
         layout = d.NHWC
     d.check_out(FUNC, out, input_shape, dtype, layout)
-    fmt = d.storage_format(dtype)
     if math.prod(input_shape) == 0:
-        return _Plan(input_shape, layout, None, fmt)
-    loops = kernels.backward_loops(
+        return _Plan(input_shape, layout, None)
+    geometry = kernels.Geometry(
         layout == d.NHWC,
-        input_shape,
+        input_shape[0] if ndim == 4 else 1,
+        channels,
+        height,
+        width,
         out_height,
         out_width,
         kernel,
@@ -286,8 +285,9 @@ def _plan(
         divisor_override,
         dtype,
         d.compute_dtype(dtype),
+        d.storage_format(dtype),
     )
-    return _Plan(input_shape, layout, loops, fmt)
+    return _Plan(input_shape, layout, kernels.plan(geometry))
 
 
 def _check_positive(param, values):

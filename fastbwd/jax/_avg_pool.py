@@ -1,26 +1,28 @@
 """2-D average pooling for JAX: PyTorch's forward in lax, fastbwd's backward."""
 
 import functools
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import fastbwd
 from .. import _dtypes as d
 from .. import _validation as v
-from ..kernels.avg_pool2d import axis_windows
+from ..api import avg_pool2d as api
 from . import _common as c
 from . import _ffi
 
 FUNC = "avg_pool2d"
+#: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
+#: input x.
+_SUBJECTS = {"grad_output": "x", "input": "x"}
 
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output,), (grad_input,) = inputs, outputs
-    fastbwd.avg_pool2d_backward(
+    plan = api.plan(
         grad_output,
         grad_input.shape,
         config["kernel_size"],
@@ -29,8 +31,10 @@ def _backward_adapter(inputs, outputs, config):
         config["ceil_mode"],
         config["count_include_pad"],
         config["divisor_override"],
-        out=grad_input,
+        0,
+        grad_input,
     )
+    api.run(plan, grad_output, None, grad_input)
 
 
 _TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True)
@@ -40,7 +44,7 @@ def _divisors(size, kernel, stride, pad, out_size, count_include_pad):
     """Per output index of one axis: the window's extent within the padded input (PyTorch's
     ``pool_size`` factor) or within the input (``count_include_pad=False``), from the windows
     the backward uses."""
-    start, stop, padded = axis_windows(size, kernel, stride, pad, out_size)
+    start, stop, padded = api.axis_windows(size, kernel, stride, pad, out_size)
     return padded if count_include_pad else stop - start
 
 
@@ -105,9 +109,9 @@ _avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)
 
 def avg_pool2d(
     x: jax.Array,
-    kernel_size: Union[int, Sequence[int]],
-    stride: Optional[Union[int, Sequence[int]]] = None,
-    padding: Union[int, Sequence[int]] = 0,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
     ceil_mode: bool = False,
     count_include_pad: bool = True,
     divisor_override: int = 0,
@@ -135,7 +139,8 @@ def avg_pool2d(
     Raises
     ------
     ParamError
-        At trace time, with the message of ``fastbwd.avg_pool2d_backward``.
+        At trace time (the checks of ``fastbwd.avg_pool2d_backward``, said of this function's
+        arguments).
     """
     x = jnp.asarray(x)
     v.check_ndim(FUNC, "x", x, (3, 4))
@@ -153,17 +158,19 @@ def avg_pool2d(
             raise ValueError(sizes)
         return x.shape[:-2] + sizes
 
-    c.validate(
-        fastbwd.avg_pool2d_backward,
-        c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
-        x.shape,
-        kernel_size,
-        stride,
-        padding,
-        ceil_mode,
-        count_include_pad,
-        divisor_override,
-    )
+    with v.called_as(FUNC, _SUBJECTS):
+        api.plan(
+            c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
+            x.shape,
+            kernel_size,
+            stride,
+            padding,
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+            0,
+            None,
+        )
     kernel = c.ints(kernel_size, 2)
     stride = c.ints(stride, 2) if stride not in (None, ()) else kernel
     return _avg_pool(

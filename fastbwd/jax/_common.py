@@ -1,35 +1,13 @@
-"""What the JAX functions share: trace-time validation by the public functions, static arguments."""
+"""What the JAX functions share: placeholders for trace-time planning, static arguments."""
 
 import numpy as np
 
-from .._errors import ParamError
-
-#: An ``out=`` that is not an array: see :func:`validate`.
-_CHECK_ONLY = object()
-
 
 def placeholder(shape, dtype):
-    """An array of ``shape`` and ``dtype`` standing for a traced value in :func:`validate`:
-    ``np.empty`` (large ones are mapped lazily: no memory is touched)."""
+    """An array of ``shape`` and ``dtype`` standing for a traced value when a JAX function plans
+    its fastbwd call at trace time (the api's ``plan`` validates every argument and reads only
+    metadata): ``np.empty``, whose large allocations are mapped lazily, so no memory is touched."""
     return np.empty(shape, dtype)
-
-
-def validate(function, *arrays, **arguments):
-    """Run every argument check of the public ``function`` at trace time, without running it.
-
-    ``arrays`` are placeholders with the traced values' shapes and dtypes. The public functions
-    check all their arguments before ``out=``, and refuse an ``out`` that is not an array; so a
-    call with such an ``out`` raises the ParamError of the first bad argument, or the ``out``
-    error when all are good, which means the arguments are valid (no kernel ran).
-    """
-    out = (_CHECK_ONLY, None, None) if arguments.pop("out_is_tuple", False) else _CHECK_ONLY
-    try:
-        function(*arrays, **arguments, out=out)
-    except ParamError as error:
-        if error.param == "out":
-            return
-        raise
-    raise AssertionError(f"{function.__name__} accepted an out= that is not an array")  # pragma: no cover
 
 
 def shape_or(default, build):

@@ -1,25 +1,26 @@
 """GroupNorm + Swish for JAX: the forward in jax.numpy, fastbwd's fused backward."""
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-import fastbwd
 from .. import _dtypes as d
 from .. import _validation as v
+from ..api import group_norm_swish as api
 from . import _common as c
 from . import _ffi
 
 FUNC = "group_norm_swish"
+#: The backward's arguments in the user's words (its dy, mean and rstd are shaped from x).
+_SUBJECTS = {"gamma": "weight", "beta": "bias", "data_format": "layout", "dy": "x"}
 
 
 def _backward_adapter(inputs, outputs, config):
-    fastbwd.group_norm_swish_backward(
-        *inputs, config["num_groups"], config["layout"], config["swish_scale"], out=tuple(outputs)
-    )
+    outputs = tuple(outputs)
+    plan = api.plan(*inputs, config["num_groups"], config["layout"], True, True, outputs)
+    api.run(plan, *inputs, config["swish_scale"], outputs)
 
 
 _TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False)
@@ -91,8 +92,8 @@ _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
 def group_norm_swish(
     x: jax.Array,
     num_groups: int,
-    weight: Optional[jax.Array],
-    bias: Optional[jax.Array],
+    weight: jax.Array | None,
+    bias: jax.Array | None,
     eps: float = 1e-5,
     swish_scale: float = 1.0,
     *,
@@ -129,30 +130,32 @@ def group_norm_swish(
     Raises
     ------
     ParamError
-        At trace time, with the message of ``fastbwd.group_norm_swish_backward`` (or for a bad
-        ``eps``).
+        At trace time (the checks of ``fastbwd.group_norm_swish_backward``, said of this
+        function's arguments, and a bad ``eps``).
     """
     x, weight, bias = jnp.asarray(x), jnp.asarray(weight), jnp.asarray(bias)
     eps = v.float_value(FUNC, "eps", eps)
     if layout not in ("NCHW", "NHWC"):
         v.fail(FUNC, "layout", "must be one of 'NCHW', 'NHWC'", v.describe(layout))
+    swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
     stats_dtype = d.compute_dtype(x.dtype)
 
     def stats_shape():
         return (x.shape[0], int(num_groups))
 
     stats = c.placeholder(c.shape_or((x.shape[0], 1), stats_shape), stats_dtype)
-    c.validate(
-        fastbwd.group_norm_swish_backward,
-        c.placeholder(x.shape, x.dtype),
-        stats,
-        stats,
-        c.placeholder(x.shape, x.dtype),
-        c.placeholder(weight.shape, weight.dtype),
-        c.placeholder(bias.shape, bias.dtype),
-        num_groups,
-        layout,
-        swish_scale,
-        out_is_tuple=True,
-    )
+    with v.called_as(FUNC, _SUBJECTS):
+        api.plan(
+            c.placeholder(x.shape, x.dtype),
+            stats,
+            stats,
+            c.placeholder(x.shape, x.dtype),
+            c.placeholder(weight.shape, weight.dtype),
+            c.placeholder(bias.shape, bias.dtype),
+            num_groups,
+            layout,
+            True,
+            True,
+            None,
+        )
     return _group_norm_swish(x, weight, bias, int(num_groups), eps, float(swish_scale), layout)

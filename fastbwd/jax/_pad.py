@@ -1,22 +1,25 @@
 """Replication (edge) padding for JAX: ``jnp.pad(mode="edge")`` forward, fastbwd's backward."""
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-import fastbwd
 from .. import _validation as v
+from ..api import replication_pad2d as api
 from . import _common as c
 from . import _ffi
 
 FUNC = "replication_pad2d"
+#: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
+#: input x.
+_SUBJECTS = {"grad_output": "x", "input": "x"}
 
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output,), (grad_input,) = inputs, outputs
-    fastbwd.replication_pad2d_backward(grad_output, grad_input.shape, config["padding"], out=grad_input)
+    api.run(api.plan(grad_output, grad_input.shape, config["padding"], grad_input), grad_output, None, grad_input)
 
 
 _TARGET = _ffi.target("replication_pad2d_backward", _backward_adapter, fold=True)
@@ -71,7 +74,8 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int]) -> jax.Array:
     Raises
     ------
     ParamError
-        At trace time, with the message of ``fastbwd.replication_pad2d_backward``.
+        At trace time (the checks of ``fastbwd.replication_pad2d_backward``, said of this
+        function's arguments).
     """
     x = jnp.asarray(x)
     v.check_ndim(FUNC, "x", x, (3, 4))
@@ -84,5 +88,6 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int]) -> jax.Array:
     shape = c.shape_or(x.shape, grad_output_shape)
     if min(shape) < 0:
         shape = x.shape  # an impossible padding: its validation below says which
-    c.validate(fastbwd.replication_pad2d_backward, c.placeholder(shape, x.dtype), x.shape, padding)
+    with v.called_as(FUNC, _SUBJECTS):
+        api.plan(c.placeholder(shape, x.dtype), x.shape, padding, None)
     return _pad(x, c.ints(padding), x.shape)

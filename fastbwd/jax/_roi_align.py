@@ -2,45 +2,33 @@
 the FFI transport (JAX has no RoIAlign of its own)."""
 
 import functools
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-import fastbwd
 from .. import _validation as v
-from ..api import roi_align as roi_align_api
+from ..api import roi_align as api
 from . import _common as c
 from . import _ffi
 
 FUNC = "roi_align"
+#: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
+_SUBJECTS = {"pooled_height": "output_size[0]", "pooled_width": "output_size[1]", "input_shape": "input.shape"}
 
 
 def _forward_adapter(inputs, outputs, config):
     (input, boxes), (pooled,) = inputs, outputs
-    roi_align_api.roi_align_forward(
-        input,
-        boxes,
-        *config["pooled_size"],
-        config["spatial_scale"],
-        config["sampling_ratio"],
-        config["aligned"],
-        out=pooled,
-    )
+    scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
+    plan = api.forward_plan(input, boxes, *config["pooled_size"], *scalars, pooled)
+    api.run_forward(plan, input, boxes, pooled)
 
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output, boxes), (grad_input,) = inputs, outputs
-    fastbwd.roi_align_backward(
-        grad_output,
-        boxes,
-        grad_input.shape,
-        *config["pooled_size"],
-        config["spatial_scale"],
-        config["sampling_ratio"],
-        config["aligned"],
-        out=grad_input,
-    )
+    scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
+    plan = api.plan(grad_output, boxes, grad_input.shape, *config["pooled_size"], *scalars, grad_input)
+    api.run(plan, grad_output, boxes, grad_input)
 
 
 _FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False)
@@ -99,8 +87,8 @@ def _rois(boxes, dtype):
 
 def roi_align(
     input: jax.Array,
-    boxes: Union[jax.Array, Sequence[jax.Array]],
-    output_size: Union[int, Sequence[int]],
+    boxes: jax.Array | Sequence[jax.Array],
+    output_size: int | Sequence[int],
     spatial_scale: float = 1.0,
     sampling_ratio: int = -1,
     aligned: bool = False,
@@ -135,7 +123,8 @@ def roi_align(
     Raises
     ------
     ParamError
-        At trace time, with the message of fastbwd's RoIAlign forward or backward.
+        At trace time (the checks of fastbwd's RoIAlign forward and backward, said of this
+        function's arguments).
     """
     input = jnp.asarray(input)
     rois = _rois(boxes, input.dtype)
@@ -145,26 +134,26 @@ def roi_align(
     if not isinstance(output_size, tuple) or len(output_size) != 2:
         v.fail(FUNC, "output_size", "must be an int or a pair of ints", v.describe(output_size))
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
-    input_placeholder = c.placeholder(input.shape, input.dtype)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
-    c.validate(
-        roi_align_api.roi_align_forward,
-        input_placeholder,
-        boxes_placeholder,
-        *output_size,
-        spatial_scale,
-        sampling_ratio,
-        aligned,
-    )
-    pooled_size = c.ints(output_size)
-    c.validate(
-        fastbwd.roi_align_backward,
-        c.placeholder((rois.shape[0], input.shape[1]) + pooled_size, input.dtype),
-        boxes_placeholder,
-        input.shape,
-        *pooled_size,
-        spatial_scale,
-        sampling_ratio,
-        aligned,
-    )
+    with v.called_as(FUNC, _SUBJECTS):
+        api.forward_plan(
+            c.placeholder(input.shape, input.dtype),
+            boxes_placeholder,
+            *output_size,
+            spatial_scale,
+            sampling_ratio,
+            aligned,
+            None,
+        )
+        pooled_size = c.ints(output_size)
+        api.plan(
+            c.placeholder((rois.shape[0], input.shape[1]) + pooled_size, input.dtype),
+            boxes_placeholder,
+            input.shape,
+            *pooled_size,
+            spatial_scale,
+            sampling_ratio,
+            aligned,
+            None,
+        )
     return _roi_align(input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), input.shape)

@@ -1,15 +1,14 @@
 """Bilinear upsampling for JAX: PyTorch's forward in jax.numpy, fastbwd's backward."""
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-import fastbwd
 from .. import _dtypes as d
 from .. import _validation as v
-from ..kernels.upsample_bilinear2d import compute_source_index_and_lambda
+from ..api import upsample_bilinear2d as api
 from . import _common as c
 from . import _ffi
 
@@ -23,9 +22,10 @@ def _backward_adapter(inputs, outputs, config):
         n, h, w, ch = grad_input.shape
     else:
         n, ch, h, w = grad_input.shape
-    fastbwd.upsample_bilinear2d_backward(
-        grad_output, config["output_size"], (n, ch, h, w), config["align_corners"], layout=layout, out=grad_input
+    plan = api.plan(
+        grad_output, config["output_size"], (n, ch, h, w), config["align_corners"], None, None, layout, grad_input
     )
+    api.run(plan, grad_output, grad_input)
 
 
 _TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True)
@@ -38,7 +38,7 @@ def _axes(layout):
 def _interpolate(x, axis, output_size, align_corners):
     """One axis of the separable forward: ``x[index0] * lambda0 + x[index1] * lambda1`` with
     PyTorch's indices and weights (the tables fastbwd's backward uses), in x's dtype."""
-    index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
+    index0, index1, lambda0, lambda1 = api.compute_source_index_and_lambda(
         x.shape[axis], output_size, align_corners, 0.0, x.dtype
     )
     shape = [1] * x.ndim
@@ -102,28 +102,37 @@ def upsample_bilinear2d(
     Raises
     ------
     ParamError
-        At trace time, with the message of ``fastbwd.upsample_bilinear2d_backward`` for a bad
-        size, flag, layout or dtype, or when x is not 4-D.
+        At trace time, for a bad size, flag, layout or dtype, or when x is not 4-D (the checks
+        of ``fastbwd.upsample_bilinear2d_backward``, said of this function's arguments).
     """
     x = jnp.asarray(x)
     v.check_ndim(FUNC, "x", x, (4,))
     output_size = c.static_ints(output_size)
+    nhwc = layout == "NHWC"
 
     def grad_output_shape():
         oh, ow = output_size
-        if layout == "NHWC":
-            return (x.shape[0], oh, ow, x.shape[3])
-        return x.shape[:2] + (oh, ow)
+        return (x.shape[0], oh, ow, x.shape[3]) if nhwc else x.shape[:2] + (oh, ow)
 
-    def input_size():
-        return (x.shape[0], x.shape[3], x.shape[1], x.shape[2]) if layout == "NHWC" else x.shape
-
-    c.validate(
-        fastbwd.upsample_bilinear2d_backward,
-        c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
-        output_size=output_size,
-        input_size=input_size(),
-        align_corners=align_corners,
-        layout=layout,
+    # the backward's arguments in the user's words: its grad_output is the result, shaped from
+    # x's batch and channels and output_size; input_size is x's shape, in NCHW order
+    axes = (0, 3, 1, 2) if nhwc else (0, 1, 2, 3)
+    subjects = {f"input_size[{i}]": f"x.shape[{axis}]" for i, axis in enumerate(axes)}
+    sources = (
+        ("x.shape[0]", "output_size[0]", "output_size[1]", "x.shape[3]")
+        if nhwc
+        else ("x.shape[0]", "x.shape[1]", "output_size[0]", "output_size[1]")
     )
+    subjects.update({f"grad_output.shape[{i}]": source for i, source in enumerate(sources)}, grad_output="x")
+    with v.called_as(FUNC, subjects):
+        api.plan(
+            c.placeholder(c.shape_or(x.shape, grad_output_shape), x.dtype),
+            output_size,
+            tuple(x.shape[axis] for axis in axes),
+            align_corners,
+            None,
+            None,
+            layout,
+            None,
+        )
     return _upsample(x, c.ints(output_size), bool(align_corners), layout, x.shape)

@@ -1,15 +1,9 @@
-"""Assertions shared by every operator's tests: one tolerance table, one ulp rule, one
-thread-count determinism check, one error matcher."""
-
-import contextlib
-import re
+"""Checks a user may run on fastbwd's results (the tests and ``python -m fastbwd`` use them): one
+tolerance table against the float64 reference, one ulp rule for the half formats, bitwise
+equality."""
 
 import ml_dtypes
-import numba
 import numpy as np
-
-from .._errors import ACLNN_ERR_PARAM_INVALID, ParamError
-from ..kernels import _jit
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -91,54 +85,3 @@ def bitwise_equal(a, b):
         and a.dtype == b.dtype
         and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
     )
-
-
-def thread_counts():
-    """The thread counts to compare: 1, 2, 3 (an odd count: uneven shares of the tasks) and the
-    most this process may use (``NUMBA_NUM_THREADS``), as far as they are available.
-
-    With ``NUMBA_NUM_THREADS=2`` (a 2-core machine) that is only 1 and 2: tests/test_runtime.py
-    therefore also runs every operator in a subprocess with ``NUMBA_NUM_THREADS=4``, more
-    threads than cores, comparing 1, 2, 3 and 4."""
-    maximum = numba.config.NUMBA_NUM_THREADS
-    return sorted({1, 2, 3, maximum} & set(range(1, maximum + 1)))
-
-
-def assert_thread_invariant(call):
-    """``call()`` gives bitwise identical results for every thread count (tuples allowed).
-
-    Small calls normally stay on one thread (``kernels._jit.ONE_THREAD_BELOW``); here every
-    call runs on the thread count being checked, however small its input."""
-    previous = numba.get_num_threads()
-    previous_threshold, _jit.ONE_THREAD_BELOW = _jit.ONE_THREAD_BELOW, 0
-    results = {}
-    try:
-        for count in thread_counts():
-            numba.set_num_threads(count)
-            result = call()
-            results[count] = result if isinstance(result, tuple) else (result,)
-    finally:
-        numba.set_num_threads(previous)
-        _jit.ONE_THREAD_BELOW = previous_threshold
-    first_count, first = next(iter(results.items()))
-    for count, result in results.items():
-        for index, (x, y) in enumerate(zip(first, result)):
-            if x is None and y is None:
-                continue
-            assert bitwise_equal(x, y), f"result {index} differs between {first_count} and {count} threads"
-
-
-@contextlib.contextmanager
-def raises_param_error(match, *, status=ACLNN_ERR_PARAM_INVALID, param=None):
-    """Expect a ParamError whose message matches ``match`` (a regex), with the given status/param."""
-    try:
-        yield
-    except ParamError as error:
-        message = str(error)
-        assert re.search(match, message), f"message {message!r} does not match {match!r}"
-        assert error.status == status, f"status {error.status} != {status} ({message})"
-        if param is not None:
-            assert error.param == param, f"param {error.param!r} != {param!r} ({message})"
-        assert isinstance(error, ValueError) and isinstance(error, TypeError)
-    else:
-        raise AssertionError(f"no ParamError raised (expected one matching {match!r})")

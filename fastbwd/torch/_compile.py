@@ -28,8 +28,6 @@ import pathlib
 import threading
 import warnings
 
-from typing import Optional
-
 import torch
 import torch._functorch.config as functorch_config
 from torch import Tensor
@@ -208,7 +206,7 @@ def _native_group_norm(input, weight, bias, num_groups, eps):
 
 @torch.library.custom_op("fastbwd::group_norm_silu", mutates_args=(), device_types="cpu")
 def group_norm_silu(
-    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``F.silu(F.group_norm(input, num_groups, weight, bias, eps))`` with mean and rstd: fastbwd's
     fused kernel while enabled, PyTorch's ``native_group_norm`` then ``silu`` while disabled."""
@@ -234,8 +232,8 @@ def group_norm_silu_backward(
     input: Tensor,
     mean: Tensor,
     rstd: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     num_groups: int,
     eps: float,
     output_mask: list[bool],

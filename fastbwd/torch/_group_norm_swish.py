@@ -1,8 +1,6 @@
 """Fused GroupNorm + Swish for PyTorch on the registered operators ``fastbwd::group_norm_swish``
 and ``fastbwd::group_norm_swish_backward`` (docs/semantics.md §5 and §7)."""
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -66,8 +64,8 @@ def _check_dtypes(input, weight, bias):
 def group_norm_swish(
     input: Tensor,
     num_groups: int,
-    weight: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
     eps: float = 1e-5,
     swish_scale: float = 1.0,
 ) -> Tensor:

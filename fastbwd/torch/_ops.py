@@ -17,12 +17,12 @@ end); the kernels here only translate tensors to arrays and back.
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-import fastbwd
+from fastbwd import _validation as v
 from fastbwd.api import _plans
 from fastbwd.api import group_norm_swish as gns_api
 from fastbwd.api import roi_align as roi_align_api
@@ -70,19 +70,18 @@ def use_eager_path(*tensors):
 # ---- RoIAlign -------------------------------------------------------------------------------
 
 
+#: The RoIAlign forward's arguments as fastbwd.torch.roi_align names them.
+_ROI_ALIGN_SUBJECTS = {"pooled_height": "output_size[0]", "pooled_width": "output_size[1]"}
+
+
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     match_torch_threads()
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
-    roi_align_api.roi_align_forward(
-        c.as_array(input),
-        c.as_array(rois),
-        pooled_height,
-        pooled_width,
-        spatial_scale,
-        max(sampling_ratio, 0),
-        aligned,
-        out=c.as_array(output),
-    )
+    arrays, out = (c.as_array(input), c.as_array(rois)), c.as_array(output)
+    scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
+    with v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
+        plan = roi_align_api.forward_plan(*arrays, pooled_height, pooled_width, *scalars, out)
+    roi_align_api.run_forward(plan, *arrays, out)
     return output
 
 
@@ -111,17 +110,10 @@ def _roi_align_backward_kernel(
     match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     grad_input = c.empty(input_shape, grad.dtype)
-    fastbwd.roi_align_backward(
-        c.as_array(grad.contiguous()),
-        c.as_array(rois),
-        input_shape,
-        pooled_height,
-        pooled_width,
-        spatial_scale,
-        max(sampling_ratio, 0),
-        aligned,
-        out=c.as_array(grad_input),
-    )
+    arrays, out = (c.as_array(grad.contiguous()), c.as_array(rois)), c.as_array(grad_input)
+    scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
+    plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, out)
+    roi_align_api.run(plan, *arrays, out)
     return grad_input
 
 
@@ -387,7 +379,7 @@ class _KernelArrays(NamedTuple):
 
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
 def group_norm_swish(
-    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float, swish_scale: float
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int, eps: float, swish_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _forward_kernel(input, weight, bias, num_groups, eps, swish_scale)
 
@@ -440,8 +432,8 @@ def group_norm_swish_backward(
     input: Tensor,
     mean: Tensor,
     rstd: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
     num_groups: int,
     swish_scale: float,
     output_mask: list[bool],

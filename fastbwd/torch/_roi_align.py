@@ -5,8 +5,6 @@ kernel and the backward is ``fastbwd.roi_align_backward``, both from the same pe
 tables, deterministic for any thread count.
 """
 
-from typing import List, Union
-
 import torch
 from torch import Tensor, nn
 from torch.jit.annotations import BroadcastingList2
@@ -40,7 +38,7 @@ def _check_boxes(boxes):
             )
 
 
-def _check_output_size(output_size: List[int]):
+def _check_output_size(output_size: list[int]):
     if len(output_size) != 2:
         raise fastbwd.ParamError(
             f"roi_align: output_size must be an int or a pair of ints, but got {tuple(output_size)}",
@@ -48,7 +46,7 @@ def _check_output_size(output_size: List[int]):
         )
 
 
-def boxes_to_rois(boxes: List[Tensor], like: Tensor) -> Tensor:
+def boxes_to_rois(boxes: list[Tensor], like: Tensor) -> Tensor:
     """One tensor per image of ``(x1, y1, x2, y2)`` rows -> one ``(K, 5)`` tensor of ``(image,
     x1, y1, x2, y2)`` rows, the list index as the image (an empty list: no rows, of ``like``'s
     dtype). Written so that TorchScript compiles it (no size it cannot infer)."""
@@ -63,7 +61,7 @@ def boxes_to_rois(boxes: List[Tensor], like: Tensor) -> Tensor:
 @torch.fx.wrap
 def roi_align(
     input: Tensor,
-    boxes: Union[Tensor, List[Tensor]],
+    boxes: Tensor | list[Tensor],
     output_size: BroadcastingList2[int],
     spatial_scale: float = 1.0,
     sampling_ratio: int = -1,
@@ -129,7 +127,7 @@ class RoIAlign(nn.Module):
         self.sampling_ratio = sampling_ratio
         self.aligned = aligned
 
-    def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
+    def forward(self, input: Tensor, rois: Tensor | list[Tensor]) -> Tensor:
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned)
 
     def __repr__(self):

@@ -14,11 +14,9 @@ Each implementation:
    ``torch.library.get_kernel`` before the override was registered: enabling never adds an
    error and never changes a result PyTorch would give other than by fastbwd's own rounding.
 
-The first call of each call geometry (:func:`_signature`) decides, and remembers, how every call
-of that geometry is served (:class:`_Served`): PyTorch's kernel, or the api's validated plan
-with the memory format and result buffer to use. A repeated call then goes straight to the api's
-per-call work (``run``: the out= overlap check, the kernels), the way a repeated direct call
-does after its plan lookup.
+Each call plans through the api (``api.<op>.plan`` with the arrays and the result buffer the call
+will use, then ``run``): the api's table remembers each geometry's plan (docs/design.md, "The
+one contract"), so a repeated call pays the lookup, as a repeated direct call does.
 
 Only the CPU dispatch key is overridden: other devices, the autograd formulas (so double
 backward) and every other operator are untouched. ``disable`` hands every call back to
@@ -29,12 +27,12 @@ import collections
 import contextlib
 import threading
 import warnings
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
 import fastbwd
-from fastbwd.api import _plans
 from fastbwd.api import avg_pool2d, replication_pad2d, upsample_bilinear2d
 
 from . import _convert as c
@@ -120,58 +118,11 @@ SERVED = collections.Counter()
 FALLBACK = collections.Counter()
 
 
-class _Served(NamedTuple):
-    """How every call of one signature is served (decided by its first call)."""
-
-    run: object  # the api module's run(plan, *arrays, out)
-    plan: object  # the api's validated plan for these arrays and this out=
-    shape: tuple  # of the result
-    dtype: torch.dtype
-    memory_format: torch.memory_format  # of the result and of the grad_output handed over
-    dense: bool  # grad_output is already dense in memory_format (no copy to make)
-    in_place: bool  # the user's grad_input is written in place
-
-
-#: What the first call of each call geometry decided, for the calls after it (a training loop
-#: repeats a few geometries): a :class:`_Served`, or :data:`_FALLBACK` when PyTorch's own kernel
-#: answers. Keyed by :func:`_signature`; the decision depends on nothing else (the api's
-#: validation of these three operators reads only shapes, strides, dtypes and argument values).
-_DECISIONS = _plans.Plans()
-_FALLBACK = "fallback"
-
-
-def _signature(route, arrays, arguments, grad_input):
-    """The call's metadata: the shape, strides and dtype of the NumPy views of its input tensors
-    (``arrays``: a view has its tensor's shape, its strides in bytes and a dtype of its own, so
-    the view's metadata is the tensor's), every other argument by value (an ``int[]`` as a
-    tuple), and the grad_input's shape, strides, dtype and lazy conj/neg bits, read from the
-    tensor (a grad_input is viewed only when it is written in place: ``Tensor.numpy`` makes its
-    storage unresizable, and one of another shape is resized).
-
-    Values alone describe the other arguments because PyTorch's dispatcher hands a Python kernel
-    every argument in its schema's type (``bool`` as a bool even when the caller wrote 1,
-    ``int[]`` as a list of int even from a tuple or ``torch.Size``, ``float?`` as a float or
-    None), so equal values at one position always mean the same thing (tests/test_torch.py
-    checks it). A value that cannot be hashed makes the lookup raise TypeError: then the call
-    is decided on its own."""
-    parts = [route]
-    for array in arrays:
-        parts += (array.shape, array.strides, array.dtype)
-    for value in arguments:
-        parts.append(tuple(value) if type(value) is list else value)
-    if grad_input is not None:
-        parts += (grad_input.shape, grad_input.stride(), grad_input.dtype, grad_input.is_conj(), grad_input.is_neg())
-    return tuple(parts)
-
-
-def _decide(prepare, args, grad_input):
-    """How calls with these tensors' metadata and these arguments are served (a
-    :class:`_Served`), or None when PyTorch's own kernel must answer: a tensor not viewable as an
-    array, a grad_input of another dtype, a call the api's validation refuses."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if grad_input is not None:
-        tensors.append(grad_input)
-    if not all(c.can_view(t) for t in tensors):
+def _served(route, args, grad_input):
+    """The fastbwd result for these aten arguments, or None when PyTorch's own kernel must
+    answer: a tensor not viewable as an array, a grad_input of another dtype, a call the api's
+    validation refuses, or a result buffer that overlaps an input (checked on every call)."""
+    if grad_input is not None and not c.can_view(grad_input):
         return None
     # A user's grad_input is written in place when it is dense (in either layout) with the
     # result's shape and dtype; the grad_output then travels in its memory format.
@@ -181,7 +132,7 @@ def _decide(prepare, args, grad_input):
             if grad_input.is_contiguous(memory_format=memory_format):
                 in_place = memory_format
                 break
-    call = prepare(in_place, *args)
+    call = route.prepare(in_place, *args)
     if call is None:
         return None
     if grad_input is not None and grad_input.dtype != call.dtype:
@@ -191,51 +142,24 @@ def _decide(prepare, args, grad_input):
         and tuple(grad_input.shape) == call.shape
         and grad_input.is_contiguous(memory_format=call.memory_format)
     )
-    # the result buffer every call of this geometry gets: same shape, strides and dtype
-    out = grad_input if in_place else c.empty(call.shape, call.dtype, call.memory_format)
+    # a grad_input is viewed as an array only when it is written in place: Tensor.numpy makes
+    # its storage unresizable, and one of another shape is resized below
+    result = grad_input if in_place else c.empty(call.shape, call.dtype, call.memory_format)
     try:
-        plan = call.api.plan(*map(c.as_array, call.tensors), *call.arguments, c.as_array(out))
-    except fastbwd.ParamError:
-        return None
-    return _Served(call.api.run, plan, call.shape, call.dtype, call.memory_format, call.tensors[0] is args[0], in_place)
-
-
-def _served(name, route, args, grad_input):
-    """The fastbwd result for these aten arguments (``name`` the operator with its overload), or
-    None when PyTorch's own kernel must answer.
-
-    The first call of a geometry decides (:func:`_decide`); later calls of the same geometry
-    reuse that decision and go straight to the api's per-call work (``run``), which still checks
-    what depends on the call (an out= overlapping an input: a ParamError hands that call alone
-    to PyTorch's kernel)."""
-    count = route.tensors
-    try:
-        arrays = [c.as_array(t) for t in args[:count]]
+        arrays = [c.as_array(t) for t in call.tensors]
+        out = c.as_array(result)
     except (RuntimeError, TypeError):
         return None  # not viewable as arrays (a lazy conj/neg bit, a dtype NumPy lacks)
-    signature = _signature(name, arrays, args[count:], grad_input)
     try:
-        served = _DECISIONS.get(signature)
-    except TypeError:  # an unhashable argument: decided for this call alone
-        signature, served = None, None
-    if served is None:
-        served = _decide(route.prepare, args, grad_input) or _FALLBACK
-        if signature is not None:
-            _DECISIONS.add(signature, served)
-    if served is _FALLBACK:
-        return None
-    if not served.dense:
-        arrays[0] = c.as_array(c.dense(args[0], served.memory_format))
-    result = grad_input if served.in_place else c.empty(served.shape, served.dtype, served.memory_format)
-    match_torch_threads()
-    try:
-        served.run(served.plan, *arrays, c.as_array(result))
+        plan = call.api.plan(*arrays, *call.arguments, out)
+        match_torch_threads()
+        call.api.run(plan, *arrays, out)
     except fastbwd.ParamError:
         return None
     if grad_input is None or result is grad_input:
         return result
-    if tuple(grad_input.shape) != served.shape:
-        grad_input.resize_(served.shape)
+    if tuple(grad_input.shape) != call.shape:
+        grad_input.resize_(call.shape)
     return grad_input.copy_(result)
 
 
@@ -243,11 +167,10 @@ def _kernel(name, overload):
     """fastbwd's CPU kernel for ``aten::name{overload}``, falling back to PyTorch's own."""
     original = torch.library.get_kernel(f"aten::{name}{overload}", "CPU")
     route = ROUTES[name]
-    full_name = name + overload
 
     def kernel(keyset, *args, grad_input=None):
         if _active:
-            result = _served(full_name, route, args, grad_input)
+            result = _served(route, args, grad_input)
             if result is not None:
                 SERVED[name] += 1
                 return result

@@ -9,11 +9,11 @@ sizes both and neither pool oversubscribes the cores the other was given.
 import numba
 import torch
 
-from ..kernels import _jit
+from .. import api
 
 
 def match_torch_threads():
     """Set Numba's thread count (for the calling thread) to PyTorch's, within Numba's pool."""
     wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if _jit.get_num_threads() != wanted:
-        _jit.set_num_threads(wanted)
+    if api.get_num_threads() != wanted:
+        api.set_num_threads(wanted)
