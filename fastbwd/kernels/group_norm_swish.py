@@ -49,10 +49,10 @@ from ._memory import copy_out, store_fence
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
-#: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
-#: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
-#: elements, 120 KB at C = 320 in float32) stay in L2; wider, the flat path loses to channel
-#: runs (docs/history.md, "Numbers that were in code comments").
+#: NHWC tasks spanning all channels take PARTIAL_SUMS positions per step (:func:`_nhwc_task`)
+#: up to this many channels: their tiled constants and lane rows (6 * PARTIAL_SUMS * C
+#: compute-type elements, 120 KB at C = 320 in float32) stay in L2; wider, steps of one position
+#: are faster (docs/history.md, "Numbers that were in code comments").
 WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).
@@ -416,14 +416,9 @@ def group_norm_swish_bwd_nhwc(
     passes in those dx elements themselves when dx has the compute type (the second pass then
     overwrites each gnew with its dx; ``streaming`` is ignored), else in a scratch array. With a
     scratch, the second pass stores dx directly, or when ``streaming`` (the api decides by size)
-    computes each round's dx into a small buffer and copies it out with streaming stores
+    computes each step's dx into a small buffer and copies it out with streaming stores
     (``_memory.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
-    rows ``i % PARTIAL_SUMS``, the same folds and blocks).
-
-    A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
-    positions as one contiguous run of PARTIAL_SUMS*C elements laid out exactly like its
-    (PARTIAL_SUMS, C) lane rows, and runs one flat loop per round. A narrower task
-    (:func:`_nhwc_channel_runs`) loops along its channels once per position.
+    rows ``i % PARTIAL_SUMS``, the same folds and blocks). :func:`_nhwc_task` does one task.
     """
     batch, hw, channels = x.shape
     groups = mean.shape[1]
@@ -434,137 +429,24 @@ def group_norm_swish_bwd_nhwc(
         run = task - n * runs
         first_group = run * groups_per_task
         last_group = min(first_group + groups_per_task, groups)
-        if first_group == 0 and last_group == groups and channels <= WHOLE_ROWS_MAX_CHANNELS:
-            _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt)
-        else:
-            _nhwc_channel_runs(
-                dy,
-                x,
-                mean,
-                rstd,
-                gamma,
-                beta,
-                swish_scale,
-                dx,
-                sum_g,
-                sum_gx,
-                n,
-                first_group,
-                last_group,
-                streaming,
-                fmt,
-            )
+        _nhwc_task(
+            dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first_group, last_group, streaming, fmt
+        )
 
 
 @helper
-def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt):
-    """Image ``n`` of the NHWC kernel, all channels: flat loops over rounds of PARTIAL_SUMS
-    positions (PARTIAL_SUMS*C contiguous elements; element ``j`` of a round is lane
-    ``j // C``, channel ``j % C``, so the lane rows are added to element by element), with the
-    per-channel constants tiled PARTIAL_SUMS times. Same arithmetic per element, in the same
-    order, as :func:`_nhwc_channel_runs`; a loop of PARTIAL_SUMS*C elements instead of C
-    keeps the vector loops busy when C is small (C = 64 left a 32-element loop per position:
-    about one vector iteration behind its alias checks and remainder)."""
-    wide_vectors()
-    _, hw, channels = x.shape
-    groups = mean.shape[1]
-    group_size = channels // groups
-    count = sum_g.dtype.type(group_size * hw)
-    tiled = PARTIAL_SUMS * channels
-    tile_mean = np.empty(tiled, sum_g.dtype)
-    tile_rstd = np.empty(tiled, sum_g.dtype)
-    tile_gamma = np.empty(tiled, sum_g.dtype)
-    tile_beta = np.empty(tiled, sum_g.dtype)
-    for j in range(tiled):
-        c = j % channels
-        tile_mean[j] = mean[n, c // group_size]
-        tile_rstd[j] = rstd[n, c // group_size]
-        tile_gamma[j] = gamma[c]
-        tile_beta[j] = beta[c]
-    flat_dy = dy[n].reshape(hw * channels)
-    flat_x = x[n].reshape(hw * channels)
-    flat_dx = dx[n].reshape(hw * channels)
-    # gnew in dx itself when dx has the compute type (float32, float64), else in a scratch array
-    in_place = _gnew_in_dx(dx, sum_g)
-    gnew_all = _gnew_storage(flat_dx, sum_g, hw * channels, in_place)
-    lanes_g = np.empty(tiled, sum_g.dtype)
-    lanes_gx = np.empty(tiled, sum_g.dtype)
-    total_g = sum_g[n]
-    total_gx = sum_gx[n]
-    total_g[:] = 0
-    total_gx[:] = 0
-    for block_start in range(0, hw, BLOCK):
-        block_stop = min(block_start + BLOCK, hw)
-        used = min(block_stop - block_start, PARTIAL_SUMS)
-        lanes_g[: used * channels] = 0
-        lanes_gx[: used * channels] = 0
-        for round_start in range(block_start, block_stop, PARTIAL_SUMS):
-            first = round_start * channels
-            stop = min(round_start + PARTIAL_SUMS, block_stop) * channels
-            round_dy = flat_dy[first:stop]
-            round_x = flat_x[first:stop]
-            round_gnew = gnew_all[first:stop]
-            for j in range(stop - first):
-                gnew, xhat = _gnew_xhat(
-                    load(round_dy[j], fmt),
-                    load(round_x[j], fmt),
-                    tile_mean[j],
-                    tile_rstd[j],
-                    tile_gamma[j],
-                    tile_beta[j],
-                    swish_scale,
-                )
-                round_gnew[j] = gnew
-                lanes_g[j] += gnew
-                lanes_gx[j] += gnew * xhat
-        _fold_lanes(lanes_g, channels, used)
-        _fold_lanes(lanes_gx, channels, used)
-        total_g += lanes_g[:channels]
-        total_gx += lanes_gx[:channels]
-    # c1, c2 tiled like the other constants (the lane arrays are reused to hold them)
-    tile_c1 = lanes_g
-    tile_c2 = lanes_gx
-    for g in range(groups):
-        c1, c2 = _group_coefficients(total_g, total_gx, gamma, g * group_size, (g + 1) * group_size, count)
-        for c in range(g * group_size, (g + 1) * group_size):
-            tile_c1[c] = c1
-            tile_c2[c] = c2
-    for j in range(channels, tiled):
-        tile_c1[j] = tile_c1[j - channels]
-        tile_c2[j] = tile_c2[j - channels]
-    if in_place:
-        for round_start in range(0, hw, PARTIAL_SUMS):
-            first = round_start * channels
-            stop = min(round_start + PARTIAL_SUMS, hw) * channels
-            round_x = flat_x[first:stop]
-            round_dx = flat_dx[first:stop]
-            for j in range(stop - first):
-                xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
-                round_dx[j] = store(
-                    _dx(load(round_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
-                )
-        return
-    buffer = np.empty(tiled if streaming else 0, dx.dtype)
-    for round_start in range(0, hw, PARTIAL_SUMS):
-        first = round_start * channels
-        stop = min(round_start + PARTIAL_SUMS, hw) * channels
-        round_x = flat_x[first:stop]
-        round_gnew = gnew_all[first:stop]
-        round_dx = buffer if streaming else flat_dx[first:stop]
-        for j in range(stop - first):
-            xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
-            round_dx[j] = store(_dx(round_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
-        if streaming:
-            copy_out(flat_dx, first, round_dx, 0, stop - first, True)
-    store_fence()
-
-
-@helper
-def _nhwc_channel_runs(
+def _nhwc_task(
     dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first_group, last_group, streaming, fmt
 ):
-    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
-    the run's contiguous channels, once per position."""
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel, in steps of
+    positions. A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels takes PARTIAL_SUMS
+    positions per step: PARTIAL_SUMS*C contiguous elements laid out exactly like its
+    (PARTIAL_SUMS, C) lane rows (element ``j`` of a step is lane ``j // C``, channel ``j % C``),
+    one flat loop per step; a loop of PARTIAL_SUMS*C elements instead of C keeps the vector
+    loops busy when C is small (C = 64 left a 32-element loop per position: about one vector
+    iteration behind its alias checks and remainder). A narrower task takes one position per
+    step (its channels of one row). Either way each element gets the same arithmetic, in the
+    same order; the per-channel constants are tiled once per position of a step."""
     wide_vectors()
     _, hw, channels = x.shape
     groups = mean.shape[1]
@@ -572,25 +454,30 @@ def _nhwc_channel_runs(
     count = sum_g.dtype.type(group_size * hw)
     start = first_group * group_size
     width = (last_group - first_group) * group_size
-    # Per-channel copies of the group constants, so the inner loops are plain vector loops.
-    channel_mean = np.empty(width, sum_g.dtype)
-    channel_rstd = np.empty(width, sum_g.dtype)
-    channel_c1 = np.empty(width, sum_g.dtype)
-    channel_c2 = np.empty(width, sum_g.dtype)
-    for k in range(width):
-        channel_mean[k] = mean[n, first_group + k // group_size]
-        channel_rstd[k] = rstd[n, first_group + k // group_size]
-    channel_gamma = gamma[start : start + width]
-    channel_beta = beta[start : start + width]
+    step = PARTIAL_SUMS if width == channels and channels <= WHOLE_ROWS_MAX_CHANNELS else 1
+    tiled = step * width
+    tile_mean = np.empty(tiled, sum_g.dtype)
+    tile_rstd = np.empty(tiled, sum_g.dtype)
+    tile_gamma = np.empty(tiled, sum_g.dtype)
+    tile_beta = np.empty(tiled, sum_g.dtype)
+    for j in range(tiled):
+        k = j % width
+        group = first_group + k // group_size
+        tile_mean[j] = mean[n, group]
+        tile_rstd[j] = rstd[n, group]
+        tile_gamma[j] = gamma[start + k]
+        tile_beta[j] = beta[start + k]
+    flat_dy = dy[n].reshape(hw * channels)
+    flat_x = x[n].reshape(hw * channels)
     flat_dx = dx[n].reshape(hw * channels)
-    # gnew row i: gnew_rows[i * row_stride + row_start:][:width], in the task's own dx elements
-    # when dx has the compute type (float32, float64), else in a scratch array
+    # gnew of position i at gnew_all[i * gnew_stride + gnew_start:][:width]: in the task's own dx
+    # elements when dx has the compute type (float32, float64), else in a scratch array
     in_place = _gnew_in_dx(dx, sum_g)
-    gnew_rows = _gnew_storage(flat_dx, sum_g, hw * width, in_place)
-    row_stride = channels if in_place else width
-    row_start = start if in_place else 0
-    lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
-    lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
+    gnew_all = _gnew_storage(flat_dx, sum_g, hw * width, in_place)
+    gnew_stride = channels if in_place else width
+    gnew_start = start if in_place else 0
+    lanes_g = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
+    lanes_gx = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
     total_g = sum_g[n, start : start + width]
     total_gx = sum_gx[n, start : start + width]
     total_g[:] = 0
@@ -598,59 +485,68 @@ def _nhwc_channel_runs(
     for block_start in range(0, hw, BLOCK):
         block_stop = min(block_start + BLOCK, hw)
         used = min(block_stop - block_start, PARTIAL_SUMS)
-        lanes_g[:used] = 0
-        lanes_gx[:used] = 0
-        for i in range(block_start, block_stop):
-            dy_row = dy[n, i, start : start + width]
-            x_row = x[n, i, start : start + width]
-            gnew_row = gnew_rows[i * row_stride + row_start : i * row_stride + row_start + width]
-            lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
-            lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
-            for k in range(width):
+        lanes_g[: used * width] = 0
+        lanes_gx[: used * width] = 0
+        for position in range(block_start, block_stop, step):
+            first = position * channels + start
+            size = (min(position + step, block_stop) - position) * width
+            lane = ((position - block_start) % PARTIAL_SUMS) * width
+            gnew_first = position * gnew_stride + gnew_start
+            step_dy = flat_dy[first : first + size]
+            step_x = flat_x[first : first + size]
+            step_gnew = gnew_all[gnew_first : gnew_first + size]
+            for j in range(size):
                 gnew, xhat = _gnew_xhat(
-                    load(dy_row[k], fmt),
-                    load(x_row[k], fmt),
-                    channel_mean[k],
-                    channel_rstd[k],
-                    channel_gamma[k],
-                    channel_beta[k],
+                    load(step_dy[j], fmt),
+                    load(step_x[j], fmt),
+                    tile_mean[j],
+                    tile_rstd[j],
+                    tile_gamma[j],
+                    tile_beta[j],
                     swish_scale,
                 )
-                gnew_row[k] = gnew
-                lane_g[k] += gnew
-                lane_gx[k] += gnew * xhat
-        _fold_lanes(lanes_g.ravel(), width, used)
-        _fold_lanes(lanes_gx.ravel(), width, used)
-        total_g += lanes_g[0]
-        total_gx += lanes_gx[0]
+                step_gnew[j] = gnew
+                lanes_g[lane + j] += gnew
+                lanes_gx[lane + j] += gnew * xhat
+        _fold_lanes(lanes_g, width, used)
+        _fold_lanes(lanes_gx, width, used)
+        total_g += lanes_g[:width]
+        total_gx += lanes_gx[:width]
+    # c1, c2 tiled like the other constants (the lane arrays, at least as long, hold them)
+    tile_c1 = lanes_g
+    tile_c2 = lanes_gx
     for g in range(first_group, last_group):
         c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size, (g + 1) * group_size, count)
         for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
-            channel_c1[k] = c1
-            channel_c2[k] = c2
+            tile_c1[k] = c1
+            tile_c2[k] = c2
+    for j in range(width, tiled):
+        tile_c1[j] = tile_c1[j - width]
+        tile_c2[j] = tile_c2[j - width]
     if in_place:
-        for i in range(hw):
-            x_row = x[n, i, start : start + width]
-            dx_row = flat_dx[i * channels + start : i * channels + start + width]
-            for k in range(width):
-                xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-                dx_row[k] = store(
-                    _dx(load(dx_row[k], fmt), xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]),
-                    fmt,
+        for position in range(0, hw, step):
+            first = position * channels + start
+            size = (min(position + step, hw) - position) * width
+            step_x = flat_x[first : first + size]
+            step_dx = flat_dx[first : first + size]
+            for j in range(size):
+                xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+                step_dx[j] = store(
+                    _dx(load(step_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
                 )
         return
-    buffer = np.empty(width if streaming else 0, dx.dtype)
-    for i in range(hw):
-        x_row = x[n, i, start : start + width]
-        gnew_row = gnew_rows[i * width : (i + 1) * width]
-        dx_row = buffer if streaming else flat_dx[i * channels + start : i * channels + start + width]
-        for k in range(width):
-            xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-            dx_row[k] = store(
-                _dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]), fmt
-            )
+    buffer = np.empty(tiled if streaming else 0, dx.dtype)
+    for position in range(0, hw, step):
+        first = position * channels + start
+        size = (min(position + step, hw) - position) * width
+        step_x = flat_x[first : first + size]
+        step_gnew = gnew_all[position * width : position * width + size]
+        step_dx = buffer if streaming else flat_dx[first : first + size]
+        for j in range(size):
+            xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+            step_dx[j] = store(_dx(step_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
         if streaming:
-            copy_out(flat_dx, i * channels + start, dx_row, 0, width, True)
+            copy_out(flat_dx, first, step_dx, 0, size, True)
     store_fence()
 
 
