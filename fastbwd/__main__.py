@@ -5,7 +5,7 @@ with the float64 oracle (``fastbwd.testing.reference``), one line per operator; 
 is 1 when one differs. The benchmark harness lives beside the package, in the checkout's
 ``bench/`` (``python3 -m bench``).
 
-``python -m fastbwd --precompile [--ops ...] [--dtypes ...] [--layouts ...] [--serial]`` instead
+``python -m fastbwd --precompile [--ops ...] [--dtypes ...] [--layouts ...]`` instead
 compiles every kernel into Numba's disk cache (``fastbwd.precompile``) and exits.
 """
 
@@ -115,17 +115,16 @@ def main(argv=None):
     group.add_argument(
         "--layouts", nargs="+", metavar="LAYOUT", choices=["NCHW", "NHWC"], help="only these layouts: NCHW, NHWC"
     )
-    group.add_argument("--serial", action="store_true", help="also the serial twins (used after fork)")
     group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     args = parser.parse_args(argv)
     if args.precompile:
         try:
-            result = fastbwd.precompile(args.ops, args.dtypes, args.layouts, serial=args.serial, workers=args.workers)
+            result = fastbwd.precompile(args.ops, args.dtypes, args.layouts, workers=args.workers)
         except ValueError as error:
             parser.error(str(error))
         return 1 if result["errors"] else 0
-    if args.dtypes or args.layouts or args.serial or args.workers:
-        parser.error("--dtypes, --layouts, --serial and --workers go with --precompile")
+    if args.dtypes or args.layouts or args.workers:
+        parser.error("--dtypes, --layouts and --workers go with --precompile")
     return self_check(args.ops)
 
 

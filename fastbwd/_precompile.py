@@ -6,9 +6,10 @@ reach one kernel path, for one dtype and one memory layout, so that the kernel b
 compiles (or loads) and lands in the disk cache. The calls are the kernel paths of the
 operators' registry (``fastbwd/_registry.py``), where a new path is added.
 
-Only the parallel kernels are compiled by default; ``serial=True`` adds the serial twins (which
-run after ``fork`` or with ``FASTBWD_SERIAL=1``, see ``kernels/_jit.py``). Nothing here compiles
-at import.
+Each entry runs twice, its launches forced each way (``api._plans.launching``): the serial twin
+of each kernel (small calls run it on the calling thread; so do a child process after ``fork``
+and ``FASTBWD_SERIAL=1``, see ``kernels/_jit.py``) and its parallel kernel. Nothing here
+compiles at import.
 """
 
 import os
@@ -107,13 +108,17 @@ def cache_folder():
     return path, None
 
 
-def _run_entry(index, serial):
-    """Worker: run TABLE[index]; returns (index, seconds, compiled kernel names, error)."""
+#: The two ways every entry runs (``api._plans.launching``'s modes).
+TWINS = ("parallel", "serial")
+
+
+def _run_entry(index, twin):
+    """Worker: run TABLE[index] with its launches forced to ``twin`` (one of :data:`TWINS`);
+    returns (index, seconds, compiled kernel names, error)."""
     from numba.core import event
 
-    from .kernels import _jit
+    from .api._plans import launching
 
-    _jit._serial_only = serial
     compiled = []
 
     class Listener(event.Listener):
@@ -132,7 +137,8 @@ def _run_entry(index, serial):
     start = time.perf_counter()
     try:
         entry = TABLE[index]
-        entry.call(BY_NAME[entry.dtype])
+        with launching(twin):
+            entry.call(BY_NAME[entry.dtype])
         error = None
     except Exception as exc:  # noqa: BLE001 - reported, never raised into the pool
         error = f"{type(exc).__name__}: {exc}"
@@ -141,8 +147,9 @@ def _run_entry(index, serial):
     return index, time.perf_counter() - start, compiled, error
 
 
-def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=None, verbose=True):
-    """Compile every kernel the public functions can dispatch to into Numba's disk cache.
+def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=True):
+    """Compile every kernel the public functions can dispatch to into Numba's disk cache: the
+    parallel kernel and the serial twin (small calls run it) of each.
 
     Parameters
     ----------
@@ -158,9 +165,6 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
         (default: every dtype each operator accepts).
     layouts : str or sequence of str, optional
         "NCHW" and/or "NHWC" (channels-last memory, however it is asked for; default: both).
-    serial : bool, default False
-        Also compile the serial twin of each kernel (used after ``fork`` and with
-        ``FASTBWD_SERIAL=1``); by default only the parallel kernels are compiled.
     workers : int, optional
         Worker processes (default: one per core).
     verbose : bool, default True
@@ -169,7 +173,8 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
     Returns
     -------
     dict
-        ``{"entries": n, "compiled": kernels compiled, "seconds": wall time, "cache": folder,
+        ``{"entries": runs (kernel paths times the two twins), "compiled": kernels compiled,
+        "seconds": wall time, "cache": folder,
         "errors": [...]}``. Idempotent: a second run finds everything in the cache. When no
         cache folder is writable (or ``FASTBWD_CACHE=0``) it says so and compiles nothing.
         Never changes any result.
@@ -186,10 +191,10 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
         return entry.variant, rank
 
     indices = [TABLE.index(entry) for entry in sorted(entries, key=order)]
-    runs = [(index, False) for index in indices] + ([(index, True) for index in indices] if serial else [])
+    runs = [(index, twin) for twin in TWINS for index in indices]
     workers = max(1, min(workers or os.cpu_count() or 1, len(runs) or 1))
     say(
-        f"fastbwd precompile: {len(runs)} kernel paths{' (parallel and serial twins)' if serial else ''} "
+        f"fastbwd precompile: {len(indices)} kernel paths, each parallel and as its serial twin ({len(runs)} runs), "
         f"with {workers} worker process(es) into {folder}"
     )
     import multiprocessing
@@ -202,7 +207,7 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
         for done, future in enumerate(as_completed(futures), 1):
             index, seconds, kernels, error = future.result()
             entry = TABLE[index]
-            twin = " (serial twin)" if futures[future] else ""
+            twin = " (serial twin)" if futures[future] == "serial" else ""
             if error:
                 errors.append(f"{entry.key}: {error}")
                 status = f"FAILED: {error}"
@@ -213,8 +218,5 @@ def precompile(ops=None, dtypes=None, layouts=None, *, serial=False, workers=Non
                 status = f"cached ({seconds:.2f} s)"
             say(f"[{done:>{width}}/{len(runs)}] {entry.key}{twin}: {status}", flush=True)
     seconds = time.perf_counter() - start
-    say(
-        f"fastbwd precompile: {len(runs)} kernel paths, {compiled} kernels compiled, {len(errors)} errors, "
-        f"{seconds:.1f} s"
-    )
+    say(f"fastbwd precompile: {len(runs)} runs, {compiled} kernels compiled, {len(errors)} errors, {seconds:.1f} s")
     return dict(entries=len(runs), compiled=compiled, seconds=seconds, cache=folder, errors=errors)

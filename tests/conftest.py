@@ -3,8 +3,10 @@
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from fastbwd._registry import channels_last  # noqa: F401 - the one definition, shared with the tests
+from fastbwd.api import _plans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The real floating dtypes every operator accepts.
@@ -25,3 +27,13 @@ def random(shape, dtype, seed):
 def to_nhwc(array):
     """An NCHW-family array's values as a C-contiguous NHWC array (channels moved last)."""
     return np.ascontiguousarray(np.moveaxis(array, 1, -1))
+
+
+@pytest.fixture
+def replan():
+    """For a test that patches a constant the plans read (a streaming floor, a task size): call
+    it after each patch, so that the next calls plan afresh; every plan is forgotten after the
+    test too, so that none made under a patched value outlives it."""
+    _plans.forget_all()
+    yield _plans.forget_all
+    _plans.forget_all()

@@ -456,7 +456,7 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
     from fastbwd.kernels import _memory
@@ -468,8 +468,10 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     ):
         grad_output = random(pooled_shape(input_shape, *args[:4]), dtype, 9)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
+        replan()
         expected = pool_bwd(grad_output, input_shape, *args)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
+        replan()
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)

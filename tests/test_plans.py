@@ -40,6 +40,10 @@ def test_key_tells_types_apart():
     read_only = a.copy()
     read_only.flags.writeable = False
     assert _plans.key(a) != _plans.key(read_only)
+    # a plan's launches call the entry points compiled for the arrays of its first call
+    misaligned = np.zeros(a.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(a.shape)
+    assert not misaligned.flags.aligned and misaligned.strides == a.strides
+    assert _plans.key(a) != _plans.key(misaligned)
     with pytest.raises(_plans.Unkeyable):
         _plans.key(object())
 

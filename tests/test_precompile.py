@@ -35,9 +35,9 @@ for entry in _precompile.select(ops=["replication_pad2d_backward"], dtypes=["flo
 g = np.ones((1, 2, 7, 8), np.float32)
 g.flags.writeable = False
 fastbwd.replication_pad2d_backward(g, (1, 2, 4, 5), (1, 2, 2, 1))
-hits = sum(sum(kernel.parallel.stats.cache_hits.values())
-           for kernel in (k.replication_pad2d_bwd_nchw, k.replication_pad2d_bwd_nchw_streaming,
-                          k.replication_pad2d_bwd_nhwc))
+hits = sum(sum(twin.stats.cache_hits.values())
+           for kernel in (k.replication_pad2d_bwd_nchw, k.replication_pad2d_bwd_nhwc)
+           for twin in (kernel.parallel, kernel.serial))
 print(len(compiles), hits)
 """
 
@@ -66,13 +66,17 @@ def test_precompile_fills_the_cache_and_a_new_process_compiles_nothing(tmp_path)
     first = _run(command, env)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert sum(": compiled replication_pad2d_bwd_" in line for line in lines) == 6, first.stdout
-    assert "6 kernel paths, 6 kernels compiled, 0 errors" in lines[-1]
+    # 6 kernel paths (3 per dtype), each compiled as the parallel kernel and as its serial twin
+    assert sum(": compiled replication_pad2d_bwd_" in line for line in lines) == 12, first.stdout
+    serial = [line for line in lines if "(serial twin): compiled replication_pad2d_bwd_" in line]
+    assert len(serial) == 6 and all("_serial in " in line for line in serial), first.stdout
+    assert "12 runs, 12 kernels compiled, 0 errors" in lines[-1]
     # idempotent: a second run finds every kernel in the cache
     second = _run(command, env)
     assert second.returncode == 0, second.stderr
-    assert "6 kernel paths, 0 kernels compiled, 0 errors" in second.stdout.splitlines()[-1], second.stdout
-    # a new process: every call is served from the cache
+    assert "12 runs, 0 kernels compiled, 0 errors" in second.stdout.splitlines()[-1], second.stdout
+    # a new process: every call is served from the cache (the tiny ones by serial twins, the
+    # streaming path's 16 MB result by the parallel kernel)
     child = _run(["-c", _CHILD], env)
     assert child.returncode == 0, child.stderr
     compiles, hits = map(int, child.stdout.split())

@@ -237,20 +237,20 @@ def test_thread_count_does_not_change_bits(dtype):
     assert_thread_invariant(lambda: pad_bwd(grad_cl, input_shape, padding))
 
 
-@pytest.mark.parametrize("kernel", ["replication_pad2d_bwd_nchw", "replication_pad2d_bwd_nchw_streaming"])
-def test_serial_twin_equals_parallel(kernel):
+@pytest.mark.parametrize("read_ahead", [None, 512 * 16], ids=["plain", "streaming"])
+def test_serial_twin_equals_parallel(read_ahead):
     from fastbwd.kernels import replication_pad2d as kernels
     from fastbwd.kernels._halfbits import NATIVE
 
     grad_output = random((6, 40, 33), np.float32, 8)
     parallel, serial = np.empty((6, 33, 30), np.float32), np.empty((6, 33, 30), np.float32)
-    getattr(kernels, kernel).parallel(grad_output, parallel, 3, 2, NATIVE)
-    getattr(kernels, kernel).serial(grad_output, serial, 3, 2, NATIVE)
+    kernels.replication_pad2d_bwd_nchw.parallel(grad_output, parallel, 3, 2, read_ahead, NATIVE)
+    kernels.replication_pad2d_bwd_nchw.serial(grad_output, serial, 3, 2, read_ahead, NATIVE)
     assert bitwise_equal(parallel, serial)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
-def test_streaming_stores_change_no_bit(dtype, monkeypatch):
+def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
     # whole cache line of a row with one source row, edge cells put in, and the line it shares
     # with the next such row of its run; otherwise the interiors' whole lines. Every alignment of
@@ -272,9 +272,11 @@ def test_streaming_stores_change_no_bit(dtype, monkeypatch):
     for input_shape, padding in cases:
         grad_output = random(padded_shape(input_shape, padding), dtype, 12)
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 16 << 20)
+        replan()
         expected = pad_bwd(grad_output, input_shape, padding)
         assert_matches_reference(expected, ref.replication_pad2d_backward(grad_output, input_shape, padding))
         monkeypatch.setattr(_memory, "STREAM_MIN_BYTES", 0)
+        replan()
         size = int(np.prod(input_shape))
         for offset in range(_memory.LINE_BYTES // np.dtype(dtype).itemsize + 1):
             buffer = np.full(size + offset + 1, np.nan, dtype)

@@ -438,17 +438,18 @@ def test_thread_count_does_not_change_bits(dtype):
     assert_thread_invariant(lambda: roi_bwd(*args))
 
 
-def test_task_partition_does_not_change_bits(monkeypatch):
+def test_task_partition_does_not_change_bits(monkeypatch, replan):
     args = big_case()
     expected = check_against_reference(args)
     for block, scratch in ((1, 1), (5, 4000), (64, 1 << 30)):
         monkeypatch.setattr(kernels, "CHANNEL_BLOCK", block)
         monkeypatch.setattr(kernels, "SCRATCH_BYTES", scratch)
+        replan()
         assert bitwise_equal(roi_bwd(*args), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
+def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch, replan):
     # 37 channels: two 16-channel register tiles and 5 leftover channels; PW 18: a full and a
     # 2-column bin-row tile; bands of one 3-pixel row (under a tile) and of many rows.
     check_against_reference(big_case(dtype))
@@ -458,6 +459,7 @@ def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch):
     args = (grad_output, boxes, (2, 37, 9, 3), 2, 18, 1.0, 2, False)
     expected = check_against_reference(args)
     monkeypatch.setattr(kernels, "SCRATCH_BYTES", 1)
+    replan()
     assert bitwise_equal(roi_bwd(*args), expected)
 
 
@@ -737,7 +739,7 @@ def forward_big_case(dtype=np.float32):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
+def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch, replan):
     x, *rest = forward_big_case(dtype)
     expected = roi_fwd(x, *rest)
     assert_forward_matches(expected, ref.roi_align_forward(x, *rest))
@@ -747,6 +749,7 @@ def test_forward_thread_count_and_layout_do_not_change_bits(dtype, monkeypatch):
     assert_thread_invariant(lambda: roi_fwd(x_cl, *rest))
     for block in (1, 16, 128):
         monkeypatch.setattr(kernels, "FORWARD_CHANNEL_BLOCK", block)
+        replan()
         assert bitwise_equal(roi_fwd(x, *rest), expected)
         assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
 

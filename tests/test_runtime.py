@@ -369,3 +369,30 @@ def test_small_calls_stay_on_the_calling_thread():
     assert set(out) == {threads}
     team_sizes(out)
     assert set(out) == {threads}
+
+
+@_jit.parallel_kernel
+def _thread_ids(out):
+    for i in prange(out.shape[0]):
+        out[i] = numba.get_thread_id()
+
+
+@pytest.mark.filterwarnings("ignore:Cannot cache compiled function")  # get_thread_id in nopython
+def test_launches_run_the_serial_twin_below_the_threshold(monkeypatch):
+    """A planned launch runs the serial twin on the calling thread when its work is below
+    ONE_THREAD_BELOW and the parallel kernel on the pool from there; the serial switch (after
+    fork, FASTBWD_SERIAL) makes every launch, planned before or after, run the twin."""
+    if numba.get_num_threads() < 2:
+        pytest.skip("needs two threads")
+    out = np.zeros(64, np.int64)
+    small = _jit.Launch(_thread_ids, _jit.ONE_THREAD_BELOW - 1, read_only=())
+    large = _jit.Launch(_thread_ids, _jit.ONE_THREAD_BELOW, read_only=())
+    assert not small.parallel and large.parallel
+    small(out)
+    assert set(out) == {0} and _thread_ids._serial is not None
+    large(out)
+    assert len(set(out)) > 1  # each thread gets a static share of the 64 iterations
+    monkeypatch.setattr(_jit, "_serial_only", True)
+    out[:] = -1
+    large(out)
+    assert set(out) == {0}

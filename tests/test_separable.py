@@ -34,14 +34,11 @@ def run(grad_nchw, tables, layout, dtype):
     fmt = d.storage_format(dtype)
     if layout == "NHWC":
         result = np.empty((n, height, width, c), dtype)
-        S.separable_bwd_nhwc(
-            d.kernel_view(np.ascontiguousarray(grad.transpose(0, 2, 3, 1))), d.kernel_view(result), *tables, fmt
-        )
+        plan = S.plan(True, (n, oh, ow, c), result.shape, *tables, fmt)
+        plan.run(d.kernel_view(np.ascontiguousarray(grad.transpose(0, 2, 3, 1))), d.kernel_view(result))
         return result.transpose(0, 3, 1, 2)
     result = np.empty((n, c, height, width), dtype)
-    S.separable_bwd_nchw(
-        d.kernel_view(grad).reshape(n * c, oh, ow), d.kernel_view(result).reshape(n * c, height, width), *tables, fmt
-    )
+    S.plan(False, (n * c, oh, ow), (n * c, height, width), *tables, fmt).run(d.kernel_view(grad), d.kernel_view(result))
     return result
 
 
@@ -156,7 +153,7 @@ def test_plane_lanes_and_row_blocks_agree(dtype):
     expected = np.einsum("oh,nop,pw->nhw", dense_h, grad.astype(np.float64), dense_w)
     assert_matches_reference(by_planes, expected)
     public = np.empty_like(by_planes)
-    S.separable_bwd_nchw(d.kernel_view(grad), d.kernel_view(public), *tables, fmt)
+    S.plan(False, grad.shape, public.shape, *tables, fmt).run(d.kernel_view(grad), d.kernel_view(public))
     assert bitwise_equal(public, by_planes)
     assert_thread_invariant(
         lambda: S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy()

@@ -15,9 +15,13 @@ simply skip the table: the full validation runs every time. Failed validations a
 stored: every error is raised by the same code, with the same message, on every call.
 """
 
+import contextlib
 import threading
+import weakref
 
 import numpy as np
+
+from .. import kernels
 
 #: Plans kept per public function (the oldest is dropped first): a training loop uses a handful
 #: of geometries per operator; a sweep over shapes only pays the validation it always paid.
@@ -43,7 +47,9 @@ def key(*values):
 
 def _key(value):
     if isinstance(value, np.ndarray):
-        return (np.ndarray, value.shape, value.strides, value.dtype, value.flags.writeable)
+        flags = value.flags
+        # alignment too: a plan's launches call the entry points compiled for their first arrays
+        return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)
     if isinstance(value, _SCALAR_TYPES):
         return (type(value), value)
     if isinstance(value, (tuple, list)):
@@ -62,6 +68,7 @@ class Plans:
         self._size = size
         self._plans = {}
         self._lock = threading.Lock()
+        _TABLES.add(self)
         #: ``get(plan_key)``: the plan stored under ``plan_key``, or None (the table's own
         #: ``dict.get``, so a lookup costs no Python call of its own).
         self.get = self._plans.get
@@ -93,3 +100,32 @@ class Plans:
 
     def __len__(self):
         return len(self._plans)
+
+
+#: Every table of plans (for :func:`launching`).
+_TABLES = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def launching(mode):
+    """Make every kernel launch planned inside the block run ``mode``: ``"serial"`` (the serial
+    twins, on the calling thread) or ``"parallel"`` (the parallel kernels on Numba's pool, however
+    small the call), instead of choosing by the work of each call. Every table forgets its plans
+    on entry and on exit, so no plan made one way is used the other way. For ``precompile``
+    (both twins of every kernel path) and the thread-count tests (tiny inputs on the pool); not
+    thread-safe: nothing else may call fastbwd meanwhile."""
+    if mode not in ("serial", "parallel"):
+        raise ValueError(f"launching: mode must be 'serial' or 'parallel', but got {mode!r}")
+    forget_all()
+    previous = kernels.force_launches(mode)
+    try:
+        yield
+    finally:
+        kernels.force_launches(previous)
+        forget_all()
+
+
+def forget_all():
+    """Empty every table of plans (the next call of each geometry plans afresh)."""
+    for table in list(_TABLES):
+        table.clear()

@@ -167,12 +167,8 @@ def run(plan, grad_output, input_array, out):
         inputs=(("grad_output", grad_output), ("input", input_array)),
         checked=True,
     )
-    if plan.loops is None:
-        return result  # empty (N is 0)
-    if grad_output.ndim == 3:
-        grad_output = grad_output[None]
-    entry, tables = plan.loops
-    entry(d.read_only(d.kernel_view(d.physical(grad_output, plan.layout))), d.kernel_view(grad_input), tables, plan.fmt)
+    if plan.kernels is not None:  # None: empty (N is 0)
+        plan.kernels.run(d.kernel_view(d.physical(grad_output, plan.layout)), d.kernel_view(grad_input))
     return result
 
 
@@ -184,8 +180,7 @@ class _Plan(NamedTuple):
 
     input_shape: tuple
     layout: str  # of grad_output and the result: NHWC for channels-last strides
-    loops: tuple  # the kernels' entry and tables (kernels.backward_loops); None for an empty result
-    fmt: object
+    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
 def _plan(
@@ -271,12 +266,14 @@ def _plan(
     ):
         layout = d.NHWC
     d.check_out(FUNC, out, input_shape, dtype, layout)
-    fmt = d.storage_format(dtype)
     if math.prod(input_shape) == 0:
-        return _Plan(input_shape, layout, None, fmt)
-    loops = kernels.backward_loops(
+        return _Plan(input_shape, layout, None)
+    geometry = kernels.Geometry(
         layout == d.NHWC,
-        input_shape,
+        input_shape[0] if ndim == 4 else 1,
+        channels,
+        height,
+        width,
         out_height,
         out_width,
         kernel,
@@ -286,8 +283,9 @@ def _plan(
         divisor_override,
         dtype,
         d.compute_dtype(dtype),
+        d.storage_format(dtype),
     )
-    return _Plan(input_shape, layout, loops, fmt)
+    return _Plan(input_shape, layout, kernels.plan(geometry))
 
 
 def _check_positive(param, values):

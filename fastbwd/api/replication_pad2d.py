@@ -84,22 +84,8 @@ def run(plan, grad_output, input_array, out):
         inputs=(("grad_output", grad_output), ("input", input_array)),
         checked=True,
     )
-    if plan.kernel_shapes is None:
-        return result  # empty (N is 0)
-    source = d.read_only(d.kernel_view(d.physical(grad_output, plan.layout)))
-    top, left = plan.top_left
-    work = source.size + grad_input.size
-    if plan.layout == d.NHWC:
-        kernels.replication_pad2d_bwd_nhwc(source, d.kernel_view(grad_input), top, left, plan.fmt, work=work)
-    else:
-        kernels.backward_nchw(
-            source.reshape(plan.kernel_shapes[0]),
-            d.kernel_view(grad_input).reshape(plan.kernel_shapes[1]),
-            top,
-            left,
-            plan.fmt,
-            work,
-        )
+    if plan.kernels is not None:  # None: empty (N is 0)
+        plan.kernels.run(d.kernel_view(d.physical(grad_output, plan.layout)), d.kernel_view(grad_input))
     return result
 
 
@@ -111,9 +97,7 @@ class _Plan(NamedTuple):
 
     input_shape: tuple
     layout: str  # of grad_output and the result: NHWC for channels-last strides
-    top_left: tuple
-    kernel_shapes: tuple  # the NCHW kernel's (planes, OH, OW) and (planes, H, W); None when empty
-    fmt: object
+    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
 def _plan(grad_output, input, padding, out):
@@ -169,6 +153,19 @@ def _plan(grad_output, input, padding, out):
     dtype = grad_output.dtype
     layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, input_shape, dtype, layout)
-    planes = math.prod(input_shape[:-2])
-    shapes = None if planes == 0 else ((planes, out_height, out_width), (planes, height, width))
-    return _Plan(input_shape, layout, (top, left), shapes, d.storage_format(dtype))
+    if math.prod(input_shape) == 0:
+        return _Plan(input_shape, layout, None)
+    geometry = kernels.Geometry(
+        layout == d.NHWC,
+        input_shape[0] if ndim == 4 else 1,
+        input_shape[-3],
+        height,
+        width,
+        out_height,
+        out_width,
+        top,
+        left,
+        dtype.itemsize,
+        d.storage_format(dtype),
+    )
+    return _Plan(input_shape, layout, kernels.plan(geometry))

@@ -121,16 +121,8 @@ def run(plan, grad_output, boxes, out):
         inputs=(("grad_output", grad_output), ("boxes", boxes)),
         checked=True,
     )
-    if result.size == 0:
-        return result
-    kernels.backward(
-        d.kernel_view(np.ascontiguousarray(grad_output)),
-        boxes,
-        d.kernel_view(grad_input),
-        *plan.scalars,
-        plan.compute,
-        plan.fmt,
-    )
+    if plan.kernels is not None:  # None: an empty result
+        plan.kernels.run(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input))
     return result
 
 
@@ -141,9 +133,7 @@ class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
 
     input_shape: tuple
-    scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
-    compute: np.dtype
-    fmt: object
+    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
 def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
@@ -167,7 +157,12 @@ def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_
     _check_ranges(FUNC, *scalars[:2])
     dtype = grad_output.dtype
     d.check_out(FUNC, out, input_shape, dtype, d.NCHW)
-    return _Plan(input_shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
+    if 0 in input_shape:
+        return _Plan(input_shape, None)
+    geometry = kernels.BackwardGeometry(
+        num_boxes, *input_shape, pooled_height, pooled_width, *scalars, d.compute_dtype(dtype), d.storage_format(dtype)
+    )
+    return _Plan(input_shape, kernels.plan(geometry))
 
 
 def roi_align_forward(
@@ -235,10 +230,21 @@ def roi_align_forward(
     """
     input = v.as_array(FORWARD, "input", input)
     boxes = v.as_array(FORWARD, "boxes", boxes)
-    plan = _FORWARD_PLANS(
+    return run_forward(
+        forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out),
+        input,
+        boxes,
+        out,
+    )
+
+
+def forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+    """The validated plan of a forward call with :func:`roi_align_forward`'s arguments, ``input``
+    and ``boxes`` NumPy arrays (ParamError as that function raises it): remembered per metadata
+    (the boxes' values are not part of it), and what :func:`run_forward` takes."""
+    return _FORWARD_PLANS(
         _forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out
     )
-    return _run_forward(plan, input, boxes, out)
 
 
 _FORWARD_PLANS = _plans.Plans()
@@ -248,9 +254,8 @@ class _ForwardPlan(NamedTuple):
     """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
 
     shape: tuple  # of the result
-    scalars: tuple  # (spatial_scale, sampling_ratio, aligned), validated
-    compute: np.dtype
-    fmt: object
+    channels_last: bool  # the input's memory is read in place as (B, H * W, C)
+    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
 def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
@@ -269,36 +274,38 @@ def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, samp
     dtype = input.dtype
     shape = (boxes.shape[0], input.shape[1], pooled_height, pooled_width)
     d.check_out(FORWARD, out, shape, dtype, d.NCHW)
-    return _ForwardPlan(shape, scalars, d.compute_dtype(dtype), d.storage_format(dtype))
-
-
-def _run_forward(plan, input, boxes, out):
-    """The forward call ``plan`` describes: the per-call checks, the layout of ``input``, then the
-    tables of the boxes and the kernels. Returns the result."""
-    result, pooled = d.output(
-        FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)), checked=True
-    )
-    if result.size == 0:
-        return result
-    batch, channels, height, width = input.shape
     # A channels-last input (its NHWC transpose C-contiguous) is read in place, in that memory
     # order; any other layout through a C-contiguous copy.
     channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
-    if channels_last:
-        source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
-    else:
-        source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
-    kernels.forward(
-        d.kernel_view(source),
+    if 0 in shape:
+        return _ForwardPlan(shape, channels_last, None)
+    geometry = kernels.ForwardGeometry(
+        shape[0],
+        *input.shape,
+        pooled_height,
+        pooled_width,
         channels_last,
-        height,
-        width,
-        boxes,
-        d.kernel_view(pooled),
-        *plan.scalars,
-        plan.compute,
-        plan.fmt,
+        *scalars,
+        d.compute_dtype(dtype),
+        d.storage_format(dtype),
     )
+    return _ForwardPlan(shape, channels_last, kernels.plan(geometry))
+
+
+def run_forward(plan, input, boxes, out):
+    """The forward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
+    for (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
+    the boxes' tables and the kernels. Returns the result."""
+    result, pooled = d.output(
+        FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)), checked=True
+    )
+    if plan.kernels is not None:  # None: an empty result
+        batch, channels, height, width = input.shape
+        if plan.channels_last:
+            source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
+        else:
+            source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
+        plan.kernels.run(d.kernel_view(source), boxes, d.kernel_view(pooled))
     return result
 
 

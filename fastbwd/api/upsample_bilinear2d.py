@@ -91,12 +91,6 @@ def run(plan, grad_output, out):
     """The call ``plan`` describes, on a NumPy ``grad_output`` and ``out`` (an array or None)
     with the metadata the plan was made for: the per-call checks (``out`` not overlapping
     grad_output), then the kernel. Returns the result."""
-    # Physical layout the kernel runs on: the user's NHWC, or an NCHW array whose strides are
-    # channels-last (read as its NHWC view without a copy; the result keeps that memory format).
-    if plan.user_nhwc:
-        source = np.ascontiguousarray(grad_output)
-    else:
-        source = d.physical(grad_output, plan.physical_layout)
     result, grad_input = d.output(
         FUNC,
         out,
@@ -106,18 +100,12 @@ def run(plan, grad_output, out):
         inputs=(("grad_output", grad_output),),
         checked=True,
     )
-    if plan.tables is None:
-        return result  # empty (N or C is 0): nothing to compute
-    source = d.read_only(d.kernel_view(source))
-    if plan.physical_layout == d.NHWC:
-        kernels.separable_bwd_nhwc(source, d.kernel_view(grad_input), *plan.tables, plan.fmt)
-    else:
-        kernels.separable_bwd_nchw(
-            source.reshape(plan.source_planes),
-            d.kernel_view(grad_input).reshape(plan.result_planes),
-            *plan.tables,
-            plan.fmt,
-        )
+    if plan.kernels is not None:  # None: empty (N or C is 0), nothing to compute
+        # the physical layout the kernel runs on: the user's NHWC, or an NCHW array whose
+        # strides are channels-last (read as its NHWC view without a copy; the result keeps
+        # that memory format)
+        source = np.ascontiguousarray(grad_output) if plan.user_nhwc else d.physical(grad_output, plan.layout)
+        plan.kernels.run(d.kernel_view(source), d.kernel_view(grad_input))
     return result
 
 
@@ -129,12 +117,9 @@ class _Plan(NamedTuple):
 
     result_shape: tuple
     user_nhwc: bool  # layout="NHWC"
-    physical_layout: str  # the layout the kernel runs on
+    layout: str  # the physical layout the kernel runs on
     result_layout: str
-    source_planes: tuple  # (N*C, OH, OW) and (N*C, H, W): the NCHW kernel's views
-    result_planes: tuple
-    tables: tuple  # the row and column tap tables; None when the result is empty
-    fmt: object
+    kernels: object  # the kernels' plan (kernels.plan); None when the result is empty
 
 
 def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
@@ -179,21 +164,19 @@ def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_
     else:
         physical_layout = result_layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, result_shape, dtype, result_layout)
-    if batch * channels == 0:
-        return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout, None, None, None, None)
-    opmath = d.compute_dtype(dtype)
-    tables = (
-        *kernels.backward_table(height, output_height, align_corners, scales_h, opmath),
-        *kernels.backward_table(width, output_width, align_corners, scales_w, opmath),
-    )
-    planes = batch * channels
-    return _Plan(
-        result_shape,
-        layout == d.NHWC,
-        physical_layout,
-        result_layout,
-        (planes, output_height, output_width),
-        (planes, height, width),
-        tables,
+    geometry = kernels.Geometry(
+        physical_layout == d.NHWC,
+        batch,
+        channels,
+        height,
+        width,
+        output_height,
+        output_width,
+        align_corners,
+        scales_h,
+        scales_w,
+        d.compute_dtype(dtype),
         d.storage_format(dtype),
     )
+    plan = None if batch * channels == 0 else kernels.plan(geometry)
+    return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout, plan)

@@ -27,9 +27,12 @@ import sys
 import threading
 import types as pytypes
 import warnings
+from typing import NamedTuple
 
 import numba
+import numba.core.typing.typeof
 import numba.extending
+import numpy as np
 
 from .. import _config
 from . import _halfcalls
@@ -198,10 +201,10 @@ class Kernel:
     def __call__(self, *args, work=None):
         """Run the kernel; ``work`` (elements the call touches), when given and below
         :data:`ONE_THREAD_BELOW`, keeps it on the calling thread (same code, same bits)."""
-        if _serial_only:
+        if _serial_only or _forced == "serial":
             return self.serial(*args)
         layer = _threading_layer or _launch_pool()
-        if work is not None and work < ONE_THREAD_BELOW:
+        if work is not None and work < ONE_THREAD_BELOW and _forced is None:
             threads = _get_threads()  # the pool is launched: Numba's own entry points
             if threads > 1:
                 _set_threads(1)  # for this Python thread only
@@ -225,6 +228,98 @@ class Kernel:
 def parallel_kernel(py_func):
     """Decorate a loop nest (using ``numba.prange``) as a lazily compiled :class:`Kernel`."""
     return Kernel(py_func)
+
+
+# ---- launches and plans (docs/design.md, "The one contract") ----------------------------------
+
+#: None: a launch runs the serial twin below ONE_THREAD_BELOW elements of work and the parallel
+#: kernel from there; "serial" or "parallel": every launch made meanwhile runs that way.
+_forced = None
+
+
+def force_launches(mode):
+    """Make every :class:`Launch` made from now on (and every :class:`Kernel` call given a
+    ``work``) run ``mode``: "serial", "parallel", or None for the choice by work; returns the
+    mode it replaces. Plans already made keep their launches: ``api._plans.launching`` forgets
+    them."""
+    global _forced
+    previous, _forced = _forced, mode
+    return previous
+
+
+class Launch:
+    """One kernel call as a plan fixed it: the serial twin on the calling thread (``work``, the
+    elements the call touches, below :data:`ONE_THREAD_BELOW`: waking the pool and setting up a
+    parallel region cost more than such a call) or the parallel kernel on Numba's pool; the same
+    code, the same bits.
+
+    The first call resolves the kernel's compiled entry point for its arguments' types (the
+    positions in ``read_only`` typed read-only: the kernel only reads them, and one compiled
+    signature serves writeable and read-only arrays alike) and later calls call it directly,
+    without typing their arguments again: a plan's calls all pass arrays of the metadata it was
+    made for. Per call only the process's safety switch is read (after ``fork``, or with
+    ``FASTBWD_SERIAL``, the serial twin runs).
+    """
+
+    __slots__ = ("kernel", "parallel", "read_only", "_entry", "_serial_entry", "_locked")
+
+    def __init__(self, kernel, work, read_only=(0,)):
+        self.kernel = kernel
+        # work None: always the serial twin (work that could never pay for the pool)
+        self.parallel = work is not None and (_forced == "parallel" or (_forced is None and work >= ONE_THREAD_BELOW))
+        self.read_only = read_only
+        self._entry = None
+        self._serial_entry = None
+        self._locked = False
+
+    def __call__(self, *args):
+        if _serial_only:
+            return (self._serial_entry or self._resolve_serial(args))(*args)
+        entry = self._entry or self._resolve(args)
+        if self._locked:
+            with _pool_lock:
+                return entry(*args)
+        return entry(*args)
+
+    def _resolve(self, args):
+        if self.parallel:
+            self._locked = (_threading_layer or _launch_pool()) == "workqueue"
+            self._entry = _entry_point(self.kernel.parallel, args, self.read_only)
+        else:
+            self._entry = self._serial_entry or self._resolve_serial(args)
+        return self._entry
+
+    def _resolve_serial(self, args):
+        self._serial_entry = _entry_point(self.kernel.serial, args, self.read_only)
+        return self._serial_entry
+
+    def __repr__(self):
+        return f"<launch of {self.kernel!r}: {'parallel' if self.parallel else 'serial twin'}>"
+
+
+def _entry_point(dispatcher, args, read_only):
+    """The compiled entry point of ``dispatcher`` for ``args``' types (compiled, or loaded from
+    the disk cache, if needed); the dispatcher itself where Numba has no such entry points."""
+    types = [numba.typeof(arg, numba.core.typing.typeof.Purpose.argument) for arg in args]
+    for index in read_only:
+        types[index] = types[index].copy(readonly=True)
+    try:
+        return dispatcher.compile(tuple(types))
+    except AttributeError:  # pragma: no cover - a Numba without Dispatcher.compile's entry points
+        return dispatcher
+
+
+class Plan(NamedTuple):
+    """The plan of one kernel for one geometry (what a kernels module's ``plan`` returns when a
+    single kernel does the work): :meth:`run` reshapes each array to its kernel shape and launches
+    the kernel with the plan's other arguments (tables, sizes, the storage format)."""
+
+    launch: Launch
+    shapes: tuple  # the kernel's shape of each array argument, in order
+    arguments: tuple  # the kernel's arguments after the arrays
+
+    def run(self, *arrays):
+        self.launch(*map(np.ndarray.reshape, arrays, self.shapes), *self.arguments)
 
 
 def helper(py_func):

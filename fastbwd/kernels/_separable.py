@@ -46,13 +46,13 @@ with 16-lane register sums (``_lanes`` intrinsics; LLVM keeps neither a runtime-
   vectors while the next task's new source rows and its destination row are prefetched.
 """
 
-import functools
+import math
 
 import numpy as np
 from numba import prange
 
 from ._halfbits import NATIVE, accumulator, load, store
-from ._jit import helper, parallel_kernel
+from ._jit import Launch, Plan, helper, parallel_kernel
 from ._lanes import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
 from ._memory import prefetch, prefetch_for_write
 
@@ -80,59 +80,32 @@ def tap_table(index, weight, dtype):
     return index, weight
 
 
-def separable_bwd_nchw(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
-    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
+def plan(nhwc, grad_shape, result_shape, index_h, weight_h, index_w, weight_w, fmt):
+    """The engine's plan (a :class:`~fastbwd.kernels._jit.Plan`) for grad_output of kernel shape
+    ``grad_shape`` -> grad_input of ``result_shape``: ``(P, OH, OW)`` -> ``(P, H, W)``, P = N*C
+    planes, or with ``nhwc`` ``(N, OH, OW, C)`` -> ``(N, H, W, C)``, both C-contiguous; the tap
+    tables of both axes as in the module doc; ``fmt`` the arrays' StorageFormat.
 
-    Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
-    Small planes with narrow grad rows run LANES planes at a time (:func:`_separable_bwd_planes`),
-    the others LANES rows at a time (:func:`_separable_bwd_nchw`); both compute every element
-    with the same operations in the same order.
+    NCHW: small planes with narrow grad rows run LANES planes at a time
+    (:func:`_separable_bwd_planes`), the others LANES rows at a time (:func:`_separable_bwd_nchw`);
+    both compute every element with the same operations in the same order. Both NCHW row blocks
+    and NHWC read the axes as gather tables (:func:`gather_table`), built here once.
     """
-    planes, height, width = grad_input.shape
-    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
-    scratch = out_height * out_width + height * out_width + height * width
-    work = grad_output.size + grad_input.size
-    if out_width < LANES and scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
-        _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt, work=work)
+    work = math.prod(grad_shape) + math.prod(result_shape)
+    if nhwc:
+        height, width = result_shape[1], result_shape[2]
+        kernel, tables = _separable_bwd_nhwc, None
     else:
-        _separable_bwd_nchw(
-            grad_output,
-            grad_input,
-            *gather_tables(index_h, weight_h, height),
-            *gather_tables(index_w, weight_w, width),
-            fmt,
-            work=work,
-        )
-
-
-def separable_bwd_nhwc(grad_output, grad_input, index_h, weight_h, index_w, weight_w, fmt):
-    """grad_output (N, OH, OW, C) -> grad_input (N, H, W, C), both C-contiguous.
-
-    Half formats as uint16 views with their StorageFormat ``fmt``; tables as in the module doc.
-    """
-    height, width = grad_input.shape[1], grad_input.shape[2]
-    _separable_bwd_nhwc(
-        grad_output,
-        grad_input,
-        *gather_tables(index_h, weight_h, height),
-        *gather_tables(index_w, weight_w, width),
-        fmt,
-        work=grad_output.size + grad_input.size,
-    )
-
-
-def gather_tables(index, weight, input_size):
-    """:func:`gather_table`, memoised on the table's contents: a training loop calls with the same
-    geometry every step, and building the table cost about half the per-call overhead."""
-    return _gather_table_of(index.tobytes(), weight.tobytes(), index.shape, weight.dtype.str, input_size)
-
-
-@functools.lru_cache(maxsize=256)
-def _gather_table_of(index_bytes, weight_bytes, shape, weight_dtype, input_size):
-    index = np.frombuffer(index_bytes, np.int64).reshape(shape)
-    weight = np.frombuffer(weight_bytes, np.dtype(weight_dtype)).reshape(shape)
-    # copies: kernels take writeable arrays (never written: the tables are internal)
-    return tuple(np.array(part) for part in gather_table(index, weight, input_size))
+        planes, height, width = result_shape
+        out_height, out_width = grad_shape[1], grad_shape[2]
+        scratch = out_height * out_width + height * out_width + height * width
+        if out_width < LANES and scratch <= PLANE_LANES_SCRATCH and planes >= PLANE_LANES_MIN_PLANES:
+            kernel, tables = _separable_bwd_planes, (index_h, weight_h, index_w, weight_w)
+        else:
+            kernel, tables = _separable_bwd_nchw, None
+    if tables is None:
+        tables = (*gather_table(index_h, weight_h, height), *gather_table(index_w, weight_w, width))
+    return Plan(Launch(kernel, work), (grad_shape, result_shape), (*tables, fmt))
 
 
 def gather_table(index, weight, input_size):

@@ -1,8 +1,7 @@
 """avg_pool2d_backward loop nests (docs/semantics.md §2).
 
 The general case is separable. NCHW with grad_output rows of at least LANES cells runs here,
-whole rows at a time (:func:`avg_pool2d_bwd_rows_nchw`, and :func:`avg_pool2d_bwd_rows_s2_nchw` for
-width stride 2: strided windows need no transposes);
+whole rows at a time (:func:`avg_pool2d_bwd_rows_nchw`: strided windows need no transposes);
 narrower rows and NHWC run on the shared engine (``_separable``), each window given as the taps
 of its clipped cells with the window's per-axis weight. Both compute the same sums in the same
 order, so their results are bitwise equal. The global case (docs/semantics.md §6 A3: one window
@@ -10,22 +9,20 @@ covering the whole input, a 1x1 grad_output) has its own kernels here: every gra
 a plane is the plane's single gradient divided by the integer divisor, exactly as PyTorch
 computes it.
 
-The api calls :func:`backward_loops` once per geometry (it remembers the plan): it chooses the
+The api calls :func:`plan` once per :class:`Geometry` (it remembers the plan): it chooses the
 loop nest and builds the tables that nest reads, in NumPy.
 """
 
-import functools
-import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
 
-from . import _memory
-from ._halfbits import load, store
-from ._jit import parallel_kernel
+from . import _memory, _separable
+from ._halfbits import StorageFormat, load, store
+from ._jit import Launch, Plan, parallel_kernel
 from ._lanes import LANES, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
 from ._memory import copy_out, line_offset, store_fence
-from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows
 #: in a scratch block (inside L1) before copying them out.
@@ -72,7 +69,7 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
 
 
 @parallel_kernel
-def avg_pool2d_bwd_rows_s2_nchw(
+def avg_pool2d_bwd_rows_nchw(
     grad_output,
     grad_input,
     window_first,
@@ -84,17 +81,53 @@ def avg_pool2d_bwd_rows_s2_nchw(
     columns_layout,
     tasks_layout,
     task_sources,
+    interleaved,
     streaming,
     fmt,
 ):
-    """:func:`avg_pool2d_bwd_rows_nchw` for width stride 2, whose width pass sums both residue
-    classes of 16 positions at once and interleaves them into 32 cells in registers
-    (``_lanes.interleaved_shifted_rows``: one loop nest per common count pair, straight-line
-    sums, and a generic one). Same arguments, same results; a kernel of its own so that a call
-    compiles only the width pass it runs."""
+    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
+    ``OW >= LANES``; any width stride.
+
+    The height axis as its windows seen from the input rows (input row ``h`` lies in the windows
+    ``[window_first[h], window_stop[h])``, window ``oh`` weighted ``weight_h[oh]``); the width
+    axis as its windows (window ``ow`` weighted ``weight_w[ow]``), seen from the residues ``r``
+    of ``w`` modulo the stride (``len(residue_taps)``). Each grad_input row is computed whole, in
+    the separable engine's order (so with its bits): ``U = 0 + sum_oh weight_h[oh] * g[oh]`` over
+    the row's windows ascending, ``V[ow] = weight_w[ow] * U[ow]``, and ``grad_input[h, w] = 0 +
+    sum of V[ow]`` over the windows covering ``w``, ascending. The last sum is taken per residue
+    class: ``w = stride * j + r`` is covered by ``residue_taps[r]`` consecutive windows, the
+    shifted copies of V starting ``residue_base[r]`` before ``j`` in V's zero-padded row (zero
+    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit).
+    :func:`_rows_geometry` computes those tables and the layouts:
+    ``columns_layout = (lead, span, residue_width)``, V of a block's row ``r`` at ``[r * span +
+    lead, r * span + lead + OW)`` and each residue class summed in whole vectors over
+    ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``; and
+    ``task_sources`` (int64, one row per task), the grad_output rows ``[first, stop)`` (of the
+    P*OH) each task reads.
+
+    A task runs in phases, each one loop nest in 16-lane registers (``_lanes``): the products
+    ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
+    ``depth`` rows; rows ``2m`` and ``2m + 1`` of A1 share ``g[m]``'s: the same product, so the
+    same bits); ``lanes_scaled_window_sums``, V of every row (straight-line sums for 1-3
+    windows); the width pass, ``piece_rows`` rows (about PIECE_BYTES) at a time, each residue
+    class summed into scratch and scattered; after each piece its whole destination lines are
+    copied out, so the stores overlap the next piece's arithmetic. The last partial vector of a
+    row starts LANES before its end and recomputes the same values. For width stride 2,
+    ``interleaved`` holds the two residue classes' ``(residue_base, residue_taps)`` as ``(base0,
+    taps0, base1, taps1)``: both classes of 16 positions are summed at once and interleaved into
+    32 cells in registers (``_lanes.interleaved_shifted_rows``: one loop nest per common count
+    pair, straight-line sums, and a generic one); for other strides it is None. Numba drops the
+    branch a call does not take at compile time, so each compiles only its own width pass.
+
+    Parallel over TASK_GROUPS fixed groups of tasks; a task is a run of ``rows_per_task``
+    consecutive rows of the P*H rows of grad_input (about TASK_BYTES) and writes only those,
+    built in a scratch block and copied out in line-aligned pieces (``copy_out``, with streaming
+    stores if ``streaming``).
+    """
     planes, height, width = grad_input.shape
     out_height, out_width = grad_output.shape[1], grad_output.shape[2]
     source = grad_output.reshape((planes * out_height, out_width))
+    stride_w = len(residue_taps)
     lead, span, residue_width = columns_layout
     rows_per_task, piece_rows, depth = tasks_layout
     rows = planes * height
@@ -108,6 +141,7 @@ def avg_pool2d_bwd_rows_s2_nchw(
         flat_block = block.reshape(block.size)
         # V of the block's rows, row r at [r * span + lead, r * span + lead + OW), zero around it
         columns = np.zeros((1, rows_per_task * span), weight_h.dtype)
+        sums = np.empty((stride_w, residue_width), weight_h.dtype)  # one row's residue classes
         # weight_h[oh] * grad_output[p, oh] for the task's grad_output rows (of the P*OH)
         products = np.empty((depth, out_width), weight_h.dtype)
         for task in range(group * tasks // groups, (group + 1) * tasks // groups):
@@ -141,27 +175,35 @@ def avg_pool2d_bwd_rows_s2_nchw(
                 out_width,
                 scale,
             )
-            # width pass, both residue classes of w at once, interleaved into the rows and
-            # rounded once; a few rows at a time, each piece's whole destination lines copied out
-            # at once (the stores overlap the arithmetic of the next piece)
+            # width pass, a few rows at a time, rounded once; each piece's whole destination lines
+            # copied out at once (the stores overlap the arithmetic of the next piece)
             copied = np.int64(0)
             for piece in range(0, count, piece_rows):
                 piece_stop = min(piece + piece_rows, count)
-                interleaved_shifted_rows(
-                    block,
-                    piece * width,
-                    width,
-                    columns,
-                    piece * span,
-                    span,
-                    piece_stop - piece,
-                    residue_width // LANES,
-                    residue_base[0],
-                    residue_taps[0],
-                    residue_base[1],
-                    residue_taps[1],
-                    fmt,
-                )
+                if interleaved is None:
+                    for r in range(piece, piece_stop):
+                        for residue in range(stride_w):
+                            taps, start = residue_taps[residue], r * span + residue_base[residue]
+                            for k in range(0, residue_width, LANES):
+                                lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
+                            for k in range((width - residue + stride_w - 1) // stride_w):
+                                flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
+                else:
+                    interleaved_shifted_rows(
+                        block,
+                        piece * width,
+                        width,
+                        columns,
+                        piece * span,
+                        span,
+                        piece_stop - piece,
+                        residue_width // LANES,
+                        interleaved[0],
+                        interleaved[1],
+                        interleaved[2],
+                        interleaved[3],
+                        fmt,
+                    )
                 ready = piece_stop * width
                 if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
                     ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
@@ -171,240 +213,105 @@ def avg_pool2d_bwd_rows_s2_nchw(
         store_fence()
 
 
-@parallel_kernel
-def avg_pool2d_bwd_rows_nchw(
-    grad_output,
-    grad_input,
-    window_first,
-    window_stop,
-    weight_h,
-    weight_w,
-    residue_taps,
-    residue_base,
-    columns_layout,
-    tasks_layout,
-    task_sources,
-    streaming,
-    fmt,
-):
-    """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous,
-    ``OW >= LANES``; any width stride (stride 2 runs faster in :func:`avg_pool2d_bwd_rows_s2_nchw`).
-
-    The height axis as its windows seen from the input rows (input row ``h`` lies in the windows
-    ``[window_first[h], window_stop[h])``, window ``oh`` weighted ``weight_h[oh]``); the width
-    axis as its windows (window ``ow`` weighted ``weight_w[ow]``), seen from the residues ``r``
-    of ``w`` modulo the stride (``len(residue_taps)``). Each grad_input row is computed whole, in
-    the separable engine's order (so with its bits): ``U = 0 + sum_oh weight_h[oh] * g[oh]`` over
-    the row's windows ascending, ``V[ow] = weight_w[ow] * U[ow]``, and ``grad_input[h, w] = 0 +
-    sum of V[ow]`` over the windows covering ``w``, ascending. The last sum is taken per residue
-    class: ``w = stride * j + r`` is covered by ``residue_taps[r]`` consecutive windows, the
-    shifted copies of V starting ``residue_base[r]`` before ``j`` in V's zero-padded row (zero
-    outside ``[0, OW)``: adding +0.0 to a sum that started from +0.0 changes no bit).
-    :func:`_rows_geometry` computes those tables and the layouts:
-    ``columns_layout = (lead, span, residue_width)``, V of a block's row ``r`` at ``[r * span +
-    lead, r * span + lead + OW)`` and each residue class summed in whole vectors over
-    ``residue_width`` cells; ``tasks_layout = (rows_per_task, piece_rows, depth)``; and
-    ``task_sources`` (int64, one row per task), the grad_output rows ``[first, stop)`` (of the
-    P*OH) each task reads.
-
-    A task runs in phases, each one loop nest in 16-lane registers (``_lanes``): the products
-    ``weight_h[oh] * g[oh]`` of every grad_output row the task reads, once each (at most
-    ``depth`` rows; rows ``2m`` and ``2m + 1`` of A1 share ``g[m]``'s: the same product, so the
-    same bits); ``lanes_scaled_window_sums``, V of every row (straight-line sums for 1-3
-    windows); the width pass, ``piece_rows`` rows (about PIECE_BYTES) at a time, each residue
-    class summed into scratch and scattered (stride 2: both at once, in registers, in the other
-    kernel); after each piece its whole destination lines are copied out, so the stores overlap
-    the next piece's arithmetic. The last partial vector of a row starts LANES before its end
-    and recomputes the same values.
-
-    Parallel over TASK_GROUPS fixed groups of tasks; a task is a run of ``rows_per_task``
-    consecutive rows of the P*H rows of grad_input (about TASK_BYTES) and writes only those,
-    built in a scratch block and copied out in line-aligned pieces (``copy_out``, with streaming
-    stores if ``streaming``).
-    """
-    planes, height, width = grad_input.shape
-    out_height, out_width = grad_output.shape[1], grad_output.shape[2]
-    source = grad_output.reshape((planes * out_height, out_width))
-    stride_w = len(residue_taps)
-    lead, span, residue_width = columns_layout
-    rows_per_task, piece_rows, depth = tasks_layout
-    rows = planes * height
-    tasks = len(task_sources)
-    groups = min(tasks, TASK_GROUPS)
-    flat = grad_input.reshape(grad_input.size)
-    scale = weight_w.reshape((1, out_width))
-    for group in prange(groups):
-        block = np.empty((1, rows_per_task * width + 2 * LANES), grad_input.dtype)
-        flat_block = block.reshape(block.size)
-        columns = np.zeros((1, rows_per_task * span), weight_h.dtype)
-        sums = np.empty((stride_w, residue_width), weight_h.dtype)
-        products = np.empty((depth, out_width), weight_h.dtype)
-        for task in range(group * tasks // groups, (group + 1) * tasks // groups):
-            first = task * rows_per_task
-            count = min(rows_per_task, rows - first)
-            source_first, source_stop = task_sources[task, 0], task_sources[task, 1]
-            lanes_scaled_rows(
-                products,
-                source,
-                source_first,
-                source_stop - source_first,
-                out_width,
-                weight_h,
-                source_first % out_height,
-                fmt,
-            )
-            p = first // height
-            lanes_scaled_window_sums(
-                columns,
-                lead,
-                span,
-                products,
-                window_first,
-                window_stop,
-                first - p * height,
-                p * out_height - source_first,
-                out_height,
-                count,
-                out_width,
-                scale,
-            )
-            copied = np.int64(0)
-            for piece in range(0, count, piece_rows):
-                piece_stop = min(piece + piece_rows, count)
-                for r in range(piece, piece_stop):
-                    for residue in range(stride_w):
-                        taps, start = residue_taps[residue], r * span + residue_base[residue]
-                        for k in range(0, residue_width, LANES):
-                            lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
-                        for k in range((width - residue + stride_w - 1) // stride_w):
-                            flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
-                ready = piece_stop * width
-                if piece_stop < count:  # up to the last line boundary (the rest goes with the next piece)
-                    ready -= line_offset(flat, first * width + ready) // grad_input.itemsize
-                if ready > copied:
-                    copy_out(flat, first * width + copied, flat_block, copied, ready - copied, streaming)
-                    copied = ready
-        store_fence()
+# ---- the plan: which loop nest a call runs, and the tables it reads -----------------------------
 
 
-# ---- the api's entries: which loop nest a call runs, and the tables it reads -------------------
+class Geometry(NamedTuple):
+    """A validated, non-empty avg_pool2d_backward call, as its kernels see it."""
+
+    nhwc: bool  # the kernels' memory layout is (N, H, W, C); else (N*C, H, W) planes
+    batch: int  # 1 for a 3-D input
+    channels: int
+    height: int
+    width: int
+    out_height: int
+    out_width: int
+    kernel: tuple  # (kH, kW)
+    stride: tuple
+    padding: tuple
+    count_include_pad: bool
+    divisor_override: int  # 0: not set
+    dtype: np.dtype  # of the data
+    compute: np.dtype
+    fmt: StorageFormat
 
 
-def backward_loops(
-    channels_last,
-    input_shape,
-    out_height,
-    out_width,
-    kernel,
-    stride,
-    padding,
-    count_include_pad,
-    divisor_override,
-    dtype,
-    compute,
-):
-    """The loop nest of a non-empty call (its geometry validated by the api) and the tables it
-    reads: ``(entry, tables)``, run as ``entry(grad_output, grad_input, tables, fmt)`` on the
-    kernel views of grad_output and grad_input in their memory order (NHWC when
-    ``channels_last``); ``divisor_override`` 0 means not set; ``dtype`` is the data's dtype and
-    ``compute`` its compute dtype."""
-    height, width = input_shape[-2:]
+def plan(geometry):
+    """The plan of a non-empty call (a :class:`~fastbwd.kernels._jit.Plan`), run on the kernel
+    views of grad_output and grad_input in the geometry's layout: NCHW, any shapes holding the
+    N*C planes (a 3-D call's too); NHWC, ``(N, OH, OW, C)`` and ``(N, H, W, C)``."""
+    g = geometry
+    planes = g.batch * g.channels
+    height, width, out_height, out_width = g.height, g.width, g.out_height, g.out_width
+    kernel, stride, padding, compute = g.kernel, g.stride, g.padding, g.compute
+    work = planes * (out_height * out_width + height * width)
     start_h, stop_h, extent_h = axis_windows(height, kernel[0], stride[0], padding[0], out_height)
     start_w, stop_w, extent_w = axis_windows(width, kernel[1], stride[1], padding[1], out_width)
     if out_height == out_width == 1 and start_h[0] == start_w[0] == 0 and stop_h[0] == height and stop_w[0] == width:
-        if divisor_override != 0:
-            divisor = divisor_override
-        elif count_include_pad:
+        if g.divisor_override != 0:
+            divisor = g.divisor_override
+        elif g.count_include_pad:
             divisor = int(extent_h[0]) * int(extent_w[0])
         else:
             divisor = height * width
-        return (backward_global_nhwc if channels_last else backward_global_nchw), (compute.type(divisor),)
+        if g.nhwc:
+            shapes = ((g.batch, g.channels), (g.batch, height * width, g.channels))
+            return Plan(Launch(global_avg_pool2d_bwd_nhwc, work), shapes, (compute.type(divisor), g.fmt))
+        shapes = ((planes,), (planes, height * width))
+        return Plan(Launch(global_avg_pool2d_bwd_nchw, work), shapes, (compute.type(divisor), g.fmt))
 
     # The divisor factorises per axis: 1 / (dH * dW) = (1 / dH) * (1 / dW); a divisor_override d
     # is a constant, applied as 1 / d on the H axis and 1 on the W axis.
-    override_h, override_w = (divisor_override, 1) if divisor_override != 0 else (None, None)
-    if not channels_last and out_width >= LANES:
-        # whole rows at a time, the width axis as strided windows (same operations, same bits)
-        weight_w = _axis_weights(
-            width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute
+    override_h, override_w = (g.divisor_override, 1) if g.divisor_override != 0 else (None, None)
+    weights = (
+        _axis_weights(height, kernel[0], stride[0], padding[0], out_height, g.count_include_pad, override_h, compute),
+        _axis_weights(width, kernel[1], stride[1], padding[1], out_width, g.count_include_pad, override_w, compute),
+    )
+    if g.nhwc or out_width < LANES:  # the engine: each window as the taps of its clipped cells
+        if g.nhwc:
+            shapes = ((g.batch, out_height, out_width, g.channels), (g.batch, height, width, g.channels))
+        else:
+            shapes = ((planes, out_height, out_width), (planes, height, width))
+        return _separable.plan(
+            g.nhwc,
+            *shapes,
+            *_window_taps(start_h, stop_h, weights[0], compute),
+            *_window_taps(start_w, stop_w, weights[1], compute),
+            g.fmt,
         )
-        windows = _row_windows(height, kernel[0], stride[0], padding[0], out_height)
-        # stride 2 has a kernel of its own (its width pass in registers); each compiles only its pass
-        rows_kernel = avg_pool2d_bwd_rows_s2_nchw if stride[1] == 2 else avg_pool2d_bwd_rows_nchw
-        planes = math.prod(input_shape[:-2])
-        return backward_rows, (
-            rows_kernel,
-            *windows,
-            _axis_weights(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute),
-            weight_w,
-            *_rows_geometry(
-                planes,
-                height,
-                width,
-                out_height,
-                out_width,
-                kernel[0],
-                stride[0],
-                padding[0],
-                kernel[1],
-                stride[1],
-                padding[1],
-                dtype.itemsize,
-            ),
-        )
-    taps_h = _axis_taps(height, kernel[0], stride[0], padding[0], out_height, count_include_pad, override_h, compute)
-    taps_w = _axis_taps(width, kernel[1], stride[1], padding[1], out_width, count_include_pad, override_w, compute)
-    return (backward_separable_nhwc if channels_last else backward_separable_nchw), (*taps_h, *taps_w)
-
-
-def backward_global_nchw(grad_output, grad_input, tables, fmt):
-    """Global pooling (one window covers the whole input), NCHW: ``tables = (divisor,)``."""
-    height, width = grad_input.shape[-2:]
-    global_avg_pool2d_bwd_nchw(
-        grad_output.reshape(-1),
-        grad_input.reshape(-1, height * width),
-        *tables,
-        fmt,
-        work=grad_output.size + grad_input.size,
+    # whole rows at a time, the width axis as strided windows (same operations, same bits)
+    residue_taps, residue_base, *layouts = _rows_geometry(
+        planes,
+        height,
+        width,
+        out_height,
+        out_width,
+        kernel[0],
+        stride[0],
+        padding[0],
+        kernel[1],
+        stride[1],
+        padding[1],
+        g.dtype.itemsize,
     )
-
-
-def backward_global_nhwc(grad_output, grad_input, tables, fmt):
-    """Global pooling, NHWC (N, H, W, C): ``tables = (divisor,)``."""
-    batch, channels = grad_input.shape[0], grad_input.shape[-1]
-    global_avg_pool2d_bwd_nhwc(
-        grad_output.reshape(batch, channels),
-        grad_input.reshape(batch, -1, channels),
-        *tables,
-        fmt,
-        work=grad_output.size + grad_input.size,
+    interleaved = None
+    if stride[1] == 2:  # both residue classes at once, interleaved in registers
+        interleaved = (residue_base[0], residue_taps[0], residue_base[1], residue_taps[1])
+    streaming = planes * height * width * g.dtype.itemsize >= _memory.STREAM_MIN_BYTES
+    return Plan(
+        Launch(avg_pool2d_bwd_rows_nchw, work),
+        ((planes, out_height, out_width), (planes, height, width)),
+        (
+            *_row_windows(height, kernel[0], stride[0], padding[0], out_height),
+            *weights,
+            residue_taps,
+            residue_base,
+            *layouts,
+            interleaved,
+            streaming,
+            g.fmt,
+        ),
     )
-
-
-def backward_rows(grad_output, grad_input, tables, fmt):
-    """NCHW with grad rows of at least LANES cells, whole rows at a time: ``tables = (kernel,
-    *its tables)``. A result of ``_memory.STREAM_MIN_BYTES`` or more is stored with streaming stores."""
-    rows_kernel, *tables = tables
-    rows_kernel(
-        grad_output.reshape(-1, *grad_output.shape[-2:]),
-        grad_input.reshape(-1, *grad_input.shape[-2:]),
-        *tables,
-        grad_input.nbytes >= _memory.STREAM_MIN_BYTES,
-        fmt,
-        work=grad_output.size + grad_input.size,
-    )
-
-
-def backward_separable_nchw(grad_output, grad_input, tables, fmt):
-    """NCHW on the separable engine: ``tables`` the H and W tap tables."""
-    separable_bwd_nchw(
-        grad_output.reshape(-1, *grad_output.shape[-2:]), grad_input.reshape(-1, *grad_input.shape[-2:]), *tables, fmt
-    )
-
-
-def backward_separable_nhwc(grad_output, grad_input, tables, fmt):
-    """NHWC (N, H, W, C) on the separable engine: ``tables`` the H and W tap tables."""
-    separable_bwd_nhwc(grad_output, grad_input, *tables, fmt)
 
 
 def axis_windows(size, kernel, stride, pad, out_size):
@@ -421,12 +328,9 @@ def axis_windows(size, kernel, stride, pad, out_size):
     return np.maximum(start, 0), np.minimum(stop, size), pool_extent
 
 
-@functools.lru_cache(maxsize=256)
 def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
     """Every window's weight on one axis, ``1 / divisor`` in the compute type, the divisor being
-    ``divisor`` when given, else the window's extent (counting the padding or not). Memoised: a
-    training loop calls with the same geometry every step (the tables are internal and never
-    written)."""
+    ``divisor`` when given, else the window's extent (counting the padding or not)."""
     start, stop, extent = axis_windows(size, kernel, stride, pad, out_size)
     if divisor is not None:
         divisors = np.full(out_size, divisor, np.int64)
@@ -437,12 +341,10 @@ def _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, diviso
     return np.divide(1, divisors.astype(compute), dtype=compute)
 
 
-@functools.lru_cache(maxsize=256)
 def _row_windows(size, kernel, stride, pad, out_size):
     """``(first, stop)``: input row ``h`` of one axis lies in the clipped windows
     ``[first[h], stop[h])`` (ascending, consecutive: the windows' clipped starts and stops both
-    increase with the window; empty when no window covers the row). Memoised like
-    :func:`_axis_weights`."""
+    increase with the window; empty when no window covers the row)."""
     start, stop, _ = axis_windows(size, kernel, stride, pad, out_size)
     rows = np.arange(size, dtype=np.int64)
     # the windows that start at or before h, minus those that stop at or before it
@@ -452,14 +354,12 @@ def _row_windows(size, kernel, stride, pad, out_size):
     )
 
 
-@functools.lru_cache(maxsize=256)
 def _rows_geometry(
     planes, height, width, out_height, out_width, kernel_h, stride_h, pad_h, kernel_w, stride_w, pad_w, itemsize
 ):
     """The whole-rows kernels' width tables, layouts and task sources
     (:func:`avg_pool2d_bwd_rows_nchw`): ``(residue_taps, residue_base, (lead, span,
-    residue_width), (rows_per_task, piece_rows, depth), task_sources)``. Memoised like
-    :func:`_axis_weights`.
+    residue_width), (rows_per_task, piece_rows, depth), task_sources)``.
 
     The cell ``w = stride * j + r`` is covered by the windows ``[m - a, m]``, ``m = j + (r + pad)
     // stride``, ``a = (kernel - 1 - q) // stride``, ``q = (r + pad) % stride``: residue ``r``
@@ -502,15 +402,6 @@ def _rows_geometry(
     return (residue_taps, residue_base, (lead, span, residue_width), (rows_per_task, piece_rows, depth), task_sources)
 
 
-@functools.lru_cache(maxsize=256)
-def _axis_taps(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute):
-    """The separable engine's tap table of one axis: every window's clipped cells, each with the
-    window's weight (:func:`_axis_weights`). Memoised like it."""
-    start, stop, _ = axis_windows(size, kernel, stride, pad, out_size)
-    weights = _axis_weights(size, kernel, stride, pad, out_size, count_include_pad, divisor, compute)
-    return _window_taps(start, stop, weights, compute)
-
-
 def _window_taps(start, stop, window_weight, compute):
     """The forward tap table of one axis for the separable engine: output ``o`` reads the cells
     ``[start[o], stop[o])`` of its clipped window, each with the window's weight (unused taps of
@@ -519,4 +410,4 @@ def _window_taps(start, stop, window_weight, compute):
     index = start[:, None] + np.arange(taps)[None, :]
     index = np.where(index < stop[:, None], index, -1)
     weight = np.broadcast_to(window_weight[:, None], index.shape)
-    return tap_table(index, weight, compute)
+    return _separable.tap_table(index, weight, compute)

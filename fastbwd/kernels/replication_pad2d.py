@@ -3,16 +3,19 @@
 A gather: every grad_input cell sums the rectangle of grad_output cells that replicate it
 (``replicate_source_range`` per axis), rows in ascending order, within a row columns ascending.
 A cell with exactly one source copies its bits; others are summed in the compute type and
-rounded once. Both layouts use the same rule and order, so they agree bitwise.
+rounded once. Both layouts use the same rule and order, so they agree bitwise. :func:`plan`
+chooses a call's loop nest once per :class:`Geometry`.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
 
 from . import _memory
-from ._halfbits import accumulator, load, store
+from ._halfbits import StorageFormat, accumulator, load, store
 from ._index import replicate_source_range
-from ._jit import leaf_helper, parallel_kernel
+from ._jit import Launch, Plan, leaf_helper, parallel_kernel
 from ._memory import (
     LINE_BYTES,
     cells_per_line,
@@ -225,64 +228,28 @@ def _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, co
 
 
 @parallel_kernel
-def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, fmt):
+def replication_pad2d_bwd_nchw(grad_output, grad_input, pad_top, pad_left, read_ahead, fmt):
     """grad_output (P, OH, OW) -> grad_input (P, H, W), P = N*C planes, both C-contiguous.
 
     Parallel over TASK_GROUPS fixed runs of consecutive rows of the P*H rows of grad_input
     (fewer when there are fewer rows); a run writes only its rows, one after the other, with its
-    own scratch.
+    own scratch. ``read_ahead`` None: plain stores (:func:`_pad_rows`). Otherwise, for a result
+    larger than the cache, the same runs and the same values, but the rows with one source row
+    are written with streaming stores, edge cells and the lines rows share included where the
+    geometry allows (:func:`_stream_pad_rows`, reading grad_output ``read_ahead`` elements
+    ahead), and each run ends with a store fence. Numba drops the branch a call does not take at
+    compile time, so a first (small) call does not compile the streaming code.
     """
     rows = grad_input.shape[0] * grad_input.shape[1]
     runs = min(rows, TASK_GROUPS)
     for run in prange(runs):
         column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
-        _pad_rows(
-            grad_output,
-            grad_input,
-            run * rows // runs,
-            (run + 1) * rows // runs,
-            pad_top,
-            pad_left,
-            column_sums,
-            None,
-            fmt,
-        )
-
-
-@parallel_kernel
-def replication_pad2d_bwd_nchw_streaming(grad_output, grad_input, pad_top, pad_left, fmt):
-    """:func:`replication_pad2d_bwd_nchw` for a result larger than the cache (the same runs,
-    the same values): the rows with one source row are written with streaming stores, edge cells
-    and the lines rows share included where the geometry allows (:func:`_stream_pad_rows`), and
-    each run ends with a store fence. A kernel of its own,
-    so that a first (small) call does not compile the streaming code."""
-    rows = grad_input.shape[0] * grad_input.shape[1]
-    runs = min(rows, TASK_GROUPS)
-    for run in prange(runs):
-        column_sums = np.full(grad_input.shape[2], accumulator(grad_output, fmt))
-        _stream_pad_rows(
-            grad_output,
-            grad_input,
-            run * rows // runs,
-            (run + 1) * rows // runs,
-            pad_top,
-            pad_left,
-            column_sums,
-            READ_AHEAD_LINES * cells_per_line(grad_output),
-            fmt,
-        )
-        store_fence()
-
-
-def backward_nchw(grad_output, grad_input, pad_top, pad_left, fmt, work):
-    """The api's NCHW entry, (P, OH, OW) -> (P, H, W): a result of ``_memory.STREAM_MIN_BYTES`` or
-    more (larger than the cache) is written by the streaming kernel."""
-    kernel = (
-        replication_pad2d_bwd_nchw_streaming
-        if grad_input.nbytes >= _memory.STREAM_MIN_BYTES
-        else replication_pad2d_bwd_nchw
-    )
-    kernel(grad_output, grad_input, pad_top, pad_left, fmt, work=work)
+        first, stop = run * rows // runs, (run + 1) * rows // runs
+        if read_ahead is None:
+            _pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, None, fmt)
+        else:
+            _stream_pad_rows(grad_output, grad_input, first, stop, pad_top, pad_left, column_sums, read_ahead, fmt)
+            store_fence()
 
 
 @parallel_kernel
@@ -314,3 +281,38 @@ def replication_pad2d_bwd_nhwc(grad_output, grad_input, pad_top, pad_left, fmt):
                         acc[c] += load(src[c], fmt)
             for c in range(channels):
                 dst[w, c] = store(acc[c], fmt)
+
+
+class Geometry(NamedTuple):
+    """A validated, non-empty replication_pad2d_backward call, as its kernels see it."""
+
+    nhwc: bool  # the kernels' memory layout is (N, H, W, C); else (N*C, H, W) planes
+    batch: int  # 1 for a 3-D input
+    channels: int
+    height: int
+    width: int
+    out_height: int
+    out_width: int
+    pad_top: int
+    pad_left: int
+    itemsize: int  # of the data
+    fmt: StorageFormat
+
+
+def plan(geometry):
+    """The plan of a non-empty call (a :class:`~fastbwd.kernels._jit.Plan`), run on the kernel
+    views of grad_output and grad_input in the geometry's layout: NCHW, any shapes holding the
+    N*C planes (a 3-D call's too); NHWC, ``(N, OH, OW, C)`` and ``(N, H, W, C)``. An NCHW result
+    of ``_memory.STREAM_MIN_BYTES`` or more (larger than the cache) is written with streaming
+    stores."""
+    g = geometry
+    planes = g.batch * g.channels
+    work = planes * (g.out_height * g.out_width + g.height * g.width)
+    if g.nhwc:
+        shapes = ((g.batch, g.out_height, g.out_width, g.channels), (g.batch, g.height, g.width, g.channels))
+        return Plan(Launch(replication_pad2d_bwd_nhwc, work), shapes, (g.pad_top, g.pad_left, g.fmt))
+    read_ahead = None
+    if planes * g.height * g.width * g.itemsize >= _memory.STREAM_MIN_BYTES:
+        read_ahead = READ_AHEAD_LINES * (LINE_BYTES // g.itemsize)
+    shapes = ((planes, g.out_height, g.out_width), (planes, g.height, g.width))
+    return Plan(Launch(replication_pad2d_bwd_nchw, work), shapes, (g.pad_top, g.pad_left, read_ahead, g.fmt))

@@ -36,13 +36,14 @@ accumulations are of that compute type.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ._halfbits import load, store
-from ._jit import helper, parallel_kernel
+from ._halfbits import StorageFormat, load, store
+from ._jit import ONE_THREAD_BELOW, Launch, helper, parallel_kernel
 from ._lanes import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
@@ -261,28 +262,26 @@ def roi_align_sample_counts(
 
 
 @helper
-def _fill_axis(
-    table_start, table_slots, table_used, row, bins, origin, bin_size, grid, size, pixel, weight, weight_sum, touched
-):
-    """Fill one box's table along one axis (see the module docstring).
+def _fill_axis(table, row, bins, origin, bin_size, grid, size, weight_sum, touched):
+    """Fill one box's :class:`AxisTable` entries along one axis (see the module docstring).
 
     Returns the lowest and highest pixel the box's samples touch (``size, -1`` if none).
     """
     lowest, highest = size, -1
     for p in range(bins):
-        slot = table_start[row * bins + p]
-        capacity = table_slots[row * bins + p]
+        slot = table.start[row * bins + p]
+        capacity = table.slots[row * bins + p]
         first, last = _bin_weights(_bin_start(origin, p, bin_size), bin_size, grid, size, weight_sum, touched)
         used = 0
         for q in range(first, last + 1):
             if touched[q]:
                 if used < capacity:  # always true (slot_bound); a guard against writing elsewhere
-                    pixel[slot + used] = q
-                    weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once
+                    table.pixel[slot + used] = q
+                    table.weight[slot + used] = weight_sum[q] / np.float64(grid)  # rounded once
                     used += 1
                 weight_sum[q] = 0.0
                 touched[q] = False
-        table_used[row * bins + p] = used
+        table.used[row * bins + p] = used
         if used > 0:
             lowest, highest = min(lowest, first), max(highest, last)
     return lowest, highest
@@ -300,21 +299,12 @@ def roi_align_sample_tables(
     height,
     width,
     box_rows,
-    y_start,
-    y_slots,
-    y_used,
-    y_pixel,
-    y_weight,
-    x_start,
-    x_slots,
-    x_used,
-    x_pixel,
-    x_weight,
+    y_table,
+    x_table,
 ):
-    """Fill the per-axis weight tables of every box in ``box_order`` (slots from the counts).
-
-    ``*_start[j * bins + p]`` / ``*_slots[...]`` are the first slot and capacity of bin ``p`` of
-    box ``j``; ``*_used`` receives its number of entries; entry ``e`` holds a pixel index
+    """Fill the :class:`AxisTable` of each axis for every box in ``box_order`` (slots from the
+    counts): ``start[j * bins + p]`` / ``slots[...]`` are the first slot and capacity of bin ``p``
+    of box ``j``; ``used`` receives its number of entries; entry ``e`` holds a pixel index
     (ascending within a bin) and its weight ``(sum of the bin's sample weights on it) / grid``.
     ``box_rows[j]`` receives the first and last row box ``j`` touches (``H, -1`` if none).
     Parallel over boxes; iteration ``j`` writes only box ``j``'s slots and counters.
@@ -334,35 +324,9 @@ def roi_align_sample_tables(
         # np.int64(j): Numba types j differently in the two calls (int64, uint64), which
         # compiled _fill_axis twice
         box_rows[j, 0], box_rows[j, 1] = _fill_axis(
-            y_start,
-            y_slots,
-            y_used,
-            np.int64(j),
-            pooled_height,
-            y1,
-            bin_h,
-            grid_h,
-            height,
-            y_pixel,
-            y_weight,
-            weight_sum,
-            touched,
+            y_table, np.int64(j), pooled_height, y1, bin_h, grid_h, height, weight_sum, touched
         )
-        _fill_axis(
-            x_start,
-            x_slots,
-            x_used,
-            np.int64(j),
-            pooled_width,
-            x1,
-            bin_w,
-            grid_w,
-            width,
-            x_pixel,
-            x_weight,
-            weight_sum,
-            touched,
-        )
+        _fill_axis(x_table, np.int64(j), pooled_width, x1, bin_w, grid_w, width, weight_sum, touched)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,14 +365,8 @@ def _scatter_band(
     row_grad,
     width,
     fmt,
-    y_start,
-    y_used,
-    y_pixel,
-    y_weight,
-    x_start,
-    x_used,
-    x_pixel,
-    x_weight,
+    y_table,
+    x_table,
 ):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
     ``[row_begin, row_end)`` of channels ``c0 : c0 + nc``: ``target`` is a channels-last scratch
@@ -427,24 +385,24 @@ def _scatter_band(
             continue
         box = grad_bins[box_order[j]]
         for ph in range(pooled_height):
-            ys = y_start[j * pooled_height + ph]
-            ye = ys + y_used[j * pooled_height + ph]
+            ys = y_table.start[j * pooled_height + ph]
+            ye = ys + y_table.used[j * pooled_height + ph]
             # Entries are in ascending pixel order: the bin's rows lie between its end entries.
-            if ye == ys or y_pixel[ye - 1] < row_begin or y_pixel[ys] >= row_end:
+            if ye == ys or y_table.pixel[ye - 1] < row_begin or y_table.pixel[ys] >= row_end:
                 continue
             _decode_bin_row(box, c0, ph * pooled_width, row_grad, fmt)
             for ey in range(ys, ye):
-                row = y_pixel[ey]
+                row = y_table.pixel[ey]
                 if not (row_begin <= row < row_end):
                     continue
                 offset = (row - row_begin) * width
-                wy = y_weight[ey]
+                wy = y_table.weight[ey]
                 for pw in range(pooled_width):
                     gvals = row_grad[pw]
-                    xs = x_start[j * pooled_width + pw]
-                    for ex in range(xs, xs + x_used[j * pooled_width + pw]):
-                        w = wy * x_weight[ex]
-                        pixel = offset + x_pixel[ex]
+                    xs = x_table.start[j * pooled_width + pw]
+                    for ex in range(xs, xs + x_table.used[j * pooled_width + pw]):
+                        w = wy * x_table.weight[ex]
+                        pixel = offset + x_table.pixel[ex]
                         for c in range(channels):
                             target[pixel, c] += gvals[c] * w
 
@@ -460,14 +418,8 @@ def roi_align_bwd(
     channel_block,
     band_rows,
     fmt,
-    y_start,
-    y_used,
-    y_pixel,
-    y_weight,
-    x_start,
-    x_used,
-    x_pixel,
-    x_weight,
+    y_table,
+    x_table,
 ):
     """grad_output (K, C, PH, PW) -> grad_input (B, C, H*W), any storage format.
 
@@ -500,8 +452,8 @@ def roi_align_bwd(
             for c in range(c0, c1):
                 grad_input[b, c, row_begin * width : row_end * width] = 0
             continue
-        row_grad = np.empty((pooled_width, c1 - c0), y_weight.dtype)
-        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_weight.dtype)
+        row_grad = np.empty((pooled_width, c1 - c0), y_table.weight.dtype)
+        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_table.weight.dtype)
         _scatter_band(
             grad_bins,
             box_order,
@@ -515,14 +467,8 @@ def roi_align_bwd(
             row_grad,
             width,
             fmt,
-            y_start,
-            y_used,
-            y_pixel,
-            y_weight,
-            x_start,
-            x_used,
-            x_pixel,
-            x_weight,
+            y_table,
+            x_table,
         )
         _store_band(target, grad_input[b], c0, row_begin * width, fmt)
 
@@ -563,14 +509,8 @@ def _gather_box(
     j,
     pooled_height,
     pooled_width,
-    y_start,
-    y_used,
-    y_pixel,
-    y_weight,
-    x_start,
-    x_used,
-    x_pixel,
-    x_weight,
+    y_table,
+    x_table,
 ):
     """``acc[ph * PW + pw, c] = sum over the bin's (y entry, x entry) pairs, y then x ascending,
     of source[(row - first_row) * W + col, c] * (wy * wx)`` for box ``j``.
@@ -585,16 +525,16 @@ def _gather_box(
     tiled = channels // LANES * LANES
     acc[:] = 0
     for ph in range(pooled_height):
-        ys = y_start[j * pooled_height + ph]
-        for ey in range(ys, ys + y_used[j * pooled_height + ph]):
-            offset = (y_pixel[ey] - first_row) * width
-            wy = y_weight[ey]
+        ys = y_table.start[j * pooled_height + ph]
+        for ey in range(ys, ys + y_table.used[j * pooled_height + ph]):
+            offset = (y_table.pixel[ey] - first_row) * width
+            wy = y_table.weight[ey]
             for pw in range(pooled_width):
                 bin_index = ph * pooled_width + pw
-                xs = x_start[j * pooled_width + pw]
-                for ex in range(xs, xs + x_used[j * pooled_width + pw]):
-                    w = wy * x_weight[ex]
-                    pixel = offset + x_pixel[ex]
+                xs = x_table.start[j * pooled_width + pw]
+                for ex in range(xs, xs + x_table.used[j * pooled_width + pw]):
+                    w = wy * x_table.weight[ex]
+                    pixel = offset + x_table.pixel[ex]
                     for cc in range(0, tiled, LANES):
                         lanes_axpy(acc, bin_index, cc, source, pixel, cc, w)
                     for c in range(tiled, channels):
@@ -656,14 +596,8 @@ def roi_align_fwd(
     pooled_width,
     channel_block,
     fmt,
-    y_start,
-    y_used,
-    y_pixel,
-    y_weight,
-    x_start,
-    x_used,
-    x_pixel,
-    x_weight,
+    y_table,
+    x_table,
 ):
     """input -> out (K, C, PH * PW), any storage format; ``source`` is the input's memory read in
     place: (B, C, H * W), or (``channels_last``) (B, H * W, C).
@@ -688,31 +622,15 @@ def roi_align_fwd(
         if image_start[b + 1] == image_start[b]:
             continue
         first_row, rows = _image_rows(box_rows, image_start[b], image_start[b + 1], height)
-        scratch = np.empty((rows * width, c1 - c0), y_weight.dtype)
+        scratch = np.empty((rows * width, c1 - c0), y_table.weight.dtype)
         _fill_scratch(source[b], channels_last, first_row * width, rows * width, c0, scratch, fmt)
-        acc = np.empty((pooled_height * pooled_width, c1 - c0), y_weight.dtype)
+        acc = np.empty((pooled_height * pooled_width, c1 - c0), y_table.weight.dtype)
         for j in range(image_start[b], image_start[b + 1]):
-            _gather_box(
-                scratch,
-                first_row,
-                width,
-                acc,
-                j,
-                pooled_height,
-                pooled_width,
-                y_start,
-                y_used,
-                y_pixel,
-                y_weight,
-                x_start,
-                x_used,
-                x_pixel,
-                x_weight,
-            )
+            _gather_box(scratch, first_row, width, acc, j, pooled_height, pooled_width, y_table, x_table)
             _store_box(acc, out[box_order[j]], c0, fmt)
 
 
-# ---- the api's entries: the weight tables of a call's boxes, then the kernels ------------------
+# ---- the plans: the weight tables of a call's boxes, then the kernels ---------------------------
 
 #: Channels per task of the scatter kernel, at most (see :func:`_channel_block`): each sample's
 #: offsets and weights are shared by this many channels.
@@ -723,115 +641,175 @@ FORWARD_CHANNEL_BLOCK = 64
 SCRATCH_BYTES = 1 << 20
 
 
-def backward(grad_output, boxes, grad_input, spatial_scale, sampling_ratio, aligned, compute, fmt):
-    """The backward of a call the api validated: grad_output (K, C, PH, PW) -> grad_input (B, C,
-    H, W) (kernel views, C-contiguous, grad_input not empty), ``boxes`` (K, 5) of the data's
-    dtype; ``compute`` is the compute dtype. Zero where no box contributes."""
-    batch, channels, height, width = grad_input.shape
-    pooled_height, pooled_width = grad_output.shape[2:]
-    if grad_output.size == 0:
-        grad_input.fill(0)
-        return
-    tables = _weight_tables(
-        boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
-    )
-    if tables is None:
-        grad_input.fill(0)
-        return
-    box_order, image_start, box_rows, y_table, x_table = tables
-    block = _channel_block(channels)
-    roi_align_bwd(
-        grad_output,
-        box_order,
-        image_start,
-        box_rows,
-        grad_input.reshape(batch, channels, height * width),
-        width,
-        block,
-        _band_rows(width, block, compute),
-        fmt,
-        *y_table,
-        *x_table,
-        work=grad_input.size + grad_output.size,
-    )
+class AxisTable(NamedTuple):
+    """The weight table of one axis for a call's boxes (module doc, 1): bin ``p`` of the box at
+    table position ``j`` owns ``slots[j * bins + p]`` entries from ``start[j * bins + p]`` on, of
+    which it uses ``used[...]``; entry ``e`` is pixel ``pixel[e]`` (ascending within a bin) with
+    weight ``weight[e]`` (the compute type). The kernels take the table whole."""
+
+    start: np.ndarray
+    slots: np.ndarray
+    used: np.ndarray
+    pixel: np.ndarray
+    weight: np.ndarray
 
 
-def forward(source, channels_last, height, width, boxes, out, spatial_scale, sampling_ratio, aligned, compute, fmt):
-    """The forward of a call the api validated: ``source`` the input's (B, C, H*W) kernel view,
-    or (B, H*W, C) when ``channels_last``, -> ``out`` (K, C, PH, PW) (a C-contiguous kernel
-    view, not empty), ``boxes`` (K, 5) of the data's dtype; ``compute`` is the compute dtype.
-    Zero for the boxes that contribute nothing."""
-    batch = source.shape[0]
-    num_boxes, channels, pooled_height, pooled_width = out.shape
-    tables = _weight_tables(
-        boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
-    )
-    if tables is None or source.size == 0:
-        out.fill(0)
-        return
-    box_order, image_start, box_rows, y_table, x_table = tables
-    skipped = np.setdiff1d(np.arange(num_boxes), box_order).astype(np.int64)
-    roi_align_fwd(
-        source,
-        channels_last,
-        height,
-        width,
-        box_order,
-        image_start,
-        box_rows,
-        skipped,
-        out.reshape(num_boxes, channels, pooled_height * pooled_width),
-        pooled_height,
-        pooled_width,
-        _forward_channel_block(channels),
-        fmt,
-        *y_table,
-        *x_table,
-        work=source.size + out.size,
-    )
+class BackwardGeometry(NamedTuple):
+    """A validated roi_align_backward call with a non-empty result, as its kernels see it."""
+
+    num_boxes: int
+    batch: int
+    channels: int
+    height: int
+    width: int
+    pooled_height: int
+    pooled_width: int
+    spatial_scale: float
+    sampling_ratio: int
+    aligned: bool
+    compute: np.dtype
+    fmt: StorageFormat
 
 
-def _weight_tables(
-    boxes, compute, batch, height, width, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned
-):
-    """The boxes that contribute and their per-axis weight tables (module doc, 1):
-    ``(box_order, image_start, box_rows, y_table, x_table)``, or None when no box contributes."""
-    # Half-format boxes become float32 (exact); the kernels compute in this dtype.
-    boxes = np.ascontiguousarray(boxes, dtype=compute)
-    box_order, image_start = _boxes_by_image(boxes, batch)
-    if box_order.size == 0 or height == 0 or width == 0:
-        return None
-    with np.errstate(over="ignore"):
-        # Rounded to the compute type like torchvision; a huge scale becomes inf and then every
-        # box is skipped by the kernels' finiteness test.
-        scale = compute.type(spatial_scale)
-    # sampling_ratio travels as a float: any Python int is accepted, none overflows.
-    ratio = float(sampling_ratio)
-    y_slots = np.zeros((box_order.size, pooled_height), np.int64)
-    x_slots = np.zeros((box_order.size, pooled_width), np.int64)
-    # the serial twin: a few operations per (box, bin) gain nothing from the thread pool, and it
-    # compiles faster than the parallel kernel
-    roi_align_sample_counts.serial(
-        boxes, box_order, pooled_height, pooled_width, scale, ratio, aligned, height, width, y_slots, x_slots
-    )
-    y_table, x_table = _weight_table(y_slots, compute), _weight_table(x_slots, compute)
-    box_rows = np.empty((box_order.size, 2), np.int64)
-    roi_align_sample_tables(
-        boxes,
-        box_order,
-        pooled_height,
-        pooled_width,
-        scale,
-        ratio,
-        aligned,
-        height,
-        width,
-        box_rows,
-        *y_table,
-        *x_table,
-        work=y_table[3].size + x_table[3].size,
-    )
-    return box_order, image_start, box_rows, _entries(y_table), _entries(x_table)
+class ForwardGeometry(NamedTuple):
+    """A validated roi_align_forward call with a non-empty result, as its kernels see it."""
+
+    num_boxes: int
+    batch: int
+    channels: int
+    height: int
+    width: int
+    pooled_height: int
+    pooled_width: int
+    channels_last: bool  # the input's memory is read as (B, H * W, C); else (B, C, H * W)
+    spatial_scale: float
+    sampling_ratio: int
+    aligned: bool
+    compute: np.dtype
+    fmt: StorageFormat
+
+
+def plan(geometry):
+    """The plan of a :class:`BackwardGeometry` (``run(grad_output, boxes, grad_input)``) or of a
+    :class:`ForwardGeometry` (``run(source, boxes, out)``): see their ``run``."""
+    if isinstance(geometry, ForwardGeometry):
+        return _ForwardPlan(geometry)
+    return _BackwardPlan(geometry)
+
+
+class _BoxTables:
+    """Builds the weight tables of a call's boxes (they depend on the boxes' values, so on every
+    call): the counts kernel always on its serial twin (a few operations per (box, bin) gain
+    nothing from the pool, and it compiles faster than the parallel kernel), the tables kernel
+    on its serial twin or the pool by the number of entries the boxes need."""
+
+    def __init__(self, geometry):
+        g = geometry
+        self.geometry = g
+        with np.errstate(over="ignore"):
+            # Rounded to the compute type like torchvision; a huge scale becomes inf and then
+            # every box is skipped by the kernels' finiteness test.
+            self.scale = g.compute.type(g.spatial_scale)
+        # sampling_ratio travels as a float: any Python int is accepted, none overflows.
+        self.ratio = float(g.sampling_ratio)
+        self.counts = Launch(roi_align_sample_counts, None, read_only=(0, 1))
+        self.fill = (Launch(roi_align_sample_tables, 0), Launch(roi_align_sample_tables, ONE_THREAD_BELOW))
+
+    def __call__(self, boxes):
+        """``(box_order, image_start, box_rows, y_table, x_table)`` for ``boxes`` (K, 5), or None
+        when no box contributes."""
+        g = self.geometry
+        # Half-format boxes become float32 (exact); the kernels compute in this dtype.
+        boxes = np.ascontiguousarray(boxes, dtype=g.compute)
+        box_order, image_start = _boxes_by_image(boxes, g.batch)
+        if box_order.size == 0 or g.height == 0 or g.width == 0:
+            return None
+        geometry = (g.pooled_height, g.pooled_width, self.scale, self.ratio, g.aligned, g.height, g.width)
+        y_slots = np.zeros((box_order.size, g.pooled_height), np.int64)
+        x_slots = np.zeros((box_order.size, g.pooled_width), np.int64)
+        self.counts(boxes, box_order, *geometry, y_slots, x_slots)
+        y_table, x_table = _weight_table(y_slots, g.compute), _weight_table(x_slots, g.compute)
+        box_rows = np.empty((box_order.size, 2), np.int64)
+        entries = y_table.pixel.size + x_table.pixel.size
+        self.fill[entries >= ONE_THREAD_BELOW](boxes, box_order, *geometry, box_rows, y_table, x_table)
+        return box_order, image_start, box_rows, y_table, x_table
+
+
+class _BackwardPlan:
+    """roi_align_backward's plan: the boxes' tables, then the scatter kernel."""
+
+    def __init__(self, geometry):
+        g = geometry
+        self.tables = _BoxTables(g)
+        self.block = _channel_block(g.channels)
+        self.band_rows = _band_rows(g.width, self.block, g.compute)
+        work = g.batch * g.channels * g.height * g.width + g.num_boxes * g.channels * g.pooled_height * g.pooled_width
+        self.scatter = Launch(roi_align_bwd, work)
+        self.geometry = g
+
+    def run(self, grad_output, boxes, grad_input):
+        """grad_output (K, C, PH, PW) -> grad_input (B, C, H, W), kernel views, C-contiguous;
+        ``boxes`` (K, 5) of the data's dtype. Zero where no box contributes."""
+        g = self.geometry
+        tables = self.tables(boxes) if grad_output.size else None
+        if tables is None:
+            grad_input.fill(0)
+            return
+        box_order, image_start, box_rows, y_table, x_table = tables
+        self.scatter(
+            grad_output,
+            box_order,
+            image_start,
+            box_rows,
+            grad_input.reshape(g.batch, g.channels, g.height * g.width),
+            g.width,
+            self.block,
+            self.band_rows,
+            g.fmt,
+            y_table,
+            x_table,
+        )
+
+
+class _ForwardPlan:
+    """roi_align_forward's plan: the boxes' tables, then the gather kernel."""
+
+    def __init__(self, geometry):
+        g = geometry
+        self.tables = _BoxTables(g)
+        self.block = _forward_channel_block(g.channels)
+        work = g.batch * g.channels * g.height * g.width + g.num_boxes * g.channels * g.pooled_height * g.pooled_width
+        self.gather = Launch(roi_align_fwd, work)
+        self.geometry = g
+
+    def run(self, source, boxes, out):
+        """``source`` the input's (B, C, H*W) kernel view, or (B, H*W, C) when the geometry is
+        ``channels_last``, -> ``out`` (K, C, PH, PW) (a C-contiguous kernel view); ``boxes``
+        (K, 5) of the data's dtype. Zero for the boxes that contribute nothing."""
+        g = self.geometry
+        tables = self.tables(boxes) if source.size else None
+        if tables is None:
+            out.fill(0)
+            return
+        box_order, image_start, box_rows, y_table, x_table = tables
+        skipped = np.setdiff1d(np.arange(g.num_boxes), box_order).astype(np.int64)
+        self.gather(
+            source,
+            g.channels_last,
+            g.height,
+            g.width,
+            box_order,
+            image_start,
+            box_rows,
+            skipped,
+            out.reshape(g.num_boxes, g.channels, g.pooled_height * g.pooled_width),
+            g.pooled_height,
+            g.pooled_width,
+            self.block,
+            g.fmt,
+            y_table,
+            x_table,
+        )
 
 
 def _boxes_by_image(boxes, batch):
@@ -852,18 +830,13 @@ def _boxes_by_image(boxes, batch):
 
 
 def _weight_table(slots, compute):
-    """One axis's weight table for the slot counts per (box, bin):
-    ``(start, slots, used, pixel, weight)`` (module doc, 1)."""
+    """One axis's :class:`AxisTable` for the slot counts per (box, bin), its entries to be filled."""
     start = np.zeros(slots.size, np.int64)
     np.cumsum(slots.ravel()[:-1], out=start[1:])
     total = int(slots.sum())
-    return (start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64), np.empty(total, compute))
-
-
-def _entries(table):
-    """What the scatter and gather read of a table: ``(start, used, pixel, weight)``."""
-    start, _, used, pixel, weight = table
-    return start, used, pixel, weight
+    return AxisTable(
+        start, slots.ravel(), np.zeros(slots.size, np.int64), np.empty(total, np.int64), np.empty(total, compute)
+    )
 
 
 def _channel_block(channels):

@@ -1,7 +1,8 @@
 """upsample_bilinear2d_backward: per-axis index/weight tables (docs/semantics.md §1) for the separable engine.
 
 The backward is ``grad_input[plane] = A_h^T . grad_output[plane] . A_w``, computed by the shared
-separable engine (``kernels._separable``) from one forward tap table per axis.
+separable engine (``kernels._separable``) from one forward tap table per axis; :func:`plan` makes
+the engine's plan of a call's :class:`Geometry`.
 Each axis's table comes from PyTorch's index helpers, kept here under their ATen names
 (``aten/src/ATen/native/UpSample.h``) and evaluated with NumPy in the *opmath* type: float32
 for float32/float16/bfloat16 data, float64 for float64, so indices and lambdas are bit for bit
@@ -9,20 +10,59 @@ PyTorch's. Every table entry of the scatter formula is kept, zero lambdas and th
 at the last row included, so NaN and Inf propagate exactly as the formula says.
 """
 
-import functools
+from typing import NamedTuple
 
 import numpy as np
 
-from ._separable import separable_bwd_nchw, separable_bwd_nhwc, tap_table
+from . import _separable
+from ._halfbits import StorageFormat
 
 __all__ = [
     "area_pixel_compute_scale",
     "area_pixel_compute_source_index",
     "compute_source_index_and_lambda",
     "backward_table",
-    "separable_bwd_nchw",
-    "separable_bwd_nhwc",
+    "Geometry",
+    "plan",
 ]
+
+
+class Geometry(NamedTuple):
+    """A validated upsample_bilinear2d_backward call, as its kernels see it."""
+
+    nhwc: bool  # the kernels' memory layout is (N, H, W, C); else (N*C, H, W) planes
+    batch: int
+    channels: int
+    height: int
+    width: int
+    out_height: int
+    out_width: int
+    align_corners: bool
+    scales_h: float  # 0.0: unset
+    scales_w: float
+    compute: np.dtype  # the opmath type: float32, or float64 for float64 data
+    fmt: StorageFormat
+
+
+def plan(geometry):
+    """The plan of a non-empty call: the separable engine's, on kernel views of grad_output and
+    grad_input in the geometry's layout (NCHW: any shape with (N*C) * OH * OW elements; NHWC:
+    ``(N, OH, OW, C)``)."""
+    g = geometry
+    if g.nhwc:
+        grad_shape = (g.batch, g.out_height, g.out_width, g.channels)
+        result_shape = (g.batch, g.height, g.width, g.channels)
+    else:
+        grad_shape = (g.batch * g.channels, g.out_height, g.out_width)
+        result_shape = (g.batch * g.channels, g.height, g.width)
+    return _separable.plan(
+        g.nhwc,
+        grad_shape,
+        result_shape,
+        *backward_table(g.height, g.out_height, g.align_corners, g.scales_h, g.compute),
+        *backward_table(g.width, g.out_width, g.align_corners, g.scales_w, g.compute),
+        g.fmt,
+    )
 
 
 def area_pixel_compute_scale(input_size, output_size, align_corners, scale, opmath):
@@ -76,16 +116,14 @@ def compute_source_index_and_lambda(input_size, output_size, align_corners, scal
     return index0, index1, lambda0, lambda1
 
 
-@functools.lru_cache(maxsize=256)
 def backward_table(input_size, output_size, align_corners, scale, opmath):
     """The forward tap table ``(index, weight)`` of one axis for the separable engine.
 
     Output index ``o`` reads ``index0`` with ``lambda0`` and ``index1`` with ``lambda1``: both
     taps are kept even when ``lambda1 == 0`` or ``index1 == index0`` (docs/semantics.md §1 scatter formula),
-    so a NaN or Inf gradient spreads exactly as in PyTorch. Memoised: a training loop calls
-    with the same sizes every step (the tables are internal and never written).
+    so a NaN or Inf gradient spreads exactly as in PyTorch.
     """
     index0, index1, lambda0, lambda1 = compute_source_index_and_lambda(
         input_size, output_size, align_corners, scale, opmath
     )
-    return tap_table(np.stack([index0, index1], axis=1), np.stack([lambda0, lambda1], axis=1), opmath)
+    return _separable.tap_table(np.stack([index0, index1], axis=1), np.stack([lambda0, lambda1], axis=1), opmath)

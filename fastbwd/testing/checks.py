@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from .._errors import ACLNN_ERR_PARAM_INVALID, ParamError
-from ..kernels import _jit
+from ..api._plans import launching
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -107,19 +107,18 @@ def thread_counts():
 def assert_thread_invariant(call):
     """``call()`` gives bitwise identical results for every thread count (tuples allowed).
 
-    Small calls normally stay on one thread (``kernels._jit.ONE_THREAD_BELOW``); here every
-    call runs on the thread count being checked, however small its input."""
+    Small calls normally run the serial twins on the calling thread; here every call runs the
+    parallel kernels on the thread count being checked, however small its input."""
     previous = numba.get_num_threads()
-    previous_threshold, _jit.ONE_THREAD_BELOW = _jit.ONE_THREAD_BELOW, 0
     results = {}
     try:
-        for count in thread_counts():
-            numba.set_num_threads(count)
-            result = call()
-            results[count] = result if isinstance(result, tuple) else (result,)
+        with launching("parallel"):
+            for count in thread_counts():
+                numba.set_num_threads(count)
+                result = call()
+                results[count] = result if isinstance(result, tuple) else (result,)
     finally:
         numba.set_num_threads(previous)
-        _jit.ONE_THREAD_BELOW = previous_threshold
     first_count, first = next(iter(results.items()))
     for count, result in results.items():
         for index, (x, y) in enumerate(zip(first, result)):
