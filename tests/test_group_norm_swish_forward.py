@@ -249,15 +249,14 @@ def test_thread_count_does_not_change_bits(dtype, data_format):
     assert_thread_invariant(lambda: gns(x, gamma, beta, 4, data_format))
 
 
-def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
-    from fastbwd.api import group_norm_swish as api
-
+def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
     x, gamma, beta = inputs((3, 24, 17, 9), 6, F32, seed=11)
     x = to_nhwc(x)
     first = gns(x, gamma, beta, 6, "NHWC")
     for channels, per_thread in ((1, 1), (8, 2), (512, 64)):
-        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
-        monkeypatch.setattr(api, "_NHWC_TASKS_PER_THREAD", per_thread)
+        monkeypatch.setattr(kernels, "NHWC_TASK_CHANNELS", channels)
+        monkeypatch.setattr(kernels, "NHWC_TASKS_PER_THREAD", per_thread)
+        replan()
         assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, 6, "NHWC"), first))
     for groups_per_task in (1, 4, 6):  # the kernel itself, runs of every width
         y, mean, rstd = np.empty_like(x), np.empty((3, 6), F32), np.empty((3, 6), F32)
