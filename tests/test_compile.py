@@ -134,11 +134,13 @@ def _graph_operator_samples():
         yield "avg_pool2d_backward", (pooled, x, [3, 3], [2, 2], [1, 1], False, True, None)
         yield "avg_pool2d_backward", (pooled, x, [2, 2], [2, 2], [0, 0], True, False, 3)
         yield "replication_pad2d_backward", (padded, x, [1, 2, 3, 0])
-        # the mixed case Inductor's layout optimisation produces: channels_last grad, NCHW input
-        yield (
-            "replication_pad2d_backward",
-            (padded.contiguous(memory_format=torch.channels_last), x.contiguous(), [1, 2, 3, 0]),
-        )
+    # the mixed cases Inductor's layout optimisation produces: a grad and an input in different formats
+    x, last = _randn((2, 5, 7, 6), 4), torch.channels_last
+    padded, pooled = _randn((2, 5, 10, 9), 7, memory_format=last), _randn((2, 5, 4, 3), 6)
+    yield "replication_pad2d_backward", (padded, x, [1, 2, 3, 0])
+    yield "replication_pad2d_backward", (padded.contiguous(), x.contiguous(memory_format=last), [1, 2, 3, 0])
+    yield "avg_pool2d_backward", (pooled, x.contiguous(memory_format=last), [3, 3], [2, 2], [1, 1], False, True, None)
+    yield "avg_pool2d_backward", (pooled.contiguous(memory_format=last), x, [3, 3], [2, 2], [1, 1], False, True, None)
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
@@ -148,6 +150,9 @@ def test_graph_operators_fake_kernels_match_the_real_ones(enabled):
         operator = getattr(torch.ops.fastbwd, name).default
         torch.library.opcheck(operator, arguments)  # fake vs real shapes, dtypes and strides, schema, autograd
         real = operator(*arguments)
+        # ... and the strides are those PyTorch's own kernel returns (grad_output's format for the
+        # upsample, the forward input's for the pool and the pad)
+        assert real.stride() == getattr(torch.ops.aten, name).default(*arguments).stride(), name
         with torch._subclasses.FakeTensorMode() as mode:
             fake = operator(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in arguments])
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), name
@@ -167,6 +172,30 @@ def test_graph_operators_double_backward():
         grad_output = arguments[0].double().requires_grad_()
         assert torch.autograd.gradcheck(function, (grad_output,))
         assert torch.autograd.gradgradcheck(function, (grad_output,))
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_group_norm_silu_operators_are_differentiable_twice(enabled):
+    """A graph of the fused pair's backward (create_graph=True) is exact: its derivative is
+    PyTorch's composite, and the backward operator's own derivative is §5's formula."""
+    (ft.enable if enabled else ft.disable)()
+    x = _randn((2, 6, 4, 4), 30, torch.float64).requires_grad_()
+    weight = _randn((6,), 31, torch.float64).requires_grad_()
+    bias = _randn((6,), 32, torch.float64).requires_grad_()
+
+    def pair(x, weight, bias):
+        return torch.ops.fastbwd.group_norm_silu(x, weight, bias, 3, 1e-5)[0]
+
+    assert torch.autograd.gradcheck(pair, (x, weight, bias))
+    assert torch.autograd.gradgradcheck(pair, (x, weight, bias))
+    _, mean, rstd = torch.ops.fastbwd.group_norm_silu(x, weight, bias, 3, 1e-5)
+    grad_output = _randn((2, 6, 4, 4), 33, torch.float64).requires_grad_()
+
+    def backward(grad_output, x, weight, bias):
+        mask = [True, True, True]
+        return torch.ops.fastbwd.group_norm_silu_backward(grad_output, x, mean, rstd, weight, bias, 3, 1e-5, mask)
+
+    assert torch.autograd.gradcheck(backward, (grad_output, x, weight, bias))
 
 
 def _decoder_block(channels):

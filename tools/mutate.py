@@ -5,8 +5,8 @@ Each mutant is an exact-string replacement in one file of the package (a kernel,
 or the oracle) that changes results, paired with the test file that must catch it. For each
 mutant this script copies the working tree (tracked and untracked-but-not-ignored files, so
 uncommitted edits are included) into a temporary directory, applies the replacement THERE (the
-real tree is never written), and runs the test file with ``FASTBWD_CACHE=0`` and
-``-x -q -p no:cacheprovider``. Outcomes:
+real tree is never written), and runs the test file with ``FASTBWD_CACHE=0``, an Inductor cache
+folder of its own (``TORCHINDUCTOR_CACHE_DIR``) and ``-x -q -p no:cacheprovider``. Outcomes:
 
 * killed        the test run failed (the mutant was caught);
 * killed (timeout)  the run exceeded ``--timeout``: a hang counts as caught, reported apart;
@@ -57,6 +57,7 @@ T_SIMD = "tests/test_simd.py"
 T_EXIT = "tests/test_exit.py"
 T_GNF = "tests/test_group_norm_swish_forward.py"
 T_FUSE = "tests/test_fuse.py"
+T_COMPILE = "tests/test_compile.py"
 
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
@@ -82,6 +83,7 @@ B_OPS = "fastbwd/torch/_ops.py"
 B_ROI = "fastbwd/torch/_roi_align.py"
 T_TORCH_OPS = "tests/test_torch_ops.py"
 B_FUSE = "fastbwd/torch/_fuse.py"
+B_COMPILE = "fastbwd/torch/_compile.py"
 REF = "fastbwd/testing/reference.py"
 J_GATE = "fastbwd/jax/_gate.py"
 
@@ -1895,6 +1897,240 @@ MUTANTS = [
         T_FUSE,
         "autocast, functorch or fake tensors reach the lazy output",
     ),
+    # ---- torch.compile: the compiler hooks and the graph operators (issue 36) -------------------
+    Mutant(
+        "compile-guard-no-upper-bound",
+        "torch",
+        B_COMPILE,
+        "    if not low <= version <= high:",
+        "    if not low <= version:",
+        T_COMPILE,
+        "a PyTorch newer than 2.14 gets the private hooks instead of one warning and plain torch.compile",
+    ),
+    Mutant(
+        "compile-guard-raises",
+        "torch",
+        B_COMPILE,
+        "                    RuntimeWarning,\n                    stacklevel=3,\n                )\n",
+        "                    RuntimeWarning,\n"
+        "                    stacklevel=3,\n"
+        "                )\n"
+        "                raise RuntimeError(reason)\n",
+        T_COMPILE,
+        "an unsupported PyTorch makes enable() raise instead of warning once (eager routing lost)",
+    ),
+    Mutant(
+        "compile-upsample-scales-swapped",
+        "torch",
+        B_COMPILE,
+        "    backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)",
+        "    backward_arguments = (list(output_size), list(input.shape), align_corners, scales_w, scales_h)",
+        T_COMPILE,
+        "compiled upsample backward: scales_h and scales_w swapped (scale_factor=(2, 3))",
+    ),
+    Mutant(
+        "compile-upsample-vec-scales-dropped",
+        "torch",
+        B_COMPILE,
+        "    scales = scale_factors if scale_factors else [None, None]",
+        "    scales = [None, None]",
+        T_COMPILE,
+        "compiled F.interpolate(scale_factor=1.7): the .vec overload drops the scales (in/out ratios used)",
+    ),
+    Mutant(
+        "compile-upsample-vec-composite-missing",
+        "torch",
+        B_COMPILE,
+        "    (aten.upsample_bilinear2d.vec, _COMPOSITE): _upsample_bilinear2d_vec,\n",
+        "",
+        T_COMPILE,
+        "the .vec composite kernel not replaced: F.interpolate/nn.Upsample backward stays PyTorch's scatters",
+    ),
+    Mutant(
+        "compile-avg-pool-empty-stride",
+        "torch",
+        B_COMPILE,
+        "    stride = _pair(stride) if stride else kernel_size",
+        "    stride = _pair(stride) if stride else [1, 1]",
+        T_COMPILE,
+        "compiled F.avg_pool2d(x, k) (no stride): the backward uses stride 1 instead of the kernel size",
+    ),
+    Mutant(
+        "compile-avg-pool-count-include-pad-ignored",
+        "torch",
+        B_COMPILE,
+        "    backward_arguments = (kernel_size, stride, _pair(padding), ceil_mode, count_include_pad, divisor_override)",
+        "    backward_arguments = (kernel_size, stride, _pair(padding), ceil_mode, True, divisor_override)",
+        T_COMPILE,
+        "compiled avg-pool backward ignores count_include_pad=False",
+    ),
+    Mutant(
+        "compile-pad-left-right-swapped",
+        "torch",
+        B_COMPILE,
+        '    return _RoutedForward.apply("replication_pad2d_backward", forward, (list(padding),), input, padding)',
+        "    swapped = [padding[1], padding[0], *padding[2:]]\n"
+        '    return _RoutedForward.apply("replication_pad2d_backward", forward, (swapped,), input, padding)',
+        T_COMPILE,
+        "compiled replicate-pad backward gets left and right padding swapped",
+    ),
+    Mutant(
+        "compile-user-pre-grad-pass-dropped",
+        "torch",
+        B_COMPILE,
+        "        _passes_set = _as_list(_passes_before) + [_graph_pass()]",
+        "        _passes_set = [_graph_pass()]",
+        T_COMPILE,
+        "enable() replaces the user's Inductor pre_grad_custom_pass instead of running beside it",
+    ),
+    Mutant(
+        "compile-user-joint-pass-dropped",
+        "torch",
+        B_COMPILE,
+        "        if previous is not None:\n            gm = previous(gm, inputs)",
+        "        if False:\n            gm = previous(gm, inputs)",
+        T_COMPILE,
+        "the user's AOTAutograd joint_custom_pass no longer runs while enabled",
+    ),
+    Mutant(
+        "compile-fuse-used-twice",
+        "torch",
+        B_COMPILE,
+        '    if node.op != "call_function" or node.target not in _GROUP_NORMS or len(node.users) != 1:\n'
+        "        return None\n"
+        "    (silu,) = node.users",
+        '    if node.op != "call_function" or node.target not in _GROUP_NORMS or not node.users:\n'
+        "        return None\n"
+        "    silu = next(iter(node.users))",
+        T_COMPILE,
+        "a GroupNorm whose output is used elsewhere too is fused when a SiLU is among its users",
+    ),
+    Mutant(
+        "compile-fuse-any-follower",
+        "torch",
+        B_COMPILE,
+        '    if silu.op != "call_function" or silu.target not in _SILUS or silu.args != (node,):',
+        '    if silu.op != "call_function" or silu.args != (node,):',
+        T_COMPILE,
+        "GroupNorm followed by any function (relu, an nn.SiLU subclass's own forward) is fused as GroupNorm+SiLU",
+    ),
+    Mutant(
+        "compile-fuse-default-eps",
+        "torch",
+        B_COMPILE,
+        "    values = dict(zip(names, (None, None, None, None, 1e-5)))",
+        "    values = dict(zip(names, (None, None, None, None, 1e-3)))",
+        T_COMPILE,
+        "F.group_norm without eps fused with eps 1e-3 instead of PyTorch's default 1e-5",
+    ),
+    Mutant(
+        "compile-gn-silu-disabled-runs-fastbwd",
+        "torch",
+        B_COMPILE,
+        '    _routing.GRAPH_CALLS["group_norm_silu"] += 1\n    if _routing.is_enabled():',
+        '    _routing.GRAPH_CALLS["group_norm_silu"] += 1\n    if True:',
+        T_COMPILE,
+        "fastbwd::group_norm_silu runs fastbwd's kernel after disable() instead of native_group_norm + silu",
+    ),
+    Mutant(
+        "compile-gn-silu-backward-disabled-composite",
+        "torch",
+        B_COMPILE,
+        "            torch.ops.aten.silu_backward(grad_output, y),",
+        "            grad_output * torch.sigmoid(y) * (1 + y * (1 - torch.sigmoid(y))),",
+        T_COMPILE,
+        "disabled fused backward: SiLU's derivative written out instead of aten's silu_backward (not PyTorch's bits)",
+    ),
+    Mutant(
+        "compile-gn-silu-fake-contiguous",
+        "torch",
+        B_COMPILE,
+        "    y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))",
+        "    y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=torch.contiguous_format)",
+        T_COMPILE,
+        "fake kernel of fastbwd::group_norm_silu says contiguous for a channels_last input",
+    ),
+    Mutant(
+        "compile-gn-silu-no-bias-grad",
+        "torch",
+        B_COMPILE,
+        "    mask = [needs[0], needs[1] and weight is not None, needs[2] and bias is not None]",
+        "    mask = [needs[0], needs[1] and weight is not None, False]",
+        T_COMPILE,
+        "a fused GroupNorm+SiLU under Inductor gives the GroupNorm's bias no gradient",
+    ),
+    Mutant(
+        "compile-gn-silu-no-double-backward",
+        "torch",
+        B_COMPILE,
+        "    if torch.is_grad_enabled():  # a graph of the backward",
+        "    if False:  # a graph of the backward",
+        T_COMPILE,
+        "fastbwd::group_norm_silu's backward is not differentiable (create_graph / double backward fails)",
+    ),
+    Mutant(
+        "compile-joint-mean-rstd-swapped",
+        "torch",
+        B_COMPILE,
+        "                outputs[1],\n                outputs[2],",
+        "                outputs[2],\n                outputs[1],",
+        T_COMPILE,
+        "joint-graph pass (aot_eager) hands the fused backward rstd as mean and mean as rstd",
+    ),
+    Mutant(
+        "compile-joint-inplace-silu-not-fused",
+        "torch",
+        B_COMPILE,
+        '    if saved.op == "call_function" and saved.target is aten.clone.default and len(saved.users) == 1:',
+        "    if False:",
+        T_COMPILE,
+        "joint-graph pass (aot_eager) no longer fuses a GroupNorm followed by nn.SiLU(inplace=True)",
+    ),
+    Mutant(
+        "compile-graph-fake-contiguous",
+        "torch",
+        B_ROUTING,
+        "        memory_format = result_format(name, args[0], args[1])\n        grad_output = args[0]",
+        "        memory_format = torch.contiguous_format\n        grad_output = args[0]",
+        T_COMPILE,
+        "fake kernels of the routed graph operators say contiguous (channels_last input: stride assertion)",
+    ),
+    Mutant(
+        "compile-result-format-grad-output",
+        "torch",
+        B_ROUTING,
+        "    return c.memory_format(input_or_size if ROUTES[name].tensors == 2 else grad_output)",
+        "    return c.memory_format(grad_output)",
+        T_COMPILE,
+        "graph operators' result follows grad_output's memory format (pool, pad: the input's)",
+    ),
+    Mutant(
+        "compile-upsample-schema-int-sizes",
+        "torch",
+        B_ROUTING,
+        '"(Tensor grad_output, SymInt[2] output_size, SymInt[4] input_size, "',
+        '"(Tensor grad_output, int[2] output_size, int[4] input_size, "',
+        T_COMPILE,
+        "upsample graph operator takes int[] sizes: dynamic=True specialises (one graph per shape)",
+    ),
+    Mutant(
+        "compile-upsample-double-backward-align-corners",
+        "torch",
+        B_ROUTING,
+        "        torch.ops.aten.upsample_bilinear2d(grad, output_size, align_corners, scales_h, scales_w),",
+        "        torch.ops.aten.upsample_bilinear2d(grad, output_size, not align_corners, scales_h, scales_w),",
+        T_COMPILE,
+        "derivative of fastbwd::upsample_bilinear2d_backward flips align_corners",
+    ),
+    Mutant(
+        "compile-disable-keeps-hooks",
+        "torch",
+        B_ROUTING,
+        "        _active = False\n        _compile.uninstall()",
+        "        _active = False",
+        T_COMPILE,
+        "disable() leaves the compiler hooks in: graphs compiled while disabled get fastbwd nodes",
+    ),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
@@ -1941,8 +2177,15 @@ def apply(mutant, tree):
 
 def run_tests(tree, test, timeout):
     """Run ``test`` in ``tree``: ``(passed, timed_out, seconds, tail of the output)``."""
-    env = dict(os.environ, FASTBWD_CACHE="0", PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryDirectory(prefix="fastbwd-inductor-") as inductor_cache:
+        # Inductor's caches key fastbwd's pass by _compile.py alone: with the shared default folder
+        # a mutant elsewhere (a fake kernel, a schema) would load the graphs compiled unmutated
+        env = dict(os.environ, FASTBWD_CACHE="0", PYTHONDONTWRITEBYTECODE="1", TORCHINDUCTOR_CACHE_DIR=inductor_cache)
+        env.pop("PYTHONPATH", None)
+        return _run_pytest(tree, test, timeout, env)
+
+
+def _run_pytest(tree, test, timeout, env):
     start = time.monotonic()
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"],

@@ -24,6 +24,7 @@ routing is unaffected).
 
 import functools
 import operator
+import pathlib
 import threading
 import warnings
 
@@ -251,7 +252,7 @@ def group_norm_silu_backward(
             grad_output, input, mean, rstd, weight, bias, num_groups, 1.0, need_weight, need_bias
         )
     else:
-        y = _native_group_norm(input, weight, bias, num_groups, eps)[0]
+        y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
         batch, channels = input.shape[:2]
         grads = torch.ops.aten.native_group_norm_backward(
             torch.ops.aten.silu_backward(grad_output, y),
@@ -272,6 +273,25 @@ def group_norm_silu_backward(
         grads[1] if need_weight else none_weight,
         grads[2] if need_bias else none_bias,
     )
+
+
+def _normalised(input, mean, rstd, weight, bias, num_groups, eps):
+    """The GroupNorm output the SiLU saw: ``native_group_norm``'s again (its very bits, so the
+    backward is PyTorch's) when ``mean`` and ``rstd`` are the statistics it computes, else
+    normalised with the ``mean`` and ``rstd`` given (the formula of §5 takes them as given)."""
+    y, own_mean, own_rstd = _native_group_norm(input, weight, bias, num_groups, eps)
+    if torch.equal(own_mean, mean.to(own_mean.dtype)) and torch.equal(own_rstd, rstd.to(own_rstd.dtype)):
+        return y
+    batch, channels = input.shape[:2]
+    shape = (batch, num_groups, -1)
+    normalised = (input.reshape(shape) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)
+    broadcast = (1, channels) + (1,) * (input.dim() - 2)
+    normalised = normalised.reshape(input.shape)
+    if weight is not None:
+        normalised = normalised * weight.reshape(broadcast)
+    if bias is not None:
+        normalised = normalised + bias.reshape(broadcast)
+    return normalised.to(input.dtype)
 
 
 @group_norm_silu_backward.register_fake
@@ -308,6 +328,18 @@ def _group_norm_silu_grad(ctx, grad_output, grad_mean, grad_rstd):
 
 
 group_norm_silu.register_autograd(_group_norm_silu_grad, setup_context=_group_norm_silu_setup)
+
+
+def _group_norm_silu_backward_setup(ctx, inputs, output):
+    grad_output, input, mean, rstd, weight, bias, num_groups, eps, _ = inputs
+    ctx.save_for_backward(grad_output, input, mean, rstd, weight, bias)
+    ctx.num_groups, ctx.swish_scale = num_groups, 1.0
+
+
+# Its derivative is group_norm_swish_backward's (§5's formula in PyTorch ops, mean and rstd as given).
+group_norm_silu_backward.register_autograd(
+    _ops._group_norm_swish_backward_grad, setup_context=_group_norm_silu_backward_setup
+)
 
 
 _GROUP_NORMS = (F.group_norm, torch.group_norm)
@@ -514,6 +546,12 @@ def _joint_pass(previous):
     return joint_pass
 
 
+#: The bridge's sources, which shape what a compiled graph holds (this module's passes and kernels,
+#: the graph operators' schemas and fake kernels in _routing and _ops, _convert's layout rule):
+#: the pass's uuid hashes them all, so editing any of them never reuses a stale compiled graph.
+_GRAPH_SOURCES = tuple(sorted(str(path) for path in pathlib.Path(__file__).parent.glob("*.py")))
+
+
 @functools.cache
 def _graph_pass():
     """The pre-grad pass object (made on first use: importing Inductor takes a while). Its uuid
@@ -525,7 +563,7 @@ def _graph_pass():
             fuse_group_norm_silu(graph)
 
         def uuid(self):
-            return get_hash_for_files((__file__,), extra=f"fastbwd {fastbwd.__version__}")
+            return get_hash_for_files(_GRAPH_SOURCES, extra=f"fastbwd {fastbwd.__version__}")
 
         def __repr__(self):
             return "fastbwd.torch GroupNorm -> SiLU pass"
