@@ -11,7 +11,8 @@ Each direction is validate, look up the plan, allocate, run (docs/design.md, "Th
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -46,8 +47,8 @@ def group_norm_swish_backward(
     dgamma_is_require: bool = True,
     dbeta_is_require: bool = True,
     *,
-    out: Optional[Sequence[Optional[np.ndarray]]] = None,
-) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+    out: Sequence[np.ndarray | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
@@ -438,8 +439,8 @@ def group_norm_swish(
     activate_swish: bool = True,
     swish_scale: float = 1.0,
     *,
-    out: Optional[Sequence[Optional[np.ndarray]]] = None,
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    out: Sequence[np.ndarray | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
 
     Per sample n and group g of ``D = C/G`` channels (``M = D * HxW`` elements)::
