@@ -143,6 +143,11 @@ class Run:
     def selected(self, name):
         return not self.args.ops or name in self.args.ops
 
+    def wanted(self, cases):
+        """The bridge cases ``--cases`` selects (all without it)."""
+        prefixes = self.args.cases
+        return [case for case in cases if not prefixes or case.id.startswith(tuple(prefixes))]
+
     # ---- the rows' spread, target and verdict ---------------------------------------------
 
     def finish_row(self, row, series, timing, stall):
@@ -337,7 +342,7 @@ class Run:
             f"{'case':<6} {'what':<{width}} {'fastbwd ms':>10} {baseline_name + ' ms':>10} {'speed-up':>8} "
             f"{'spread':>7}  {heading}"
         )
-        for case in cases:
+        for case in self.wanted(cases):
             case.check()
             baseline = getattr(case, baseline_attribute)
             functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
@@ -378,7 +383,7 @@ class Run:
 
     def torch_bridge(self):
         """The PyTorch bridge's cases (``bench/torch_cases.py``) and the routing's per-call cost."""
-        from .torch_cases import cases, measure_overhead, overhead_cases
+        from .torch_cases import cases, direct_cases, measure_overhead, overhead_cases
 
         say(
             "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
@@ -393,9 +398,14 @@ class Run:
                 "checking each case's gradients against eager, then timing it against its baseline (the label says which)"
             )
             self.paired_cases(compile_cases(), "torch", "fastbwd.torch", "compiled", "baseline")
+        say(
+            "\nwarm direct calls on tiny inputs (NumPy arrays) against PyTorch's own ops on the same values, "
+            "timed the same way"
+        )
+        self.paired_cases(direct_cases(), "torch", "fastbwd", "direct", "torch")
         say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
         say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
-        for case in overhead_cases():
+        for case in self.wanted(overhead_cases()):
             stall = parallel_stall()
             us = measure_overhead(case)
             # the widest of the three ways' spreads over their rounds of 100 calls
@@ -568,6 +578,12 @@ def main(argv=None):
         choices=list(OPERATORS) + ["torch", "jax"],
         help=ops_help("; torch: the PyTorch bridge's cases; jax: the JAX bridge's cases"),
     )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="ID",
+        help="only the bridges' cases whose id starts with one of these (T6 T8 O4 ...; with --ops torch or jax)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines and cases")
     parser.add_argument("--no-jax", action="store_true", help="skip the fastbwd.jax section")
     parser.add_argument(
@@ -592,8 +608,10 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.publish:
-        if not args.full or args.ops or args.no_torch or args.no_jax:
-            parser.error("--publish records the whole --full run: give --full, and no --ops, --no-torch or --no-jax")
+        if not args.full or args.ops or args.cases or args.no_torch or args.no_jax:
+            parser.error(
+                "--publish records the whole --full run: give --full, and no --ops, --cases, --no-torch or --no-jax"
+            )
         args.json = args.json or str(ROOT / "bench" / "results.json")
         args.readme = args.readme or str(ROOT / "README.md")
     if args.readme and to_table.BEGIN not in Path(args.readme).read_text():

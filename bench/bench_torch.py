@@ -1,4 +1,5 @@
-"""PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count)."""
+"""PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count), and O4/O5
+(fastbwd's GroupNorm+Swish called directly on a tiny input against PyTorch's own ops)."""
 
 import contextlib
 import functools
@@ -10,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
 
-from .torch_cases import cases, compile_cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import cases, compile_cases, direct_cases, measure_overhead, overhead_cases  # noqa: E402
 
 #: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
@@ -124,6 +125,22 @@ def bench_routing_overhead(case_id, way, benchmark):
     assert not ft.is_enabled()  # "torch" runs PyTorch's own kernel
     with ft.enabled() if way == "routed" else contextlib.nullcontext():
         benchmark.pedantic(case.direct if way == "direct" else case.aten, rounds=200, warmup_rounds=10, iterations=1)
+
+
+# ---- O4, O5: warm direct calls of GroupNorm+Swish on a tiny input against PyTorch's own ops ------
+
+DIRECT = {case.id: case for case in direct_cases()}
+
+
+@pytest.mark.parametrize("variant", ["fastbwd", "torch"])
+@pytest.mark.parametrize("case_id", list(DIRECT))
+def bench_direct_call(case_id, variant, benchmark):
+    case = DIRECT[case_id]
+    if variant == "fastbwd":
+        case.check()  # the results agree with PyTorch's before anything is timed
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
+    benchmark.pedantic(getattr(case, variant), rounds=200, warmup_rounds=10, iterations=1)
 
 
 # ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------

@@ -6,6 +6,7 @@ the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plai
 torch is installed.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -184,6 +185,16 @@ def _module_case(index, shape, groups, forward_only, target):
     )
 
 
+#: T6t's shape (issue 39): a module so small that the per-call cost of the bridge is all there is.
+TINY_MODULE_SHAPE = ((2, 32, 4, 4), 8)
+
+
+def tiny_module_case():
+    """T6t: GroupNormSwish forward + backward at :data:`TINY_MODULE_SHAPE` against nn.GroupNorm +
+    nn.SiLU (the same size in quick and full runs)."""
+    return dataclasses.replace(_module_case(None, *TINY_MODULE_SHAPE, False, ">= 0.6x"), id="T6t")
+
+
 def module_cases(quick=False, forward_only=False):
     """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: small ones)."""
     shapes = MODULE_SHAPES_QUICK if quick else MODULE_SHAPES
@@ -302,6 +313,7 @@ def cases(quick=False):
         _roi_align_case(*roi, ">= 10x"),
         _training_step_case(*block, "report"),
         *module_cases(quick),
+        tiny_module_case(),
         *module_cases(quick, forward_only=True),
         _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
         _diffusion_unet_case(
@@ -362,6 +374,65 @@ def overhead_cases():
         ),
     ]
     return [OverheadCase(*call) for call in calls]
+
+
+def direct_cases():
+    """O4 and O5 (issue 39): a warm direct call of fastbwd's GroupNorm+Swish forward and backward
+    on :data:`TINY_MODULE_SHAPE` (NumPy arrays, as a NumPy caller has them), against PyTorch's
+    own ops on the same values: ``native_group_norm`` + ``silu``, and ``silu_backward`` +
+    ``native_group_norm_backward`` from the forward's output, as autograd runs them (fastbwd's
+    backward recomputes that output). All three gradients both ways."""
+    A = torch.ops.aten
+    shape, groups = TINY_MODULE_SHAPE
+    batch, channels, positions = shape[0], shape[1], shape[2] * shape[3]
+    x, dy = _randn(shape, 91), _randn(shape, 92)
+    gamma, beta = _randn((channels,), 93), _randn((channels,), 94)
+    x_a, dy_a, gamma_a, beta_a = (t.numpy() for t in (x, dy, gamma, beta))
+    _, mean_a, rstd_a = fastbwd.group_norm_swish(x_a, gamma_a, beta_a, groups)
+    normalised, mean, rstd = A.native_group_norm(x, gamma, beta, batch, channels, positions, groups, 1e-5)
+
+    def torch_forward():
+        y, mean, rstd = A.native_group_norm(x, gamma, beta, batch, channels, positions, groups, 1e-5)
+        return A.silu(y), mean, rstd
+
+    def torch_backward():
+        grad = A.silu_backward(dy, normalised)
+        return A.native_group_norm_backward(
+            grad, x, mean, rstd, gamma, batch, channels, positions, groups, [True, True, True]
+        )
+
+    def fastbwd_forward():
+        return fastbwd.group_norm_swish(x_a, gamma_a, beta_a, groups)
+
+    def fastbwd_backward():
+        return fastbwd.group_norm_swish_backward(dy_a, mean_a, rstd_a, x_a, gamma_a, beta_a, groups)
+
+    def checked(id, fastbwd_call, torch_call):
+        def check():
+            results = [torch.from_numpy(a).reshape(e.shape) for a, e in zip(fastbwd_call(), torch_call())]
+            _assert_close(results, torch_call(), 1e-4, 1e-5, id)
+
+        return check
+
+    where = f"{shape}, {groups} groups"
+    return [
+        TorchCase(
+            "O4",
+            f"group_norm_swish {where} vs native_group_norm + silu",
+            fastbwd_forward,
+            torch_forward,
+            checked("O4", fastbwd_forward, torch_forward),
+            ">= 1.0x",
+        ),
+        TorchCase(
+            "O5",
+            f"group_norm_swish_backward {where} vs silu_backward + native_group_norm_backward",
+            fastbwd_backward,
+            torch_backward,
+            checked("O5", fastbwd_backward, torch_backward),
+            ">= 1.0x",
+        ),
+    ]
 
 
 def measure_overhead(case, calls=2000):

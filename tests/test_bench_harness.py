@@ -170,6 +170,7 @@ def test_publish_refuses_a_partial_run(capsys):
         ["--publish"],
         ["--full", "--publish", "--ops", "avg_pool2d_backward"],
         ["--full", "--publish", "--no-jax"],
+        ["--full", "--publish", "--cases", "T6"],
     ):
         with pytest.raises(SystemExit):
             main_job.main(argv)

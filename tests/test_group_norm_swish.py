@@ -41,6 +41,29 @@ def perturbed_statistics(mean, rstd, seed):
     return shifted.astype(mean.dtype), scaled.astype(rstd.dtype)
 
 
+def nhwc_streaming(shape, groups, dtype):
+    """Whether the backward's plan of an NHWC call on x of NCHW-family ``shape`` streams dx."""
+    from fastbwd._dtypes import compute_dtype, storage_format
+
+    batch, channels = shape[:2]
+    geometry = kernels.Geometry(
+        True,
+        batch,
+        channels,
+        int(np.prod(shape[2:])),
+        groups,
+        np.dtype(dtype).itemsize,
+        storage_format(dtype),
+        compute_dtype(dtype),
+        storage_format(dtype),
+        True,
+        True,
+        1,
+    )
+    groups_per_task, streaming, fmt = kernels.plan(geometry).arguments
+    return streaming
+
+
 def expected(args, groups, scale=1.0):
     """The float64 reference from the same (upcast) inputs."""
     dy, mean, rstd, x, gamma, beta = (np.asarray(a).astype(np.float64) for a in args)
@@ -325,14 +348,13 @@ def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
 
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((1, 400, 5, 3), 40)])
-def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch):
-    # (2, 12, ...) takes the flat whole-rows path, (1, 400, ...) the per-position channel runs
-    from fastbwd.api import group_norm_swish as api
-
+def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch, replan):
+    # (2, 12, ...) takes steps of PARTIAL_SUMS positions, (1, 400, ...) steps of one position
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=19)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
-    monkeypatch.setattr(api, "_NHWC_STREAM_MIN_BYTES", x.nbytes)  # dx has x's size: streamed ("at least")
-    assert api._nhwc_streaming(x) and not api._nhwc_streaming(x[:1, :1])
+    monkeypatch.setattr(kernels, "NHWC_STREAM_MIN_BYTES", x.nbytes)  # dx has x's size: streamed ("at least")
+    replan()
+    assert nhwc_streaming(x.shape, groups, dtype) and not nhwc_streaming((1, 1) + x.shape[2:], 1, dtype)
     nhwc = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta, groups, "NHWC", 0.5)
     assert bitwise_equal(np.moveaxis(nhwc[0], -1, 1), nchw[0])
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
@@ -340,20 +362,20 @@ def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((2, 336, 3, 7), 42)])
-def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch):
+def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch, replan):
     # float32/float64 tasks keep gnew in their own dx elements between the passes (the others a
-    # scratch): whole rows (flat, C = 12; per position, C = 336 > WHOLE_ROWS_MAX_CHANNELS) and
-    # channel runs narrower than C (their gnew rows sit at a stride of C inside dx), into an
-    # out= dx holding garbage; no streaming stores (below the api's floor)
-    from fastbwd.api import group_norm_swish as api
-
+    # scratch): whole images (steps of PARTIAL_SUMS positions, C = 12; of one position, C = 336
+    # > WHOLE_ROWS_MAX_CHANNELS) and channel runs narrower than C (their gnew rows sit at a
+    # stride of C inside dx), into an out= dx holding garbage; no streaming stores (below the
+    # plan's floor)
     dy, mean, rstd, x, gamma, beta = inputs(shape, groups, dtype, seed=20)
     nchw = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NCHW", 0.5)
     dy_l, x_l = to_nhwc(dy), to_nhwc(x)
-    assert not api._nhwc_streaming(x_l)
+    assert not nhwc_streaming(shape, groups, dtype)
     group_size = shape[1] // groups
     for channels in (shape[1], 2 * group_size, group_size):
-        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
+        monkeypatch.setattr(kernels, "NHWC_TASK_CHANNELS", channels)
+        replan()
         out = (np.full_like(x_l, np.nan), np.empty_like(gamma), np.empty_like(beta))
         nhwc = gns_bwd(dy_l, mean, rstd, x_l, gamma, beta, groups, "NHWC", 0.5, out=out)
         assert nhwc[0] is out[0]
@@ -383,8 +405,7 @@ def test_strided_and_negative_stride_inputs():
     assert all(bitwise_equal(a, b) for a, b in zip(result, contiguous))
 
 
-def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
-    from fastbwd.api import group_norm_swish as api
+def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
     from fastbwd.kernels._halfbits import NATIVE
 
     shape, groups = (3, 24, 17, 9), 6
@@ -392,16 +413,17 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
     dy, x = to_nhwc(dy), to_nhwc(x)
     expected = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
     for channels, per_thread in ((1, 1), (4, 8), (8, 2), (512, 1), (512, 64)):
-        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
-        monkeypatch.setattr(api, "_NHWC_TASKS_PER_THREAD", per_thread)
+        monkeypatch.setattr(kernels, "NHWC_TASK_CHANNELS", channels)
+        monkeypatch.setattr(kernels, "NHWC_TASKS_PER_THREAD", per_thread)
+        replan()
         result = gns_bwd(dy, mean, rstd, x, gamma, beta, groups, "NHWC")
         assert all(bitwise_equal(a, b) for a, b in zip(result, expected)), (channels, per_thread)
-    # the kernel itself, every run length: 6 groups per task is the flat whole-rows path
-    # (C = 24 <= WHOLE_ROWS_MAX_CHANNELS), fewer the per-position channel runs
+    # the kernel itself, every run length: 6 groups per task takes steps of PARTIAL_SUMS
+    # positions (C = 24 <= WHOLE_ROWS_MAX_CHANNELS), fewer steps of one position
     assert shape[1] <= kernels.WHOLE_ROWS_MAX_CHANNELS
     dx_expected = np.ascontiguousarray(np.moveaxis(expected[0], -1, 1))
     sums = []
-    # with and without streaming dx stores (the api streams only a dx of 4 MB or more)
+    # with and without streaming dx stores (the plan streams only a dx of 4 MB or more)
     for groups_per_task, streaming in itertools.product((1, 2, 4, 5, 6), (False, True)):
         dx = np.empty_like(x)
         sum_g, sum_gx = np.empty((3, 24), F32), np.empty((3, 24), F32)

@@ -137,6 +137,59 @@ def test_nan_and_inf_propagate():
     assert np.isnan(y[0, :2]).all() and np.isnan(y[1, 4:]).all() and np.isfinite(y[0, 2:]).all()
 
 
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+def test_negative_infinity_first_in_its_group(data_format):
+    """-inf as a group's first element (the element its first pass shifts by): that group's mean
+    is -inf, its rstd and y NaN; the other groups are as without it."""
+    x, gamma, beta = inputs((2, 6, 5, 4), 3, F32, seed=24)
+    clean = run(x, gamma, beta, 3, data_format)
+    x[1, 2, 0, 0] = -np.inf  # group 1 of image 1: channels 2 and 3
+    y, mean, rstd = run(x, gamma, beta, 3, data_format)
+    assert mean[1, 1] == -np.inf and np.isnan(rstd[1, 1]) and np.isnan(y[1, 2:4]).all()
+    others = np.ones((2, 3), bool)
+    others[1, 1] = False
+    assert bitwise_equal(mean[others], clean[1][others]) and bitwise_equal(rstd[others], clean[2][others])
+    assert bitwise_equal(y[0], clean[0][0]) and bitwise_equal(y[1, [0, 1, 4, 5]], clean[0][1, [0, 1, 4, 5]])
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", ["first", "inside"])
+def test_non_finite_in_the_second_group_of_a_paired_task(value, where):
+    """An NCHW task of two groups runs their sums side by side: a non-finite value in the second
+    group (as its first element, which shifts that group's sums, or inside it) gives what a task
+    of that group alone gives, and leaves the first group's statistics alone."""
+    shape, groups = (2, 8, 6, 5), 4
+    x, gamma, beta = inputs(shape, groups, F32, seed=25)
+    x[0, 2 if where == "first" else 3, 0 if where == "first" else 4, 0 if where == "first" else 3] = value
+    results = []
+    for groups_per_task in (1, 2):  # group 1 of image 0 is the second group of task 0 when paired
+        y, mean, rstd = np.empty_like(x), np.empty((2, groups), F32), np.empty((2, groups), F32)
+        kernels.group_norm_swish_fwd_nchw.serial(
+            x.reshape(2, 8, 30),
+            gamma,
+            beta,
+            F32.type(1e-5),
+            True,
+            F32.type(1),
+            y.reshape(2, 8, 30),
+            mean,
+            rstd,
+            groups_per_task,
+            kernels_native(),
+        )
+        results.append((y, mean, rstd))
+    assert all(bitwise_equal(a, b) for a, b in zip(*results))
+    y, mean, rstd = results[1]
+    # an infinity makes its group's sum, hence its mean, that infinity; NaN makes it NaN
+    assert mean[0, 1] == value if np.isinf(value) else np.isnan(mean[0, 1])
+    assert np.isnan(rstd[0, 1]) and np.isnan(y[0, 2:4]).all()
+    clean = expected(np.where(np.isfinite(x), x, 0), gamma, beta, groups)
+    for result, reference in zip((y[0, :2], mean[0, 0], rstd[0, 0]), (clean[0][0, :2], clean[1][0, 0], clean[2][0, 0])):
+        assert_matches_reference(result, reference)
+    # the public function (pairing the groups or not by the thread count) gives the same bits
+    assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, groups), results[1]))
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
 @pytest.mark.parametrize("scale", [1e4, -1e4, np.inf, -np.inf])
 def test_huge_scale_is_relu_like_without_warnings(dtype, scale):
@@ -181,15 +234,14 @@ def test_matches_torch_native_group_norm():
 # --------------------------------------------------------------------------------------------
 
 
-def test_nhwc_task_partition_does_not_change_bits(monkeypatch):
-    from fastbwd.api import group_norm_swish as api
-
+def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
     x, gamma, beta = inputs((3, 24, 17, 9), 6, F32, seed=11)
     x = to_nhwc(x)
     first = gns(x, gamma, beta, 6, "NHWC")
     for channels, per_thread in ((1, 1), (8, 2), (512, 64)):
-        monkeypatch.setattr(api, "_NHWC_TASK_CHANNELS", channels)
-        monkeypatch.setattr(api, "_NHWC_TASKS_PER_THREAD", per_thread)
+        monkeypatch.setattr(kernels, "NHWC_TASK_CHANNELS", channels)
+        monkeypatch.setattr(kernels, "NHWC_TASKS_PER_THREAD", per_thread)
+        replan()
         assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, 6, "NHWC"), first))
     for groups_per_task in (1, 4, 6):  # the kernel itself, runs of every width
         y, mean, rstd = np.empty_like(x), np.empty((3, 6), F32), np.empty((3, 6), F32)

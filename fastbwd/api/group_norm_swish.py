@@ -1,11 +1,18 @@
 """fastbwd.group_norm_swish_backward (aclnnGroupNormSwishGrad, docs/semantics.md §5) and its forward
-fastbwd.group_norm_swish (aclnnGroupNormSwish, §5.1), which share their validation."""
+fastbwd.group_norm_swish (aclnnGroupNormSwish, §5.1), which share their validation.
+
+Each direction is validate, look up the plan, allocate, run (docs/design.md, "The one contract"):
+:func:`plan` and :func:`forward_plan` validate a call's arguments and hold the kernels' plan
+(``kernels.group_norm_swish.plan``) with what the per-call work needs; :func:`run` and
+:func:`run_forward` allocate the results and run it. The PyTorch bridge calls these four.
+"""
 
 # annotations kept as strings: help() shows `ArrayLike`, not numpy's 2,000-character expansion of it
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -13,7 +20,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import group_norm_swish as kernels
-from ..kernels._jit import thread_count
+from ..kernels import thread_count
 from . import _plans
 
 FUNC = "group_norm_swish_backward"
@@ -25,21 +32,6 @@ CHANNELS_LAST_FORMAT = "NHWC"
 #: The documents' limit on channels per group.
 MAX_GROUP_SIZE = 4000
 MAX_RANK = 8
-#: Channels an NHWC task aims to span (its inner loops run along them, once per position):
-#: narrow runs are slow, and keeping dy and x in cache matters less (docs/history.md).
-_NHWC_TASK_CHANNELS = 512
-#: Tasks per thread the NHWC runs are split into at least, when the batch alone gives fewer.
-_NHWC_TASKS_PER_THREAD = 2
-#: NCHW forward tasks take two groups each (:func:`_nchw_groups_per_task`) only while that
-#: leaves at least this many tasks per thread: fewer, larger tasks balance worse.
-_NCHW_PAIRED_TASKS_PER_THREAD = 4
-#: An NHWC dx of float16 or bfloat16 (a float32 or float64 dx holds gnew between the kernel's
-#: passes and is overwritten in place) of at least this many bytes is written with streaming
-#: (non-temporal) stores. An NHWC task's x and gnew (a whole image's channels) outgrow L2 and are
-#: reread from L3 in its second pass; a plain dx store first reads its line and then evicts
-#: them. The floor is kept above the size where streaming starts to win, so that a smaller dx
-#: stays in cache for whatever reads it next (docs/history.md).
-_NHWC_STREAM_MIN_BYTES = 4 << 20
 
 
 def group_norm_swish_backward(
@@ -55,8 +47,8 @@ def group_norm_swish_backward(
     dgamma_is_require: bool = True,
     dbeta_is_require: bool = True,
     *,
-    out: Optional[Sequence[Optional[np.ndarray]]] = None,
-) -> Tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+    out: Sequence[np.ndarray | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
@@ -150,10 +142,22 @@ def group_norm_swish_backward(
 def plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out):
     """The validated plan of a backward call: the public function's arguments but
     ``swish_scale``, the arrays as NumPy arrays (ParamError as the public function raises it).
-    Remembered per metadata (:mod:`fastbwd.api._plans`; the arrays' values are not part of it),
-    and what :func:`run` takes."""
+    Remembered per metadata and thread count (:mod:`fastbwd.api._plans`; the arrays' values are
+    not part of it), and what :func:`run` takes."""
     return _PLANS(
-        _plan, dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out
+        _plan,
+        dy,
+        mean,
+        rstd,
+        x,
+        gamma,
+        beta,
+        num_groups,
+        data_format,
+        dgamma_is_require,
+        dbeta_is_require,
+        out,
+        thread_count(),
     )
 
 
@@ -161,28 +165,88 @@ def run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out):
     """The backward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
     for (``swish_scale`` a float, ``out`` as the public function takes it): the per-call checks
     (``out`` overlapping no input), the outputs and the kernels. Returns ``(dx, dgamma, dbeta)``."""
-    return _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, _out_entries(out))
+    if out is None:
+        dx_phys = np.empty(plan.dx.physical, plan.dx.dtype)
+        dx = dx_phys if plan.dx.logical is None else dx_phys.transpose(plan.dx.logical)
+        dgamma = dbeta = None
+        if plan.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
+            dgamma = np.empty(plan.channels, gamma.dtype)
+            dbeta = np.empty(plan.channels, gamma.dtype)
+        dgamma_phys, dbeta_phys = dgamma, dbeta
+    else:
+        (dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys) = _outputs(
+            plan, x, gamma, _out_entries(out), (dy, mean, rstd, x, gamma, beta)
+        )
+    parameters = plan.parameters
+    plan.kernels.run(
+        _kernel_view(dy, plan.dy),
+        _to_compute(mean, plan.mean),
+        _to_compute(rstd, plan.rstd),
+        _kernel_view(x, plan.x),
+        _to_compute(gamma, parameters),
+        _to_compute(beta, parameters),
+        dx_phys.view(np.uint16) if plan.x.half else dx_phys,
+        _parameter_view(dgamma_phys, plan.half_parameters),
+        _parameter_view(dbeta_phys, plan.half_parameters),
+        d.compute_scalar(swish_scale, plan.compute),  # a huge scale: an infinity, a valid step
+    )
+    # A gradient that is not required: None, and an out= array given for it is zero-filled.
+    if not plan.want_dgamma:
+        if out is not None:
+            dgamma_phys.fill(0)
+        dgamma = None
+    if not plan.want_dbeta:
+        if out is not None:
+            dbeta_phys.fill(0)
+        dbeta = None
+    return dx, dgamma, dbeta
+
+
+def _parameter_view(array, half):
+    """dgamma's or dbeta's kernel view (None when the kernels do not write them)."""
+    return array.view(np.uint16) if half and array is not None else array
 
 
 _PLANS = _plans.Plans()
 
 
-class _Plan(NamedTuple):
-    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+class _Array(NamedTuple):
+    """How an input array becomes a kernel's view of it (decided by its metadata)."""
 
-    layout: str  # physical layout of x: NHWC for a channels-last NCHW array
-    kernel_nhwc: bool  # the NHWC kernel runs (data_format NHWC, or channels-last strides)
-    kernel_shape: tuple  # (N, C, HxW) or (N, HxW, C)
-    batch: int
+    transpose: tuple  # axes of the physical layout's view (channels-last NCHW -> NHWC), or None
+    copy: bool  # that view is not C-contiguous: copied
+    half: bool  # float16 or bfloat16: passed as uint16
+
+
+class _Result(NamedTuple):
+    """The x-shaped result: its dtype, physical (C-contiguous) shape, and the axes of its logical
+    view (None when the two are the same)."""
+
+    dtype: np.dtype
+    physical: tuple
+    logical: tuple
+
+
+class _Plan(NamedTuple):
+    """What a backward call's metadata decided (see :mod:`fastbwd.api._plans`)."""
+
+    kernels: kernels.BackwardPlan
+    layout: str  # physical layout of x and dx: NHWC for a channels-last NCHW array
+    dy: _Array
+    x: _Array
+    dx: _Result
+    mean: tuple  # (dtype, shape) mean is converted to, or None when it is the kernels' already
+    rstd: tuple
+    parameters: tuple  # the same for gamma and beta (one conversion for both)
     channels: int
-    groups: int
     compute: np.dtype
+    half_parameters: bool  # gamma's dtype (dgamma's, dbeta's) is float16 or bfloat16
     want_dgamma: bool
     want_dbeta: bool
 
 
-def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out):
-    """Validate every argument (errors in the documented order) and decide the kernel path."""
+def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out, threads):
+    """Validate every argument (errors in the documented order) and plan the kernels."""
     groups = v.int_value(FUNC, "num_groups", num_groups)
     data_format = v.choice(FUNC, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
     want_dgamma = v.bool_value(FUNC, "dgamma_is_require", dgamma_is_require)
@@ -204,16 +268,88 @@ def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_req
 
     # The physical layout the kernels see: (N, C, HxW) or (N, HxW, C).
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
-    kernel_nhwc = channels_last or layout == d.NHWC
-    out_entries = _out_entries(out)
-    out_dx, out_dgamma, out_dbeta = out_entries
+    out_dx, out_dgamma, out_dbeta = _out_entries(out)
     d.check_out(FUNC, out_dx, x.shape, dtype, layout, param="out[0]")
     d.check_out(FUNC, out_dgamma, (channels,), gamma.dtype, param="out[1]")
     d.check_out(FUNC, out_dbeta, (channels,), gamma.dtype, param="out[2]")
-    kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
-    return _Plan(
-        layout, kernel_nhwc, kernel_shape, batch, channels, groups, d.compute_dtype(dtype), want_dgamma, want_dbeta
+    compute = d.compute_dtype(dtype)
+    geometry = kernels.Geometry(
+        channels_last or layout == d.NHWC,
+        batch,
+        channels,
+        hw,
+        groups,
+        dtype.itemsize,
+        d.storage_format(dtype),
+        compute,
+        d.storage_format(gamma.dtype),
+        want_dgamma,
+        want_dbeta,
+        threads,
     )
+    return _Plan(
+        kernels.plan(geometry),
+        layout,
+        _array(dy, layout),
+        _array(x, layout),
+        _result(x.shape, dtype, layout),
+        _conversion(mean, compute, (batch, groups)),
+        _conversion(rstd, compute, (batch, groups)),
+        _parameter_conversion(gamma, beta, compute),
+        channels,
+        compute,
+        gamma.dtype in _HALF_FORMATS,
+        want_dgamma,
+        want_dbeta,
+    )
+
+
+_HALF_FORMATS = (d.float16, d.bfloat16)
+
+
+def _array(array, layout):
+    """The :class:`_Array` of an input whose values the kernels read in ``layout``."""
+    transpose = (0, 2, 3, 1) if layout == d.NHWC else None
+    view = array if transpose is None else array.transpose(transpose)
+    return _Array(transpose, not view.flags.c_contiguous, array.dtype in _HALF_FORMATS)
+
+
+def _kernel_view(array, how):
+    """``array`` as the kernels take it (see :class:`_Array`)."""
+    if how.transpose is not None:
+        array = array.transpose(how.transpose)
+    if how.copy:
+        array = np.ascontiguousarray(array)
+    return array.view(np.uint16) if how.half else array
+
+
+def _result(shape, dtype, layout):
+    if layout == d.NHWC:
+        n, c, h, w = shape
+        return _Result(dtype, (n, h, w, c), (0, 3, 1, 2))
+    return _Result(dtype, tuple(shape), None)
+
+
+def _conversion(array, compute, shape):
+    """None when ``array`` is C-contiguous, of the compute dtype and ``shape`` (the kernels take
+    it as it is), else ``(compute, shape)`` (:func:`_to_compute` makes that array)."""
+    if array.dtype == compute and array.shape == shape and array.flags.c_contiguous:
+        return None
+    return compute, shape
+
+
+def _parameter_conversion(gamma, beta, compute):
+    """:func:`_conversion` of gamma and beta together: one that needs none is returned as it is
+    by :func:`_to_compute` (``np.ascontiguousarray`` copies nothing)."""
+    gamma_as, beta_as = (_conversion(a, compute, a.shape) for a in (gamma, beta))
+    return gamma_as or beta_as
+
+
+def _to_compute(array, conversion):
+    if conversion is None:
+        return array
+    dtype, shape = conversion
+    return np.ascontiguousarray(array, dtype=dtype).reshape(shape)
 
 
 def _check_parameter_dtype(func, name, param, dtype):
@@ -259,12 +395,13 @@ def _check_parameter_shapes(func, gamma, beta, channels):
 _INPUT_NAMES = ("dy", "mean", "rstd", "x", "gamma", "beta")
 
 
-def _outputs(x, gamma, layout, channels, out_entries, inputs):
+def _outputs(plan, x, gamma, out_entries, inputs):
     """``(dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys)``: the out= arrays (their
     metadata already checked) after the overlap checks, or new arrays."""
     inputs = tuple(zip(_INPUT_NAMES, inputs))
     out_dx, out_dgamma, out_dbeta = out_entries
-    dx = d.output(FUNC, out_dx, x.shape, x.dtype, layout, inputs=inputs, param="out[0]", checked=True)
+    channels = plan.channels
+    dx = d.output(FUNC, out_dx, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]", checked=True)
     dgamma = d.output(
         FUNC, out_dgamma, (channels,), gamma.dtype, inputs=inputs + (("out[0]", dx[0]),), param="out[1]", checked=True
     )
@@ -280,80 +417,6 @@ def _outputs(x, gamma, layout, channels, out_entries, inputs):
     return dx, dgamma, dbeta
 
 
-def _run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out_entries):
-    """The per-call work of a validated call: overlap checks, outputs, the kernels."""
-    batch, channels, groups, compute = plan.batch, plan.channels, plan.groups, plan.compute
-    (dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys) = _outputs(
-        x, gamma, plan.layout, channels, out_entries, (dy, mean, rstd, x, gamma, beta)
-    )
-    fmt = d.storage_format(x.dtype)
-    mean_c = mean.astype(compute).reshape(batch, groups)
-    rstd_c = rstd.astype(compute).reshape(batch, groups)
-    gamma_c = np.ascontiguousarray(gamma, dtype=compute)
-    beta_c = np.ascontiguousarray(beta, dtype=compute)
-    scale_c = d.compute_scalar(swish_scale, compute)  # a huge scale: an infinity, a valid step
-    sum_g = np.empty((batch, channels), compute)
-    sum_gx = np.empty((batch, channels), compute)
-    shape = plan.kernel_shape
-    if plan.kernel_nhwc:
-        layout = plan.layout
-        dy_k = d.kernel_view(d.physical(dy, layout) if layout == d.NHWC else np.ascontiguousarray(dy))
-        x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
-        kernels.group_norm_swish_bwd_nhwc(
-            dy_k.reshape(shape),
-            x_k.reshape(shape),
-            mean_c,
-            rstd_c,
-            gamma_c,
-            beta_c,
-            scale_c,
-            d.kernel_view(dx_phys).reshape(shape),
-            sum_g,
-            sum_gx,
-            _nhwc_groups_per_task(groups, channels // groups, batch, thread_count()),
-            _nhwc_streaming(dx_phys),
-            fmt,
-            work=x.size,
-        )
-    else:
-        kernels.group_norm_swish_bwd_nchw(
-            d.kernel_view(np.ascontiguousarray(dy)).reshape(shape),
-            d.kernel_view(np.ascontiguousarray(x)).reshape(shape),
-            mean_c,
-            rstd_c,
-            gamma_c,
-            beta_c,
-            scale_c,
-            d.kernel_view(dx_phys).reshape(shape),
-            sum_g,
-            sum_gx,
-            fmt,
-            work=x.size,
-        )
-
-    want_dgamma, want_dbeta = plan.want_dgamma, plan.want_dbeta
-    if want_dgamma or want_dbeta:
-        # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
-        # ~7.7 s CPU on a loaded machine) in the first call's compile
-        kernels.group_norm_swish_param_grads.serial(
-            sum_g,
-            sum_gx,
-            d.kernel_view(dgamma_phys),
-            d.kernel_view(dbeta_phys),
-            want_dgamma,
-            want_dbeta,
-            d.storage_format(gamma.dtype),
-        )
-    # A gradient that is not required: None, and an out= array given for it is zero-filled.
-    if not want_dgamma:
-        dgamma_phys.fill(0)
-        dgamma = None
-    if not want_dbeta:
-        dbeta_phys.fill(0)
-        dbeta = None
-    return dx, dgamma, dbeta
-
-
 def _out_entries(out, func=FUNC, names="dx, dgamma, dbeta"):
     """``out=`` as three entries (array or None); None means allocate all three."""
     if out is None:
@@ -361,30 +424,6 @@ def _out_entries(out, func=FUNC, names="dx, dgamma, dbeta"):
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         v.fail(func, "out", f"must be a tuple ({names}) of arrays or None", v.describe(out))
     return tuple(out)
-
-
-def _nhwc_groups_per_task(groups, group_size, batch, threads):
-    """Consecutive groups one NHWC task handles: about ``_NHWC_TASK_CHANNELS`` channels, fewer
-    only until there are ``_NHWC_TASKS_PER_THREAD`` tasks per thread, never fewer than one group.
-    Any choice gives the same bits (every per-(n, c) sum has a fixed order)."""
-    if groups * group_size <= kernels.WHOLE_ROWS_MAX_CHANNELS and batch >= threads:
-        return groups  # whole rows: the kernel's flat loops (narrow runs are slower)
-    by_width = -(-_NHWC_TASK_CHANNELS // group_size)
-    runs_per_image = -(-_NHWC_TASKS_PER_THREAD * threads // batch)
-    by_tasks = -(-groups // runs_per_image)
-    return max(1, min(groups, by_width, by_tasks))
-
-
-def _nchw_groups_per_task(groups, batch, threads):
-    """Groups one NCHW forward task handles: two (their sums interleaved, the same bits) while
-    that leaves at least ``_NCHW_PAIRED_TASKS_PER_THREAD`` tasks per thread, else one."""
-    return 2 if batch * (groups // 2) >= _NCHW_PAIRED_TASKS_PER_THREAD * threads else 1
-
-
-def _nhwc_streaming(dx):
-    """Whether the NHWC kernel writes dx with streaming stores: from ``_NHWC_STREAM_MIN_BYTES``
-    on. Either choice gives the same bits."""
-    return dx.nbytes >= _NHWC_STREAM_MIN_BYTES
 
 
 # ---- the forward (docs/semantics.md §5.1) -----------------------------------------------------
@@ -400,8 +439,8 @@ def group_norm_swish(
     activate_swish: bool = True,
     swish_scale: float = 1.0,
     *,
-    out: Optional[Sequence[Optional[np.ndarray]]] = None,
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    out: Sequence[np.ndarray | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
 
     Per sample n and group g of ``D = C/G`` channels (``M = D * HxW`` elements)::
@@ -487,15 +526,41 @@ def forward_scalars(eps, swish_scale):
 def forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
     """The validated plan of a forward call: the public function's arguments but the scalars
     (:func:`forward_scalars`), the arrays as NumPy arrays (ParamError as the public function
-    raises it). Remembered per metadata, and what :func:`run_forward` takes."""
-    return _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out)
+    raises it). Remembered per metadata and thread count, and what :func:`run_forward` takes."""
+    return _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out, thread_count())
 
 
 def run_forward(plan, x, gamma, beta, eps, swish_scale, out):
     """The forward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
     for (``eps`` and ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the
     public function takes it). Returns ``(y, mean, rstd)``."""
-    return _run_forward(plan, x, gamma, beta, eps, swish_scale, _out_entries(out, FORWARD, _FORWARD_OUT_NAMES))
+    compute = plan.compute
+    if out is None:
+        y_phys = np.empty(plan.y.physical, plan.y.dtype)
+        y = y_phys if plan.y.logical is None else y_phys.transpose(plan.y.logical)
+        mean = np.empty(plan.statistics, gamma.dtype)
+        rstd = np.empty(plan.statistics, gamma.dtype)
+    else:
+        y, y_phys, mean, rstd = _forward_outputs(plan, x, gamma, beta, out)
+    # the kernel writes the statistics in the compute type; other dtypes are rounded once here
+    direct = gamma.dtype == compute
+    mean_c = mean if direct else np.empty(plan.statistics, compute)
+    rstd_c = rstd if direct else np.empty(plan.statistics, compute)
+    parameters = plan.parameters
+    plan.kernels.run(
+        _kernel_view(x, plan.x),
+        _to_compute(gamma, parameters),
+        _to_compute(beta, parameters),
+        y_phys.view(np.uint16) if plan.x.half else y_phys,
+        mean_c,
+        rstd_c,
+        d.compute_scalar(eps, compute),
+        d.compute_scalar(swish_scale, compute),  # beyond float32's range: an infinity
+    )
+    if not direct:
+        mean[...] = mean_c
+        rstd[...] = rstd_c
+    return y, mean, rstd
 
 
 _FORWARD_PLANS = _plans.Plans()
@@ -505,17 +570,17 @@ _FORWARD_OUT_NAMES = "y, mean, rstd"
 class _ForwardPlan(NamedTuple):
     """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
 
+    kernels: kernels.ForwardPlan
     layout: str
-    kernel_nhwc: bool
-    kernel_shape: tuple
-    batch: int
-    groups: int
+    x: _Array
+    y: _Result
+    statistics: tuple  # the shape of mean and rstd, (N, G)
+    parameters: tuple  # the conversion of gamma and beta (see _conversion), or None
     compute: np.dtype
-    activate_swish: bool
 
 
-def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
-    """Validate the forward's arguments (in the backward's order) and decide the kernel path."""
+def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out, threads):
+    """Validate the forward's arguments (in the backward's order) and plan the kernel."""
     groups = v.int_value(FORWARD, "num_groups", num_groups)
     data_format = v.choice(FORWARD, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
     activate_swish = v.bool_value(FORWARD, "activate_swish", activate_swish)
@@ -527,77 +592,49 @@ def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
     batch, channels, hw = _geometry(FORWARD, x, groups, channels_last)
     _check_parameter_shapes(FORWARD, gamma, beta, channels)
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
-    kernel_nhwc = channels_last or layout == d.NHWC
     out_y, out_mean, out_rstd = _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
     d.check_out(FORWARD, out_y, x.shape, x.dtype, layout, param="out[0]")
     d.check_out(FORWARD, out_mean, (batch, groups), gamma.dtype, param="out[1]")
     d.check_out(FORWARD, out_rstd, (batch, groups), gamma.dtype, param="out[2]")
-    kernel_shape = (batch, hw, channels) if kernel_nhwc else (batch, channels, hw)
-    return _ForwardPlan(layout, kernel_nhwc, kernel_shape, batch, groups, d.compute_dtype(x.dtype), activate_swish)
+    compute = d.compute_dtype(x.dtype)
+    geometry = kernels.ForwardGeometry(
+        channels_last or layout == d.NHWC,
+        batch,
+        channels,
+        hw,
+        groups,
+        d.storage_format(x.dtype),
+        compute,
+        activate_swish,
+        threads,
+    )
+    return _ForwardPlan(
+        kernels.plan(geometry),
+        layout,
+        _array(x, layout),
+        _result(x.shape, x.dtype, layout),
+        (batch, groups),
+        _parameter_conversion(gamma, beta, compute),
+        compute,
+    )
 
 
-def _run_forward(plan, x, gamma, beta, eps, swish_scale, out_entries):
-    """The per-call work of a validated forward call: overlap checks, outputs, the kernel."""
-    batch, groups, compute = plan.batch, plan.groups, plan.compute
-    out_y, out_mean, out_rstd = out_entries
+def _forward_outputs(plan, x, gamma, beta, out):
+    """``y, y_phys, mean, rstd`` from the out= entries (their metadata already checked), after
+    the overlap checks; new arrays for the others."""
+    out_y, out_mean, out_rstd = _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
     inputs = (("x", x), ("gamma", gamma), ("beta", beta))
     y, y_phys = d.output(FORWARD, out_y, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]", checked=True)
     mean, _ = d.output(
-        FORWARD, out_mean, (batch, groups), gamma.dtype, inputs=inputs + (("out[0]", y),), param="out[1]", checked=True
+        FORWARD, out_mean, plan.statistics, gamma.dtype, inputs=inputs + (("out[0]", y),), param="out[1]", checked=True
     )
     rstd, _ = d.output(
         FORWARD,
         out_rstd,
-        (batch, groups),
+        plan.statistics,
         gamma.dtype,
         inputs=inputs + (("out[0]", y), ("out[1]", mean)),
         param="out[2]",
         checked=True,
     )
-    # the kernel writes the statistics in the compute type; other dtypes are rounded once here
-    direct = gamma.dtype == compute
-    mean_c = mean if direct else np.empty((batch, groups), compute)
-    rstd_c = rstd if direct else np.empty((batch, groups), compute)
-    gamma_c = d.read_only(np.ascontiguousarray(gamma, dtype=compute))
-    beta_c = d.read_only(np.ascontiguousarray(beta, dtype=compute))
-    scale_c = d.compute_scalar(swish_scale, compute)  # beyond float32's range: an infinity
-    eps_c = d.compute_scalar(eps, compute)
-    fmt = d.storage_format(x.dtype)
-    shape = plan.kernel_shape
-    if plan.kernel_nhwc:
-        layout = plan.layout
-        x_k = d.kernel_view(d.physical(x, layout) if layout == d.NHWC else np.ascontiguousarray(x))
-        kernels.group_norm_swish_fwd_nhwc(
-            d.read_only(x_k.reshape(shape)),
-            gamma_c,
-            beta_c,
-            eps_c,
-            plan.activate_swish,
-            scale_c,
-            d.kernel_view(y_phys).reshape(shape),
-            mean_c,
-            rstd_c,
-            _nhwc_groups_per_task(groups, shape[2] // groups, batch, thread_count()),
-            fmt,
-            work=x.size,
-        )
-    else:
-        x_k = d.kernel_view(np.ascontiguousarray(x))
-        kernels.group_norm_swish_fwd_nchw(
-            d.read_only(x_k.reshape(shape)),
-            gamma_c,
-            beta_c,
-            eps_c,
-            plan.activate_swish,
-            scale_c,
-            d.kernel_view(y_phys).reshape(shape),
-            mean_c,
-            rstd_c,
-            _nchw_groups_per_task(groups, batch, thread_count()),
-            fmt,
-            work=x.size,
-        )
-    if not direct:
-        mean[...] = mean_c
-        rstd[...] = rstd_c
-    return y, mean, rstd
+    return y, y_phys, mean, rstd

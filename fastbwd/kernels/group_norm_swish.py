@@ -25,7 +25,7 @@ float64) a task keeps gnew in its own dx elements, and the second pass overwrite
 dx: the dx lines are read for ownership once, in the first pass, and no separate scratch is
 allocated or passes through the caches (in NHWC also faster than a scratch with streaming dx
 stores). float16 and bfloat16 keep gnew (float32) in a scratch array; NHWC writes their dx with
-streaming stores when the api asks (large dx), so that the dx lines are neither read first nor
+streaming stores when the plan asks (large dx), so that the dx lines are neither read first nor
 evict x and gnew.
 
 The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
@@ -35,6 +35,7 @@ is faster than scaling into the subnormal range). float64 data uses ``math.exp``
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -42,17 +43,17 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
-from ._jit import helper, parallel_kernel, wide_vectors
+from ._halfbits import StorageFormat, float32_as_uint32, load, store, uint32_as_float32
+from ._jit import Launch, helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import LANES, array_structs, decode_lanes, fold_lanes_by_halving, splat
 from ._memory import copy_out, store_fence
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
-#: NHWC tasks spanning all channels take the flat path (:func:`_nhwc_whole_rows`) up to this
-#: many channels: its tiled constants and lane rows (6 * PARTIAL_SUMS * C compute-type
-#: elements, 120 KB at C = 320 in float32) stay in L2; wider, the flat path loses to channel
-#: runs (docs/history.md, "Numbers that were in code comments").
+#: NHWC tasks spanning all channels take PARTIAL_SUMS positions per step (:func:`_nhwc_task`)
+#: up to this many channels: their tiled constants and lane rows (6 * PARTIAL_SUMS * C
+#: compute-type elements, 120 KB at C = 320 in float32) stay in L2; wider, steps of one position
+#: are faster (docs/history.md, "Numbers that were in code comments").
 WHOLE_ROWS_MAX_CHANNELS = 320
 #: Interleaved partial sums inside a block: one vector register of float32 lanes
 #: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).
@@ -333,6 +334,15 @@ def _gnew_rows_overload(dx, like, n, group_size, in_place):
     return lambda dx, like, n, group_size, in_place: np.empty((group_size, dx.shape[2]), like.dtype)
 
 
+@helper
+def _task_groups(task, runs, groups_per_task, groups):
+    """``(n, first group, end group)`` of task ``task`` of a kernel parallel over (image, run of
+    ``groups_per_task`` consecutive groups), ``runs`` runs per image (the last may be shorter)."""
+    n = task // runs
+    first = (task - n * runs) * groups_per_task
+    return n, first, min(first + groups_per_task, groups)
+
+
 # ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
 
 
@@ -415,156 +425,32 @@ def group_norm_swish_bwd_nhwc(
     channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` between the
     passes in those dx elements themselves when dx has the compute type (the second pass then
     overwrites each gnew with its dx; ``streaming`` is ignored), else in a scratch array. With a
-    scratch, the second pass stores dx directly, or when ``streaming`` (the api decides by size)
-    computes each round's dx into a small buffer and copies it out with streaming stores
+    scratch, the second pass stores dx directly, or when ``streaming`` (the plan decides by size)
+    computes each step's dx into a small buffer and copies it out with streaming stores
     (``_memory.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
-    rows ``i % PARTIAL_SUMS``, the same folds and blocks).
-
-    A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels (:func:`_nhwc_whole_rows`) sees rounds of PARTIAL_SUMS
-    positions as one contiguous run of PARTIAL_SUMS*C elements laid out exactly like its
-    (PARTIAL_SUMS, C) lane rows, and runs one flat loop per round. A narrower task
-    (:func:`_nhwc_channel_runs`) loops along its channels once per position.
+    rows ``i % PARTIAL_SUMS``, the same folds and blocks). :func:`_nhwc_task` does one task.
     """
-    batch, hw, channels = x.shape
     groups = mean.shape[1]
     runs = (groups + groups_per_task - 1) // groups_per_task
-    for task in prange(batch * runs):
+    for task in prange(x.shape[0] * runs):
         wide_vectors()
-        n = task // runs
-        run = task - n * runs
-        first_group = run * groups_per_task
-        last_group = min(first_group + groups_per_task, groups)
-        if first_group == 0 and last_group == groups and channels <= WHOLE_ROWS_MAX_CHANNELS:
-            _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt)
-        else:
-            _nhwc_channel_runs(
-                dy,
-                x,
-                mean,
-                rstd,
-                gamma,
-                beta,
-                swish_scale,
-                dx,
-                sum_g,
-                sum_gx,
-                n,
-                first_group,
-                last_group,
-                streaming,
-                fmt,
-            )
+        n, first, last = _task_groups(task, runs, groups_per_task, groups)
+        _nhwc_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first, last, streaming, fmt)
 
 
 @helper
-def _nhwc_whole_rows(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, streaming, fmt):
-    """Image ``n`` of the NHWC kernel, all channels: flat loops over rounds of PARTIAL_SUMS
-    positions (PARTIAL_SUMS*C contiguous elements; element ``j`` of a round is lane
-    ``j // C``, channel ``j % C``, so the lane rows are added to element by element), with the
-    per-channel constants tiled PARTIAL_SUMS times. Same arithmetic per element, in the same
-    order, as :func:`_nhwc_channel_runs`; a loop of PARTIAL_SUMS*C elements instead of C
-    keeps the vector loops busy when C is small (C = 64 left a 32-element loop per position:
-    about one vector iteration behind its alias checks and remainder)."""
-    wide_vectors()
-    _, hw, channels = x.shape
-    groups = mean.shape[1]
-    group_size = channels // groups
-    count = sum_g.dtype.type(group_size * hw)
-    tiled = PARTIAL_SUMS * channels
-    tile_mean = np.empty(tiled, sum_g.dtype)
-    tile_rstd = np.empty(tiled, sum_g.dtype)
-    tile_gamma = np.empty(tiled, sum_g.dtype)
-    tile_beta = np.empty(tiled, sum_g.dtype)
-    for j in range(tiled):
-        c = j % channels
-        tile_mean[j] = mean[n, c // group_size]
-        tile_rstd[j] = rstd[n, c // group_size]
-        tile_gamma[j] = gamma[c]
-        tile_beta[j] = beta[c]
-    flat_dy = dy[n].reshape(hw * channels)
-    flat_x = x[n].reshape(hw * channels)
-    flat_dx = dx[n].reshape(hw * channels)
-    # gnew in dx itself when dx has the compute type (float32, float64), else in a scratch array
-    in_place = _gnew_in_dx(dx, sum_g)
-    gnew_all = _gnew_storage(flat_dx, sum_g, hw * channels, in_place)
-    lanes_g = np.empty(tiled, sum_g.dtype)
-    lanes_gx = np.empty(tiled, sum_g.dtype)
-    total_g = sum_g[n]
-    total_gx = sum_gx[n]
-    total_g[:] = 0
-    total_gx[:] = 0
-    for block_start in range(0, hw, BLOCK):
-        block_stop = min(block_start + BLOCK, hw)
-        used = min(block_stop - block_start, PARTIAL_SUMS)
-        lanes_g[: used * channels] = 0
-        lanes_gx[: used * channels] = 0
-        for round_start in range(block_start, block_stop, PARTIAL_SUMS):
-            first = round_start * channels
-            stop = min(round_start + PARTIAL_SUMS, block_stop) * channels
-            round_dy = flat_dy[first:stop]
-            round_x = flat_x[first:stop]
-            round_gnew = gnew_all[first:stop]
-            for j in range(stop - first):
-                gnew, xhat = _gnew_xhat(
-                    load(round_dy[j], fmt),
-                    load(round_x[j], fmt),
-                    tile_mean[j],
-                    tile_rstd[j],
-                    tile_gamma[j],
-                    tile_beta[j],
-                    swish_scale,
-                )
-                round_gnew[j] = gnew
-                lanes_g[j] += gnew
-                lanes_gx[j] += gnew * xhat
-        _fold_lanes(lanes_g, channels, used)
-        _fold_lanes(lanes_gx, channels, used)
-        total_g += lanes_g[:channels]
-        total_gx += lanes_gx[:channels]
-    # c1, c2 tiled like the other constants (the lane arrays are reused to hold them)
-    tile_c1 = lanes_g
-    tile_c2 = lanes_gx
-    for g in range(groups):
-        c1, c2 = _group_coefficients(total_g, total_gx, gamma, g * group_size, (g + 1) * group_size, count)
-        for c in range(g * group_size, (g + 1) * group_size):
-            tile_c1[c] = c1
-            tile_c2[c] = c2
-    for j in range(channels, tiled):
-        tile_c1[j] = tile_c1[j - channels]
-        tile_c2[j] = tile_c2[j - channels]
-    if in_place:
-        for round_start in range(0, hw, PARTIAL_SUMS):
-            first = round_start * channels
-            stop = min(round_start + PARTIAL_SUMS, hw) * channels
-            round_x = flat_x[first:stop]
-            round_dx = flat_dx[first:stop]
-            for j in range(stop - first):
-                xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
-                round_dx[j] = store(
-                    _dx(load(round_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
-                )
-        return
-    buffer = np.empty(tiled if streaming else 0, dx.dtype)
-    for round_start in range(0, hw, PARTIAL_SUMS):
-        first = round_start * channels
-        stop = min(round_start + PARTIAL_SUMS, hw) * channels
-        round_x = flat_x[first:stop]
-        round_gnew = gnew_all[first:stop]
-        round_dx = buffer if streaming else flat_dx[first:stop]
-        for j in range(stop - first):
-            xhat = (load(round_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
-            round_dx[j] = store(_dx(round_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
-        if streaming:
-            copy_out(flat_dx, first, round_dx, 0, stop - first, True)
-    store_fence()
-
-
-@helper
-def _nhwc_channel_runs(
+def _nhwc_task(
     dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first_group, last_group, streaming, fmt
 ):
-    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel: inner loops along
-    the run's contiguous channels, once per position."""
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel, in steps of
+    positions. A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels takes PARTIAL_SUMS
+    positions per step: PARTIAL_SUMS*C contiguous elements laid out exactly like its
+    (PARTIAL_SUMS, C) lane rows (element ``j`` of a step is lane ``j // C``, channel ``j % C``),
+    one flat loop per step; a loop of PARTIAL_SUMS*C elements instead of C keeps the vector
+    loops busy when C is small (C = 64 left a 32-element loop per position: about one vector
+    iteration behind its alias checks and remainder). A narrower task takes one position per
+    step (its channels of one row). Either way each element gets the same arithmetic, in the
+    same order; the per-channel constants are tiled once per position of a step."""
     wide_vectors()
     _, hw, channels = x.shape
     groups = mean.shape[1]
@@ -572,25 +458,30 @@ def _nhwc_channel_runs(
     count = sum_g.dtype.type(group_size * hw)
     start = first_group * group_size
     width = (last_group - first_group) * group_size
-    # Per-channel copies of the group constants, so the inner loops are plain vector loops.
-    channel_mean = np.empty(width, sum_g.dtype)
-    channel_rstd = np.empty(width, sum_g.dtype)
-    channel_c1 = np.empty(width, sum_g.dtype)
-    channel_c2 = np.empty(width, sum_g.dtype)
-    for k in range(width):
-        channel_mean[k] = mean[n, first_group + k // group_size]
-        channel_rstd[k] = rstd[n, first_group + k // group_size]
-    channel_gamma = gamma[start : start + width]
-    channel_beta = beta[start : start + width]
+    step = PARTIAL_SUMS if width == channels and channels <= WHOLE_ROWS_MAX_CHANNELS else 1
+    tiled = step * width
+    tile_mean = np.empty(tiled, sum_g.dtype)
+    tile_rstd = np.empty(tiled, sum_g.dtype)
+    tile_gamma = np.empty(tiled, sum_g.dtype)
+    tile_beta = np.empty(tiled, sum_g.dtype)
+    for j in range(tiled):
+        k = j % width
+        group = first_group + k // group_size
+        tile_mean[j] = mean[n, group]
+        tile_rstd[j] = rstd[n, group]
+        tile_gamma[j] = gamma[start + k]
+        tile_beta[j] = beta[start + k]
+    flat_dy = dy[n].reshape(hw * channels)
+    flat_x = x[n].reshape(hw * channels)
     flat_dx = dx[n].reshape(hw * channels)
-    # gnew row i: gnew_rows[i * row_stride + row_start:][:width], in the task's own dx elements
-    # when dx has the compute type (float32, float64), else in a scratch array
+    # gnew of position i at gnew_all[i * gnew_stride + gnew_start:][:width]: in the task's own dx
+    # elements when dx has the compute type (float32, float64), else in a scratch array
     in_place = _gnew_in_dx(dx, sum_g)
-    gnew_rows = _gnew_storage(flat_dx, sum_g, hw * width, in_place)
-    row_stride = channels if in_place else width
-    row_start = start if in_place else 0
-    lanes_g = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
-    lanes_gx = np.empty((PARTIAL_SUMS, width), sum_g.dtype)
+    gnew_all = _gnew_storage(flat_dx, sum_g, hw * width, in_place)
+    gnew_stride = channels if in_place else width
+    gnew_start = start if in_place else 0
+    lanes_g = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
+    lanes_gx = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
     total_g = sum_g[n, start : start + width]
     total_gx = sum_gx[n, start : start + width]
     total_g[:] = 0
@@ -598,59 +489,68 @@ def _nhwc_channel_runs(
     for block_start in range(0, hw, BLOCK):
         block_stop = min(block_start + BLOCK, hw)
         used = min(block_stop - block_start, PARTIAL_SUMS)
-        lanes_g[:used] = 0
-        lanes_gx[:used] = 0
-        for i in range(block_start, block_stop):
-            dy_row = dy[n, i, start : start + width]
-            x_row = x[n, i, start : start + width]
-            gnew_row = gnew_rows[i * row_stride + row_start : i * row_stride + row_start + width]
-            lane_g = lanes_g[(i - block_start) % PARTIAL_SUMS]
-            lane_gx = lanes_gx[(i - block_start) % PARTIAL_SUMS]
-            for k in range(width):
+        lanes_g[: used * width] = 0
+        lanes_gx[: used * width] = 0
+        for position in range(block_start, block_stop, step):
+            first = position * channels + start
+            size = (min(position + step, block_stop) - position) * width
+            lane = ((position - block_start) % PARTIAL_SUMS) * width
+            gnew_first = position * gnew_stride + gnew_start
+            step_dy = flat_dy[first : first + size]
+            step_x = flat_x[first : first + size]
+            step_gnew = gnew_all[gnew_first : gnew_first + size]
+            for j in range(size):
                 gnew, xhat = _gnew_xhat(
-                    load(dy_row[k], fmt),
-                    load(x_row[k], fmt),
-                    channel_mean[k],
-                    channel_rstd[k],
-                    channel_gamma[k],
-                    channel_beta[k],
+                    load(step_dy[j], fmt),
+                    load(step_x[j], fmt),
+                    tile_mean[j],
+                    tile_rstd[j],
+                    tile_gamma[j],
+                    tile_beta[j],
                     swish_scale,
                 )
-                gnew_row[k] = gnew
-                lane_g[k] += gnew
-                lane_gx[k] += gnew * xhat
-        _fold_lanes(lanes_g.ravel(), width, used)
-        _fold_lanes(lanes_gx.ravel(), width, used)
-        total_g += lanes_g[0]
-        total_gx += lanes_gx[0]
+                step_gnew[j] = gnew
+                lanes_g[lane + j] += gnew
+                lanes_gx[lane + j] += gnew * xhat
+        _fold_lanes(lanes_g, width, used)
+        _fold_lanes(lanes_gx, width, used)
+        total_g += lanes_g[:width]
+        total_gx += lanes_gx[:width]
+    # c1, c2 tiled like the other constants (the lane arrays, at least as long, hold them)
+    tile_c1 = lanes_g
+    tile_c2 = lanes_gx
     for g in range(first_group, last_group):
         c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size, (g + 1) * group_size, count)
         for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
-            channel_c1[k] = c1
-            channel_c2[k] = c2
+            tile_c1[k] = c1
+            tile_c2[k] = c2
+    for j in range(width, tiled):
+        tile_c1[j] = tile_c1[j - width]
+        tile_c2[j] = tile_c2[j - width]
     if in_place:
-        for i in range(hw):
-            x_row = x[n, i, start : start + width]
-            dx_row = flat_dx[i * channels + start : i * channels + start + width]
-            for k in range(width):
-                xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-                dx_row[k] = store(
-                    _dx(load(dx_row[k], fmt), xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]),
-                    fmt,
+        for position in range(0, hw, step):
+            first = position * channels + start
+            size = (min(position + step, hw) - position) * width
+            step_x = flat_x[first : first + size]
+            step_dx = flat_dx[first : first + size]
+            for j in range(size):
+                xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+                step_dx[j] = store(
+                    _dx(load(step_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
                 )
         return
-    buffer = np.empty(width if streaming else 0, dx.dtype)
-    for i in range(hw):
-        x_row = x[n, i, start : start + width]
-        gnew_row = gnew_rows[i * width : (i + 1) * width]
-        dx_row = buffer if streaming else flat_dx[i * channels + start : i * channels + start + width]
-        for k in range(width):
-            xhat = (load(x_row[k], fmt) - channel_mean[k]) * channel_rstd[k]
-            dx_row[k] = store(
-                _dx(gnew_row[k], xhat, channel_rstd[k], channel_gamma[k], channel_c1[k], channel_c2[k]), fmt
-            )
+    buffer = np.empty(tiled if streaming else 0, dx.dtype)
+    for position in range(0, hw, step):
+        first = position * channels + start
+        size = (min(position + step, hw) - position) * width
+        step_x = flat_x[first : first + size]
+        step_gnew = gnew_all[position * width : position * width + size]
+        step_dx = buffer if streaming else flat_dx[first : first + size]
+        for j in range(size):
+            xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+            step_dx[j] = store(_dx(step_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
         if streaming:
-            copy_out(flat_dx, i * channels + start, dx_row, 0, width, True)
+            copy_out(flat_dx, first, step_dx, 0, size, True)
     store_fence()
 
 
@@ -773,7 +673,7 @@ def _group_rstd(t1, t2, count, eps, zero, one):
     return one / math.sqrt(var + eps)
 
 
-@helper
+@leaf_helper
 def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
     """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
     Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
@@ -786,7 +686,7 @@ def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale,
             y_row[i] = store(fma(load(x_row[i], fmt) - mean, scale, beta), fmt)
 
 
-@helper
+@leaf_helper
 def _moment_sums(row, first, stop, offset, center, other_center, zero, fmt):
     """:func:`_block_moments` over ``row[first:stop]`` (and ``offset`` further) in blocks of
     :data:`BLOCK`, block sums added in order: ``(t1, t2, other t1, other t2)``."""
@@ -805,7 +705,7 @@ def _moment_sums(row, first, stop, offset, center, other_center, zero, fmt):
     return t1, t2, other_t1, other_t2
 
 
-@helper
+@leaf_helper
 def _group_statistics(row, first, size, offset, count, eps, zero, one, fmt):
     """``(mean, rstd, other mean, other rstd)`` of the group ``row[first:first + size]`` and of
     the group ``offset`` elements on (offset 0: the same group twice, its results repeated):
@@ -837,34 +737,40 @@ def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, 
     two groups run side by side (a lone group's with a copy of themselves:
     :func:`_group_statistics`), each in the same order, so the run length changes no bit.
     """
-    batch, channels, hw = x.shape
     groups = mean.shape[1]
-    group_size = channels // groups
+    runs = (groups + groups_per_task - 1) // groups_per_task
+    for task in prange(x.shape[0] * runs):
+        wide_vectors()
+        n, first, last = _task_groups(task, runs, groups_per_task, groups)
+        _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first, last, fmt)
+
+
+@leaf_helper
+def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, g, last, fmt):
+    """Image ``n``, groups ``[g, last)`` (one or two) of the NCHW forward. A leaf helper (no
+    reference counting): its row views would otherwise cost two atomic operations each, a
+    large part of a call on small groups."""
+    wide_vectors()
+    _, channels, hw = x.shape
+    group_size = channels // mean.shape[1]
     size = group_size * hw
     zero = mean.dtype.type(0)
     one = mean.dtype.type(1)
     count = mean.dtype.type(size)
-    flat_x = x.reshape(batch, channels * hw)
-    runs = (groups + groups_per_task - 1) // groups_per_task
-    for task in prange(batch * runs):
-        wide_vectors()
-        n = task // runs
-        g = (task - n * runs) * groups_per_task
-        last = min(g + groups_per_task, groups)
-        offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
-        group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
-            flat_x[n], g * size, size, offset, count, eps, zero, one, fmt
+    offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
+    group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
+        x[n].reshape(channels * hw), g * size, size, offset, count, eps, zero, one, fmt
+    )
+    mean[n, g] = group_mean
+    rstd[n, g] = group_rstd
+    if offset:
+        mean[n, g + 1] = other_mean
+        rstd[n, g + 1] = other_rstd
+    for c in range(g * group_size, last * group_size):
+        group = c // group_size
+        _normalise_row(
+            x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt
         )
-        mean[n, g] = group_mean
-        rstd[n, g] = group_rstd
-        if offset:
-            mean[n, g + 1] = other_mean
-            rstd[n, g + 1] = other_rstd
-        for c in range(g * group_size, last * group_size):
-            group = c // group_size
-            _normalise_row(
-                x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt
-            )
 
 
 @parallel_kernel
@@ -877,29 +783,12 @@ def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, 
     channels' sums in channel order. So the run width changes no bit; the order differs from
     the NCHW kernel's, so the two layouts agree to rounding, not bitwise.
     """
-    batch = x.shape[0]
     groups = mean.shape[1]
     runs = (groups + groups_per_task - 1) // groups_per_task
-    for task in prange(batch * runs):
+    for task in prange(x.shape[0] * runs):
         wide_vectors()
-        n = task // runs
-        run = task - n * runs
-        first_group = run * groups_per_task
-        _nhwc_forward_run(
-            x,
-            gamma,
-            beta,
-            eps,
-            activate_swish,
-            swish_scale,
-            y,
-            mean,
-            rstd,
-            n,
-            first_group,
-            min(first_group + groups_per_task, groups),
-            fmt,
-        )
+        n, first, last = _task_groups(task, runs, groups_per_task, groups)
+        _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first, last, fmt)
 
 
 @helper
@@ -978,3 +867,184 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
         else:
             for k in range(width):
                 y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)
+
+
+# ---- plans (docs/design.md, "The one contract") ------------------------------------------------
+
+#: Channels an NHWC task aims to span (its inner loops run along them, once per position):
+#: narrow runs are slow, and keeping dy and x in cache matters less (docs/history.md).
+NHWC_TASK_CHANNELS = 512
+#: Tasks per thread the NHWC runs are split into at least, when the batch alone gives fewer.
+NHWC_TASKS_PER_THREAD = 2
+#: NCHW forward tasks take two groups each (:func:`nchw_groups_per_task`) only while that
+#: leaves at least this many tasks per thread: fewer, larger tasks balance worse.
+NCHW_PAIRED_TASKS_PER_THREAD = 4
+#: An NHWC dx of float16 or bfloat16 (a float32 or float64 dx holds gnew between the kernel's
+#: passes and is overwritten in place) of at least this many bytes is written with streaming
+#: (non-temporal) stores. An NHWC task's x and gnew (a whole image's channels) outgrow L2 and are
+#: reread from L3 in its second pass; a plain dx store first reads its line and then evicts
+#: them. The floor is kept above the size where streaming starts to win, so that a smaller dx
+#: stays in cache for whatever reads it next (docs/history.md).
+NHWC_STREAM_MIN_BYTES = 4 << 20
+
+
+class Geometry(NamedTuple):
+    """A validated group_norm_swish_backward call, as its kernels see it."""
+
+    nhwc: bool  # the kernels' layout is (N, HxW, C); else (N, C, HxW)
+    batch: int
+    channels: int
+    positions: int  # HxW: the product of the spatial sizes
+    groups: int
+    itemsize: int  # of dy, x and dx
+    fmt: StorageFormat  # of dy, x and dx
+    compute: np.dtype  # the kernels' arithmetic: float64 for float64 data, else float32
+    parameter_fmt: StorageFormat  # of dgamma and dbeta (gamma's dtype)
+    want_dgamma: bool
+    want_dbeta: bool
+    threads: int  # the thread count a parallel launch runs on (it sizes the NHWC tasks)
+
+
+class ForwardGeometry(NamedTuple):
+    """A validated group_norm_swish (forward) call, as its kernel sees it."""
+
+    nhwc: bool  # the kernel's layout is (N, HxW, C); else (N, C, HxW)
+    batch: int
+    channels: int
+    positions: int
+    groups: int
+    fmt: StorageFormat  # of x and y
+    compute: np.dtype  # of the statistics, gamma, beta and the scalars
+    activate_swish: bool
+    threads: int
+
+
+def plan(geometry):
+    """The plan of a call of either direction: :class:`BackwardPlan` for a :class:`Geometry`,
+    :class:`ForwardPlan` for a :class:`ForwardGeometry` (the task partition, the launches and
+    the scratch each call allocates)."""
+    if isinstance(geometry, ForwardGeometry):
+        return _forward_plan(geometry)
+    return _backward_plan(geometry)
+
+
+def nhwc_groups_per_task(groups, group_size, batch, threads):
+    """Consecutive groups one NHWC task handles: about :data:`NHWC_TASK_CHANNELS` channels, fewer
+    only until there are :data:`NHWC_TASKS_PER_THREAD` tasks per thread, never fewer than one
+    group. Any choice gives the same bits (every per-(n, c) sum has a fixed order)."""
+    if groups * group_size <= WHOLE_ROWS_MAX_CHANNELS and batch >= threads:
+        return groups  # a whole image per task: steps of PARTIAL_SUMS positions (narrow runs are slower)
+    by_width = -(-NHWC_TASK_CHANNELS // group_size)
+    runs_per_image = -(-NHWC_TASKS_PER_THREAD * threads // batch)
+    by_tasks = -(-groups // runs_per_image)
+    return max(1, min(groups, by_width, by_tasks))
+
+
+def nchw_groups_per_task(groups, batch, threads):
+    """Groups one NCHW forward task handles: two (their sums interleaved, the same bits) while
+    that leaves at least :data:`NCHW_PAIRED_TASKS_PER_THREAD` tasks per thread, else one."""
+    return 2 if batch * (groups // 2) >= NCHW_PAIRED_TASKS_PER_THREAD * threads else 1
+
+
+class BackwardPlan(NamedTuple):
+    """The plan of a backward call: the dx kernel's launch, shape and last arguments, and the
+    launch of the parameter gradients' kernel (None when neither is wanted)."""
+
+    dx: Launch
+    shape: tuple  # (N, C, HxW) or (N, HxW, C)
+    arguments: tuple  # the dx kernel's arguments after sum_gx
+    parameter_grads: Launch
+    wants: tuple  # (want_dgamma, want_dbeta, parameter_fmt): the last arguments of parameter_grads
+    sums: tuple  # the shape of the per-(n, c) sums
+    compute: np.dtype
+
+    def run(self, dy, mean, rstd, x, gamma, beta, dx, dgamma, dbeta, swish_scale):
+        """dx (and dgamma, dbeta when wanted) from the kernel views of dy, x and dx (C-contiguous
+        in the plan's layout, any shape holding it); mean, rstd ``(N, G)``, gamma, beta ``(C,)``
+        and ``swish_scale`` in the compute type, C-contiguous; dgamma, dbeta ``(C,)`` kernel
+        views in the parameters' dtype (one that is not wanted is not written)."""
+        sum_g = np.empty(self.sums, self.compute)
+        sum_gx = np.empty(self.sums, self.compute)
+        shape = self.shape
+        self.dx(
+            dy.reshape(shape),
+            x.reshape(shape),
+            mean,
+            rstd,
+            gamma,
+            beta,
+            swish_scale,
+            dx.reshape(shape),
+            sum_g,
+            sum_gx,
+            *self.arguments,
+        )
+        if self.parameter_grads is not None:
+            self.parameter_grads(sum_g, sum_gx, dgamma, dbeta, *self.wants)
+
+
+def _backward_plan(g):
+    work = g.batch * g.channels * g.positions
+    dx = Launch(group_norm_swish_bwd_nhwc if g.nhwc else group_norm_swish_bwd_nchw, work, read_only=(0, 1, 2, 3, 4, 5))
+    if g.nhwc:
+        threads = g.threads if dx.parallel else 1
+        streaming = work * g.itemsize >= NHWC_STREAM_MIN_BYTES  # only a half-format dx is streamed
+        groups_per_task = nhwc_groups_per_task(g.groups, g.channels // g.groups, g.batch, threads)
+        shape, arguments = (g.batch, g.positions, g.channels), (groups_per_task, streaming, g.fmt)
+    else:
+        shape, arguments = (g.batch, g.channels, g.positions), (g.fmt,)
+    # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
+    # ~7.7 s CPU on a loaded machine) in the first call's compile
+    parameter_grads = None
+    if g.want_dgamma or g.want_dbeta:
+        parameter_grads = Launch(group_norm_swish_param_grads, None, read_only=(0, 1))
+    return BackwardPlan(
+        dx,
+        shape,
+        arguments,
+        parameter_grads,
+        (g.want_dgamma, g.want_dbeta, g.parameter_fmt),
+        (g.batch, g.channels),
+        g.compute,
+    )
+
+
+class ForwardPlan(NamedTuple):
+    """The plan of a forward call: the kernel's launch, shape and partition."""
+
+    launch: Launch
+    shape: tuple  # (N, C, HxW) or (N, HxW, C)
+    activate_swish: bool
+    groups_per_task: int
+    fmt: StorageFormat
+
+    def run(self, x, gamma, beta, y, mean, rstd, eps, swish_scale):
+        """y, mean and rstd from the kernel views of x and y (C-contiguous in the plan's layout,
+        any shape holding it); gamma, beta ``(C,)``, ``eps`` and ``swish_scale`` in the compute
+        type; mean and rstd ``(N, G)`` compute-type outputs, C-contiguous."""
+        self.launch(
+            x.reshape(self.shape),
+            gamma,
+            beta,
+            eps,
+            self.activate_swish,
+            swish_scale,
+            y.reshape(self.shape),
+            mean,
+            rstd,
+            self.groups_per_task,
+            self.fmt,
+        )
+
+
+def _forward_plan(g):
+    work = g.batch * g.channels * g.positions
+    launch = Launch(group_norm_swish_fwd_nhwc if g.nhwc else group_norm_swish_fwd_nchw, work, read_only=(0, 1, 2))
+    threads = g.threads if launch.parallel else 1
+    if g.nhwc:
+        groups_per_task = nhwc_groups_per_task(g.groups, g.channels // g.groups, g.batch, threads)
+        shape = (g.batch, g.positions, g.channels)
+    else:
+        groups_per_task = nchw_groups_per_task(g.groups, g.batch, threads)
+        shape = (g.batch, g.channels, g.positions)
+    return ForwardPlan(launch, shape, g.activate_swish, groups_per_task, g.fmt)

@@ -663,14 +663,14 @@ class _LazyGroupNorm(torch.Tensor):
     def _fused_silu(self, inplace):
         """The first use is a SiLU: fastbwd's fused operator on the call's input."""
         self._check_unmodified()
-        norm, input = self._fb_norm, self._fb_input
-        eps = float(norm.eps)
+        input = self._fb_input
         with _grad_mode(self._fb_grad and torch.is_grad_enabled()):
             if _ops._eager(input):
-                y = _ops.EagerGroupNormSwish.apply(input, self._fb_weight, self._fb_bias, self._fb_geometry, eps, 1.0)
+                y = _ops.EagerGroupNormSwish.apply(input, self._fb_weight, self._fb_bias, self._fb_geometry)
             else:  # a mode entered between the GroupNorm and its SiLU: through the operator
+                norm = self._fb_norm
                 y = torch.ops.fastbwd.group_norm_swish(
-                    input, self._fb_weight, self._fb_bias, norm.num_groups, eps, 1.0
+                    input, self._fb_weight, self._fb_bias, norm.num_groups, float(norm.eps), 1.0
                 )[0]
         self._fb_consumed = True
         if inplace:

@@ -82,7 +82,9 @@ def group_norm_swish(
     if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
         return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
     if input.is_cpu and input.numel() and _ops.use_eager_path(input):
-        return _ops.eager_group_norm_swish(input, weight, bias, num_groups, eps, swish_scale, _check_input)
+        # nn.GroupNorm's checks run on the first call of each geometry (its later calls repeat it)
+        geometry = _ops.geometry_of(input, weight, bias, num_groups, float(eps), float(swish_scale), _check_input)
+        return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)
     _check_input(input, num_groups, weight, bias)
     if input.device.type != "cpu":
         # fastbwd is a CPU library: other devices keep PyTorch's composite (same formula).

@@ -235,16 +235,16 @@ def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
             x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
         )
         return y * torch.sigmoid(swish_scale * y), mean, rstd
-    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale)
-    y, arrays = _forward_arrays(geometry, input, weight, bias)
+    y, arrays = geometry_of(input, weight, bias, num_groups, eps, swish_scale).forward(input, weight, bias)
     return y, c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
 
 
 class _Geometry:
     """What the tensors' metadata and the other arguments decide about a GroupNorm+Swish call,
-    worked out and validated once (the api's plans, the memory format, the constant parameters
-    of a call without weight or bias), so that every later call of the same geometry (every step
-    of a training loop) goes straight to the api's per-call work (its ``run``)."""
+    worked out and validated once (the memory format, the constant parameters of a call without
+    weight or bias, and per thread count the api's plans), so that every later call of the same
+    geometry (every step of a training loop) goes straight to the api's per-call work (its
+    ``run``)."""
 
     def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
         self.memory_format = c.memory_format(input)
@@ -263,11 +263,12 @@ class _Geometry:
         self.beta = None if bias is not None else beta
         self.swish_scale = swish_scale
         self.checked = False  # nn.GroupNorm's input checks passed (the eager path's own)
-        self._backward = {}
-        if eps is not None:  # the forward's scalars and plan (validated here, ParamError)
+        self._forward = {}  # thread count -> the api's forward plan
+        self._backward = {}  # (thread count, flags, arrays' metadata) -> the api's backward plan
+        if eps is not None:  # the forward's scalars (validated here, ParamError)
             self.eps, _ = gns_api.forward_scalars(eps, swish_scale)
-            x = self.x_array(input)
-            self.forward = gns_api.forward_plan(x, gamma, beta, num_groups, self.data_format, True, None)
+            # its plan too, so that a bad call fails before it is remembered
+            self._forward_plan(self.x_array(input), gamma, beta, match_torch_threads())
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
@@ -278,32 +279,32 @@ class _Geometry:
             return array.reshape(array.shape[0], array.shape[1], -1)
         return array.transpose(self.to_nhwc) if self.channels_last else array
 
-    def parameters(self, weight, bias):
-        """gamma and beta as the api takes them (see :func:`_parameters`)."""
-        return (
-            self.gamma if weight is None else c.as_array(weight),
-            self.beta if bias is None else c.as_array(bias),
-        )
+    def forward(self, input, weight, bias):
+        """The forward kernel on a non-empty ``input`` of this geometry: ``y`` as a tensor, and
+        the arrays the backward kernel takes besides ``dy`` (:class:`_KernelArrays`, with
+        ``mean`` and ``rstd``), which the eager path keeps so that its backward converts only
+        ``dy``."""
+        x = self.x_array(input)
+        gamma = self.gamma if weight is None else c.as_array(weight)
+        beta = self.beta if bias is None else c.as_array(bias)
+        threads = match_torch_threads()
+        plan = self._forward.get(threads) or self._forward_plan(x, gamma, beta, threads)
+        y, mean, rstd = gns_api.run_forward(plan, x, gamma, beta, self.eps, self.swish_scale, None)
+        return self.result(y), _KernelArrays(mean, rstd, x, gamma, beta)
 
-    @functools.cached_property
-    def output_strides(self):
-        """The strides of ``F.group_norm``'s output (and of this geometry's y): dense in the
-        input's suggested memory format."""
-        return torch.empty(self.shape, device="meta", memory_format=self.memory_format).stride()
+    def _forward_plan(self, x, gamma, beta, threads):
+        plan = gns_api.forward_plan(x, gamma, beta, self.num_groups, self.data_format, True, None)
+        self._forward[threads] = plan
+        return plan
 
-    def result(self, array):
-        """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
-        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's."""
-        tensor = c.as_tensor(array)
-        if self.flat:
-            return tensor.reshape(self.shape)
-        return tensor.permute(self.to_nchw) if self.channels_last else tensor
-
-    def backward_plan(self, dy, arrays, need_weight, need_bias, own_statistics):
-        """The api's backward plan for these arrays, validated on the first call of their
-        metadata. ``own_statistics``: mean and rstd are the forward's own arrays (the eager
-        path), whose metadata this geometry fixes; the custom op may be given any."""
-        key = (need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
+    def backward(self, grad_output, arrays, need_weight, need_bias, own_statistics):
+        """``(dx, dgamma or None, dbeta or None)`` from ``grad_output`` and the other inputs as
+        arrays (:class:`_KernelArrays`); ``own_statistics``: mean and rstd are the forward's own
+        arrays (the eager path), whose metadata this geometry fixes (the custom op may be given
+        any). The results are new NumPy arrays wrapped without a copy (dx channels_last again
+        for channels_last input)."""
+        dy = self.x_array(grad_output)
+        key = (match_torch_threads(), need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
         if not own_statistics:
             key += tuple((a.shape, a.strides, a.dtype) for a in (arrays.mean, arrays.rstd))
         plan = self._backward.get(key)
@@ -322,7 +323,26 @@ class _Geometry:
                 None,
             )
             self._backward[key] = plan
-        return plan
+        grad_input, grad_weight, grad_bias = gns_api.run(plan, dy, *arrays, self.swish_scale, None)
+        return (
+            self.result(grad_input),
+            None if grad_weight is None else c.as_tensor(grad_weight),
+            None if grad_bias is None else c.as_tensor(grad_bias),
+        )
+
+    @functools.cached_property
+    def output_strides(self):
+        """The strides of ``F.group_norm``'s output (and of this geometry's y): dense in the
+        input's suggested memory format."""
+        return torch.empty(self.shape, device="meta", memory_format=self.memory_format).stride()
+
+    def result(self, array):
+        """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
+        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's."""
+        tensor = c.as_tensor(array)
+        if self.flat:
+            return tensor.reshape(self.shape)
+        return tensor.permute(self.to_nchw) if self.channels_last else tensor
 
 
 _GEOMETRIES = _plans.Plans()
@@ -355,24 +375,13 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input=N
     return geometry
 
 
-def _forward_arrays(geometry, input, weight, bias):
-    """The forward kernel on a non-empty ``input`` of ``geometry``: ``y`` as a tensor, and the
-    arrays the backward kernel takes besides ``dy`` (:class:`_KernelArrays`, with ``mean`` and
-    ``rstd``), which the eager path keeps so that its backward converts only ``dy``."""
-    x = geometry.x_array(input)
-    gamma, beta = geometry.parameters(weight, bias)
-    match_torch_threads()
-    y, mean, rstd = gns_api.run_forward(geometry.forward, x, gamma, beta, geometry.eps, geometry.swish_scale, None)
-    return geometry.result(y), _KernelArrays(geometry, x, mean, rstd, gamma, beta)
-
-
 class _KernelArrays(NamedTuple):
-    """What the backward kernel takes besides ``dy``, as the forward's kernel saw it."""
+    """What the backward kernel takes besides ``dy`` (in the api's order), as the forward's
+    kernel saw it."""
 
-    geometry: _Geometry
-    x: object  # (N, C, *) array, or the (N, H, W, C) view of channels_last input
     mean: object
     rstd: object
+    x: object  # (N, C, *) array, or the (N, H, W, C) view of channels_last input
     gamma: object
     beta: object
 
@@ -403,27 +412,13 @@ def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, s
         )
     geometry = geometry_of(input, weight, bias, num_groups, None, swish_scale)
     arrays = _KernelArrays(
-        geometry, geometry.x_array(input), c.as_array(mean), c.as_array(rstd), *geometry.parameters(weight, bias)
+        c.as_array(mean),
+        c.as_array(rstd),
+        geometry.x_array(input),
+        geometry.gamma if weight is None else c.as_array(weight),
+        geometry.beta if bias is None else c.as_array(bias),
     )
-    return _backward_from_arrays(grad_output, arrays, need_weight, need_bias, False)
-
-
-def _backward_from_arrays(grad_output, arrays, need_weight, need_bias, own_statistics):
-    """:func:`_backward_kernel` given the other inputs as arrays (:class:`_KernelArrays`;
-    ``own_statistics`` see :meth:`_Geometry.backward_plan`); the results come back as new NumPy
-    arrays, wrapped without a copy (dx channels_last again for channels_last input)."""
-    geometry = arrays.geometry
-    dy = geometry.x_array(grad_output)
-    plan = geometry.backward_plan(dy, arrays, need_weight, need_bias, own_statistics)
-    match_torch_threads()
-    grad_input, grad_weight, grad_bias = gns_api.run(
-        plan, dy, arrays.mean, arrays.rstd, arrays.x, arrays.gamma, arrays.beta, geometry.swish_scale, None
-    )
-    return (
-        geometry.result(grad_input),
-        None if grad_weight is None else c.as_tensor(grad_weight),
-        None if grad_bias is None else c.as_tensor(grad_bias),
-    )
+    return geometry.backward(grad_output, arrays, need_weight, need_bias, False)
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
@@ -490,10 +485,10 @@ def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd), None)
 
 
-def _grad(ctx, grad_output, input, weight, bias, statistics, arrays):
+def _grad(ctx, grad_output, input, weight, bias, statistics, kept):
     """The operator's backward formula; ``statistics()`` gives the forward's mean and rstd
-    tensors, ``arrays`` (:class:`_KernelArrays`) are those the eager path's forward kept, or
-    None."""
+    tensors; ``kept`` is ``(geometry, arrays)``, the :class:`_Geometry` and
+    :class:`_KernelArrays` the eager path's forward kept, or None."""
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled() and input.numel() != 0:
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
@@ -502,8 +497,9 @@ def _grad(ctx, grad_output, input, weight, bias, statistics, arrays):
         # reshape an empty input under dynamic shapes).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
-    if arrays is not None and _eager(grad_output, input):
-        grads = _backward_from_arrays(grad_output, arrays, need_weight, need_bias, True)
+    if kept is not None and _eager(grad_output, input):
+        geometry, arrays = kept
+        grads = geometry.backward(grad_output, arrays, need_weight, need_bias, True)
     else:
         arguments = (grad_output, input, *statistics(), weight, bias, ctx.num_groups, ctx.swish_scale)
         if _eager(grad_output, input):
@@ -618,26 +614,19 @@ class EagerGroupNormSwish(torch.autograd.Function):
     output costs autograd bookkeeping)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, geometry, eps, swish_scale):
-        y, ctx.kernel_arrays = _forward_arrays(geometry, input, weight, bias)
+    def forward(ctx, input, weight, bias, geometry):
+        y, arrays = geometry.forward(input, weight, bias)
+        ctx.kept = geometry, arrays
         ctx.save_for_backward(input, weight, bias)
-        ctx.num_groups, ctx.eps, ctx.swish_scale = geometry.num_groups, eps, swish_scale
+        ctx.num_groups, ctx.eps, ctx.swish_scale = geometry.num_groups, geometry.eps, geometry.swish_scale
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        arrays = ctx.kernel_arrays
+        kept = ctx.kept
 
         def statistics():
+            arrays = kept[1]
             return c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
 
-        return _grad(ctx, grad_output, *ctx.saved_tensors, statistics, arrays)
-
-
-def eager_group_norm_swish(input, weight, bias, num_groups, eps, swish_scale, check_input):
-    """The eager path of ``fastbwd.torch.group_norm_swish`` for a plain, non-empty CPU tensor
-    (see :func:`use_eager_path`): ``check_input`` (nn.GroupNorm's checks) runs on the first call
-    of each geometry, whose later calls repeat what it decided."""
-    eps, swish_scale = float(eps), float(swish_scale)
-    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input)
-    return EagerGroupNormSwish.apply(input, weight, bias, geometry, eps, swish_scale)
+        return _grad(ctx, grad_output, *ctx.saved_tensors, statistics, kept)[:4]

@@ -13,7 +13,9 @@ from .. import api
 
 
 def match_torch_threads():
-    """Set Numba's thread count (for the calling thread) to PyTorch's, within Numba's pool."""
+    """Set Numba's thread count (for the calling thread) to PyTorch's, within Numba's pool;
+    returns that count."""
     wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if api.get_num_threads() != wanted:
         api.set_num_threads(wanted)
+    return wanted
