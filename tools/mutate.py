@@ -1240,6 +1240,15 @@ MUTANTS = [
         "NHWC backward: bands no box reaches are left unwritten (out= keeps its old values)",
     ),
     Mutant(
+        "roi-nhwc-in-place-zero",
+        "roi_align",
+        K_ROI,
+        "        if in_place:\n            band[:] = 0\n",
+        "        if in_place:\n            pass\n",
+        T_ROI,
+        "NHWC backward accumulating in the result: the band is not zeroed first (out= values leak in)",
+    ),
+    Mutant(
         "roi-nhwc-fwd-image",
         "roi_align",
         K_ROI,

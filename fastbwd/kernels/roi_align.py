@@ -69,6 +69,25 @@ def like(typingctx, value, template):
     return target(value, template), codegen
 
 
+@intrinsic(prefer_literal=False)
+def same_type_or(typingctx, array, fallback):
+    """``(array, True)`` when ``array`` has ``fallback``'s Numba type, else ``(fallback, False)``
+    (njit only; decided at compile time). Lets a kernel use its result as its accumulator where
+    the storage is the compute type, and still compile for the half formats (which never take
+    that branch: the flag is False there)."""
+    same = array == fallback
+    chosen = array if same else fallback
+    signature = types.Tuple((chosen, types.boolean))(array, fallback)
+
+    def codegen(context, builder, signature, args):
+        value = args[0] if same else args[1]
+        context.nrt.incref(builder, chosen, value)
+        flag = context.get_constant(types.boolean, same)
+        return context.make_tuple(builder, signature.return_type, (value, flag))
+
+    return signature, codegen
+
+
 @helper
 def box_geometry(box, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned):
     """docs/semantics.md §4 per-box setup in the boxes' dtype.
@@ -492,7 +511,15 @@ def roi_align_bwd(
                     grad_input[b, c, row_begin * width : row_end * width] = 0
             continue
         row_grad = np.empty((pooled_width, c1 - c0), y_table.weight.dtype)
-        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_table.weight.dtype)
+        # NHWC, one block of all channels, stored in the compute type: the band of the result is
+        # one contiguous matrix, accumulated in place (no scratch to zero and copy out)
+        band, in_place = same_type_or(grad_input[b][row_begin * width : row_end * width], row_grad)
+        in_place = in_place and channels_last and c1 - c0 == channels
+        if in_place:
+            band[:] = 0
+            target = band
+        else:
+            target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_table.weight.dtype)
         _scatter_band(
             grad_bins,
             channels_last,
@@ -510,6 +537,8 @@ def roi_align_bwd(
             y_table,
             x_table,
         )
+        if in_place:
+            continue
         if channels_last:
             _store_rows(target, grad_input[b], row_begin * width, c0, fmt)
         else:
@@ -705,8 +734,8 @@ CHANNEL_BLOCK = 64
 FORWARD_CHANNEL_BLOCK = 64
 #: Channels per task in the NHWC layout (backward) and from a channels-last input (forward), at
 #: most: a pixel's channels are contiguous in memory, so a wider block reads and writes longer
-#: runs and shares each entry pair's offset and weight over more channels (R1: 36 ms backward,
-#: 57 ms forward at 256 against 49 and 76 ms at 64, same process).
+#: runs and shares each entry pair's offset and weight over more channels, and a block of all
+#: channels lets the backward accumulate in the result itself (docs/history.md, issue 40).
 CHANNELS_LAST_BLOCK = 256
 #: Bytes of each scatter task's scratch, about (see :func:`_band_rows`).
 SCRATCH_BYTES = 1 << 20
