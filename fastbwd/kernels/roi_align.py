@@ -482,10 +482,12 @@ def roi_align_bwd(
     Parallel over (image ``b``, channel block, band of rows); a task writes only its block of
     channels and band of rows of ``grad_input[b]``. It accumulates in a zeroed channels-last
     scratch of the compute type (float32, or float64 for float64 data; small enough to stay in
-    cache), then stores each element once (rounding the half formats). Table position ``j``
-    holds box ``box_order[j]``; image ``b`` owns positions
-    ``image_start[b] : image_start[b + 1]``. The layouts differ only in the copies in and out
-    of the scratch, so each element gets the same sum, in the same order, in both.
+    cache), then stores each element once (rounding the half formats); in the NHWC layout with
+    every channel in one block and float32 or float64 data, it accumulates in its (zeroed) band
+    of the result instead. Table position ``j`` holds box ``box_order[j]``; image ``b`` owns
+    positions ``image_start[b] : image_start[b + 1]``. The layouts differ only in where the sums
+    are kept and the copies in and out, so each element gets the same sum, in the same order,
+    in both.
     """
     batch = grad_input.shape[0]
     channels = grad_input.shape[2] if channels_last else grad_input.shape[1]
