@@ -2,8 +2,10 @@
 sampling, with the two baselines of ``bench/roi_baselines.py`` when torch is installed
 (the pure-PyTorch formulation, autograd through index_add, and the serial torchvision-style loop);
 the forward ``roi_align_forward`` (for fastbwd.torch and fastbwd.jax) on the R1 and R2 shapes
-(R1f, R2f; NCHW and channels-last), with the pure-PyTorch forward as its baseline; O6, a warm
-call of either direction on a tiny input (torchvision's operators beside it where installed).
+(R1f, R2f; NCHW and channels-last), with the pure-PyTorch forward as its baseline; the NHWC
+layout's cases (R1-NHWC, R2-NHWC, R1f-NHWC, R2f-NHWC) beside fastbwd on the same values in NCHW;
+O6, a warm call of either direction on a tiny input (torchvision's operators beside it where
+installed).
 
 Run: python -m pytest bench/bench_roi_align.py --benchmark-enable --benchmark-only
 """
@@ -13,12 +15,30 @@ import pytest
 
 import fastbwd
 
-from .benchutil import case_id, standard_benchmarks
+from .benchutil import case_id, op_cases, prepared_case, standard_benchmarks
 from .cases import OPS, Case, Prepared, fastbwd_calls
 
 bench_fastbwd, bench_fastbwd_out, bench_baseline = standard_benchmarks(
     "roi_align_backward", baselines=["torch (pure PyTorch)", "serial loop"]
 )
+
+
+@pytest.mark.parametrize("baseline", ["fastbwd NCHW", "fastbwd NCHW out="])
+@pytest.mark.parametrize(
+    "case",
+    [
+        param
+        for name in ("roi_align_backward", "roi_align_forward")
+        for param in op_cases(name)
+        if param.values[0].params.get("layout") == "NHWC"
+    ],
+)
+def bench_nchw_of_nhwc_case(case, baseline, measure, smoke):
+    """fastbwd on an NHWC case's values in NCHW (allocating, and out=): issue 40's targets are
+    ratios to it."""
+    prepared = prepared_case(case, smoke=smoke)
+    measure(case, prepared.baselines[baseline], prepared.nbytes, baseline)
+
 
 #: One box of about 1e7 feature-map pixels (3163 x 3163 at scale 0.25) around the R1 image:
 #: adaptive sampling gives 452 x 452 samples per bin, of which only those in the image are visited.

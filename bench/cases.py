@@ -368,6 +368,18 @@ def _prepare_roi_align(case, with_torch):
     boxes = roi_boxes(k, input_shape, p["spatial_scale"], dtype=dtype)
     grad_output = _random((k, input_shape[1], ph, pw), dtype)
     args = (grad_output, boxes, input_shape, ph, pw, p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    if p.get("layout") == "NHWC":
+        # the target is a ratio to the NCHW layout (issue 40): the same values in NCHW, timed in
+        # the same alternating rounds
+        nchw_run, nchw_run_out, _ = fastbwd_calls(fastbwd.roi_align_backward, *args)
+        grad_output = np.ascontiguousarray(grad_output.transpose(0, 2, 3, 1))
+        run, run_out, out = fastbwd_calls(fastbwd.roi_align_backward, grad_output, *args[1:], layout="NHWC")
+        return Prepared(
+            run=run,
+            run_out=run_out,
+            nbytes=_nbytes(grad_output, boxes, out),
+            baselines={"fastbwd NCHW": nchw_run, "fastbwd NCHW out=": nchw_run_out},
+        )
     run, run_out, out = fastbwd_calls(fastbwd.roi_align_backward, *args)
     prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(grad_output, boxes, out))
     torch = _torch() if with_torch else None
@@ -403,7 +415,8 @@ ROI_ALIGN = extend(
     "roi_align_backward",
     prepare=_prepare_roi_align,
     smoke=_smoke_roi_align,
-    # targets: issue 5 (R1 >= 20x the pure-PyTorch formulation and >= 10x the serial loop, R2 >= 10x the serial loop)
+    # targets: issue 5 (R1 >= 20x the pure-PyTorch formulation and >= 10x the serial loop, R2 >= 10x the serial
+    # loop), issue 40 (NHWC: R1 with out= >= 4x and R2 >= 3x fastbwd's NCHW)
     cases=(
         Case(
             "R1",
@@ -419,8 +432,25 @@ ROI_ALIGN = extend(
             dict(_R1, sampling_ratio=0),
             targets={"serial loop": ">= 10x"},
         ),
+        Case(
+            "R1-NHWC",
+            "roi_align_backward",
+            f"{_R1_LABEL}, NHWC",
+            dict(_R1, layout="NHWC"),
+            targets={"fastbwd NCHW out=": ">= 4x"},
+        ),
+        Case(
+            "R2-NHWC",
+            "roi_align_backward",
+            "(2,256,200,304), 512 boxes 7x7, adaptive sampling, NHWC",
+            dict(_R1, sampling_ratio=0, layout="NHWC"),
+            targets={"fastbwd NCHW": ">= 3x"},
+        ),
     ),
-    quick_cases=(Case("R1q", "roi_align_backward", _R1_QUICK_LABEL, _R1_QUICK),),
+    quick_cases=(
+        Case("R1q", "roi_align_backward", _R1_QUICK_LABEL, _R1_QUICK),
+        Case("R1q-NHWC", "roi_align_backward", f"{_R1_QUICK_LABEL}, NHWC", dict(_R1_QUICK, layout="NHWC")),
+    ),
 )
 
 
@@ -440,9 +470,21 @@ def _prepare_roi_align_forward(case, with_torch):
     input_shape = tuple(p["input_shape"])
     boxes = roi_boxes(p["num_boxes"], input_shape, p["spatial_scale"], dtype=dtype)
     x = _random(input_shape, dtype)
+    args = (x, boxes, p["pooled_height"], p["pooled_width"], p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+    if p.get("layout") == "NHWC":
+        # the target is a ratio to the NCHW layout (issue 40), timed in the same alternating rounds
+        nchw_run, nchw_run_out, _ = fastbwd_calls(roi_align_forward, *args)
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+        run, run_out, out = fastbwd_calls(roi_align_forward, x, *args[1:], layout="NHWC")
+        return Prepared(
+            run=run,
+            run_out=run_out,
+            nbytes=_nbytes(x, boxes, out),
+            baselines={"fastbwd NCHW": nchw_run, "fastbwd NCHW out=": nchw_run_out},
+        )
     if p.get("channels_last"):
         x = channels_last(x)
-    args = (x, boxes, p["pooled_height"], p["pooled_width"], p["spatial_scale"], p["sampling_ratio"], p["aligned"])
+        args = (x,) + args[1:]
     run, run_out, out = fastbwd_calls(roi_align_forward, *args)
     prepared = Prepared(run=run, run_out=run_out, nbytes=_nbytes(x, boxes, out))
     torch = _torch() if with_torch else None
@@ -459,15 +501,23 @@ ROI_ALIGN_FORWARD = extend(
     smoke=_smoke_roi_align,
     cases=(
         Case("R1f", "roi_align_forward", _R1_LABEL, _R1),
-        Case("R1f-NHWC", "roi_align_forward", f"{_R1_LABEL}, channels-last", dict(_R1, channels_last=True)),
+        Case("R1f-CL", "roi_align_forward", f"{_R1_LABEL}, channels-last strides", dict(_R1, channels_last=True)),
+        # issue 40: the NHWC layout at >= 3x fastbwd's NCHW forward
+        Case(
+            "R1f-NHWC",
+            "roi_align_forward",
+            f"{_R1_LABEL}, NHWC",
+            dict(_R1, layout="NHWC"),
+            targets={"fastbwd NCHW": ">= 3x", "fastbwd NCHW out=": ">= 3x"},
+        ),
         Case(
             "R2f", "roi_align_forward", "(2,256,200,304), 512 boxes 7x7, adaptive sampling", dict(_R1, sampling_ratio=0)
         ),
         Case(
             "R2f-NHWC",
             "roi_align_forward",
-            "(2,256,200,304), 512 boxes 7x7, adaptive sampling, channels-last",
-            dict(_R1, sampling_ratio=0, channels_last=True),
+            "(2,256,200,304), 512 boxes 7x7, adaptive sampling, NHWC",
+            dict(_R1, sampling_ratio=0, layout="NHWC"),
         ),
     ),
     quick_cases=(Case("R1fq", "roi_align_forward", _R1_QUICK_LABEL, _R1_QUICK),),

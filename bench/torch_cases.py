@@ -235,6 +235,41 @@ def _roi_align_case(input_shape, num_boxes, target):
     )
 
 
+def _roi_align_channels_last_case(input_shape, num_boxes, target):
+    """T4-NHWC (issue 40): T4 on a channels_last feature map (fastbwd's NHWC kernels both ways)
+    against T4 on the same values in NCHW memory, both through fastbwd.torch.roi_align."""
+    spatial_scale, sampling_ratio, aligned, pooled = 0.25, 2, True, 7
+    x = _randn(input_shape, 41, requires_grad=True)
+    x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    boxes = torch.from_numpy(roi_boxes(num_boxes, input_shape, spatial_scale))
+    g = _randn((num_boxes, input_shape[1], pooled, pooled), 42)
+    g_cl = g.contiguous(memory_format=torch.channels_last)
+
+    def step(x, g):
+        def run():
+            y = ft.roi_align(x, boxes, pooled, spatial_scale, sampling_ratio, aligned)
+            return (y,) + torch.autograd.grad(y, x, g)
+
+        return run
+
+    channels_last_step, nchw_step = step(x_cl, g_cl), step(x, g)
+
+    def check():
+        ours, theirs = channels_last_step(), nchw_step()
+        assert ours[1].is_contiguous(memory_format=torch.channels_last), "T4-NHWC: gradient not channels_last"
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b), "T4-NHWC: channels_last results differ from the NCHW ones"
+
+    return TorchCase(
+        "T4-NHWC",
+        f"roi_align forward + backward, channels_last input {input_shape}, {num_boxes} boxes 7x7 vs T4 (NCHW)",
+        channels_last_step,
+        nchw_step,
+        check,
+        target,
+    )
+
+
 class DecoderBlock(nn.Module):
     """T5's block: conv3x3 -> GroupNorm+Swish -> bilinear x2 -> replication pad -> conv3x3 ->
     avg-pool. ``fused`` picks GroupNormSwish (else nn.GroupNorm + nn.SiLU)."""
@@ -311,6 +346,7 @@ def cases(quick=False):
         ),
         _group_norm_swish_case(*norm, ">= 1.4x"),
         _roi_align_case(*roi, ">= 10x"),
+        _roi_align_channels_last_case(*roi, ">= 2.5x"),
         _training_step_case(*block, "report"),
         *module_cases(quick),
         tiny_module_case(),

@@ -204,18 +204,23 @@ PAD = Operator(
 
 
 # --------------------------------------------------------------------------------------------
-# roi_align_backward (docs/semantics.md §4): NCHW only; fixed and adaptive sampling, boxes
-# inside and partly outside. roi_align_forward (fastbwd.torch.roi_align's forward): one kernel
-# for NCHW and channels-last input; its tables kernels are the backward's (a variant).
+# roi_align_backward (docs/semantics.md §4): NCHW and NHWC (one kernel: a variant); fixed and
+# adaptive sampling, boxes inside and partly outside. roi_align_forward (fastbwd.torch.roi_align's
+# forward): one kernel for NCHW and channels-last input (channels-last strides or layout="NHWC");
+# its tables kernels are the backward's (a variant).
 # --------------------------------------------------------------------------------------------
 
 
-def _roi_align(dtype):
-    f = _fastbwd()
-    boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
-    g = _array((3, 3, 2, 2), dtype)
-    f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 1.0, 0, True)
-    return f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 0.5, 2, False)
+def _roi_align(layout):
+    def call(dtype):
+        f = _fastbwd()
+        boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
+        g = _array((3, 3, 2, 2), dtype)
+        g = np.ascontiguousarray(g.transpose(0, 2, 3, 1)) if layout == "NHWC" else g
+        f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 1.0, 0, True, layout=layout)
+        return f.roi_align_backward(g, boxes, (2, 3, 8, 8), 2, 2, 0.5, 2, False, layout=layout)
+
+    return call
 
 
 def _roi_align_forward(layout):
@@ -224,7 +229,11 @@ def _roi_align_forward(layout):
 
         boxes = np.array([[0, 1, 1, 6, 5], [1, -2, 0, 3, 9], [0, 0, 0, 2, 2]], dtype)
         x = _array((2, 3, 8, 8), dtype)
-        x = _channels_last(x) if layout == "NHWC" else x
+        if layout == "NHWC":  # channels-last strides (an NCHW result), then the NHWC layout
+            roi_align_forward(_channels_last(x), boxes, 2, 2, 1.0, 0, True)
+            return roi_align_forward(
+                np.ascontiguousarray(x.transpose(0, 2, 3, 1)), boxes, 2, 2, 0.5, 2, False, layout=layout
+            )
         roi_align_forward(x, boxes, 2, 2, 1.0, 0, True)
         return roi_align_forward(x, boxes, 2, 2, 0.5, 2, False)
 
@@ -267,7 +276,14 @@ def _check_roi_align_forward():
     return roi_align_forward(x, boxes, *params), _reference().roi_align_forward(x, boxes, *params)
 
 
-ROI_ALIGN = Operator("roi_align_backward", (Path(HALVES_AND_FLOATS, "NCHW", "backward", _roi_align),), _check_roi_align)
+ROI_ALIGN = Operator(
+    "roi_align_backward",
+    (
+        Path(HALVES_AND_FLOATS, "NCHW", "backward", _roi_align("NCHW")),
+        Path(HALVES_AND_FLOATS, "NHWC", "backward", _roi_align("NHWC"), variant=True),
+    ),
+    _check_roi_align,
+)
 ROI_ALIGN_FORWARD = Operator(
     "roi_align_forward",
     (

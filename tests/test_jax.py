@@ -132,9 +132,10 @@ def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
     )
 
 
-def roi_align_case(dtype, sampling_ratio=2, aligned=True):
+def roi_align_case(dtype, sampling_ratio=2, aligned=True, layout="NCHW"):
     shape, pooled, scale = (2, 3, 10, 12), (3, 2), 0.5
     x = random(shape, dtype, 4)
+    nhwc = layout == "NHWC"
     boxes = roi_boxes(6, shape, scale, dtype=np.float64)
     boxes[4, 0] = 5.0  # an image index outside the batch: skipped
     boxes[5, 2] = np.nan  # a NaN coordinate: skipped
@@ -149,18 +150,22 @@ def roi_align_case(dtype, sampling_ratio=2, aligned=True):
             rows.append((b, wy / count, wx))
 
     def reference(x):
+        x = jnp.moveaxis(x, -1, 1) if nhwc else x
         out = [
             jnp.zeros((shape[1],) + pooled, x.dtype)
             if row is None
             else jnp.einsum("ph,chw,qw->cpq", row[1], x[row[0]], row[2])
             for row in rows
         ]
-        return jnp.stack(out)
+        out = jnp.stack(out)
+        return jnp.moveaxis(out, 1, -1) if nhwc else out
 
     return Case(
-        (x,),
-        lambda x: fj.roi_align(x, boxes, pooled, scale, sampling_ratio, aligned),
-        lambda g, x: fastbwd.roi_align_backward(g, boxes, shape, *pooled, scale, sampling_ratio, aligned),
+        (np.ascontiguousarray(np.moveaxis(x, 1, -1)) if nhwc else x,),
+        lambda x: fj.roi_align(x, boxes, pooled, scale, sampling_ratio, aligned, layout=layout),
+        lambda g, x: fastbwd.roi_align_backward(
+            g, boxes, shape, *pooled, scale, sampling_ratio, aligned, layout=layout
+        ),
         reference,
     )
 
@@ -206,6 +211,7 @@ CASES = {
     "pad-3d": lambda dtype: pad_case(dtype, False, (0, 4, -2, 1)),
     "roi_align": roi_align_case,
     "roi_align-adaptive": lambda dtype: roi_align_case(dtype, 0, False),
+    "roi_align-nhwc": lambda dtype: roi_align_case(dtype, 0, True, "NHWC"),
     "group_norm_swish": group_norm_swish_case,
     "group_norm_swish-nhwc": lambda dtype: group_norm_swish_case(dtype, "NHWC", swish_scale=-0.7),
 }
@@ -293,7 +299,7 @@ def test_matches_the_pure_jax_reference(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-@pytest.mark.parametrize("name", ["upsample", "avg_pool", "pad", "roi_align"])
+@pytest.mark.parametrize("name", ["upsample", "avg_pool", "pad", "roi_align", "roi_align-nhwc"])
 def test_half_formats_are_rounded_once(name, dtype):
     """The linear operators in half formats: forward and gradient within 1 ulp of the float64
     reference on the same (upcast) values."""
@@ -321,6 +327,24 @@ def test_group_norm_swish_mixed_precision_gradients():
     assert [grad.dtype for grad in grads] == [BF16, np.float32, np.float32]
     for grad, want in zip(grads, case.direct(g, *case.args)):
         assert bitwise_equal(grad, want)
+
+
+def test_roi_align_nhwc_is_the_nchw_result_transposed():
+    """layout="NHWC": the forward and the input gradient are the NCHW ones transposed, bitwise;
+    a bad layout is an error of roi_align at trace time."""
+    nchw, nhwc = roi_align_case(np.float32, 0, True), roi_align_case(np.float32, 0, True, "NHWC")
+    (x,), (x_nhwc,) = nchw.args, nhwc.args
+    out, pullback = jax.vjp(nchw.ours, jnp.asarray(x))
+    out_nhwc, pullback_nhwc = jax.vjp(nhwc.ours, jnp.asarray(x_nhwc))
+    assert out_nhwc.shape == (6, 3, 2, 3)
+    assert bitwise_equal(np.asarray(out_nhwc), np.moveaxis(np.asarray(out), 1, -1))
+    g = random(out.shape, np.float32, 9)
+    (grad,) = pullback(jnp.asarray(g))
+    (grad_nhwc,) = jax.jit(pullback_nhwc)(jnp.asarray(np.ascontiguousarray(np.moveaxis(g, 1, -1))))
+    assert grad_nhwc.shape == x_nhwc.shape
+    assert bitwise_equal(np.asarray(grad_nhwc), np.moveaxis(np.asarray(grad), 1, -1))
+    with pytest.raises(fastbwd.ParamError, match=r"^roi_align: layout must be one of 'NCHW', 'NHWC', but got 'CNHW'"):
+        fj.roi_align(x, roi_boxes(6, (2, 3, 10, 12), 0.5), 2, layout="CNHW")
 
 
 def test_roi_align_forward_is_fastbwds_kernel_and_boxes_get_zero_gradient():

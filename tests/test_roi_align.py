@@ -709,6 +709,7 @@ def test_forward_layout_and_channel_blocks_do_not_change_bits(dtype, monkeypatch
     assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
     for block in (1, 16, 128):
         monkeypatch.setattr(kernels, "FORWARD_CHANNEL_BLOCK", block)
+        monkeypatch.setattr(kernels, "CHANNELS_LAST_BLOCK", block)
         replan()
         assert bitwise_equal(roi_fwd(x, *rest), expected)
         assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
@@ -833,3 +834,209 @@ def test_forward_docstring_matches_signature():
     ]
     assert documented == list(inspect.signature(roi_fwd).parameters)
     assert "roi_align_forward" not in fastbwd.__all__ and not hasattr(fastbwd, "roi_align_forward")
+
+
+# --------------------------------------------------------------------------------------------
+# the channels-last layout (layout="NHWC", issue 40): the NCHW results transposed, bitwise
+# --------------------------------------------------------------------------------------------
+
+
+def nhwc(array):
+    """An NCHW-shaped array's values as a C-contiguous (N, H, W, C) array."""
+    return np.ascontiguousarray(np.asarray(array).transpose(0, 2, 3, 1))
+
+
+def nchw(array):
+    """The (N, C, H, W) view of an (N, H, W, C) array."""
+    return array.transpose(0, 3, 1, 2)
+
+
+def assert_nhwc_backward_is_nchw(args):
+    """The backward in both layouts on the same values: NHWC shaped (B, H, W, C), C-contiguous,
+    bitwise the NCHW result; returns the NCHW result."""
+    grad_output, boxes, input_shape, *rest = args
+    expected = roi_bwd(*args)
+    result = roi_bwd(nhwc(grad_output), boxes, input_shape, *rest, layout="NHWC")
+    batch, channels, height, width = input_shape
+    assert result.shape == (batch, height, width, channels) and result.flags.c_contiguous
+    assert bitwise_equal(nchw(result), expected)
+    return expected
+
+
+def assert_nhwc_forward_is_nchw(x, *rest):
+    expected = roi_fwd(x, *rest)
+    result = roi_fwd(nhwc(x), *rest, layout="NHWC")
+    assert result.shape == (expected.shape[0],) + expected.shape[2:] + (expected.shape[1],)
+    assert result.flags.c_contiguous and bitwise_equal(nchw(result), expected)
+    return expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nhwc_equals_nchw_bitwise_and_the_reference(dtype):
+    rng = np.random.default_rng(40)
+    for _ in range(25):
+        args = random_case(rng, dtype)
+        assert_matches_reference(assert_nhwc_backward_is_nchw(args), ref.roi_align_backward(*args))
+        x, *rest = forward_case(rng, dtype)
+        assert_forward_matches(assert_nhwc_forward_is_nchw(x, *rest), ref.roi_align_forward(x, *rest))
+
+
+@pytest.mark.parametrize("sampling_ratio", [0, 1, 2, 1000])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_nhwc_every_sampling_and_alignment(sampling_ratio, aligned):
+    # 37 channels (two 16-lane groups and 5 leftover), boxes partly outside, bad boxes mixed in
+    args = big_case()
+    args = args[:6] + (sampling_ratio, aligned)
+    assert_nhwc_backward_is_nchw(args)
+    x, boxes, *rest = forward_big_case()
+    assert_nhwc_forward_is_nchw(x, boxes, *rest[:3], sampling_ratio, aligned)
+
+
+def test_nhwc_forward_is_the_adjoint_of_the_backward():
+    # <forward(x), g> == <x, backward(g)> in float64, both in the NHWC layout
+    rng = np.random.default_rng(41)
+    for ratio, aligned in ((0, False), (2, True), (5, False)):
+        x, boxes, ph, pw, scale, _, _ = forward_case(rng, np.float64)
+        pooled = roi_fwd(nhwc(x), boxes, ph, pw, scale, ratio, aligned, layout="NHWC")
+        g = rng.standard_normal(pooled.shape)
+        grad_input = roi_bwd(g, boxes, x.shape, ph, pw, scale, ratio, aligned, layout="NHWC")
+        left, right = float(np.sum(pooled * g)), float(np.sum(nhwc(x) * grad_input))
+        assert abs(left - right) <= 1e-10 * max(1.0, abs(left))
+
+
+def test_nhwc_on_the_registrys_cases():
+    # every dtype of every kernel path of the registry: its NHWC path's result is its NCHW
+    # path's, transposed, bitwise
+    from fastbwd._dtypes import BY_NAME
+    from fastbwd._registry import OPERATORS
+
+    for name in ("roi_align_backward", "roi_align_forward"):
+        by_layout = {path.layout: path for path in OPERATORS[name].paths}
+        assert set(by_layout) == {"NCHW", "NHWC"}
+        for dtype in by_layout["NHWC"].dtypes:
+            expected = by_layout["NCHW"].call(BY_NAME[dtype])
+            assert bitwise_equal(nchw(by_layout["NHWC"].call(BY_NAME[dtype])), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nhwc_thread_count_and_partition_do_not_change_bits(dtype, monkeypatch, replan):
+    grad_output, boxes, input_shape, *rest = big_case(dtype)
+    expected = nhwc(roi_bwd(grad_output, boxes, input_shape, *rest))
+    g = nhwc(grad_output)
+    assert_thread_invariant(lambda: roi_bwd(g, boxes, input_shape, *rest, layout="NHWC"))
+    x, *forward_rest = forward_big_case(dtype)
+    forward_expected = nhwc(roi_fwd(x, *forward_rest))
+    x_nhwc = nhwc(x)
+    assert_thread_invariant(lambda: roi_fwd(x_nhwc, *forward_rest, layout="NHWC"))
+    for block, scratch in ((1, 1), (16, 4000), (20, 1 << 30)):
+        monkeypatch.setattr(kernels, "CHANNELS_LAST_BLOCK", block)
+        monkeypatch.setattr(kernels, "SCRATCH_BYTES", scratch)
+        replan()
+        assert bitwise_equal(roi_bwd(g, boxes, input_shape, *rest, layout="NHWC"), expected)
+        assert bitwise_equal(roi_fwd(x_nhwc, *forward_rest, layout="NHWC"), forward_expected)
+
+
+def test_nhwc_serial_twin_strides_inputs_and_out():
+    from fastbwd.kernels import _jit
+
+    grad_output, boxes, input_shape, *rest = big_case(np.float64)
+    g = nhwc(grad_output)
+    expected = roi_bwd(g, boxes, input_shape, *rest, layout="NHWC")
+    x, _, *forward_rest = forward_big_case(np.float64)
+    x_nhwc = nhwc(x)
+    forward_expected = roi_fwd(x_nhwc, boxes, *forward_rest, layout="NHWC")
+    snapshot = (g.copy(), x_nhwc.copy(), boxes.copy())
+    # any strides: a non-contiguous NHWC array is read through a copy
+    for strided in (np.asfortranarray(g), g[:, ::-1][:, ::-1]):
+        assert bitwise_equal(roi_bwd(strided, boxes, input_shape, *rest, layout="NHWC"), expected)
+    strided = np.asfortranarray(x_nhwc)
+    assert bitwise_equal(roi_fwd(strided, boxes, *forward_rest, layout="NHWC"), forward_expected)
+    # out=: overwritten and returned
+    out = np.full(expected.shape, np.nan)
+    assert roi_bwd(g, boxes, input_shape, *rest, layout="NHWC", out=out) is out and bitwise_equal(out, expected)
+    out = np.full(forward_expected.shape, np.nan)
+    assert roi_fwd(x_nhwc, boxes, *forward_rest, layout="NHWC", out=out) is out
+    assert bitwise_equal(out, forward_expected)
+    for array, kept in zip((g, x_nhwc, boxes), snapshot):
+        assert bitwise_equal(array, kept)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_jit, "_serial_only", True)
+        assert bitwise_equal(roi_bwd(g, boxes, input_shape, *rest, layout="NHWC"), expected)
+        assert bitwise_equal(roi_fwd(x_nhwc, boxes, *forward_rest, layout="NHWC"), forward_expected)
+
+
+def test_nhwc_empty_cases():
+    boxes = np.array([[0, 1.0, 1.0, 3.0, 3.0], [1, 0.0, 0.0, 2.0, 2.0]], np.float32)
+    g = np.ones((2, 2, 2, 3), np.float32)  # (K, PH, PW, C)
+    for input_shape in ((0, 3, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
+        result = roi_bwd(g, boxes, input_shape, 2, 2, 1.0, 0, True, layout="NHWC")
+        b, c, h, w = input_shape
+        assert result.shape == (b, h, w, c) and not result.any()
+    assert not roi_bwd(g[:0], boxes[:0], (2, 3, 4, 5), 2, 2, 1.0, 0, True, layout="NHWC").any()
+    assert roi_fwd(np.ones((2, 4, 5, 3), np.float32), boxes[:0], 2, 2, 1.0, 0, True, layout="NHWC").shape == (
+        0,
+        2,
+        2,
+        3,
+    )
+    out = np.full((2, 2, 2, 3), np.nan, np.float32)
+    result = roi_fwd(np.ones((2, 0, 5, 3), np.float32), boxes, 2, 2, 1.0, 0, True, layout="NHWC", out=out)
+    assert result is out and not result.any()
+
+
+NHWC_GOOD = dict(GOOD, grad_output=nhwc(GOOD["grad_output"]), layout="NHWC")
+
+
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(layout="nhwc"), r"layout must be one of 'NCHW', 'NHWC', but got 'nhwc'", "layout"),
+        (dict(pooled_height=3), r"grad_output\.shape\[1\] must be 3 \(pooled_height\), but got 2", "grad_output"),
+        (dict(pooled_width=1), r"grad_output\.shape\[2\] must be 1 \(pooled_width\), but got 2", "grad_output"),
+        (dict(input_shape=(2, 4, 4, 5)), r"input_shape\[1\] must be 3 \(C of grad_output\), but got 4", "input_shape"),
+        (
+            dict(out=np.zeros(GOOD["input_shape"], np.float32)),
+            r"out\.shape must be \(2, 4, 5, 3\), but got \(2, 3, 4, 5\)",
+            "out",
+        ),
+        (
+            dict(out=np.zeros((2, 3, 4, 5), np.float32).transpose(0, 2, 3, 1)),
+            r"out must be C-contiguous like the result",
+            "out",
+        ),
+    ],
+)
+def test_nhwc_errors(changes, message, param):
+    with raises_param_error(r"^roi_align_backward: " + message, param=param):
+        roi_bwd(**dict(NHWC_GOOD, **changes))
+
+
+def test_nhwc_layout_none_is_nullptr():
+    with raises_param_error(r"^roi_align_backward: layout is required, but got None", status=161001, param="layout"):
+        roi_bwd(**dict(NHWC_GOOD, layout=None))
+
+
+@pytest.mark.parametrize(
+    "changes, message, param",
+    [
+        (dict(layout="CHWN"), r"layout must be one of 'NCHW', 'NHWC', but got 'CHWN'", "layout"),
+        (
+            dict(out=np.zeros((2, 5, 2, 2), np.float32)),
+            r"out\.shape must be \(2, 2, 2, 5\), but got \(2, 5, 2, 2\)",
+            "out",
+        ),
+    ],
+)
+def test_nhwc_forward_errors(changes, message, param):
+    # FORWARD_GOOD's (2, 3, 4, 5) input read as NHWC: H 3, W 4, C 5
+    with raises_param_error(r"^roi_align_forward: " + message, param=param):
+        roi_fwd(**dict(FORWARD_GOOD, **dict(dict(layout="NHWC"), **changes)))
+
+
+def test_nhwc_out_overlapping_an_input():
+    grad_output = nhwc(GOOD["grad_output"])
+    memory = np.zeros(400, np.float32)
+    out = memory[: 2 * 4 * 5 * 3].reshape(2, 4, 5, 3)
+    grad = memory[100 : 100 + grad_output.size].reshape(grad_output.shape)
+    with raises_param_error(r"roi_align_backward: out must not overlap grad_output, but got overlapping memory"):
+        roi_bwd(**dict(NHWC_GOOD, grad_output=grad, out=out))

@@ -659,6 +659,52 @@ def test_roi_align_forward_and_backward(dtype, sampling_ratio, aligned):
     assert bitwise_equal(_convert.as_array(grad), direct)
 
 
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roi_align_channels_last_runs_nhwc_without_copies(dtype, sampling_ratio, monkeypatch):
+    """A channels_last feature map: the NHWC kernels both ways, reading the input and a
+    channels_last gradient in place; channels_last output and input gradient, bitwise the NCHW
+    ones."""
+    from fastbwd.api import roi_align as roi_align_api
+
+    x = _randn((2, 37, 11, 13), dtype, 27)
+    x_cl = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    x = x.requires_grad_()
+    boxes = _roi_boxes(dtype)
+    seen = {}
+    for name in ("run_forward", "run"):
+        function = getattr(roi_align_api, name)
+
+        def spy(plan, source, boxes, out, name=name, function=function):
+            seen[name] = source
+            return function(plan, source, boxes, out)
+
+        monkeypatch.setattr(roi_align_api, name, spy)
+    y = ft.roi_align(x, boxes, (3, 4), 0.8, sampling_ratio, True)
+    y_cl = ft.roi_align(x_cl, boxes, (3, 4), 0.8, sampling_ratio, True)
+    assert np.shares_memory(seen["run_forward"], _convert.as_array(x_cl.detach()))
+    assert y_cl.is_contiguous(memory_format=torch.channels_last) and not y_cl.is_contiguous()
+    assert bitwise_equal(_convert.as_array(y_cl.detach()), _convert.as_array(y.detach()))
+    g = _randn(y.shape, dtype, 28)
+    g_cl = g.contiguous(memory_format=torch.channels_last)
+    (grad,) = torch.autograd.grad(y, x, g)
+    (grad_cl,) = torch.autograd.grad(y_cl, x_cl, g_cl)
+    assert np.shares_memory(seen["run"], _convert.as_array(g_cl))
+    assert grad_cl.is_contiguous(memory_format=torch.channels_last) and not grad_cl.is_contiguous()
+    assert bitwise_equal(_convert.as_array(grad_cl), _convert.as_array(grad))
+    # a contiguous gradient of the channels_last output: still a channels_last input gradient
+    y_cl = ft.roi_align(x_cl, boxes, (3, 4), 0.8, sampling_ratio, True)
+    (grad_cl,) = torch.autograd.grad(y_cl, x_cl, g)
+    assert grad_cl.is_contiguous(memory_format=torch.channels_last)
+    assert bitwise_equal(_convert.as_array(grad_cl), _convert.as_array(grad))
+    # through the operators (the dispatcher path torch.compile records), double backward too
+    y_op = torch.ops.fastbwd.roi_align(x_cl, boxes, 0.8, 3, 4, sampling_ratio, True)
+    assert y_op.is_contiguous(memory_format=torch.channels_last)
+    (grad_op,) = torch.autograd.grad(y_op, x_cl, g_cl, create_graph=True)
+    assert grad_op.is_contiguous(memory_format=torch.channels_last)
+    assert bitwise_equal(_convert.as_array(grad_op.detach()), _convert.as_array(grad))
+
+
 def test_roi_align_gradcheck_boxes_forms_and_module():
     x = _randn((2, 2, 7, 6), torch.float64, 27).requires_grad_()
     boxes = _roi_boxes(torch.float64)[:3]

@@ -17,6 +17,7 @@ from . import _plans
 
 FUNC = "roi_align_backward"
 FORWARD = "roi_align_forward"
+LAYOUTS = (d.NCHW, d.NHWC)
 
 #: The smallest normal float32 (docs/semantics.md §4: spatial_scale must exceed it).
 FLT_MIN = float(np.finfo(np.float32).tiny)
@@ -32,6 +33,7 @@ def roi_align_backward(
     sampling_ratio: int,
     aligned: bool,
     *,
+    layout: str = "NCHW",
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of torchvision's ``roi_align`` with respect to its input (docs/semantics.md §4).
@@ -46,17 +48,20 @@ def roi_align_backward(
     Parameters
     ----------
     grad_output : array_like
-        ``(K, C, pooled_height, pooled_width)``: float32, float64, float16 or bfloat16. Any
-        strides (a non-contiguous array is read through a contiguous copy).
+        ``(K, C, pooled_height, pooled_width)``, or ``(K, pooled_height, pooled_width, C)`` with
+        ``layout="NHWC"``: float32, float64, float16 or bfloat16. Any strides (a non-contiguous
+        array is read through a contiguous copy).
     boxes : array_like
         ``(K, 5)`` rows ``(batch_index, x1, y1, x2, y2)`` in input-image coordinates, the same
         dtype as ``grad_output``; any strides. A box with NaN or +-Inf in any of its five
         values, or whose ``floor(batch_index)`` is outside ``[0, B)`` (so -0.5 is skipped, as
         is ``B``; 0.5 means image 0), contributes nothing; such boxes never fail the call.
     input_shape : sequence of 4 int
-        ``(B, C, H, W)`` of the forward input, each >= 0; ``C`` must equal grad_output's.
+        ``(B, C, H, W)`` of the forward input in this order whatever the layout, each >= 0;
+        ``C`` must equal grad_output's.
     pooled_height, pooled_width : int
-        Must equal ``grad_output.shape[2]`` and ``grad_output.shape[3]``.
+        Must equal grad_output's pooled dimensions (``shape[2]`` and ``shape[3]``, or
+        ``shape[1]`` and ``shape[2]`` with ``layout="NHWC"``).
     spatial_scale : float
         Multiplies the box coordinates; must be greater than FLT_MIN (1.17549435e-38). It is
         rounded to the compute type (float32 unless the data is float64), as torchvision does.
@@ -67,15 +72,19 @@ def roi_align_backward(
     aligned : bool
         ``True`` shifts the box by -0.5 pixel (pixel-center alignment); ``False`` keeps
         torchvision's legacy behaviour of forcing each box to at least 1 x 1.
+    layout : {"NCHW", "NHWC"}
+        Memory layout of grad_output and of the result: ``"NHWC"`` (channels-last) takes
+        grad_output as ``(K, PH, PW, C)`` and returns ``(B, H, W, C)``; every result element is
+        bitwise the NCHW one.
     out : numpy.ndarray, optional
-        A writeable C-contiguous ``(B, C, H, W)`` array of grad_output's dtype, not overlapping
-        the inputs. Fully overwritten and returned.
+        A writeable C-contiguous array of the result's shape and grad_output's dtype, not
+        overlapping the inputs. Fully overwritten and returned.
 
     Returns
     -------
     numpy.ndarray
-        grad_input ``(B, C, H, W)`` in grad_output's dtype, always C-contiguous (NCHW), like
-        torchvision's result. Zero-filled when K == 0 or C == 0 or no box contributes.
+        grad_input ``(B, C, H, W)`` (``(B, H, W, C)`` with ``layout="NHWC"``) in grad_output's
+        dtype, always C-contiguous, like torchvision's result. Zero-filled when K == 0 or C == 0 or no box contributes.
         Coordinates, weights and sums are computed in float32 for float32, float16 and bfloat16
         (the half formats are rounded once, at the end, to nearest even), in float64 for float64.
         Each element sums its contributions in a fixed order (boxes in their given order, then
@@ -87,26 +96,50 @@ def roi_align_backward(
         status 161001 when an argument is None; 161002 when grad_output is not 4-D, boxes is not
         ``(K, 5)`` with grad_output's K, input_shape is not 4 integers >= 0 with grad_output's C,
         a pooled size differs from grad_output's, spatial_scale <= FLT_MIN (or NaN),
-        sampling_ratio is negative or not an integer, aligned is not a bool, a dtype is
-        unsupported or differs between grad_output and boxes, or ``out`` is unusable.
+        sampling_ratio is negative or not an integer, aligned is not a bool, ``layout`` is not
+        "NCHW" or "NHWC", a dtype is unsupported or differs between grad_output and boxes, or
+        ``out`` is unusable.
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)
     return run(
-        plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out),
+        plan(
+            grad_output,
+            boxes,
+            input_shape,
+            pooled_height,
+            pooled_width,
+            spatial_scale,
+            sampling_ratio,
+            aligned,
+            layout,
+            out,
+        ),
         grad_output,
         boxes,
         out,
     )
 
 
-def plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+def plan(
+    grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
+):
     """The validated plan of a call with the public function's arguments, ``grad_output`` and
     ``boxes`` NumPy arrays (ParamError as the public function raises it): remembered per
     metadata (:mod:`fastbwd.api._plans`; the boxes' values are not part of it), and what
     :func:`run` takes."""
     return _PLANS(
-        _plan, grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out
+        _plan,
+        grad_output,
+        boxes,
+        input_shape,
+        pooled_height,
+        pooled_width,
+        spatial_scale,
+        sampling_ratio,
+        aligned,
+        layout,
+        out,
     )
 
 
@@ -117,7 +150,7 @@ def run(plan, grad_output, boxes, out):
     result, grad_input = d.output(
         FUNC,
         out,
-        plan.input_shape,
+        plan.result_shape,
         grad_output.dtype,
         inputs=(("grad_output", grad_output), ("boxes", boxes)),
         checked=True,
@@ -133,12 +166,16 @@ _PLANS = _plans.Plans()
 class _Plan(NamedTuple):
     """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
 
-    input_shape: tuple
+    result_shape: tuple  # (B, C, H, W), or (B, H, W, C) for the NHWC layout
     kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
-def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+def _plan(
+    grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
+):
     """Validate every argument (errors in the documented order); the arrays' values are not read."""
+    layout = v.choice(FUNC, "layout", layout, LAYOUTS)
+    nhwc = layout == d.NHWC
     input_shape = v.int_tuple(FUNC, "input_shape", input_shape, (4,))
     pooled_height = v.int_value(FUNC, "pooled_height", pooled_height)
     pooled_width = v.int_value(FUNC, "pooled_width", pooled_width)
@@ -146,24 +183,34 @@ def _plan(grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_
 
     v.check_ndim(FUNC, "grad_output", grad_output, (4,))
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
-    num_boxes, channels = grad_output.shape[:2]
+    num_boxes, channels = grad_output.shape[0], grad_output.shape[3 if nhwc else 1]
     _check_boxes(FUNC, boxes, num_boxes, "K of grad_output", "grad_output", grad_output.dtype)
     for axis, size in enumerate(input_shape):
         if size < 0:
             v.fail(FUNC, f"input_shape[{axis}]", "must be >= 0", size)
     if input_shape[1] != channels:
         v.fail(FUNC, "input_shape[1]", f"must be {channels} (C of grad_output)", input_shape[1])
-    v.check_dim(FUNC, "grad_output", 2, grad_output.shape[2], pooled_height, "pooled_height")
-    v.check_dim(FUNC, "grad_output", 3, grad_output.shape[3], pooled_width, "pooled_width")
+    first = 1 if nhwc else 2  # grad_output's pooled dimensions
+    v.check_dim(FUNC, "grad_output", first, grad_output.shape[first], pooled_height, "pooled_height")
+    v.check_dim(FUNC, "grad_output", first + 1, grad_output.shape[first + 1], pooled_width, "pooled_width")
     _check_ranges(FUNC, *scalars[:2])
     dtype = grad_output.dtype
-    d.check_out(FUNC, out, input_shape, dtype, d.NCHW)
+    batch, _, height, width = input_shape
+    result_shape = (batch, height, width, channels) if nhwc else input_shape
+    d.check_out(FUNC, out, result_shape, dtype, d.NCHW)  # C-contiguous in either layout
     if 0 in input_shape:
-        return _Plan(input_shape, None)
+        return _Plan(result_shape, None)
     geometry = kernels.BackwardGeometry(
-        num_boxes, *input_shape, pooled_height, pooled_width, *scalars, d.compute_dtype(dtype), d.storage_format(dtype)
+        num_boxes,
+        *input_shape,
+        pooled_height,
+        pooled_width,
+        nhwc,
+        *scalars,
+        d.compute_dtype(dtype),
+        d.storage_format(dtype),
     )
-    return _Plan(input_shape, kernels.plan(geometry))
+    return _Plan(result_shape, kernels.plan(geometry))
 
 
 def roi_align_forward(
@@ -175,6 +222,7 @@ def roi_align_forward(
     sampling_ratio: int,
     aligned: bool,
     *,
+    layout: str = "NCHW",
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """torchvision's ``roi_align`` forward (docs/semantics.md §4, "Forward"): the adjoint of
@@ -189,9 +237,10 @@ def roi_align_forward(
     Parameters
     ----------
     input : array_like
-        ``(B, C, H, W)``: float32, float64, float16 or bfloat16. Any strides; channels-last
-        strides (``x_nhwc.transpose(0, 3, 1, 2)`` of a C-contiguous ``x_nhwc``) are read in
-        place, other non-contiguous arrays through a contiguous copy.
+        ``(B, C, H, W)``, or ``(B, H, W, C)`` with ``layout="NHWC"``: float32, float64, float16
+        or bfloat16. Any strides; channels-last memory (a C-contiguous NHWC array, or its
+        ``transpose(0, 3, 1, 2)`` in the NCHW layout) is read in place, other non-contiguous
+        arrays through a contiguous copy.
     boxes : array_like
         ``(K, 5)`` rows ``(batch_index, x1, y1, x2, y2)`` in input-image coordinates, the same
         dtype as ``input``; any strides. A box with NaN or +-Inf in any of its five values, or
@@ -208,14 +257,19 @@ def roi_align_forward(
     aligned : bool
         ``True`` shifts the box by -0.5 pixel (pixel-center alignment); ``False`` keeps
         torchvision's legacy behaviour of forcing each box to at least 1 x 1.
+    layout : {"NCHW", "NHWC"}
+        Memory layout of input and of the result: ``"NHWC"`` (channels-last) takes input as
+        ``(B, H, W, C)`` and returns ``(K, PH, PW, C)``; every result element is bitwise the
+        NCHW one.
     out : numpy.ndarray, optional
-        A writeable C-contiguous ``(K, C, pooled_height, pooled_width)`` array of input's dtype,
-        not overlapping the inputs. Fully overwritten and returned.
+        A writeable C-contiguous array of the result's shape and input's dtype, not overlapping
+        the inputs. Fully overwritten and returned.
 
     Returns
     -------
     numpy.ndarray
-        ``(K, C, pooled_height, pooled_width)`` in input's dtype, C-contiguous. Zero for skipped
+        ``(K, C, pooled_height, pooled_width)`` (``(K, pooled_height, pooled_width, C)`` with
+        ``layout="NHWC"``) in input's dtype, C-contiguous. Zero for skipped
         boxes, boxes without samples, and when B, H or W is 0. Weights and sums are computed in
         float32 for float32, float16 and bfloat16 (the half formats rounded once, to nearest
         even), in float64 for float64, in a fixed order (for each bin: the rows it touches, then
@@ -226,25 +280,26 @@ def roi_align_forward(
     ParamError
         status 161001 when an argument is None; 161002 when input is not 4-D, boxes is not
         ``(K, 5)``, a pooled size is not an integer > 0, spatial_scale <= FLT_MIN (or NaN),
-        sampling_ratio is negative or not an integer, aligned is not a bool, a dtype is
-        unsupported or differs between input and boxes, or ``out`` is unusable.
+        sampling_ratio is negative or not an integer, aligned is not a bool, ``layout`` is not
+        "NCHW" or "NHWC", a dtype is unsupported or differs between input and boxes, or ``out``
+        is unusable.
     """
     input = v.as_array(FORWARD, "input", input)
     boxes = v.as_array(FORWARD, "boxes", boxes)
     return run_forward(
-        forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out),
+        forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out),
         input,
         boxes,
         out,
     )
 
 
-def forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+def forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out):
     """The validated plan of a forward call with :func:`roi_align_forward`'s arguments, ``input``
     and ``boxes`` NumPy arrays (ParamError as that function raises it): remembered per metadata
     (the boxes' values are not part of it), and what :func:`run_forward` takes."""
     return _FORWARD_PLANS(
-        _forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out
+        _forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
     )
 
 
@@ -255,12 +310,15 @@ class _ForwardPlan(NamedTuple):
     """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
 
     shape: tuple  # of the result
+    nhwc: bool  # layout="NHWC"
     channels_last: bool  # the input's memory is read in place as (B, H * W, C)
     kernels: object  # the kernels' plan (kernels.plan); None for an empty result
 
 
-def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, out):
+def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out):
     """Validate the forward's arguments (errors in the documented order); the arrays' values are not read."""
+    layout = v.choice(FORWARD, "layout", layout, LAYOUTS)
+    nhwc = layout == d.NHWC
     pooled_height = v.int_value(FORWARD, "pooled_height", pooled_height)
     pooled_width = v.int_value(FORWARD, "pooled_width", pooled_width)
     scalars = _scalars(FORWARD, spatial_scale, sampling_ratio, aligned)
@@ -273,24 +331,34 @@ def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, samp
             v.fail(FORWARD, name, "must be > 0", size)
     _check_ranges(FORWARD, *scalars[:2])
     dtype = input.dtype
-    shape = (boxes.shape[0], input.shape[1], pooled_height, pooled_width)
-    d.check_out(FORWARD, out, shape, dtype, d.NCHW)
-    # A channels-last input (its NHWC transpose C-contiguous) is read in place, in that memory
-    # order; any other layout through a C-contiguous copy.
-    channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
+    if nhwc:
+        batch, height, width, channels = input.shape
+        shape = (boxes.shape[0], pooled_height, pooled_width, channels)
+        channels_last = True  # read in place when C-contiguous, else through a C-contiguous copy
+    else:
+        batch, channels, height, width = input.shape
+        shape = (boxes.shape[0], channels, pooled_height, pooled_width)
+        # A channels-last input (its NHWC transpose C-contiguous) is read in place, in that
+        # memory order; any other layout through a C-contiguous copy.
+        channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
+    d.check_out(FORWARD, out, shape, dtype, d.NCHW)  # C-contiguous in either layout
     if 0 in shape:
-        return _ForwardPlan(shape, channels_last, None)
+        return _ForwardPlan(shape, nhwc, channels_last, None)
     geometry = kernels.ForwardGeometry(
         shape[0],
-        *input.shape,
+        batch,
+        channels,
+        height,
+        width,
         pooled_height,
         pooled_width,
         channels_last,
+        nhwc,
         *scalars,
         d.compute_dtype(dtype),
         d.storage_format(dtype),
     )
-    return _ForwardPlan(shape, channels_last, kernels.plan(geometry))
+    return _ForwardPlan(shape, nhwc, channels_last, kernels.plan(geometry))
 
 
 def run_forward(plan, input, boxes, out):
@@ -301,11 +369,13 @@ def run_forward(plan, input, boxes, out):
         FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)), checked=True
     )
     if plan.kernels is not None:  # None: an empty result
-        batch, channels, height, width = input.shape
-        if plan.channels_last:
-            source = input.transpose(0, 2, 3, 1).reshape(batch, height * width, channels)
+        g = plan.kernels.geometry
+        if plan.nhwc:
+            source = np.ascontiguousarray(input).reshape(g.batch, g.height * g.width, g.channels)
+        elif plan.channels_last:
+            source = input.transpose(0, 2, 3, 1).reshape(g.batch, g.height * g.width, g.channels)
         else:
-            source = np.ascontiguousarray(input).reshape(batch, channels, height * width)
+            source = np.ascontiguousarray(input).reshape(g.batch, g.channels, g.height * g.width)
         plan.kernels.run(d.kernel_view(source), boxes, d.kernel_view(pooled))
     return result
 

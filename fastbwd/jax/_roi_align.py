@@ -20,48 +20,70 @@ _SUBJECTS = {"pooled_height": "output_size[0]", "pooled_width": "output_size[1]"
 def _forward_adapter(inputs, outputs, config):
     (input, boxes), (pooled,) = inputs, outputs
     scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
-    plan = api.forward_plan(input, boxes, *config["pooled_size"], *scalars, pooled)
+    plan = api.forward_plan(input, boxes, *config["pooled_size"], *scalars, config["layout"], pooled)
     api.run_forward(plan, input, boxes, pooled)
 
 
 def _backward_adapter(inputs, outputs, config):
     (grad_output, boxes), (grad_input,) = inputs, outputs
     scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
-    plan = api.plan(grad_output, boxes, grad_input.shape, *config["pooled_size"], *scalars, grad_input)
+    layout = config["layout"]
+    plan = api.plan(
+        grad_output, boxes, _nchw(grad_input.shape, layout), *config["pooled_size"], *scalars, layout, grad_input
+    )
     api.run(plan, grad_output, boxes, grad_input)
+
+
+def _nchw(shape, layout):
+    """``(B, C, H, W)`` of a feature map's shape in ``layout``."""
+    return (shape[0], shape[3], shape[1], shape[2]) if layout == "NHWC" else tuple(shape)
 
 
 _FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False)
 _BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False)
 
 
-def _config(pooled_size, spatial_scale, sampling_ratio, aligned):
+def _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout):
     return dict(
-        pooled_size=list(pooled_size), spatial_scale=spatial_scale, sampling_ratio=sampling_ratio, aligned=aligned
+        pooled_size=list(pooled_size),
+        spatial_scale=spatial_scale,
+        sampling_ratio=sampling_ratio,
+        aligned=aligned,
+        layout=layout,
     )
 
 
-def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned):
-    result = jax.ShapeDtypeStruct((boxes.shape[0], input.shape[1]) + tuple(pooled_size), input.dtype)
+def _pooled_shape(input_shape, num_boxes, pooled_size, layout):
+    channels = input_shape[3] if layout == "NHWC" else input_shape[1]
+    if layout == "NHWC":
+        return (num_boxes,) + tuple(pooled_size) + (channels,)
+    return (num_boxes, channels) + tuple(pooled_size)
+
+
+def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout):
+    result = jax.ShapeDtypeStruct(_pooled_shape(input.shape, boxes.shape[0], pooled_size, layout), input.dtype)
     (output,) = _ffi.call(
-        _FORWARD, [input, boxes], [result], _config(pooled_size, spatial_scale, sampling_ratio, aligned)
+        _FORWARD, [input, boxes], [result], _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout)
     )
     return output
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
+    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout)
 
 
-def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned), boxes
+def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
+    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout), boxes
 
 
-def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, boxes, grad_output):
+def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, boxes, grad_output):
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
     (grad_input,) = _ffi.call(
-        _BACKWARD, [grad_output, boxes], [result], _config(pooled_size, spatial_scale, sampling_ratio, aligned)
+        _BACKWARD,
+        [grad_output, boxes],
+        [result],
+        _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
     # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
     return grad_input, jnp.zeros_like(boxes)
@@ -92,13 +114,16 @@ def roi_align(
     spatial_scale: float = 1.0,
     sampling_ratio: int = -1,
     aligned: bool = False,
+    *,
+    layout: str = "NCHW",
 ) -> jax.Array:
     """``torchvision.ops.roi_align`` (docs/semantics.md §4) on fastbwd's kernels.
 
     Parameters
     ----------
     input : jax.Array
-        ``(N, C, H, W)``: float32, float64, float16 or bfloat16.
+        ``(N, C, H, W)``, or ``(N, H, W, C)`` with ``layout="NHWC"``: float32, float64, float16
+        or bfloat16.
     boxes : jax.Array or list of jax.Array
         ``(K, 5)`` rows ``(image, x1, y1, x2, y2)``, or one ``(L, 4)`` array of
         ``(x1, y1, x2, y2)`` per image; input's dtype. A box with NaN/Inf values or an image
@@ -111,11 +136,15 @@ def roi_align(
         Samples per bin along each axis; ``<= 0`` is adaptive.
     aligned : bool
         Shift the boxes by -0.5 pixel.
+    layout : {"NCHW", "NHWC"}
+        Layout of input, of the result and of the gradients: ``"NHWC"`` (channels-last) runs
+        fastbwd's channels-last kernels in both directions, bitwise equal to the NCHW ones.
 
     Returns
     -------
     jax.Array
-        ``(K, C, pooled_height, pooled_width)`` in input's dtype, from fastbwd's forward kernel.
+        ``(K, C, pooled_height, pooled_width)`` (``(K, pooled_height, pooled_width, C)`` with
+        ``layout="NHWC"``) in input's dtype, from fastbwd's forward kernel.
         Differentiable with respect to input (``fastbwd.roi_align_backward``); the boxes get a
         zero gradient, as in torchvision. Under ``jax.vmap`` the kernels run once per batch
         element (a loop).
@@ -136,24 +165,29 @@ def roi_align(
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
     with v.called_as(FUNC, _SUBJECTS):
-        api.forward_plan(
+        plan = api.forward_plan(
             c.placeholder(input.shape, input.dtype),
             boxes_placeholder,
             *output_size,
             spatial_scale,
             sampling_ratio,
             aligned,
+            layout,
             None,
         )
+        layout = "NHWC" if plan.nhwc else "NCHW"  # validated
         pooled_size = c.ints(output_size)
         api.plan(
-            c.placeholder((rois.shape[0], input.shape[1]) + pooled_size, input.dtype),
+            c.placeholder(_pooled_shape(input.shape, rois.shape[0], pooled_size, layout), input.dtype),
             boxes_placeholder,
-            input.shape,
+            _nchw(input.shape, layout),
             *pooled_size,
             spatial_scale,
             sampling_ratio,
             aligned,
+            layout,
             None,
         )
-    return _roi_align(input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), input.shape)
+    return _roi_align(
+        input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), input.shape, layout
+    )

@@ -165,22 +165,39 @@ def _transpose_registers(builder, rows):
     return rows
 
 
-@intrinsic
-def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column, scale):
-    """``destination[dr, dc:dc + LANES] += scale * source[sr, sc:sc + LANES]``."""
-    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype)
+def _axpy(format_name):
+    """The codegen of ``destination[dr, dc:dc + LANES] += scale * decode(source[sr, sc:sc + LANES])``."""
 
     def codegen(context, builder, signature, args):
         dst, src = array_structs(context, builder, signature, args, 0, 3)
         vector = ir.VectorType(context.get_data_type(signature.args[0].dtype), LANES)
         align = signature.args[0].dtype.bitwidth // 8
         dst_pointer = _vector_pointer(builder, dst, args[1], args[2], vector)
-        src_pointer = _vector_pointer(builder, src, args[4], args[5], vector)
-        product = builder.fmul(builder.load(src_pointer, align=align), splat(builder, vector, args[6]))
+        values = decode_lanes(builder, _element_pointer(builder, src, args[4], args[5]), format_name, vector)
+        product = builder.fmul(values, splat(builder, vector, args[6]))
         builder.store(builder.fadd(builder.load(dst_pointer, align=align), product), dst_pointer, align=align)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def lanes_axpy(typingctx, destination, destination_row, destination_column, source, source_row, source_column, scale):
+    """``destination[dr, dc:dc + LANES] += scale * source[sr, sc:sc + LANES]``."""
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype)
+    return sig, _axpy("native")
+
+
+@intrinsic
+def lanes_decode_axpy(
+    typingctx, destination, destination_row, destination_column, source, source_row, source_column, scale, fmt
+):
+    """``destination[dr, dc:dc + LANES] += scale * decode(source[sr, sc:sc + LANES])``: ``source``
+    holds StorageFormat ``fmt`` (decoded exactly, as ``load``), ``destination`` the compute type."""
+    if not _both_c_matrices(destination, source):
+        return None
+    sig = types.void(destination, types.intp, types.intp, source, types.intp, types.intp, destination.dtype, fmt)
+    return sig, _axpy(fmt.format_name)
 
 
 @intrinsic

@@ -23,9 +23,13 @@ one table per axis (torchvision's ``pre_calc``, factored and collapsed per pixel
    channels-last scratch, and walks the boxes of image ``b`` in their given order, every bin
    ``(ph, pw)``, every (y entry, x entry) pair: each output element gets one update per
    (box, bin), in that fixed order, whatever the number of threads, block or band.
-3. The forward gather (:func:`roi_align_fwd`), parallel over (image, channel block): the same
-   entries in the same order, the same products ``wy * wx``, summed per bin instead of scattered
-   (the adjoint of 2).
+3. The forward gather (:func:`roi_align_fwd`), parallel over (image, channel block), or over
+   (box, channel block) for a channels-last input: the same entries in the same order, the same
+   products ``wy * wx``, summed per bin instead of scattered (the adjoint of 2).
+
+Both run on NCHW or NHWC (channels-last) memory (docs/semantics.md §4, ``layout``): only the
+copies into and out of the channels-last scratches differ, so every element's sum, and its bits,
+are the same in both layouts.
 
 The api's entries, :func:`backward` and :func:`forward`, build a call's tables (they depend on
 the boxes' values, so on every call) and run 1 and then 2 or 3.
@@ -42,9 +46,9 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ._halfbits import StorageFormat, load, store
+from ._halfbits import NATIVE, StorageFormat, load, store
 from ._jit import ONE_THREAD_BELOW, Launch, helper, parallel_kernel
-from ._lanes import LANES, decode_transpose_lanes, lanes_axpy, transpose_lanes
+from ._lanes import LANES, decode_transpose_lanes, lanes_decode_axpy, transpose_lanes
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
 #: longer runs use the closed form of their arithmetic progression.
@@ -63,6 +67,25 @@ def like(typingctx, value, template):
         return context.cast(builder, args[0], signature.args[0], target)
 
     return target(value, template), codegen
+
+
+@intrinsic(prefer_literal=False)
+def same_type_or(typingctx, array, fallback):
+    """``(array, True)`` when ``array`` has ``fallback``'s Numba type, else ``(fallback, False)``
+    (njit only; decided at compile time). Lets a kernel use its result as its accumulator where
+    the storage is the compute type, and still compile for the half formats (which never take
+    that branch: the flag is False there)."""
+    same = array == fallback
+    chosen = array if same else fallback
+    signature = types.Tuple((chosen, types.boolean))(array, fallback)
+
+    def codegen(context, builder, signature, args):
+        value = args[0] if same else args[1]
+        context.nrt.incref(builder, chosen, value)
+        flag = context.get_constant(types.boolean, same)
+        return context.make_tuple(builder, signature.return_type, (value, flag))
+
+    return signature, codegen
 
 
 @helper
@@ -388,8 +411,34 @@ def _decode_bin_row(box, c0, first, row_grad, fmt):
 
 
 @helper
+def _load_rows(source, first, c0, destination, fmt):
+    """``destination[i, c] = load(source[first + i, c0 + c])``: rows of a channels-last matrix
+    (the NHWC layout's grad_output), decoded to the compute type."""
+    rows, channels = destination.shape
+    for i in range(rows):
+        # sliced first: indexing with c0 + c kept LLVM from vectorising the loop (6x slower)
+        values = source[first + i, c0 : c0 + channels]
+        row = destination[i]
+        for c in range(channels):
+            row[c] = load(values[c], fmt)
+
+
+@helper
+def _store_rows(source, destination, first, c0, fmt):
+    """``destination[first + i, c0 + c] = store(source[i, c])``: a channels-last scratch into the
+    rows of a channels-last result (the NHWC layout), each element rounded once."""
+    rows, channels = source.shape
+    for i in range(rows):
+        values = source[i]
+        row = destination[first + i, c0 : c0 + channels]  # sliced first, as in _load_rows
+        for c in range(channels):
+            row[c] = store(values[c], fmt)
+
+
+@helper
 def _scatter_band(
     grad_bins,
+    channels_last,
     box_order,
     box_begin,
     box_end,
@@ -406,16 +455,17 @@ def _scatter_band(
 ):
     """Add the boxes at table positions ``[box_begin, box_end)`` (box ``box_order[j]`` at ``j``) to the rows
     ``[row_begin, row_end)`` of channels ``c0 : c0 + nc``: ``target`` is a channels-last scratch
-    ``((row_end - row_begin) * W, nc)``; ``grad_bins`` is grad_output as ``(K, C, PH * PW)``.
+    ``((row_end - row_begin) * W, nc)``; ``grad_bins`` is grad_output as ``(K, C, PH * PW)``, or
+    (``channels_last``) ``(K, PH * PW, C)``.
 
     Channels innermost: every entry pair's offset and weight are computed once for the block and
     the channel loop is contiguous (vectorised). The gradient of a row of bins that reaches the
-    band is first copied (decoded) into ``row_grad`` ``(PW, nc)`` by :func:`_decode_bin_row`,
-    reading grad_output along its rows. Per element the order is fixed: boxes, bins ``(ph, pw)``
-    (one update each).
+    band is first copied (decoded) into ``row_grad`` ``(PW, nc)``: by :func:`_decode_bin_row`,
+    reading grad_output along its rows, or by :func:`_load_rows` from channels-last bins. Per
+    element the order is fixed: boxes, bins ``(ph, pw)`` (one update each).
     """
     pooled_width, channels = row_grad.shape
-    pooled_height = grad_bins.shape[2] // pooled_width
+    pooled_height = (grad_bins.shape[1] if channels_last else grad_bins.shape[2]) // pooled_width
     for j in range(box_begin, box_end):
         if box_rows[j, 1] < row_begin or box_rows[j, 0] >= row_end:
             continue
@@ -426,7 +476,10 @@ def _scatter_band(
             # Entries are in ascending pixel order: the bin's rows lie between its end entries.
             if ye == ys or y_table.pixel[ye - 1] < row_begin or y_table.pixel[ys] >= row_end:
                 continue
-            _decode_bin_row(box, c0, ph * pooled_width, row_grad, fmt)
+            if channels_last:
+                _load_rows(box, ph * pooled_width, c0, row_grad, fmt)
+            else:
+                _decode_bin_row(box, c0, ph * pooled_width, row_grad, fmt)
             for ey in range(ys, ye):
                 row = y_table.pixel[ey]
                 if not (row_begin <= row < row_end):
@@ -445,34 +498,38 @@ def _scatter_band(
 
 @parallel_kernel
 def roi_align_bwd(
-    grad_output,
+    grad_bins,
+    channels_last,
     box_order,
     image_start,
     box_rows,
     grad_input,
     width,
+    pooled_width,
     channel_block,
     band_rows,
     fmt,
     y_table,
     x_table,
 ):
-    """grad_output (K, C, PH, PW) -> grad_input (B, C, H*W), any storage format.
+    """grad_output as ``grad_bins`` (K, C, PH * PW) -> grad_input (B, C, H * W), or
+    (``channels_last``, the NHWC layout) (K, PH * PW, C) -> (B, H * W, C); any storage format.
 
     Parallel over (image ``b``, channel block, band of rows); a task writes only its block of
     channels and band of rows of ``grad_input[b]``. It accumulates in a zeroed channels-last
     scratch of the compute type (float32, or float64 for float64 data; small enough to stay in
-    cache), then stores each element once (rounding the half formats). Table position ``j``
-    holds box ``box_order[j]``; image ``b`` owns positions
-    ``image_start[b] : image_start[b + 1]``.
+    cache), then stores each element once (rounding the half formats); in the NHWC layout with
+    every channel in one block and float32 or float64 data, it accumulates in its (zeroed) band
+    of the result instead. Table position ``j`` holds box ``box_order[j]``; image ``b`` owns
+    positions ``image_start[b] : image_start[b + 1]``. The layouts differ only in where the sums
+    are kept and the copies in and out, so each element gets the same sum, in the same order,
+    in both.
     """
-    batch, channels, plane_size = grad_input.shape
-    height = plane_size // width
+    batch = grad_input.shape[0]
+    channels = grad_input.shape[2] if channels_last else grad_input.shape[1]
+    height = (grad_input.shape[1] if channels_last else grad_input.shape[2]) // width
     blocks = (channels + channel_block - 1) // channel_block
     bands = (height + band_rows - 1) // band_rows
-    # (K, C, PH * PW), reshaped once: bin row ph of channel c of box k is [k, c, ph*PW:(ph+1)*PW]
-    pooled_height, pooled_width = grad_output.shape[2], grad_output.shape[3]
-    grad_bins = grad_output.reshape(grad_output.shape[0], channels, pooled_height * pooled_width)
     for t in prange(batch * blocks * bands):
         b = t // (blocks * bands)
         block = (t // bands) % blocks
@@ -485,13 +542,25 @@ def roi_align_bwd(
             touched = touched or (box_rows[j, 0] < row_end and box_rows[j, 1] >= row_begin)
         if not touched:
             # No box reaches this band: plain zeros (all-zero bits are +0.0 in every format).
-            for c in range(c0, c1):
-                grad_input[b, c, row_begin * width : row_end * width] = 0
+            if channels_last:
+                grad_input[b, row_begin * width : row_end * width, c0:c1] = 0
+            else:
+                for c in range(c0, c1):
+                    grad_input[b, c, row_begin * width : row_end * width] = 0
             continue
         row_grad = np.empty((pooled_width, c1 - c0), y_table.weight.dtype)
-        target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_table.weight.dtype)
+        # NHWC, one block of all channels, stored in the compute type: the band of the result is
+        # one contiguous matrix, accumulated in place (no scratch to zero and copy out)
+        band, in_place = same_type_or(grad_input[b][row_begin * width : row_end * width], row_grad)
+        in_place = in_place and channels_last and c1 - c0 == channels
+        if in_place:
+            band[:] = 0
+            target = band
+        else:
+            target = np.zeros(((row_end - row_begin) * width, c1 - c0), y_table.weight.dtype)
         _scatter_band(
             grad_bins,
+            channels_last,
             box_order,
             image_start[b],
             image_start[b + 1],
@@ -506,7 +575,12 @@ def roi_align_bwd(
             y_table,
             x_table,
         )
-        _store_band(target, grad_input[b], c0, row_begin * width, fmt)
+        if in_place:
+            continue
+        if channels_last:
+            _store_rows(target, grad_input[b], row_begin * width, c0, fmt)
+        else:
+            _store_band(target, grad_input[b], c0, row_begin * width, fmt)
 
 
 @helper
@@ -540,21 +614,24 @@ def _store_band(target, plane, c0, first, fmt):
 def _gather_box(
     source,
     first_row,
+    column,
     width,
     acc,
     j,
     pooled_height,
     pooled_width,
+    fmt,
     y_table,
     x_table,
 ):
     """``acc[ph * PW + pw, c] = sum over the bin's (y entry, x entry) pairs, y then x ascending,
-    of source[(row - first_row) * W + col, c] * (wy * wx)`` for box ``j``.
+    of load(source[(row - first_row) * W + col, column + c]) * (wy * wx)`` for box ``j``.
 
-    ``source`` is a channels-last ``(rows * W, nc)`` matrix of the compute type holding the rows
-    from ``first_row`` on; ``acc`` ``(PH * PW, nc)``. The products
-    ``wy * wx`` are those of the backward scatter. Whole 16-channel groups go by ``lanes_axpy``
-    (a multiply then an add per lane, as the plain loop, which LLVM did not vectorise well),
+    ``source`` is a channels-last ``(rows * W, channels)`` matrix of StorageFormat ``fmt``
+    holding the rows from ``first_row`` on: a task's decoded scratch (``NATIVE``), or a
+    channels-last input read in place; ``acc`` ``(PH * PW, nc)``. The products ``wy * wx`` are
+    those of the backward scatter. Whole 16-channel groups go by ``lanes_decode_axpy`` (a decode,
+    a multiply then an add per lane, as the plain loop, which LLVM did not vectorise well),
     leftover channels one by one.
     """
     channels = acc.shape[1]
@@ -572,9 +649,9 @@ def _gather_box(
                     w = wy * x_table.weight[ex]
                     pixel = offset + x_table.pixel[ex]
                     for cc in range(0, tiled, LANES):
-                        lanes_axpy(acc, bin_index, cc, source, pixel, cc, w)
+                        lanes_decode_axpy(acc, bin_index, cc, source, pixel, column + cc, w, fmt)
                     for c in range(tiled, channels):
-                        acc[bin_index, c] += source[pixel, c] * w
+                        acc[bin_index, c] += load(source[pixel, column + c], fmt) * w
 
 
 @helper
@@ -603,24 +680,20 @@ def _image_rows(box_rows, begin, end, height):
 
 
 @helper
-def _fill_scratch(source, channels_last, first, pixels, c0, scratch, fmt):
-    """``scratch[i, c] = load(pixel first + i, channel c0 + c)`` of one image: ``source`` is its
-    ``(C, H * W)`` planes, or (``channels_last``) its ``(H * W, C)`` pixels. Planes go through
-    the backward's :func:`_decode_bin_row` (16 x 16 register transposes; a scalar loop storing
-    elements ``nc`` apart made this copy cost three times the gather on R1)."""
-    channels = scratch.shape[1]
-    if channels_last:
-        for i in range(pixels):
-            for c in range(channels):
-                scratch[i, c] = load(source[first + i, c0 + c], fmt)
-        return
-    _decode_bin_row(source, c0, first, scratch[:pixels], fmt)  # the backward's planes-to-rows copy
+def _store_result(acc, out, k, c0, result_channels_last, fmt):
+    """Box ``k``'s gathered channels ``c0 : c0 + nc`` into ``out``: ``(K, C, PH * PW)``, or
+    (``result_channels_last``) ``(K, PH * PW, C)``; each element rounded once."""
+    if result_channels_last:
+        _store_rows(acc, out[k], 0, c0, fmt)
+    else:
+        _store_box(acc, out[k], c0, fmt)
 
 
 @parallel_kernel
 def roi_align_fwd(
     source,
     channels_last,
+    result_channels_last,
     height,
     width,
     box_order,
@@ -635,19 +708,41 @@ def roi_align_fwd(
     y_table,
     x_table,
 ):
-    """input -> out (K, C, PH * PW), any storage format; ``source`` is the input's memory read in
-    place: (B, C, H * W), or (``channels_last``) (B, H * W, C).
+    """input -> out (K, C, PH * PW), or (``result_channels_last``, the NHWC layout)
+    (K, PH * PW, C); any storage format. ``source`` is the input's memory read in place:
+    (B, C, H * W), or (``channels_last``) (B, H * W, C). Table position ``j`` holds box
+    ``box_order[j]``; image ``b`` owns positions ``image_start[b] : image_start[b + 1]``.
 
-    Parallel over (image ``b``, channel block), plus one task zeroing the results of the
-    ``skipped`` boxes; a task writes only its block of channels of the results of image ``b``'s
-    boxes (table positions ``image_start[b] : image_start[b + 1]``, box ``box_order[j]`` at
-    ``j``). It first copies the rows those boxes touch, decoded to the compute type, into a
-    channels-last scratch (:func:`_fill_scratch`), so that the gather's channel loop is
-    contiguous, then gathers box by box, rounding each result once.
+    Each result element is one box's bin, gathered by :func:`_gather_box` in the same order
+    whatever the layouts and the partition, and rounded once; one more task zeroes the results
+    of the ``skipped`` boxes.
+
+    * channels-last input: parallel over (table position, channel block); the gather reads the
+      input in place (decoding as it goes), its channels contiguous.
+    * (B, C, H * W) input: parallel over (image ``b``, channel block); a task first copies the
+      rows its image's boxes touch, decoded, into a channels-last scratch with
+      :func:`_decode_bin_row` (16 x 16 register transposes; a scalar loop storing elements ``nc``
+      apart made this copy cost three times the gather on R1), so that the gather's channel loop
+      is contiguous, then gathers its boxes one by one.
     """
-    batch = source.shape[0]
     channels = source.shape[2] if channels_last else source.shape[1]
     blocks = (channels + channel_block - 1) // channel_block
+    compute = y_table.weight.dtype
+    if channels_last:
+        positions = box_order.shape[0]
+        for t in prange(positions * blocks + 1):
+            if t == positions * blocks:
+                _zero_skipped(out, skipped)
+                continue
+            j = t // blocks
+            c0 = (t % blocks) * channel_block
+            c1 = min(c0 + channel_block, channels)
+            b = np.searchsorted(image_start, j, side="right") - 1
+            acc = np.empty((pooled_height * pooled_width, c1 - c0), compute)
+            _gather_box(source[b], 0, c0, width, acc, j, pooled_height, pooled_width, fmt, y_table, x_table)
+            _store_result(acc, out, box_order[j], c0, result_channels_last, fmt)
+        return
+    batch = source.shape[0]
     for t in prange(batch * blocks + 1):
         if t == batch * blocks:
             _zero_skipped(out, skipped)
@@ -658,21 +753,28 @@ def roi_align_fwd(
         if image_start[b + 1] == image_start[b]:
             continue
         first_row, rows = _image_rows(box_rows, image_start[b], image_start[b + 1], height)
-        scratch = np.empty((rows * width, c1 - c0), y_table.weight.dtype)
-        _fill_scratch(source[b], channels_last, first_row * width, rows * width, c0, scratch, fmt)
-        acc = np.empty((pooled_height * pooled_width, c1 - c0), y_table.weight.dtype)
+        scratch = np.empty((rows * width, c1 - c0), compute)
+        _decode_bin_row(source[b], c0, first_row * width, scratch, fmt)
+        acc = np.empty((pooled_height * pooled_width, c1 - c0), compute)
         for j in range(image_start[b], image_start[b + 1]):
-            _gather_box(scratch, first_row, width, acc, j, pooled_height, pooled_width, y_table, x_table)
-            _store_box(acc, out[box_order[j]], c0, fmt)
+            _gather_box(scratch, first_row, 0, width, acc, j, pooled_height, pooled_width, NATIVE, y_table, x_table)
+            _store_result(acc, out, box_order[j], c0, result_channels_last, fmt)
 
 
 # ---- the plans: the weight tables of a call's boxes, then the kernels ---------------------------
 
-#: Channels per task of the scatter kernel, at most (see :func:`_channel_block`): each sample's
-#: offsets and weights are shared by this many channels.
+#: Channels per task of the scatter kernel, at most: each entry pair's offset and weight are
+#: shared by this many channels, one pixel's block is one contiguous (vectorised) run of the
+#: channels-last scratch.
 CHANNEL_BLOCK = 64
-#: Channels per task of the forward gather, at most.
+#: Channels per task of the forward gather, at most (an image's channels-last scratch holds that
+#: many values per pixel).
 FORWARD_CHANNEL_BLOCK = 64
+#: Channels per task in the NHWC layout (backward) and from a channels-last input (forward), at
+#: most: a pixel's channels are contiguous in memory, so a wider block reads and writes longer
+#: runs and shares each entry pair's offset and weight over more channels, and a block of all
+#: channels lets the backward accumulate in the result itself (docs/history.md, issue 40).
+CHANNELS_LAST_BLOCK = 256
 #: Bytes of each scatter task's scratch, about (see :func:`_band_rows`).
 SCRATCH_BYTES = 1 << 20
 
@@ -700,6 +802,7 @@ class BackwardGeometry(NamedTuple):
     width: int
     pooled_height: int
     pooled_width: int
+    channels_last: bool  # the NHWC layout: grad_output (K, PH * PW, C), grad_input (B, H * W, C)
     spatial_scale: float
     sampling_ratio: int
     aligned: bool
@@ -718,6 +821,7 @@ class ForwardGeometry(NamedTuple):
     pooled_height: int
     pooled_width: int
     channels_last: bool  # the input's memory is read as (B, H * W, C); else (B, C, H * W)
+    result_channels_last: bool  # the result is written as (K, PH * PW, C) (the NHWC layout)
     spatial_scale: float
     sampling_ratio: int
     aligned: bool
@@ -780,28 +884,38 @@ class _BackwardPlan:
     def __init__(self, geometry):
         g = geometry
         self.tables = _BoxTables(g)
-        self.block = _channel_block(g.channels)
+        self.block = min(g.channels, CHANNELS_LAST_BLOCK if g.channels_last else CHANNEL_BLOCK)
         self.band_rows = _band_rows(g.width, self.block, g.compute)
         work = g.batch * g.channels * g.height * g.width + g.num_boxes * g.channels * g.pooled_height * g.pooled_width
         self.scatter = Launch(roi_align_bwd, work)
         self.geometry = g
 
     def run(self, grad_output, boxes, grad_input):
-        """grad_output (K, C, PH, PW) -> grad_input (B, C, H, W), kernel views, C-contiguous;
-        ``boxes`` (K, 5) of the data's dtype. Zero where no box contributes."""
+        """grad_output (K, C, PH, PW) -> grad_input (B, C, H, W), or for a ``channels_last``
+        geometry (K, PH, PW, C) -> (B, H, W, C); kernel views, C-contiguous; ``boxes`` (K, 5)
+        of the data's dtype. Zero where no box contributes."""
         g = self.geometry
         tables = self.tables(boxes) if grad_output.size else None
         if tables is None:
             grad_input.fill(0)
             return
         box_order, image_start, box_rows, y_table, x_table, _ = tables
+        bins, pixels = g.pooled_height * g.pooled_width, g.height * g.width
+        if g.channels_last:
+            grad_bins = grad_output.reshape(g.num_boxes, bins, g.channels)
+            grad_input = grad_input.reshape(g.batch, pixels, g.channels)
+        else:
+            grad_bins = grad_output.reshape(g.num_boxes, g.channels, bins)
+            grad_input = grad_input.reshape(g.batch, g.channels, pixels)
         self.scatter(
-            grad_output,
+            grad_bins,
+            g.channels_last,
             box_order,
             image_start,
             box_rows,
-            grad_input.reshape(g.batch, g.channels, g.height * g.width),
+            grad_input,
             g.width,
+            g.pooled_width,
             self.block,
             self.band_rows,
             g.fmt,
@@ -816,31 +930,34 @@ class _ForwardPlan:
     def __init__(self, geometry):
         g = geometry
         self.tables = _BoxTables(g)
-        self.block = _forward_channel_block(g.channels)
+        self.block = min(g.channels, CHANNELS_LAST_BLOCK if g.channels_last else FORWARD_CHANNEL_BLOCK)
         work = g.batch * g.channels * g.height * g.width + g.num_boxes * g.channels * g.pooled_height * g.pooled_width
         self.gather = Launch(roi_align_fwd, work)
         self.geometry = g
 
     def run(self, source, boxes, out):
         """``source`` the input's (B, C, H*W) kernel view, or (B, H*W, C) when the geometry is
-        ``channels_last``, -> ``out`` (K, C, PH, PW) (a C-contiguous kernel view); ``boxes``
-        (K, 5) of the data's dtype. Zero for the boxes that contribute nothing."""
+        ``channels_last``, -> ``out`` (K, C, PH, PW), or (K, PH, PW, C) when it is
+        ``result_channels_last`` (a C-contiguous kernel view); ``boxes`` (K, 5) of the data's
+        dtype. Zero for the boxes that contribute nothing."""
         g = self.geometry
         tables = self.tables(boxes) if source.size else None
         if tables is None:
             out.fill(0)
             return
         box_order, image_start, box_rows, y_table, x_table, skipped = tables
+        bins = g.pooled_height * g.pooled_width
         self.gather(
             source,
             g.channels_last,
+            g.result_channels_last,
             g.height,
             g.width,
             box_order,
             image_start,
             box_rows,
             skipped,
-            out.reshape(g.num_boxes, g.channels, g.pooled_height * g.pooled_width),
+            out.reshape((g.num_boxes, bins, g.channels) if g.result_channels_last else (g.num_boxes, g.channels, bins)),
             g.pooled_height,
             g.pooled_width,
             self.block,
@@ -860,19 +977,8 @@ def _weight_table(slots, compute):
     )
 
 
-def _channel_block(channels):
-    """Channels per task: sample offsets and weights are shared across them, and one pixel's
-    block is one contiguous (vectorised) run of the channels-last scratch."""
-    return min(channels, CHANNEL_BLOCK)
-
-
 def _band_rows(width, channel_block, compute):
     """Rows per task: the task's channels-last scratch stays within ``SCRATCH_BYTES`` (cache).
     Fixed by the problem size; any banding gives the same bits (each element's order is fixed)."""
     row_bytes = width * channel_block * compute.itemsize
     return max(1, SCRATCH_BYTES // row_bytes)
-
-
-def _forward_channel_block(channels):
-    """Channels per forward task: its channels-last scratch holds that many values per pixel."""
-    return min(channels, FORWARD_CHANNEL_BLOCK)

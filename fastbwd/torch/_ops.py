@@ -74,13 +74,24 @@ def use_eager_path(*tensors):
 _ROI_ALIGN_SUBJECTS = {"pooled_height": "output_size[0]", "pooled_width": "output_size[1]"}
 
 
+def _nhwc(tensor):
+    """The (N, H, W, C) array of a channels_last tensor's memory (a copy only if not dense)."""
+    return c.as_array(tensor.permute(0, 2, 3, 1).contiguous())
+
+
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+    """The forward; a channels_last input runs the NHWC layout, in place, and gives a
+    channels_last result."""
     match_torch_threads()
-    output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype)
-    arrays, out = (c.as_array(input), c.as_array(rois)), c.as_array(output)
+    memory_format = c.memory_format(input)
+    output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
+    if memory_format == torch.channels_last:
+        layout, arrays, out = "NHWC", (_nhwc(input), c.as_array(rois)), _nhwc(output)
+    else:
+        layout, arrays, out = "NCHW", (c.as_array(input), c.as_array(rois)), c.as_array(output)
     with v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
-        plan = roi_align_api.forward_plan(*arrays, pooled_height, pooled_width, *scalars, out)
+        plan = roi_align_api.forward_plan(*arrays, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run_forward(plan, *arrays, out)
     return output
 
@@ -101,18 +112,40 @@ def roi_align(
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
-    return input.new_empty((rois.shape[0], input.shape[1], pooled_height, pooled_width))
+    return torch.empty(
+        (rois.shape[0], input.shape[1], pooled_height, pooled_width),
+        dtype=input.dtype,
+        device=input.device,
+        memory_format=c.memory_format(input),
+    )
 
 
 def _roi_align_backward_kernel(
-    grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio, aligned
+    grad,
+    rois,
+    spatial_scale,
+    pooled_height,
+    pooled_width,
+    batch_size,
+    channels,
+    height,
+    width,
+    sampling_ratio,
+    aligned,
+    channels_last=False,
 ):
+    """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
+    gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
     match_torch_threads()
     input_shape = (batch_size, channels, height, width)
-    grad_input = c.empty(input_shape, grad.dtype)
-    arrays, out = (c.as_array(grad.contiguous()), c.as_array(rois)), c.as_array(grad_input)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
-    plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, out)
+    if channels_last:
+        grad_input = c.empty(input_shape, grad.dtype, torch.channels_last)
+        layout, arrays, out = "NHWC", (_nhwc(grad), c.as_array(rois)), _nhwc(grad_input)
+    else:
+        grad_input = c.empty(input_shape, grad.dtype)
+        layout, arrays, out = "NCHW", (c.as_array(grad.contiguous()), c.as_array(rois)), c.as_array(grad_input)
+    plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run(plan, *arrays, out)
     return grad_input
 
@@ -130,6 +163,7 @@ def roi_align_backward(
     width: int,
     sampling_ratio: int,
     aligned: bool,
+    channels_last: bool = False,
 ) -> Tensor:
     return _roi_align_backward_kernel(
         grad,
@@ -143,20 +177,39 @@ def roi_align_backward(
         width,
         sampling_ratio,
         aligned,
+        channels_last,
     )
 
 
 @roi_align_backward.register_fake
 def _(
-    grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio, aligned
+    grad,
+    rois,
+    spatial_scale,
+    pooled_height,
+    pooled_width,
+    batch_size,
+    channels,
+    height,
+    width,
+    sampling_ratio,
+    aligned,
+    channels_last=False,
 ):
-    return grad.new_empty((batch_size, channels, height, width))
+    return torch.empty(
+        (batch_size, channels, height, width),
+        dtype=grad.dtype,
+        device=grad.device,
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
+    )
 
 
 def _roi_align_setup(ctx, inputs, output):
     input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned = inputs
     ctx.save_for_backward(rois)
-    ctx.geometry = (spatial_scale, pooled_height, pooled_width, *input.shape, sampling_ratio, aligned)
+    # the gradient in the input's memory format (the layout the forward ran)
+    channels_last = c.memory_format(input) == torch.channels_last
+    ctx.geometry = (spatial_scale, pooled_height, pooled_width, *input.shape, sampling_ratio, aligned, channels_last)
 
 
 def _roi_align_grad(ctx, grad):
@@ -173,7 +226,7 @@ roi_align.register_autograd(_roi_align_grad, setup_context=_roi_align_setup)
 
 
 def _roi_align_backward_setup(ctx, inputs, output):
-    (_, rois, spatial_scale, pooled_height, pooled_width, _, _, _, _, sampling_ratio, aligned) = inputs
+    (_, rois, spatial_scale, pooled_height, pooled_width, _, _, _, _, sampling_ratio, aligned, _) = inputs
     ctx.save_for_backward(rois)
     ctx.geometry = (spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
 
@@ -182,9 +235,9 @@ def _roi_align_backward_grad(ctx, grad_grad):
     # The backward is linear in grad: its derivative is the forward, applied to the incoming
     # gradient (so double backward through roi_align is exact).
     if not ctx.needs_input_grad[0]:
-        return (None,) * 11
+        return (None,) * 12
     (rois,) = ctx.saved_tensors
-    return (roi_align(grad_grad, rois, *ctx.geometry),) + (None,) * 10
+    return (roi_align(grad_grad, rois, *ctx.geometry),) + (None,) * 11
 
 
 roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_roi_align_backward_setup)
