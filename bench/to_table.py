@@ -99,8 +99,9 @@ def table(results):
     compiled = [row for row in results["rows"] if row["op"] == "fastbwd.torch" and row["variant"] == "compiled"]
     overhead = [row for row in results["rows"] if row["op"] == "fastbwd.torch overhead"]
     jax_bridge = [row for row in results["rows"] if row["op"] == "fastbwd.jax"]
+    direct = [row for row in results["rows"] if row["variant"] == "direct"]
     for row in results["rows"]:
-        if row["op"].startswith(("fastbwd.torch", "fastbwd.jax")):
+        if row["op"].startswith(("fastbwd.torch", "fastbwd.jax")) or row["variant"] == "direct":
             continue
         baseline = row["baseline"] or "-"
         base_ms = f"{row['baseline_ms']:.2f}" if row["baseline_ms"] is not None else "-"
@@ -151,6 +152,20 @@ def table(results):
             lines.append(
                 f"| {row['case']} | {row['label']} | {row['routed_us']:.1f} | {row['direct_us']:.1f} | "
                 f"{row['routed_us'] - row['direct_us']:.1f} | {row['torch_us']:.1f} | {_spread_cell(row, results)} |"
+            )
+    if direct:
+        lines += [
+            "",
+            "Warm direct calls on tiny inputs (NumPy arrays) against PyTorch's own ops on the same values "
+            "(median microseconds):",
+            "",
+            "| case | what | fastbwd us | PyTorch us | speed-up | spread | target |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for row in direct:
+            lines.append(
+                f"| {row['case']} | {row['label']} | {row['ms'] * 1e3:.1f} | {row['baseline_ms'] * 1e3:.1f} | "
+                f"{_speedup_cell(row)} | {_spread_cell(row, results)} | {_verdict_cell(row, results)} |"
             )
     if jax_bridge:
         lines += [

@@ -139,6 +139,8 @@ def _results(quick=False):
         kernel | dict(variant="out=", ms=1.0, baseline="torch out=", baseline_ms=2.0, speedup=2.0, target=">= 3x", spread=0.3, stall=5.0),
         dict(op="fastbwd.torch", case="C9", label="a new row", dtype="float32", variant="autograd", ms=1.0,
              gbps=None, pct_bandwidth=None, baseline="torch", baseline_ms=0.9, speedup=0.9, target="≥ 1.0×", spread=0.02),
+        dict(op="fastbwd", case="O9", label="a tiny call", dtype="float32", variant="direct", ms=0.0075,
+             gbps=None, pct_bandwidth=None, baseline="torch", baseline_ms=0.006, speedup=0.8, target=">= 1.0x", spread=0.01),
     ]  # fmt: skip
     return dict(machine=machine, bandwidth_gbps=40.0, bandwidth_readings_gbps=[40.0, 20.0, 39.0],
                 case_size_copy_gbps=30.0, stream_write_gbps=25.0, quick=quick, max_spread=0.1,
@@ -152,6 +154,7 @@ def test_table_shows_spreads_verdicts_warnings_and_the_summary():
     assert "| **6.00x** | ±1.0% | >= 5x: met |" in text
     assert "| **2.00x** | ±30%, noisy stalled | >= 3x: not trustworthy |" in text
     assert "| C9 | a new row | 1.00 | 0.90 | **0.90x** | ±2.0% | ≥ 1.0×: **missed** |" in text  # a new row slots in
+    assert "| O9 | a tiny call | 7.5 | 6.0 | **0.80x** | ±1.0% | >= 1.0x: **missed** |" in text  # in microseconds
     assert text.endswith(targets.summary_text(targets.summarize(_results()["rows"], 0.1), 0.1))
     quick = to_table.table(_results(quick=True))
     assert "small shapes" in quick and ">= 5x (at full size)" in quick and ": met" not in quick
