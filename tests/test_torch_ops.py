@@ -126,6 +126,31 @@ def test_fake_kernels_give_the_real_layouts():
     assert real_grads[1].shape == (0,) and real_grads[2].shape == (6,)
 
 
+@pytest.mark.parametrize("layout", list(CHANNELS_LAST))
+def test_roi_align_fake_kernels_give_the_real_layouts(layout):
+    """RoIAlign's operators in both layouts: a channels_last feature map gives channels_last
+    pooled values and, with ``channels_last=True``, a channels_last input gradient; the fakes
+    (what torch.compile plans its buffers by) say the same strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    memory_format = CHANNELS_LAST[layout]
+    channels_last = layout == "channels_last"
+    x = _randn((2, 3, 9, 11), memory_format=memory_format)
+    rois = _boxes()
+    grad = _randn((rois.shape[0], 3, 3, 4), seed=2, memory_format=memory_format)
+    backward_args = (0.8, 3, 4, 2, 3, 9, 11, 0, True, channels_last)
+    real = (OPS.roi_align(x, rois, 0.8, 3, 4, 2, True), OPS.roi_align_backward(grad, rois, *backward_args))
+    with FakeTensorMode() as mode:
+        fake_x, fake_rois, fake_grad = (mode.from_tensor(t) for t in (x, rois, grad))
+        fake = (
+            OPS.roi_align(fake_x, fake_rois, 0.8, 3, 4, 2, True),
+            OPS.roi_align_backward(fake_grad, fake_rois, *backward_args),
+        )
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+        assert r.is_contiguous(memory_format=memory_format)
+
+
 # ---- FX and TorchScript -------------------------------------------------------------------------
 
 
