@@ -84,6 +84,26 @@ def test_compiled_backward_runs_fastbwd_with_eager_fastbwds_bits(case, dtype, me
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_compiled_roi_align_has_eagers_bits_and_layout(memory_format, backend):
+    """fastbwd.torch.roi_align compiled (fullgraph): its operators in the graph, the pooled values
+    and the input gradient bitwise eager's, channels_last kept (Inductor plans the buffers by the
+    fakes' strides, and checks them)."""
+    x = _randn((2, 16, 10, 12), 61, memory_format=memory_format)
+    rois = torch.tensor([[0, 1.0, 1.0, 8.0, 7.0], [1, 0.0, 2.0, 9.0, 9.0], [0, 3.0, 0.5, 11.0, 6.0]])
+    grad_output = _randn((3, 16, 3, 4), 62, memory_format=memory_format)
+
+    def pool(t):
+        return ft.roi_align(t, rois, (3, 4), 1.0, 2, True)
+
+    want = _gradients(pool, [x], grad_output)
+    got = _gradients(torch.compile(pool, backend=backend, fullgraph=True), [x], grad_output)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+    assert got[1].is_contiguous(memory_format=memory_format)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_shapes_compile_once_and_run_fastbwd_for_every_shape(backend):
     def model(x):
         y = F.interpolate(x, scale_factor=2, mode="bilinear")
