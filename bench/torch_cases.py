@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 import fastbwd
@@ -730,11 +730,115 @@ def _compiled_group_norm_swish_case(shape, groups, target):
     )
 
 
+_PLAIN_OPERATORS = {}
+
+
+def _plain_group_norm_silu_operators():
+    """C8's custom op (registered once per process): ``fastbwd_bench::group_norm_silu``, PyTorch's
+    own GroupNorm and SiLU kernels behind a ``torch.library`` custom op with a fake kernel and
+    registered autograd (a backward custom op of PyTorch's own backward kernels), the way a
+    user extends torch.compile; and an ``autograd.Function`` running the same kernels eagerly."""
+    if _PLAIN_OPERATORS:
+        return _PLAIN_OPERATORS["op"], _PLAIN_OPERATORS["function"]
+
+    def forward_kernels(input, weight, bias, num_groups):
+        batch, channels = input.shape[:2]
+        y, mean, rstd = torch.native_group_norm(
+            input, weight, bias, batch, channels, input.numel() // (batch * channels), num_groups, 1e-5
+        )
+        return F.silu(y), y, mean, rstd
+
+    def backward_kernels(grad, input, y, mean, rstd, weight, num_groups):
+        batch, channels = input.shape[:2]
+        return torch.ops.aten.native_group_norm_backward(
+            torch.ops.aten.silu_backward(grad, y),
+            input,
+            mean,
+            rstd,
+            weight,
+            batch,
+            channels,
+            input.numel() // (batch * channels),
+            num_groups,
+            [True, True, True],
+        )
+
+    @torch.library.custom_op("fastbwd_bench::group_norm_silu", mutates_args=())
+    def op(input: Tensor, weight: Tensor, bias: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return forward_kernels(input, weight, bias, num_groups)
+
+    @op.register_fake
+    def _(input, weight, bias, num_groups):
+        statistics = input.new_empty((input.shape[0], num_groups))
+        return torch.empty_like(input), torch.empty_like(input), statistics, torch.empty_like(statistics)
+
+    @torch.library.custom_op("fastbwd_bench::group_norm_silu_backward", mutates_args=())
+    def op_backward(
+        grad: Tensor, input: Tensor, y: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, num_groups: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return backward_kernels(grad, input, y, mean, rstd, weight, num_groups)
+
+    @op_backward.register_fake
+    def _(grad, input, y, mean, rstd, weight, num_groups):
+        return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
+
+    def setup_context(ctx, inputs, output):
+        input, weight, _, ctx.num_groups = inputs
+        _, y, mean, rstd = output
+        ctx.save_for_backward(input, y, mean, rstd, weight)
+
+    def backward(ctx, grad, *_):
+        return (*op_backward(grad, *ctx.saved_tensors, ctx.num_groups), None)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias, num_groups):
+            output, y, mean, rstd = forward_kernels(input, weight, bias, num_groups)
+            ctx.save_for_backward(input, y, mean, rstd, weight)
+            ctx.num_groups = num_groups
+            return output
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (*backward_kernels(grad, *ctx.saved_tensors, ctx.num_groups), None)
+
+    _PLAIN_OPERATORS.update(op=op, function=Function)
+    return op, Function
+
+
+def _compiled_plain_custom_op_case(shape, groups):
+    """C8: what torch.compile costs around one custom op without fastbwd: C7's structure (an op
+    whose kernels run the same compiled or eager) with PyTorch's own GroupNorm and SiLU kernels."""
+    op, function = _plain_group_norm_silu_operators()
+    weight, bias = nn.Parameter(torch.ones(shape[1])), nn.Parameter(torch.zeros(shape[1]))
+    x = _randn(shape, 95, requires_grad=True)
+    g = _randn(shape, 96)
+    parameters = (x, weight, bias)
+    compiled_forward = _compiled(lambda input: op(input, weight, bias, groups)[0], "C8_compiled")
+    compiled = lambda: torch.autograd.grad(compiled_forward(x), parameters, g)  # noqa: E731
+    eager = lambda: torch.autograd.grad(function.apply(x, weight, bias, groups), parameters, g)  # noqa: E731
+
+    def check():
+        assert all(torch.equal(a, e) for a, e in zip(compiled(), eager())), "C8: the compiled custom op is not eager's"
+
+    return TorchCase(
+        "C8",
+        f"no fastbwd: a custom op of PyTorch's GroupNorm + SiLU kernels fwd + bwd {shape}, {groups} groups: "
+        "compiled vs the same kernels eager",
+        compiled,
+        eager,
+        check,
+        "report (C7's floor)",
+    )
+
+
 def compile_cases(quick=False):
-    """C1-C7: models under ``torch.compile`` (Inductor) with fastbwd enabled before their first
+    """C1-C8: models under ``torch.compile`` (Inductor) with fastbwd enabled before their first
     compiled call, against the same models compiled without fastbwd (C3: run eagerly with
-    fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager); ``quick``
-    uses small shapes."""
+    fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager; C8: C7's
+    structure with PyTorch's own kernels, no fastbwd); ``quick`` uses small shapes."""
     from .torch_unet import SmallUNet
 
     if quick:
@@ -795,6 +899,7 @@ def compile_cases(quick=False):
         ),
         _compiled_roi_align_case(*roi, ">= 0.95x"),
         _compiled_group_norm_swish_case(*norm, ">= 0.95x"),
+        _compiled_plain_custom_op_case(*norm),
         _compiled_training_case(
             "C6",
             f"training step, T7's UNet (batch {unet_batch}, {unet_size}x{unet_size}, {unet_channels}): "
