@@ -12,6 +12,7 @@ The NumPy functions (arrays in, NumPy arrays out; ``ArrayLike`` in the signature
 - ``group_norm_swish_backward``: the gradient of GroupNorm followed by Swish (SiLU)
 - ``group_norm_swish``: GroupNorm followed by Swish, forward (y, mean, rstd)
 - ``precompile``: compile every kernel into the disk cache ahead of time
+- ``clear_result_cache``: free the memory kept from dropped results (4 MiB and more) for reuse
 - ``ParamError``: the one exception for bad arguments; ``__version__``
 
 The bridges, imported on their own (``import fastbwd`` imports neither torch nor jax):
@@ -30,6 +31,7 @@ Importing fastbwd compiles nothing; each kernel compiles on its first call and i
 
 from ._errors import ParamError
 from ._precompile import precompile
+from ._result_cache import clear_result_cache
 from ._version import __version__
 from .api.avg_pool2d import avg_pool2d_backward
 from .api.group_norm_swish import group_norm_swish, group_norm_swish_backward
@@ -47,4 +49,5 @@ __all__ = [
     "group_norm_swish_backward",
     "group_norm_swish",
     "precompile",
+    "clear_result_cache",
 ]

@@ -6,14 +6,16 @@ The one place that knows how a user's array becomes something a kernel can take:
   kernel how to decode and encode them (Numba rejects both dtypes outright);
 * an NCHW-shaped array with channels-last strides is handed over as its C-contiguous NHWC view,
   without a copy (docs/semantics.md §0.1); any other strides are made C-contiguous NCHW;
-* results are allocated here (``np.empty``: the kernels write every element, so zero-filling
-  would only add work) or taken from ``out=`` after checking it.
+* results are allocated here (:func:`empty`: uninitialised, since the kernels write every
+  element; large ones reuse the memory of dropped results, see ``_result_cache``) or taken from
+  ``out=`` after checking it.
 """
 
 import ml_dtypes
 import numpy as np
 
 from . import _validation as v
+from ._result_cache import empty
 from .kernels import BFLOAT16, FLOAT16, NATIVE
 
 float16 = np.dtype(np.float16)
@@ -126,14 +128,14 @@ def _physical_shape(shape, layout):
 def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out", checked=False):
     """The result array (logical shape ``shape``) and its physical C-contiguous view for the kernel.
 
-    Without ``out`` a new array is allocated (``np.empty``: the kernel writes every element). With ``out``
+    Without ``out`` a new array is allocated (:func:`empty`: the kernel writes every element). With ``out``
     it must be a writeable ndarray of exactly that shape, dtype and layout (:func:`check_out`;
     ``checked=True`` when the caller's plan has checked exactly this metadata already) that
     does not overlap any of ``inputs``; it is checked completely before anything is written.
     Returns ``(result, physical_view)``.
     """
     if out is None:
-        phys = np.empty(_physical_shape(shape, layout), dtype)
+        phys = empty(_physical_shape(shape, layout), dtype)
         return logical(phys, layout), phys
     if not checked:
         check_out(func, out, shape, dtype, layout, param=param)

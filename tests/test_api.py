@@ -20,7 +20,7 @@ FUNCTIONS = [
 
 
 def test_public_names():
-    assert set(fastbwd.__all__) == set(FUNCTIONS) | {"ParamError", "__version__", "precompile"}
+    assert set(fastbwd.__all__) == set(FUNCTIONS) | {"ParamError", "__version__", "precompile", "clear_result_cache"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", fastbwd.__version__)
 
 

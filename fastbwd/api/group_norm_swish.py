@@ -166,7 +166,7 @@ def run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out):
     for (``swish_scale`` a float, ``out`` as the public function takes it): the per-call checks
     (``out`` overlapping no input), the outputs and the kernels. Returns ``(dx, dgamma, dbeta)``."""
     if out is None:
-        dx_phys = np.empty(plan.dx.physical, plan.dx.dtype)
+        dx_phys = d.empty(plan.dx.physical, plan.dx.dtype)
         dx = dx_phys if plan.dx.logical is None else dx_phys.transpose(plan.dx.logical)
         dgamma = dbeta = None
         if plan.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
@@ -536,7 +536,7 @@ def run_forward(plan, x, gamma, beta, eps, swish_scale, out):
     public function takes it). Returns ``(y, mean, rstd)``."""
     compute = plan.compute
     if out is None:
-        y_phys = np.empty(plan.y.physical, plan.y.dtype)
+        y_phys = d.empty(plan.y.physical, plan.y.dtype)
         y = y_phys if plan.y.logical is None else y_phys.transpose(plan.y.logical)
         mean = np.empty(plan.statistics, gamma.dtype)
         rstd = np.empty(plan.statistics, gamma.dtype)

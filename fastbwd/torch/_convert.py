@@ -10,6 +10,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from fastbwd import _dtypes as d
+
 #: The tensor dtypes the bridge can hand to fastbwd as arrays (complex for the pad only).
 ARRAY_DTYPES = {
     torch.float32: np.dtype(np.float32),
@@ -101,13 +103,14 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
     """A new CPU tensor for fastbwd to write into, in ``memory_format`` (contiguous, or the
     channels-last format of its rank).
 
-    Its memory comes from NumPy (``np.empty``, wrapped without a copy): a large ``torch.empty``
-    is several times slower to first touch than the same ``np.empty`` (NumPy asks for huge pages;
-    docs/history.md), which would cost an allocating backward more than the kernel itself. The tensor behaves like any other CPU tensor.
+    Its memory is a NumPy result's (``fastbwd._dtypes.empty``, wrapped without a copy): a large
+    ``torch.empty`` is several times slower to first touch than ``np.empty`` (NumPy asks for huge
+    pages), and fastbwd's results reuse the memory of dropped ones (docs/history.md). The tensor
+    behaves like any other CPU tensor.
     """
     channels_last = memory_format != torch.contiguous_format and _CHANNELS_LAST_FORMAT.get(len(shape)) == memory_format
     if not channels_last:
-        return as_tensor(np.empty(tuple(shape), ARRAY_DTYPES[dtype]))
+        return as_tensor(d.empty(tuple(shape), ARRAY_DTYPES[dtype]))
     to_physical, to_logical = channels_last_permutation(len(shape))
     physical = tuple(shape[axis] for axis in to_physical)
-    return as_tensor(np.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+    return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
