@@ -177,9 +177,9 @@ def test_threads_allocating_and_dropping_at_once_get_their_own_memory(small_cach
     assert cache._idle_bytes <= cache.LIMIT
 
 
-def _run(code, **environment):
+def _run(code, timeout=120, **environment):
     env = {**os.environ, "PYTHONPATH": ROOT, **environment}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize(
@@ -228,3 +228,80 @@ print("ok")
 """
     done = _run(code)
     assert done.returncode == 0 and done.stdout.strip() == "ok" and not done.stderr, done.stderr
+
+
+def test_eviction_among_blocks_of_one_size_keeps_the_index_right(small_cache):
+    blocks = [cache.empty((1024,), np.float32) for _ in range(6)]  # 4 KiB each
+    addresses = [block.ctypes.data for block in blocks]
+    for index in range(6):
+        blocks[index] = None  # six kept, the first kept longest
+    big = cache.empty((13 * 1024,), np.float32)  # 52 KiB: the three kept longest make way
+    del big
+    assert cache._idle_bytes == 3 * 4096 + 52 * 1024
+    kept = _kept()
+    assert addresses[3:] == [address for address in addresses if address in kept]
+    again = [cache.empty((1024,), np.float32) for _ in range(4)]  # the three kept, then a new one
+    assert [array.ctypes.data for array in again[:3]] == addresses[5:2:-1]
+    assert list(cache._by_size) == [52 * 1024] and cache._idle_bytes == 52 * 1024  # the fourth is new
+
+
+def _first_result(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("name", sorted(__import__("test_contract").CONTRACTS))
+def test_every_public_function_puts_its_result_in_the_cache(small_cache, name):
+    from test_contract import CONTRACTS
+
+    small_cache.SMALLEST = 64
+    builder = next(iter(CONTRACTS[name].cases.values()))
+    call = builder(np.dtype(np.float32))
+    result = _first_result(call.run(call.arrays))
+    assert not result.flags.owndata, name
+    address, expected = result.ctypes.data, result.copy()
+    del result
+    again = _first_result(call.run(call.arrays))
+    assert again.ctypes.data == address, name
+    np.testing.assert_array_equal(again, expected)
+
+
+@pytest.mark.parametrize("memory_format", ["contiguous_format", "channels_last"])
+def test_the_bridge_allocates_in_the_cache_in_both_memory_formats(small_cache, memory_format):
+    torch = pytest.importorskip("torch")
+    import fastbwd.torch as ft
+    from bench.inputs import roi_boxes
+
+    memory_format = getattr(torch, memory_format)
+    x = torch.randn(2, 16, 12, 14).contiguous(memory_format=memory_format).requires_grad_()
+    boxes = torch.from_numpy(roi_boxes(5, (2, 16, 12, 14), 0.5))
+    grad_output = torch.randn(5, 16, 3, 3)
+
+    def step():
+        output = ft.roi_align(x, boxes, (3, 3), 0.5, 2, True)
+        return output, torch.autograd.grad(output, x, grad_output)[0]
+
+    output, grad = step()
+    assert grad.is_contiguous(memory_format=memory_format)
+    nbytes = output.numel() * 4 + grad.numel() * 4
+    addresses, expected = {output.data_ptr(), grad.data_ptr()}, (output.detach().clone(), grad.clone())
+    del output, grad
+    assert cache._idle_bytes == nbytes  # both went back to the cache
+    output, grad = step()
+    assert {output.data_ptr(), grad.data_ptr()} == addresses and cache._idle_bytes == 0
+    assert torch.equal(output, expected[0]) and torch.equal(grad, expected[1])
+
+
+def test_a_result_dying_while_its_thread_holds_the_cache_lock_does_not_deadlock():
+    # The garbage collector runs at allocations, some of them under the cache's lock: a result
+    # in a reference cycle can die on the thread that holds it. Its block is then freed.
+    code = """
+import numpy as np
+from fastbwd import _result_cache as cache
+cache.SMALLEST = 1024
+result = cache.empty((1024,), np.float32)
+with cache._lock:
+    del result
+print("ok", cache._idle_bytes)
+"""
+    done = _run(code, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["ok", "0"], done.stderr

@@ -2527,6 +2527,33 @@ MUTANTS = [
         f"{T_CACHE} tests/test_torch.py",
         "the torch bridge's contiguous results bypass the cache",
     ),
+    Mutant(
+        "cache-torch-channels-last-bypassed",
+        "api",
+        CONV,
+        "    return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)",
+        "    return as_tensor(np.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)",
+        f"{T_CACHE} tests/test_torch.py",
+        "the torch bridge's channels_last results bypass the cache",
+    ),
+    Mutant(
+        "cache-gns-forward-bypassed",
+        "api",
+        A_GN,
+        "        y_phys = d.empty(plan.y.physical, plan.y.dtype)",
+        "        y_phys = np.empty(plan.y.physical, plan.y.dtype)",
+        f"{T_CACHE} tests/test_group_norm_swish_forward.py",
+        "GroupNorm+Swish forward's y bypasses the cache",
+    ),
+    Mutant(
+        "cache-give-back-blocks",
+        "api",
+        RC,
+        "    if raw.nbytes > LIMIT or not _lock.acquire(blocking=False):",
+        "    if raw.nbytes > LIMIT or not _lock.acquire():",
+        T_CACHE,
+        "a dying result waits for the lock: a view dying while its own thread holds it deadlocks",
+    ),
 ]
 
 #: Names of the mutants whose snippets the lead refreshes after the RoIAlign/GroupNorm rewrites.
