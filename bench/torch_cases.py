@@ -741,27 +741,15 @@ def _plain_group_norm_silu_operators():
     if _PLAIN_OPERATORS:
         return _PLAIN_OPERATORS["op"], _PLAIN_OPERATORS["function"]
 
+    # PyTorch's own calls, as fastbwd's graph operators make them while disabled
+    from fastbwd.torch._compile import _native_group_norm, native_group_norm_silu_backward
+
     def forward_kernels(input, weight, bias, num_groups):
-        batch, channels = input.shape[:2]
-        y, mean, rstd = torch.native_group_norm(
-            input, weight, bias, batch, channels, input.numel() // (batch * channels), num_groups, 1e-5
-        )
+        y, mean, rstd = _native_group_norm(input, weight, bias, num_groups, 1e-5)
         return F.silu(y), y, mean, rstd
 
     def backward_kernels(grad, input, y, mean, rstd, weight, num_groups):
-        batch, channels = input.shape[:2]
-        return torch.ops.aten.native_group_norm_backward(
-            torch.ops.aten.silu_backward(grad, y),
-            input,
-            mean,
-            rstd,
-            weight,
-            batch,
-            channels,
-            input.numel() // (batch * channels),
-            num_groups,
-            [True, True, True],
-        )
+        return native_group_norm_silu_backward(grad, y, input, mean, rstd, weight, num_groups, [True, True, True])
 
     @torch.library.custom_op("fastbwd_bench::group_norm_silu", mutates_args=())
     def op(input: Tensor, weight: Tensor, bias: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -204,6 +204,24 @@ def _native_group_norm(input, weight, bias, num_groups, eps):
     )
 
 
+def native_group_norm_silu_backward(grad_output, y, input, mean, rstd, weight, num_groups, output_mask):
+    """``(dx, dgamma, dbeta)`` of ``F.silu(F.group_norm(...))`` by PyTorch's own kernels
+    (``silu_backward``, then ``native_group_norm_backward``), ``y`` being the GroupNorm's output."""
+    batch, channels = input.shape[:2]
+    return torch.ops.aten.native_group_norm_backward(
+        torch.ops.aten.silu_backward(grad_output, y),
+        input,
+        mean,
+        rstd,
+        weight,
+        batch,
+        channels,
+        input.numel() // max(batch * channels, 1),
+        num_groups,
+        output_mask,
+    )
+
+
 @torch.library.custom_op("fastbwd::group_norm_silu", mutates_args=(), device_types="cpu")
 def group_norm_silu(
     input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int, eps: float
@@ -251,18 +269,8 @@ def group_norm_silu_backward(
         )
     else:
         y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
-        batch, channels = input.shape[:2]
-        grads = torch.ops.aten.native_group_norm_backward(
-            torch.ops.aten.silu_backward(grad_output, y),
-            input,
-            mean,
-            rstd,
-            weight,
-            batch,
-            channels,
-            input.numel() // max(batch * channels, 1),
-            num_groups,
-            [True, need_weight, need_bias],
+        grads = native_group_norm_silu_backward(
+            grad_output, y, input, mean, rstd, weight, num_groups, [True, need_weight, need_bias]
         )
         grads = (grads[0].contiguous(memory_format=c.memory_format(input)), grads[1], grads[2])
     none_weight, none_bias = _ops._unrequested(input, weight, bias)
