@@ -412,6 +412,32 @@ def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
                 assert torch.equal(a, e), (dtype, memory_format)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_shapes_decide_at_run_time_what_fastbwd_takes(backend):
+    """With dynamic shapes the channel count is not known when the pair is fused: the fused
+    operator decides on the real tensors, so 8192 channels in one group (past the kernels' limit)
+    run PyTorch's kernels inside the same graph instead of failing."""
+    import torch._dynamo.testing
+
+    ft.enable()
+    frames = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(lambda x: F.silu(F.group_norm(x, 1)), backend=frames, dynamic=True)
+    for index, shape in enumerate([(2, 8, 3, 5), (3, 8192, 2, 3), (2, 12, 5, 3)]):
+        x, grad_output = _randn(shape, 70 + index), _randn(shape, 80 + index)
+        before = _routing.GRAPH_CALLS.copy()
+        actual = _gradients(compiled, [x], grad_output)
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+        for a, e in zip(actual, _gradients(lambda x: F.silu(F.group_norm(x, 1)), [x], grad_output)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    assert frames.frame_count == 1
+    norm = nn.GroupNorm(2, 6)  # affine: the parameters' size is known, the input's sizes are not
+    compiled = torch.compile(lambda x: F.silu(norm(x)), backend=backend, dynamic=True)
+    for index, shape in enumerate([(2, 6, 3, 5), (3, 6, 4, 2)]):
+        x, before = _randn(shape, 90 + index), _routing.GRAPH_CALLS.copy()
+        torch.testing.assert_close(compiled(x), F.silu(norm(x)), rtol=1e-4, atol=1e-5)
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1}
+
+
 # ---- the switch: graphs compiled while enabled follow it at run time -----------------------------
 
 

@@ -368,11 +368,8 @@ class FusedGroupNorm(nn.GroupNorm):
         self._settle(_SKIPPED, reason)
         if not self._fusion_warned:
             self._fusion_warned = True
-            frame, level, plumbing = (
-                sys._getframe(),
-                1,
-                _plumbing(),
-            )  # the warning points at the code that used the output
+            # the warning points at the code that used the output
+            frame, level, plumbing = sys._getframe(), 1, _plumbing()
             while frame is not None and frame.f_code.co_filename in plumbing:
                 frame, level = frame.f_back, level + 1
             warnings.warn(
@@ -640,10 +637,8 @@ class _LazyGroupNorm(torch.Tensor):
         return self._fb_result
 
     def _check_unmodified(self):
-        if (
-            self._fb_versions is not None
-            and _private.versions(self._fb_input, self._fb_weight, self._fb_bias) != self._fb_versions
-        ):
+        versions = self._fb_versions and _private.versions(self._fb_input, self._fb_weight, self._fb_bias)
+        if versions and versions != self._fb_versions:
             raise RuntimeError(
                 f"fastbwd.torch: the input or parameters of the fused GroupNorm {self._fb_norm.fusion_name!r} were "
                 "modified in place between its call and the first use of its output, which the fused GroupNorm "

@@ -12,7 +12,9 @@ Each has a fake kernel (the shapes, dtypes and strides the real kernel returns, 
 ``torch.compile`` and ``opcheck`` see the truth) and registered autograd. The public functions in
 ``_roi_align`` and ``_group_norm_swish`` validate and then call these, or, for plain eager calls,
 the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager_path`, at the
-end); the kernels here only translate tensors to arrays and back.
+end); the kernels here only translate tensors to arrays and back. The GroupNorm + Swish pair
+serves every fused use (the drop-ins, the eager fusion, compiled graphs), with one rule for what
+fastbwd's kernels take (:func:`refusal`).
 """
 
 import functools
@@ -254,15 +256,16 @@ def refusal(input, num_groups, weight, bias, eps, swish_scale=1.0):
     if input.dtype not in FUSED_DTYPES or input.dim() < 2:
         return f"its input is {input.dim()}-D {input.dtype}"
     parameters = [p for p in (weight, bias) if p is not None]
+    shape = [_known(size) for size in input.shape]
     for parameter in parameters:
         if not (isinstance(parameter, torch.Tensor) and parameter.device.type == "cpu" and parameter.dim() == 1):
             return "a parameter is not a vector on the CPU"
-        if parameter.layout != torch.strided or _known(parameter.shape[0]) not in (_known(input.shape[1]), None):
+        size = _known(parameter.shape[0])
+        if parameter.layout != torch.strided or None not in (size, shape[1]) and size != shape[1]:
             return "a parameter is not one value per channel"
     dtypes = {parameter.dtype for parameter in parameters}
     if dtypes - {input.dtype} and (dtypes != {torch.float32} or input.dtype not in _MIXED):
         return f"{input.dtype} input with {'/'.join(map(str, dtypes))} parameters"  # PyTorch's pairing rule
-    shape = [_known(size) for size in input.shape]
     reason = settings_refusal(shape[1], num_groups, eps, swish_scale)
     if reason is None and None not in shape:
         if math.prod(shape) == 0:
