@@ -444,8 +444,7 @@ def _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows
 
 def _sizes(input):
     """``(N, C, HxW)`` of an ``(N, C, *)`` input, as PyTorch's GroupNorm kernels take them."""
-    batch, channels = input.shape[:2]
-    return batch, channels, input.numel() // max(batch * channels, 1)
+    return input.shape[0], input.shape[1], math.prod(input.shape[2:])
 
 
 def native_group_norm(input, weight, bias, num_groups, eps):
