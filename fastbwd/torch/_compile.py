@@ -87,6 +87,8 @@ def _graph_operator(name):
     def real(*args):
         GRAPH_CALLS[name] += 1
         memory_format = result_format(name, args[0], args[1])
+        if args[0].numel() == 0:  # an empty output (which a compiled forward may make): no gradient
+            return torch.empty(_result_shape(name, args), dtype=args[0].dtype, memory_format=memory_format).zero_()
         return aten_operator(*args).contiguous(memory_format=memory_format)
 
     def fake(*args):
