@@ -27,7 +27,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _gate
+from . import _gate, _sharding
 
 # ---- the C structures read (x86-64 / aarch64 layout of c_api.h) ------------------------------
 
@@ -260,15 +260,17 @@ def _make_handler(adapter, fold):
     return _HANDLER(handler)
 
 
-_targets = {}  # name -> fold
+_targets = {}  # name -> (fold, split)
 _register_lock = threading.Lock()
 
 
-def target(name, adapter, fold):
+def target(name, adapter, fold, split=None):
     """Register the FFI target ``fastbwd_<name>`` (once per process) and return its name.
 
     ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers; ``fold``
-    says how vmap batches it (see the module docstring).
+    says how vmap batches it (see the module docstring); ``split(config, operands, results)``
+    returns the call's :class:`_sharding.Split` (how XLA may partition it over devices; without
+    one XLA runs the whole call on every device).
     """
     full = f"fastbwd_{name}"
     with _register_lock:
@@ -278,7 +280,7 @@ def target(name, adapter, fold):
                 _make_handler(adapter, fold), (_CallFrame.stage.offset, _CallFrame.api.offset), _Api.error_create.offset
             )
             jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(_HANDLER(address)), platform="cpu", api_version=1)
-            _targets[full] = fold
+            _targets[full] = fold, split
     return full
 
 
@@ -287,9 +289,11 @@ def call(name, operands, results, config):
     arrays shaped like ``results`` (``jax.ShapeDtypeStruct`` list). ``config`` (a JSON-able dict of
     keyword arguments) becomes the call's attribute; fold targets also get the per-example rank.
     Returns a list of arrays, one per result."""
-    fold = _targets[name]
+    fold, split = _targets[name]
     if fold:
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    if split is not None:
+        return _sharding.call(name, text, fold, split(config, operands, results), operands, results)
     method = "broadcast_all" if fold else "sequential"
     return list(jax.ffi.ffi_call(name, list(results), vmap_method=method)(*operands, config=text))
