@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fastbwd.jax as fj  # noqa: E402
+from fastbwd.jax import _ffi, _sharding  # noqa: E402
 from fastbwd.testing.checks import bitwise_equal  # noqa: E402
 
 from conftest import random  # noqa: E402
@@ -359,3 +360,38 @@ def test_explicit_axes_and_jit_shardings():
     grad = jax.jit(jax.grad(lambda x: jnp.sum(op.f(x) ** 2)), in_shardings=(sharding,), out_shardings=sharding)
     assert bitwise_equal(np.asarray(grad(op.args[0])), np.asarray(expected[0]))
     assert collectives(grad, op.args[0]) == []
+
+
+# ---- the mechanism's three vmap behaviours, on a probe target ---------------------------------
+
+
+def _scale_adapter(inputs, outputs, config):
+    """``x * weight`` per channel, for operands with any leading (vmap) axes."""
+    x, weight = inputs
+    outputs[0][...] = x * weight.reshape(weight.shape[:-1] + (1, weight.shape[-1], 1, 1))
+
+
+PROBE = _ffi.target("sharding_probe_scale", _scale_adapter, fold=False)
+
+
+def probe_scale(x, weight, method):
+    split = _sharding.batch_parallel([("n", "c", None, None), ("c",)], [("n", "c", None, None)])
+    result = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return _sharding.call(PROBE, "{}", method, split, [x, weight], [result])[0]
+
+
+@pytest.mark.parametrize("method", ["broadcast_all", "expand_dims", "sequential"])
+@pytest.mark.parametrize("batched", ["x", "weight", "both"])
+def test_vmap_methods_keep_a_sharded_axis_split(method, batched):
+    x = random((2, 4, 6, 3, 3), np.float32, 7)
+    weight = random((2, 6), np.float32, 8)
+    in_axes = (0 if batched != "weight" else None, 0 if batched != "x" else None)
+    args = [x if in_axes[0] == 0 else x[0], weight if in_axes[1] == 0 else weight[0]]
+    f = jax.jit(jax.vmap(lambda x, w: probe_scale(x, w, method), in_axes=in_axes))
+    expected = np.asarray(args[0]) * np.asarray(args[1]).reshape(args[1].shape[:-1] + (1, 6, 1, 1))
+    expected = np.broadcast_to(expected, (2, 4, 6, 3, 3))
+    sharded = [put(a, P("b") if axis == 0 else P()) for a, axis in zip(args, in_axes)]
+    out = f(*sharded)
+    assert bitwise_equal(np.asarray(out), np.ascontiguousarray(expected))
+    assert same_sharding(out, P("b"), 5)
+    assert collectives(f, *sharded) == []

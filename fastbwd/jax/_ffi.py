@@ -293,7 +293,7 @@ def call(name, operands, results, config):
     if fold:
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    if split is not None:
-        return _sharding.call(name, text, fold, split(config, operands, results), operands, results)
     method = "broadcast_all" if fold else "sequential"
+    if split is not None:  # partitioned over devices (docs/design.md, "Sharding")
+        return _sharding.call(name, text, method, split(config, operands, results), operands, results)
     return list(jax.ffi.ffi_call(name, list(results), vmap_method=method)(*operands, config=text))

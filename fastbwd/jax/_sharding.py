@@ -17,9 +17,10 @@ gradient is the batch row of the input). From that one description :func:`call` 
   shift its boxes' image indices into the device's own images. A sharding no label can take
   (a spatial axis, or slices that do not come out even) is gathered by XLA: slower, never wrong.
 * a ``jax.custom_batching.custom_vmap`` rule (``custom_partitioning`` has none), which keeps
-  the transport's two vmap behaviours: ``fold`` targets get every operand broadcast to the new
-  axis (the handler folds it into N), the others a loop (``lax.map``) inside each device's
-  program; either way the new axis is one more label, so a sharded vmapped axis stays split.
+  the transport's vmap behaviours (``ffi_call``'s ``vmap_method``): ``"broadcast_all"`` gives
+  every operand the new axis (the handler folds it into N), ``"expand_dims"`` gives the others
+  one of size 1, ``"sequential"`` loops (``lax.map``) inside each device's program; the new
+  axis of the batched arrays is one more label, so a sharded vmapped axis stays split.
 
 On one device (or inside ``shard_map``, where the program is already per-device) the wrapper
 lowers to the plain FFI call.
@@ -279,11 +280,10 @@ def _batched_type(result, axis_size):
     )
 
 
-def call(name, text, fold, split, operands, results, loops=()):
+def call(name, text, method, split, operands, results, loops=()):
     """The FFI call ``name`` (its ``config`` attribute ``text``) on ``operands``, partitioned by
-    ``split``, with the transport's vmap behaviour (``fold``); returns a list of arrays shaped
-    like ``results``."""
-    method = "broadcast_all" if fold else "sequential"
+    ``split``, batched by ``jax.vmap`` as ``method`` (``ffi_call``'s ``vmap_method``) says;
+    returns a list of arrays shaped like ``results``."""
     results = _typed(split, operands, results)
     partitioned = _partitioned(name, text, method, split, loops, tuple(results))
 
@@ -294,13 +294,20 @@ def call(name, text, fold, split, operands, results, loops=()):
     @batchable.def_vmap
     def batch(axis_size, in_batched, *operands):
         label = f"vmap{sum(d.startswith('vmap') for d in split.labels())}"
-        if fold:
+        batched_split, new_loops = split.batched(label, in_batched), loops
+        if method == "broadcast_all":  # every operand gets the axis: the handler folds it into N
             operands = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(operands, in_batched)]
-            in_batched, new_loops = [True] * len(operands), loops
-        else:
+            batched_split = split.batched(label, [True] * len(operands))
+        elif method == "expand_dims":  # the others get a whole axis of size 1
+            operands = [a if b else a[None] for a, b in zip(operands, in_batched)]
+            batched_split = replace(
+                batched_split,
+                operands=tuple(dims if b else (None,) + dims for dims, b in zip(batched_split.operands, in_batched)),
+            )
+        else:  # a loop over the axis inside each device's program
             new_loops = (tuple(in_batched),) + loops
         batched = [_batched_type(r, axis_size) for r in results]
-        outputs = call(name, text, fold, split.batched(label, in_batched), operands, batched, new_loops)
+        outputs = call(name, text, method, batched_split, operands, batched, new_loops)
         return tuple(outputs), (True,) * len(outputs)
 
     return list(batchable(*operands))
