@@ -395,3 +395,15 @@ def test_vmap_methods_keep_a_sharded_axis_split(method, batched):
     assert bitwise_equal(np.asarray(out), np.ascontiguousarray(expected))
     assert same_sharding(out, P("b"), 5)
     assert collectives(f, *sharded) == []
+
+
+def test_bench_row_j9():
+    """``python3 -m bench``'s J9 (J1 split over the two devices): its check passes (bitwise the
+    one-device gradient, sharded like x, no collective) and both of its ways run."""
+    from bench.jax_cases import cases
+
+    (case,) = [case for case in cases(quick=True) if case.id == "J9"]
+    case.check()
+    case.fastbwd()
+    case.jax()
+    assert case.note == "0 all-gathers, 0 other collectives"
