@@ -306,6 +306,27 @@ def test_shard_map_runs_the_call_per_device(name):
     assert_equal_gradients(op, result, expected)
 
 
+def test_vmap_inside_shard_map():
+    """``vmap`` in each device's program: the folding and the looping targets, a weight the
+    same on every device (its gradient summed over them)."""
+    x = random((2, 4, 6, 8, 8), np.float32, 9)
+    weight = random((6,), np.float32, 10)
+
+    def per_device(x, weight):
+        def loss(x, weight):
+            y = fj.group_norm_swish(x, 3, weight, weight)
+            return jnp.sum(fj.roi_align(y, BOXES[:3] % 2, 2) ** 2) + jnp.sum(fj.upsample_bilinear2d(y, (9, 9)) ** 2)
+
+        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(x, weight)
+
+    mapped = jax.jit(jax.shard_map(per_device, mesh=MESH, in_specs=(P(None, "b"), P()), out_specs=(P(None, "b"), P())))
+    dx, dweight = mapped(put(x, P(None, "b")), weight)
+    halves = [jax.jit(per_device)(jax.device_put(x[:, 2 * d : 2 * d + 2], ONE), weight) for d in range(2)]
+    assert bitwise_equal(np.asarray(dx), np.concatenate([np.asarray(h[0]) for h in halves], axis=1))
+    expected = np.asarray(halves[0][1]) + np.asarray(halves[1][1])
+    np.testing.assert_allclose(np.asarray(dweight), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("name", ["upsample", "avg_pool", "group_norm_swish", "roi_align"])
 def test_vmap_over_a_sharded_axis_stays_split(name):
     """``vmap`` of the gradient over a leading axis split over the devices: the folding

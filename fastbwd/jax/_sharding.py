@@ -86,7 +86,7 @@ def _run(name, text, method, results, operands, loops):
     if not loops:
         return list(jax.ffi.ffi_call(name, list(results), vmap_method=method)(*operands, config=text))
     flags, inner = loops[0], loops[1:]
-    per_element = [jax.ShapeDtypeStruct(r.shape[1:], r.dtype) for r in results]
+    per_element = [_element_type(r) for r in results]
 
     def element(mapped):
         mapped = iter(mapped)
@@ -268,6 +268,16 @@ def _typed(split, operands, results):
             sharding = NamedSharding(manual_mesh, PartitionSpec())
         typed.append(jax.ShapeDtypeStruct(result.shape, result.dtype, sharding=sharding, manual_axis_type=manual))
     return typed
+
+
+def _element_type(result):
+    """``result``'s type without its leading (vmap) axis."""
+    sharding = result.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    return jax.ShapeDtypeStruct(
+        result.shape[1:], result.dtype, sharding=sharding, manual_axis_type=result.manual_axis_type
+    )
 
 
 def _batched_type(result, axis_size):
