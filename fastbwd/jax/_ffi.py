@@ -260,7 +260,8 @@ def _make_handler(adapter, fold):
     return _HANDLER(handler)
 
 
-_targets = {}  # name -> (fold, split)
+_targets = {}  # name -> fold
+_splits = {}  # name -> split (_sharding)
 _register_lock = threading.Lock()
 
 
@@ -268,9 +269,10 @@ def target(name, adapter, fold, split=None):
     """Register the FFI target ``fastbwd_<name>`` (once per process) and return its name.
 
     ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers; ``fold``
-    says how vmap batches it (see the module docstring); ``split(config, operands, results)``
-    returns the call's :class:`_sharding.Split` (how XLA may partition it over devices; without
-    one XLA runs the whole call on every device).
+    says how vmap batches it (see the module docstring).
+
+    ``split(config, operands, results)`` returns the call's :class:`_sharding.Split`: how XLA
+    may partition it over devices (without one XLA runs the whole call on every device).
     """
     full = f"fastbwd_{name}"
     with _register_lock:
@@ -280,7 +282,8 @@ def target(name, adapter, fold, split=None):
                 _make_handler(adapter, fold), (_CallFrame.stage.offset, _CallFrame.api.offset), _Api.error_create.offset
             )
             jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(_HANDLER(address)), platform="cpu", api_version=1)
-            _targets[full] = fold, split
+            _targets[full] = fold
+            _splits[full] = split
     return full
 
 
@@ -289,11 +292,12 @@ def call(name, operands, results, config):
     arrays shaped like ``results`` (``jax.ShapeDtypeStruct`` list). ``config`` (a JSON-able dict of
     keyword arguments) becomes the call's attribute; fold targets also get the per-example rank.
     Returns a list of arrays, one per result."""
-    fold, split = _targets[name]
+    fold = _targets[name]
     if fold:
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
     method = "broadcast_all" if fold else "sequential"
+    split = _splits[name]
     if split is not None:  # partitioned over devices (docs/design.md, "Sharding")
         return _sharding.call(name, text, method, split(config, operands, results), operands, results)
     return list(jax.ffi.ffi_call(name, list(results), vmap_method=method)(*operands, config=text))
