@@ -383,6 +383,19 @@ def test_explicit_axes_and_jit_shardings():
     assert collectives(grad, op.args[0]) == []
 
 
+def test_gradient_like_types_a_weight_gradient_as_its_weight():
+    """A weight split over explicit axes (a fully sharded data-parallel program): the weight
+    gradient the kernel gives whole comes back typed as the weight. (GroupNorm itself cannot
+    run there yet: its jax.numpy forward's reshape of a split batch needs an out_sharding.)"""
+    mesh = jax.make_mesh((2,), ("b",))
+    weight = jax.device_put(random((6,), np.float32, 11), NamedSharding(mesh, P("b")))
+    gradient_ = jax.device_put(random((6,), np.float32, 12), NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        result = jax.jit(_sharding.gradient_like)(gradient_, weight)
+        assert jax.typeof(result).sharding.spec == P("b")
+    assert bitwise_equal(np.asarray(result), np.asarray(gradient_))
+
+
 # ---- the mechanism's three vmap behaviours, on a probe target ---------------------------------
 
 

@@ -83,7 +83,7 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_
     ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout)
     dx, dweight, dbias = _ffi.call(_TARGET, [grad_output, mean, rstd, x, weight, bias], results, config)
-    return dx, _sharding.summed_like(dweight, weight), _sharding.summed_like(dbias, bias).astype(bias.dtype)
+    return dx, _sharding.gradient_like(dweight, weight), _sharding.gradient_like(dbias.astype(bias.dtype), bias)
 
 
 _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 
 from .. import _validation as v
 from ..api import roi_align as api
@@ -88,7 +87,7 @@ def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_sh
         [result],
         _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
-    grad_input, _ = shard_alike(grad_input, input)
+    grad_input = _sharding.gradient_like(grad_input, input)
     # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
     return grad_input, jnp.zeros_like(boxes)
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, ManualAxisType, NamedSharding, PartitionSpec
 
 
@@ -323,13 +324,22 @@ def call(name, text, method, split, operands, results, loops=()):
     return list(batchable(*operands))
 
 
-def summed_like(cotangent, primal):
-    """Inside ``shard_map``: ``cotangent`` summed over the manual axes it varies over and its
-    ``primal`` does not (a weight the same on every device, used with each device's data: its
-    gradient is the sum of the devices' gradients, as JAX's transpose of the implicit ``pvary``
-    makes it for JAX's own operations). Elsewhere ``cotangent`` itself."""
+def gradient_like(cotangent, primal):
+    """``cotangent`` as the gradient of ``primal`` must be for ``jax.custom_vjp``: inside
+    ``shard_map``, summed over the manual axes it varies over and ``primal`` does not (a weight
+    the same on every device, used with each device's data: its gradient is the sum of the
+    devices', as JAX's transpose of the implicit ``pvary`` makes it for JAX's own operations);
+    under a mesh of explicit axes, resharded to ``primal``'s type; elsewhere tied to
+    ``primal``'s sharding for XLA's propagation (``shard_alike``)."""
     axes = jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying
-    return lax.psum(cotangent, tuple(sorted(axes))) if axes else cotangent
+    if axes:
+        cotangent = lax.psum(cotangent, tuple(sorted(axes)))
+    sharding = jax.typeof(primal).sharding
+    if _explicit_axes(sharding.mesh):
+        return (
+            cotangent if jax.typeof(cotangent).sharding == sharding else jax.sharding.reshard(cotangent, sharding.spec)
+        )
+    return shard_alike(cotangent, primal)[0]
 
 
 # ---- the operators' splits ---------------------------------------------------------------------
