@@ -441,3 +441,34 @@ def test_bench_row_j9():
     case.fastbwd()
     case.jax()
     assert case.note == "0 all-gathers, 0 other collectives"
+
+
+def test_each_device_call_runs_on_its_share_of_the_threads(monkeypatch):
+    """The two devices' calls run at once on the same cores: each kernel gets half of Numba's
+    threads (one device's call gets them all), under jit and in shard_map."""
+    import numba
+
+    from fastbwd import api
+    from fastbwd.jax import _upsample
+
+    seen = []
+    run = _upsample.api.run
+
+    def recording(*args, **kwargs):
+        seen.append(api.get_num_threads())
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_upsample.api, "run", recording)
+    op = OPS["upsample"]
+    pool = numba.config.NUMBA_NUM_THREADS
+    jax.block_until_ready(unsharded(op))
+    assert seen == [pool]
+    seen.clear()
+    jax.block_until_ready(gradient(op)(*split_args(op, P("b"))))
+    assert seen == [max(1, pool // 2)] * 2
+    seen.clear()
+    grad = jax.grad(lambda x: jnp.sum(op.f(x) ** 2))
+    jax.block_until_ready(
+        jax.jit(jax.shard_map(grad, mesh=MESH, in_specs=P("b"), out_specs=P("b")))(*split_args(op, P("b")))
+    )
+    assert seen == [max(1, pool // 2)] * 2

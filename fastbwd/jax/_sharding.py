@@ -27,6 +27,7 @@ lowers to the plain FFI call.
 """
 
 import itertools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -167,12 +168,14 @@ def _partitioned(name, text, method, split, loops, results):
         mesh, assignment, operand_shardings, result_shardings = shardings(mesh, arg_shapes, given)
         local = [jax.ShapeDtypeStruct(s.shard_shape(r.shape), r.dtype) for s, r in zip(result_shardings, results)]
 
+        shared = _shared_text(text, sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
+
         def per_device(*operands):
             starts = _starts(split, assignment, [a.shape for a in operands], [r.shape for r in local])
             given = list(operands)
             if split.localize is not None:
                 operands = split.localize(list(given), starts)
-            outputs = _run(name, text, method, local, operands, loops)
+            outputs = _run(name, shared, method, local, operands, loops)
             if split.finish is not None:
                 outputs = split.finish(outputs, given, starts)
             for index, summed in enumerate(split.summed):
@@ -188,6 +191,14 @@ def _partitioned(name, text, method, split, loops, results):
 
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=_sdy_rule(split))
     return partitioned
+
+
+def _shared_text(text, devices):
+    """The call's ``config`` for a program that ``devices`` devices of this process run at once
+    (their calls share the cores: the handler gives each its share of Numba's threads)."""
+    if devices <= 1:
+        return text
+    return json.dumps(dict(json.loads(text), devices=devices), sort_keys=True, separators=(",", ":"))
 
 
 def _starts(split, assignment, operand_shapes, result_shapes):
@@ -296,6 +307,9 @@ def call(name, text, method, split, operands, results, loops=()):
     ``split``, batched by ``jax.vmap`` as ``method`` (``ffi_call``'s ``vmap_method``) says;
     returns a list of arrays shaped like ``results``."""
     results = _typed(split, operands, results)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and AxisType.Manual in mesh.axis_types:  # in shard_map: every device runs it
+        text = _shared_text(text, min(mesh.size, jax.local_device_count()))
     partitioned = _partitioned(name, text, method, split, loops, tuple(results))
 
     @custom_vmap
