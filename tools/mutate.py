@@ -358,8 +358,14 @@ def _run(args, mutants, snapshot, files):
     )
     print("score by area (killed / killed + survived + stale):")
     for area in sorted({m.area for m in results}):
-        killed, scored = _score([r for m, r in results.items() if m.area == area])
-        print(f"  {area:17} {killed:3}/{scored:<3}" + (f" = {100 * killed / scored:5.1f}%" if scored else ""))
+        outcomes = [r for m, r in results.items() if m.area == area]
+        killed, scored = _score(outcomes)
+        unscored = sum(r["outcome"] == "baseline-failed" for r in outcomes)
+        print(
+            f"  {area:17} {killed:3}/{scored:<3}"
+            + (f" = {100 * killed / scored:5.1f}%" if scored else "")
+            + (f"  ({unscored} baseline-failed, unscored)" if unscored else "")
+        )
     killed, scored = _score(results.values())
     if scored:
         print(f"score {killed}/{scored} = {100 * killed / scored:.1f}%")
