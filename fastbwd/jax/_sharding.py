@@ -129,6 +129,7 @@ def _assign(split, mesh, shapes, shardings):
 
 
 def _sharding(mesh, labels, assignment):
+    """The ``NamedSharding`` of an array whose dimensions carry ``labels``."""
     entries = []
     for label in labels:
         axes = assignment.get(label, ())
@@ -137,6 +138,7 @@ def _sharding(mesh, labels, assignment):
 
 
 def _mesh_of(shardings):
+    """The mesh of the first ``NamedSharding`` among ``shardings`` (None if there is none)."""
     for sharding in shardings:
         if isinstance(sharding, NamedSharding):
             return sharding.mesh
@@ -245,6 +247,7 @@ def _sdy_rule(split):
 
 
 def _explicit_axes(mesh):
+    """The names of ``mesh``'s explicit axes (sharding in types)."""
     if mesh is None or mesh.empty:
         return frozenset()
     return frozenset(a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
