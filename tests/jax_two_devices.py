@@ -95,7 +95,7 @@ class Op:
     args: tuple
     argnums: tuple = (0,)
     bitwise: tuple = (True,)
-    batch_axes: tuple = ()  # collectives the operator implies when split on the batch
+    batch_collectives: tuple = ()  # collectives the operator implies when split on the batch
     channel_axis: int | None = 1  # splits without collectives; None: it does not
     rtol: float = 2e-6
 
@@ -134,12 +134,12 @@ def _ops():
         "roi_align": Op(
             lambda x: fj.roi_align(x, BOXES, (3, 4), 1.0, 2, True),
             (image,),
-            batch_axes=(("all-reduce", "f32[10,6,3,4]"),),
+            batch_collectives=(("all-reduce", "f32[10,6,3,4]"),),
         ),
         "roi_align_nhwc": Op(
             lambda x: fj.roi_align(x, BOXES, 3, 0.5, 0, False, layout="NHWC"),
             (np.ascontiguousarray(np.moveaxis(image, 1, -1)),),
-            batch_axes=(("all-reduce", "f32[10,3,3,6]"),),
+            batch_collectives=(("all-reduce", "f32[10,3,3,6]"),),
             channel_axis=3,
         ),
     }
@@ -181,7 +181,7 @@ def test_batch_split_runs_each_half_on_its_device(name):
     assert_equal_gradients(op, result, unsharded(op))
     ndim = op.args[0].ndim
     assert same_sharding(result[0], P("b"), ndim), result[0].sharding
-    assert sorted(collectives(grad, *args)) == sorted(op.batch_axes)
+    assert sorted(collectives(grad, *args)) == sorted(op.batch_collectives)
     # each device's FFI calls see its half of the batch
     calls = ffi_calls(grad, *args)
     assert calls, "no fastbwd call in the program"
@@ -361,7 +361,7 @@ def test_gspmd_partitioner(name):
         result = grad(*args)
         assert_equal_gradients(op, result, unsharded(op))
         assert same_sharding(result[0], P("b"), op.args[0].ndim)
-        assert sorted(collectives(grad, *args)) == sorted(op.batch_axes)
+        assert sorted(collectives(grad, *args)) == sorted(op.batch_collectives)
     finally:
         jax.config.update("jax_use_shardy_partitioner", True)
 
