@@ -302,7 +302,7 @@ def test_remembered_plans_check_overlap_on_every_call():
     plain = A.replication_pad2d_backward(grad, x, [1, 1, 0, 0])
     direct = fastbwd.replication_pad2d_backward(*_arrays(grad, x), (1, 1, 0, 0))
     for first_overlapping in (True, False):
-        replication_pad2d_api._PLANS.clear()
+        replication_pad2d_api.OPERATION.plans.clear()
         with ft.enabled():
             for overlapping in (first_overlapping, not first_overlapping, True, False):
                 served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()

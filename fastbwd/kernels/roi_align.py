@@ -792,7 +792,7 @@ class AxisTable(NamedTuple):
     weight: np.ndarray
 
 
-class BackwardGeometry(NamedTuple):
+class Geometry(NamedTuple):
     """A validated roi_align_backward call with a non-empty result, as its kernels see it."""
 
     num_boxes: int
@@ -830,11 +830,11 @@ class ForwardGeometry(NamedTuple):
 
 
 def plan(geometry):
-    """The plan of a :class:`BackwardGeometry` (``run(grad_output, boxes, grad_input)``) or of a
+    """The plan of a :class:`Geometry` (``run(grad_output, boxes, grad_input)``) or of a
     :class:`ForwardGeometry` (``run(source, boxes, out)``): see their ``run``."""
     if isinstance(geometry, ForwardGeometry):
-        return _ForwardPlan(geometry)
-    return _BackwardPlan(geometry)
+        return ForwardPlan(geometry)
+    return BackwardPlan(geometry)
 
 
 class _BoxTables:
@@ -878,7 +878,7 @@ class _BoxTables:
         return box_order, image_start, box_rows, y_table, x_table, skipped
 
 
-class _BackwardPlan:
+class BackwardPlan:
     """roi_align_backward's plan: the boxes' tables, then the scatter kernel."""
 
     def __init__(self, geometry):
@@ -924,7 +924,7 @@ class _BackwardPlan:
         )
 
 
-class _ForwardPlan:
+class ForwardPlan:
     """roi_align_forward's plan: the boxes' tables, then the gather kernel."""
 
     def __init__(self, geometry):
