@@ -71,6 +71,8 @@ T_COMPILE = "tests/test_compile.py"
 K_UP = "fastbwd/kernels/upsample_bilinear2d.py"
 K_SEP = "fastbwd/kernels/_separable.py"
 K_LANES = "fastbwd/kernels/_lanes.py"
+K_LANE_TILES = "fastbwd/kernels/_lane_tiles.py"
+K_LANE_ROWS = "fastbwd/kernels/_lane_rows.py"
 K_MEM = "fastbwd/kernels/_memory.py"
 K_AP = "fastbwd/kernels/avg_pool2d.py"
 K_PAD = "fastbwd/kernels/replication_pad2d.py"
@@ -78,6 +80,9 @@ K_IDX = "fastbwd/kernels/_index.py"
 K_HALF = "fastbwd/kernels/_halfbits.py"
 K_ROI = "fastbwd/kernels/roi_align.py"
 K_GN = "fastbwd/kernels/group_norm_swish.py"
+K_GN_MATH = "fastbwd/kernels/_group_norm_math.py"
+K_GN_BWD = "fastbwd/kernels/_group_norm_backward.py"
+K_GN_FWD = "fastbwd/kernels/_group_norm_forward.py"
 A_UP = "fastbwd/api/upsample_bilinear2d.py"
 A_AP = "fastbwd/api/avg_pool2d.py"
 A_PAD = "fastbwd/api/replication_pad2d.py"
@@ -476,7 +481,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-sums-last-vector",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]\n    last = builder.sub(width, _I64(LANES))",
         "    height = cgutils.unpack_tuple(builder, firsts.shape, 1)[0]\n    last = builder.sub(width, _I64(LANES + 1))",
         T_AP,
@@ -485,7 +490,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-products-last-vector",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "        last = builder.sub(width, _I64(LANES))\n        chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))\n        period",
         "        last = builder.sub(width, _I64(LANES + 1))\n        chunks = builder.sdiv(builder.add(width, _I64(LANES - 1)), _I64(LANES))\n        period",
         T_AP,
@@ -494,7 +499,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-plane-step",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "builder.store(builder.select(wrapped, builder.add(builder.load(offset), period), builder.load(offset)), offset)",
         "builder.store(builder.load(offset), offset)",
         T_AP,
@@ -503,7 +508,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-window-straight",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "                    for i in range(fixed):",
         "                    for i in range(fixed // 2 * 2):",
         T_AP,
@@ -512,7 +517,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-interleaved-key",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "builder.add(builder.mul(even_count, _I64(4)), odd_count)",
         "builder.add(builder.mul(odd_count, _I64(4)), even_count)",
         T_AP,
@@ -521,7 +526,7 @@ MUTANTS = [
     Mutant(
         "ap-rows-interleaved-straight",
         "avg_pool",
-        K_LANES,
+        K_LANE_ROWS,
         "        for i in range(count):\n            pointer = _vector_pointer(builder, src, _I64(0), builder.add(column, _I64(i)), vector)",
         "        for i in range(count - 1):\n            pointer = _vector_pointer(builder, src, _I64(0), builder.add(column, _I64(i)), vector)",
         T_AP,
@@ -1057,7 +1062,7 @@ MUTANTS = [
     Mutant(
         "gn-abs-gamma",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    y = fma(xhat, gamma, beta)",
         "    y = fma(xhat, abs(gamma), beta)",
         T_GN,
@@ -1066,7 +1071,7 @@ MUTANTS = [
     Mutant(
         "gn-clamp64",
         "group_norm_swish",
-        K_GN,
+        K_GN_MATH,
         "SWISH_CLAMP64 = np.float64(750.0)",
         "SWISH_CLAMP64 = np.float64(10.0)",
         T_GN,
@@ -1075,7 +1080,7 @@ MUTANTS = [
     Mutant(
         "gn-dx-c1-sign",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))",
         "    return rstd * fma(gnew, gamma, -fma(xhat, c2, -c1))",
         T_GN,
@@ -1084,7 +1089,7 @@ MUTANTS = [
     Mutant(
         "gn-c2-count",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    return c1 / count, c2 / count",
         "    return c1 / count, c2 / (count + 1)",
         T_GN,
@@ -1093,7 +1098,7 @@ MUTANTS = [
     Mutant(
         "gn-sigmoid-sign",
         "group_norm_swish",
-        K_GN,
+        K_GN_MATH,
         "    sig = inv if z >= 0 else other",
         "    sig = other if z >= 0 else inv",
         T_GN,
@@ -1102,7 +1107,7 @@ MUTANTS = [
     Mutant(
         "gn-dgamma-first-n",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "            acc = sum_gx[0, c]",
         "            acc = sum_g[0, c]",
         T_GN,
@@ -1111,7 +1116,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-gx-sum",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "                lanes_gx[lane + j] += gnew * xhat",
         "                lanes_gx[lane + j] += gnew",
         T_GN,
@@ -1120,7 +1125,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-flat-gx-sum",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    for j in range(width, tiled):\n",
         "    for j in range(width, tiled - width):\n",
         T_GN,
@@ -1129,7 +1134,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-stream-flat-short",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "            copy_out(flat_dx, first, step_dx, 0, size, True)",
         "            copy_out(flat_dx, first, step_dx, 0, size - 1, True)",
         T_GN,
@@ -1138,7 +1143,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-stream-runs-offset",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "            copy_out(flat_dx, first, step_dx, 0, size, True)",
         "            copy_out(flat_dx, first - start, step_dx, 0, size, True)",
         T_GN,
@@ -1147,7 +1152,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-direct-flat-offset",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "        step_dx = buffer if streaming else flat_dx[first : first + size]",
         "        step_dx = buffer if streaming else flat_dx[first + 1 : first + size + 1]",
         T_GN,
@@ -1156,7 +1161,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-direct-runs-offset",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "        step_dx = buffer if streaming else flat_dx[first : first + size]",
         "        step_dx = buffer if streaming else flat_dx[first - start : first - start + size]",
         T_GN,
@@ -1165,7 +1170,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-in-dx-flat-gnew",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "                    _dx(load(step_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt",
         "                    _dx(load(step_x[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt",
         T_GN,
@@ -1174,7 +1179,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-in-dx-runs-stride",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    gnew_stride = channels if in_place else width",
         "    gnew_stride = width",
         T_GN,
@@ -1183,7 +1188,7 @@ MUTANTS = [
     Mutant(
         "gn-nhwc-in-dx-runs-start",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "    gnew_start = start if in_place else 0",
         "    gnew_start = 0",
         T_GN,
@@ -1201,7 +1206,7 @@ MUTANTS = [
     Mutant(
         "gn-exp-coefficient",
         "group_norm_swish",
-        K_GN,
+        K_GN_MATH,
         "_P5 = np.float32(5.0000001201e-1)",
         "_P5 = np.float32(4.9e-1)",
         T_GN,
@@ -1368,7 +1373,7 @@ MUTANTS = [
     Mutant(
         "roi-nhwc-axpy-source-transposed",
         "roi_align",
-        K_LANES,
+        K_LANE_TILES,
         "        values = decode_lanes(builder, _element_pointer(builder, src, args[4], args[5]), format_name, vector)\n",
         "        values = decode_lanes(builder, _element_pointer(builder, src, args[5], args[4]), format_name, vector)\n",
         T_ROI,
@@ -1808,7 +1813,7 @@ MUTANTS = [
     Mutant(
         "gnf-mean-without-shift",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    group_mean = shift + total / count\n",
         "    group_mean = total / count\n",
         T_GNF,
@@ -1817,7 +1822,7 @@ MUTANTS = [
     Mutant(
         "gnf-block-short",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "            row, block_start, min(block_start + BLOCK, stop), offset, center, other_center, fmt",
         "            row, block_start, min(block_start + BLOCK - 1, stop), offset, center, other_center, fmt",
         T_GNF,
@@ -1826,7 +1831,7 @@ MUTANTS = [
     Mutant(
         "gnf-pair-other-mean-without-shift",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    other_mean = other_shift + other_total / count",
         "    other_mean = other_total / count",
         T_GNF,
@@ -1835,7 +1840,7 @@ MUTANTS = [
     Mutant(
         "gnf-pair-reads-first-group-twice",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "                for at, center in zip((position, builder.add(position, offset)), centers)",
         "                for at, center in zip((position, position), centers)",
         T_GNF,
@@ -1844,7 +1849,7 @@ MUTANTS = [
     Mutant(
         "gnf-pair-second-center",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    t1, t2, other_t1, other_t2 = _moment_sums(row, first, stop, offset, group_mean, other_mean, zero, fmt)",
         "    t1, t2, other_t1, other_t2 = _moment_sums(row, first, stop, offset, group_mean, group_mean, zero, fmt)",
         T_GNF,
@@ -1853,7 +1858,7 @@ MUTANTS = [
     Mutant(
         "gn-bwd-gnew-rows-from-first-channel",
         "group_norm_swish",
-        K_GN,
+        K_GN_BWD,
         "        gnew_first = start if in_place else 0",
         "        gnew_first = 0",
         T_GN,
@@ -1862,7 +1867,7 @@ MUTANTS = [
     Mutant(
         "gnf-moments-square",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "            return [term for d in deviations for term in (d, builder.fmul(d, d))]",
         "            return [term for d in deviations for term in (d, builder.fmul(d, builder.fadd(d, centers[0])))]",
         T_GNF,
@@ -1871,7 +1876,7 @@ MUTANTS = [
     Mutant(
         "gnf-moments-center",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "                builder.fsub(decode_lanes(builder, builder.gep(x.data, [at]), format_name, vector, used), center)",
         "                decode_lanes(builder, builder.gep(x.data, [at]), format_name, vector, used)",
         T_GNF,
@@ -1880,7 +1885,7 @@ MUTANTS = [
     Mutant(
         "gnf-var-no-correction",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    var = (t2 - t1 * (t1 / count)) / count",
         "    var = t2 / count",
         T_GNF,
@@ -1889,7 +1894,7 @@ MUTANTS = [
     Mutant(
         "gnf-no-eps",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    return one / math.sqrt(var + eps)",
         "    return one / math.sqrt(var)",
         T_GNF,
@@ -1898,7 +1903,7 @@ MUTANTS = [
     Mutant(
         "gnf-shift-nonfinite",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    return first if abs(first) < math.inf else zero",
         "    return first",
         T_GNF,
@@ -1907,7 +1912,7 @@ MUTANTS = [
     Mutant(
         "gnf-shift-negative-infinity",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    return first if abs(first) < math.inf else zero",
         "    return first if first < math.inf else zero",
         T_GNF,
@@ -1916,7 +1921,7 @@ MUTANTS = [
     Mutant(
         "gnf-pair-second-shift-unguarded",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    other_shift = _shift_of(load(row[first + offset], fmt), zero)",
         "    other_shift = load(row[first + offset], fmt)",
         T_GNF,
@@ -1925,7 +1930,7 @@ MUTANTS = [
     Mutant(
         "gnf-swish-sign",
         "group_norm_swish",
-        K_GN,
+        K_GN_MATH,
         "    return (y if z >= 0 else y * e) / (_ONE32 + e)",
         "    return (y * e if z >= 0 else y) / (_ONE32 + e)",
         T_GNF,
@@ -1934,7 +1939,7 @@ MUTANTS = [
     Mutant(
         "gnf-nchw-activate-ignored",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "    if activate_swish:\n        for i in range(x_row.shape[0]):",
         "    if True:\n        for i in range(x_row.shape[0]):",
         T_GNF,
@@ -1943,7 +1948,7 @@ MUTANTS = [
     Mutant(
         "gnf-nchw-abs-gamma",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "            x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt",
         "            x[n, c], y[n, c], mean[n, group], rstd[n, group] * abs(gamma[c]), beta[c], activate_swish, swish_scale, fmt",
         T_GNF,
@@ -1952,7 +1957,7 @@ MUTANTS = [
     Mutant(
         "gnf-nhwc-activate-ignored",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "        if activate_swish:\n            for k in range(width):",
         "        if True:\n            for k in range(width):",
         T_GNF,
@@ -1961,7 +1966,7 @@ MUTANTS = [
     Mutant(
         "gnf-nhwc-gamma-offset",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "            scale[k] = group_rstd * gamma[start + k]",
         "            scale[k] = group_rstd * gamma[k]",
         T_GNF,
@@ -1970,7 +1975,7 @@ MUTANTS = [
     Mutant(
         "gnf-nhwc-shift-per-channel",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "        center[k] = _shift_of(load(x[n, 0, start + (k // group_size) * group_size], fmt), zero)",
         "        center[k] = _shift_of(load(x[n, 0, start + k], fmt), zero)",
         T_GNF,
@@ -1979,7 +1984,7 @@ MUTANTS = [
     Mutant(
         "gnf-nhwc-last-block-only",
         "group_norm_swish",
-        K_GN,
+        K_GN_FWD,
         "        total_d += block_d\n",
         "        total_d[:] = block_d\n",
         T_GNF,

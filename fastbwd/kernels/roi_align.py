@@ -48,7 +48,8 @@ from numba.extending import intrinsic
 
 from ._halfbits import NATIVE, StorageFormat, load, store
 from ._jit import ONE_THREAD_BELOW, Launch, helper, parallel_kernel
-from ._lanes import LANES, decode_transpose_lanes, lanes_decode_axpy, transpose_lanes
+from ._lane_tiles import decode_transpose_lanes, lanes_decode_axpy, transpose_lanes
+from ._lanes import LANES
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
 #: longer runs use the closed form of their arithmetic progression.
