@@ -110,6 +110,25 @@ def physical(array, layout):
     return np.ascontiguousarray(array)
 
 
+def layout_views(func, layout, grad_output, input, out):
+    """A ``layout=`` argument of avg-pool's and pad's kind (arrays NHWC-ordered or not):
+    ``(nhwc, grad_output, input, out)``, NHWC-ordered arguments as their NCHW views, which the
+    checks then read as any channels-last NCHW call's."""
+    nhwc = v.layout(func, layout, grad_output) == NHWC
+    if nhwc:
+        grad_output, input, out = nchw_views(grad_output, input, out)
+    return nhwc, grad_output, input, out
+
+
+def grad_input(nhwc, input_shape, dtype, layout, user_grad_output, grad_output):
+    """``(results, source)`` of avg-pool's and pad's plans: the grad_input :class:`Result` (a
+    C-contiguous ``(N, H, W, C)`` array for a ``layout="NHWC"`` call) and the :class:`Operand`
+    of grad_output (``user_grad_output``: as given; ``grad_output``: its NCHW view)."""
+    if nhwc:
+        return (nhwc_result(input_shape, dtype),), operand(user_grad_output)
+    return (result(input_shape, dtype, layout),), operand(grad_output, layout)
+
+
 def nchw_views(*arrays):
     """NHWC-ordered arguments (``layout="NHWC"``: arrays ``(N, H, W, C)`` or shapes) as their NCHW
     views (channels-last strides) or shapes; anything else (None, an array of another rank: the
@@ -175,6 +194,17 @@ def kernel_operand(array, how):
     if how.shape is not None:
         array = array.reshape(how.shape)
     return array.view(np.uint16) if how.half else array
+
+
+def operands(*each):
+    """The :class:`Operand` (or None) of each of several arrays, or None when every one is None
+    (the arrays are then taken as they are, without a call per array)."""
+    return None if all(how is None for how in each) else each
+
+
+def kernel_operands(arrays, hows):
+    """:func:`kernel_operand` of each of ``arrays`` (``hows``: from :func:`operands`)."""
+    return arrays if hows is None else tuple(map(kernel_operand, arrays, hows))
 
 
 # --------------------------------------------------------------------------------------------

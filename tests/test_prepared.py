@@ -193,3 +193,13 @@ def test_group_norm_swish_layout_is_data_format():
     with raises_param_error(r"layout must agree with data_format \('NHWC'\)", param="layout"):
         function(nhwc[0], mean, rstd, nhwc[1], gamma, beta, 2, "NHWC", layout="NCHW")
     assert _same(function(*arrays, 2, "ND", layout="NCHW"), function(*arrays, 2))
+
+
+def test_array_likes_are_arrays_in_prepare():
+    """A list where an array goes is an array (as the direct call reads it); only avg-pool's and
+    pad's ``input`` may be a shape."""
+    function, arguments, arrays = _cases(np.float64)["group_norm_swish"]
+    x, gamma, beta = arrays
+    prepared = function.prepare(x, gamma.tolist(), beta, 2)
+    assert prepared.arrays == ("x", "gamma", "beta")
+    assert _same(prepared(x, gamma, beta), function(x, gamma.tolist(), beta, 2))

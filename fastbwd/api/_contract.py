@@ -13,8 +13,8 @@ Each public function is an :class:`Operation`: **key -> plan -> allocate -> run*
   the one allocation path) and runs the kernels' plan on the kernel operands of the arrays.
 
 The public function converts its arrays, finds its plan (:meth:`Operation.plan`) and returns its
-run; its ``Operation`` is made beside it and gives it ``prepare``. Its two-phase form, aclnn's ``aclnnXxxGetWorkspaceSize`` then ``aclnnXxx``, is
-``function.prepare(...)``: the same arguments once (arrays, or shapes and dtypes), validated and
+run; its ``Operation`` is made beside it and gives it ``prepare``. Its two-phase form, aclnn's
+``aclnnXxxGetWorkspaceSize`` then ``aclnnXxx``, is ``function.prepare(...)``: the same arguments once (arrays, or shapes and dtypes), validated and
 planned then; the :class:`Prepared` callable it returns takes the arrays alone, checks only what
 can differ from the example, and runs the same plan.
 """
@@ -36,7 +36,9 @@ OPERATIONS = {}
 class Operation:
     """A public function's contract (see the module doc): made once per function, beside it."""
 
-    def __init__(self, function, validate, parameters, *, scalars=(), threaded=False, arrays=None, bind=None):
+    def __init__(
+        self, function, validate, parameters, *, scalars=(), threaded=False, arrays=None, shapes=(), bind=None
+    ):
         #: the public function's name: every error names it
         self.name = function.__name__
         self.function = function
@@ -50,15 +52,15 @@ class Operation:
         self.threaded = threaded
         #: its array arguments, in order: what it converts with ``as_array`` and a prepared call takes
         self.arrays = arrays or tuple(p for p in parameters if p in _ARRAY_NAMES)
+        #: the array arguments that may be given as a shape instead (a tuple or list)
+        self.shapes = shapes
         self._bind = bind
         self.plans = _plans.Plans()
+        #: ``key(*args)``: the plan key of :meth:`plan`'s arguments, built in one pass
+        self.key = _plans.key
         function.operation = self
         function.prepare = self.prepare
         OPERATIONS[self.name] = self
-
-    def key(self, *args):
-        """The plan key of ``args`` (:meth:`plan`'s arguments), built in one pass."""
-        return _plans.key(*args)
 
     def plan(self, *args):
         """The plan of a call: the remembered one for its key, or a new one from :meth:`validate`
@@ -93,7 +95,7 @@ class Operation:
         given = []  # the array arguments given as arrays: what the prepared call takes
         for name in self.arrays:
             value = arguments[name]
-            if isinstance(value, (tuple, list)):  # a shape (avg-pool's and pad's input)
+            if name in self.shapes and isinstance(value, (tuple, list)):  # a shape (avg-pool's, pad's input)
                 continue
             arguments[name] = _example(self.name, name, value)
             given.append(name)

@@ -186,7 +186,7 @@ class _Plan(NamedTuple):
 
     kernels: kernels.BackwardPlan
     results: tuple  # the _dtypes.Result of dx, dgamma and dbeta
-    operands: tuple  # the _dtypes.Operand of dy, mean, rstd, x, gamma and beta
+    operands: tuple  # the _dtypes.Operand of dy, mean, rstd, x, gamma and beta (_dtypes.operands)
     compute: np.dtype
     want_dgamma: bool
     want_dbeta: bool
@@ -211,7 +211,7 @@ class _Plan(NamedTuple):
                 FUNC, results, _out_entries(out), _INPUT_NAMES, (dy, mean, rstd, x, gamma, beta)
             )
         self.kernels.run(
-            *map(d.kernel_operand, (dy, mean, rstd, x, gamma, beta), self.operands),
+            *d.kernel_operands((dy, mean, rstd, x, gamma, beta), self.operands),
             dx_phys,
             dgamma_phys,
             dbeta_phys,
@@ -285,7 +285,7 @@ def _plan(
         activate,
     )
     statistics = (batch, groups)
-    operands = (
+    operands = d.operands(
         d.operand(dy, layout),
         d.operand(mean, dtype=compute, shape=statistics),
         d.operand(rstd, dtype=compute, shape=statistics),
@@ -471,7 +471,7 @@ class _ForwardPlan(NamedTuple):
 
     kernels: kernels.ForwardPlan
     results: tuple  # the _dtypes.Result of y, mean and rstd
-    operands: tuple  # the _dtypes.Operand of x, gamma and beta
+    operands: tuple  # the _dtypes.Operand of x, gamma and beta (_dtypes.operands)
     compute: np.dtype
 
     def out_entries(self, out):
@@ -491,7 +491,7 @@ class _ForwardPlan(NamedTuple):
         mean_c = mean if direct else np.empty(statistics, compute)
         rstd_c = rstd if direct else np.empty(statistics, compute)
         self.kernels.run(
-            *map(d.kernel_operand, (x, gamma, beta), self.operands),
+            *d.kernel_operands((x, gamma, beta), self.operands),
             y_phys,
             mean_c,
             rstd_c,
@@ -530,7 +530,7 @@ def _forward_plan(threads, x, gamma, beta, num_groups, data_format, activate_swi
         activate_swish,
         threads,
     )
-    operands = (d.operand(x, layout), d.operand(gamma, dtype=compute), d.operand(beta, dtype=compute))
+    operands = d.operands(d.operand(x, layout), d.operand(gamma, dtype=compute), d.operand(beta, dtype=compute))
     return _ForwardPlan(kernels.plan(geometry), results, operands, compute)
 
 

@@ -72,9 +72,8 @@ def replication_pad2d_backward(
 def _plan(grad_output, input, padding, out, layout="NCHW"):
     """Validate every argument (errors in the documented order) and decide the kernel path.
     ``input`` is the forward input as an array, or its shape."""
-    user_grad_output, nhwc = grad_output, v.layout(FUNC, layout, grad_output) == d.NHWC
-    if nhwc:  # checked as its NCHW view (channels-last strides), as are input and out
-        grad_output, input, out = d.nchw_views(grad_output, input, out)
+    user_grad_output = grad_output
+    nhwc, grad_output, input, out = d.layout_views(FUNC, layout, grad_output, input, out)
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
     input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
     left, right, top, bottom = v.int_tuple(FUNC, "padding", padding, (4,))
@@ -125,10 +124,9 @@ def _plan(grad_output, input, padding, out, layout="NCHW"):
     dtype = grad_output.dtype
     layout = d.NHWC if nhwc or d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, input_shape, dtype, layout)
-    results = (d.nhwc_result(input_shape, dtype) if nhwc else d.result(input_shape, dtype, layout),)
+    results, source = d.grad_input(nhwc, input_shape, dtype, layout, user_grad_output, grad_output)
     if math.prod(input_shape) == 0:
         return _contract.OneResultPlan(FUNC, _NAMES, 1, results, None, None)
-    source = d.operand(user_grad_output) if nhwc else d.operand(grad_output, layout)
     geometry = kernels.Geometry(
         layout == d.NHWC,
         input_shape[0] if ndim == 4 else 1,
@@ -146,7 +144,9 @@ def _plan(grad_output, input, padding, out, layout="NCHW"):
 
 
 _NAMES = ("grad_output", "input")
-OPERATION = _contract.Operation(replication_pad2d_backward, _plan, ("grad_output", "input", "padding", "out", "layout"))
+OPERATION = _contract.Operation(
+    replication_pad2d_backward, _plan, ("grad_output", "input", "padding", "out", "layout"), shapes=("input",)
+)
 #: The validated plan of a call (the bridges'): the public function's arguments in this order,
 #: the arrays as NumPy arrays, ``input`` one or a shape (ParamError as the function raises it).
 plan = OPERATION.plan
