@@ -341,13 +341,13 @@ def test_dispatcher_hands_kernels_schema_types(monkeypatch):
         return original(grad_output, *args)
 
     monkeypatch.setattr(upsample_api, "plan", recording)
-    upsample_api._PLANS.clear()
+    upsample_api.OPERATION.plans.clear()
     results = []
     with ft.enabled():
         for spelling in spellings:
             results.append(A.upsample_bilinear2d_backward(grad, *spelling))
     assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]] * 3
-    assert len(upsample_api._PLANS) == 1
+    assert len(upsample_api.OPERATION.plans) == 1
     for result in results[1:]:
         assert torch.equal(result, results[0])
 

@@ -62,8 +62,8 @@ def group_norm_swish_backward(
     *,
     activate_swish: bool = True,
     layout: str | None = None,
-    out: Sequence[np.ndarray | None] | None = None,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    out: tuple | None = None,
+) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
