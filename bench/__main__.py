@@ -381,9 +381,51 @@ class Run:
                 + (f"  ({row['note']})" if row["note"] else "")
             )
 
+    def prepared_cases(self, cases):
+        """Time each prepared call against PyTorch's op(s) and its bare kernel call, alternating
+        the three; a row each with the speed-up and the microseconds the call adds to its kernel."""
+        heading = "target" if self.full else "target (for the --full shapes)"
+        width = max([len(case.label) for case in cases] + [60])
+        say(
+            f"{'case':<6} {'what':<{width}} {'fastbwd us':>10} {'torch us':>9} {'kernel us':>9} {'adds us':>8} "
+            f"{'speed-up':>8} {'spread':>7}  {heading}"
+        )
+        for case in self.wanted(cases):
+            case.check()
+            stall = parallel_stall()
+            timing = alternating_rounds([case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], self.settings)
+            seconds, base_seconds, kernel_seconds = (timing.median(index) for index in range(3))
+            row = self.finish_row(
+                dict(
+                    op="fastbwd",
+                    case=case.id,
+                    label=case.label,
+                    dtype="float32",
+                    variant="prepared",
+                    ms=seconds * 1e3,
+                    gbps=None,
+                    pct_bandwidth=None,
+                    baseline="torch",
+                    baseline_ms=base_seconds * 1e3,
+                    speedup=base_seconds / seconds,
+                    kernel_ms=kernel_seconds * 1e3,
+                    overhead_us=(seconds - kernel_seconds) * 1e6,
+                    target=case.target,
+                    note="",
+                ),
+                timing.series(0, 1),
+                timing,
+                stall,
+            )
+            say(
+                f"{case.id:<6} {case.label:<{width}} {seconds * 1e6:10.2f} {base_seconds * 1e6:9.2f} "
+                f"{kernel_seconds * 1e6:9.2f} {row['overhead_us']:8.2f} {targets.speedup_text(row['speedup']):>8} "
+                f"{self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip()
+            )
+
     def torch_bridge(self):
         """The PyTorch bridge's cases (``bench/torch_cases.py``) and the routing's per-call cost."""
-        from .torch_cases import cases, direct_cases, measure_overhead, overhead_cases
+        from .torch_cases import cases, direct_cases, measure_overhead, overhead_cases, prepared_cases
 
         say(
             "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
@@ -403,6 +445,11 @@ class Run:
             "timed the same way"
         )
         self.paired_cases(direct_cases(), "torch", "fastbwd", "direct", "torch")
+        say(
+            "\nthe same calls prepared once (function.prepare, aclnn's two-phase call), timed the same way "
+            "with the bare kernel call they end in"
+        )
+        self.prepared_cases(prepared_cases())
         say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
         say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
         for case in self.wanted(overhead_cases()):

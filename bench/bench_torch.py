@@ -11,7 +11,14 @@ torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
 
-from .torch_cases import cases, compile_cases, direct_cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import (  # noqa: E402
+    cases,
+    compile_cases,
+    direct_cases,
+    measure_overhead,
+    overhead_cases,
+    prepared_cases,
+)
 
 #: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
@@ -127,7 +134,7 @@ def bench_routing_overhead(case_id, way, benchmark):
         benchmark.pedantic(case.direct if way == "direct" else case.aten, rounds=200, warmup_rounds=10, iterations=1)
 
 
-# ---- O4, O5: warm direct calls of GroupNorm+Swish on a tiny input against PyTorch's own ops ------
+# ---- O1-O5: warm direct calls on tiny inputs against PyTorch's own ops (O1-O3: .grad_input ops) ------
 
 DIRECT = {case.id: case for case in direct_cases()}
 
@@ -138,6 +145,22 @@ def bench_direct_call(case_id, variant, benchmark):
     case = DIRECT[case_id]
     if variant == "fastbwd":
         case.check()  # the results agree with PyTorch's before anything is timed
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
+    benchmark.pedantic(getattr(case, variant), rounds=200, warmup_rounds=10, iterations=1)
+
+
+# ---- O1p-O5p: the same calls prepared once (issue 46), beside PyTorch's ops and the bare kernel call --
+
+PREPARED = {case.id: case for case in prepared_cases()}
+
+
+@pytest.mark.parametrize("variant", ["fastbwd", "torch", "kernel"])
+@pytest.mark.parametrize("case_id", list(PREPARED))
+def bench_prepared_call(case_id, variant, benchmark):
+    case = PREPARED[case_id]
+    if variant == "fastbwd":
+        case.check()
     benchmark.group = f"{case.id} {case.label}"
     benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
     benchmark.pedantic(getattr(case, variant), rounds=200, warmup_rounds=10, iterations=1)

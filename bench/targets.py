@@ -13,6 +13,8 @@ import re
 
 #: ``>= 5x``, ``>= 1.5x``, ``≥ 1.0×`` (anywhere in the text: "every pair fused; >= 1.0x" too).
 _AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*(?:x|×)")
+#: ``overhead <= 1 us``: a prepared call's microseconds over its bare kernel call (issue 46).
+_OVERHEAD_AT_MOST = re.compile(r"overhead\s*(?:<=|≤)\s*(\d+(?:\.\d+)?)\s*(?:us|µs)")
 
 MET, MISSED, UNTRUSTED = "met", "missed", "not trustworthy"
 
@@ -25,6 +27,12 @@ STALL_LIMIT = 2.0
 def threshold(target):
     """The speed-up ``target`` asks for, or None when it asks for none."""
     match = _AT_LEAST.search(target or "")
+    return float(match.group(1)) if match else None
+
+
+def overhead_limit(target):
+    """The microseconds over the bare kernel call ``target`` allows, or None."""
+    match = _OVERHEAD_AT_MOST.search(target or "")
     return float(match.group(1)) if match else None
 
 
@@ -52,7 +60,11 @@ def verdict(row, max_spread):
         return None
     if noisy(row, max_spread) or stalled(row):
         return UNTRUSTED
-    return MET if row["speedup"] >= limit else MISSED
+    met = row["speedup"] >= limit
+    overhead = overhead_limit(row.get("target"))
+    if overhead is not None and row.get("overhead_us") is not None:
+        met = met and row["overhead_us"] <= overhead
+    return MET if met else MISSED
 
 
 def row_name(row):

@@ -302,7 +302,7 @@ def test_remembered_plans_check_overlap_on_every_call():
     plain = A.replication_pad2d_backward(grad, x, [1, 1, 0, 0])
     direct = fastbwd.replication_pad2d_backward(*_arrays(grad, x), (1, 1, 0, 0))
     for first_overlapping in (True, False):
-        replication_pad2d_api._PLANS.clear()
+        replication_pad2d_api.OPERATION.plans.clear()
         with ft.enabled():
             for overlapping in (first_overlapping, not first_overlapping, True, False):
                 served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()
@@ -341,13 +341,13 @@ def test_dispatcher_hands_kernels_schema_types(monkeypatch):
         return original(grad_output, *args)
 
     monkeypatch.setattr(upsample_api, "plan", recording)
-    upsample_api._PLANS.clear()
+    upsample_api.OPERATION.plans.clear()
     results = []
     with ft.enabled():
         for spelling in spellings:
             results.append(A.upsample_bilinear2d_backward(grad, *spelling))
     assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]] * 3
-    assert len(upsample_api._PLANS) == 1
+    assert len(upsample_api.OPERATION.plans) == 1
     for result in results[1:]:
         assert torch.equal(result, results[0])
 

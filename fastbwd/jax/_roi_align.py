@@ -168,7 +168,7 @@ def roi_align(
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
     with v.called_as(FUNC, _SUBJECTS):
-        plan = api.forward_plan(
+        api.forward_plan(  # validates layout too ("NCHW" or "NHWC")
             c.placeholder(input.shape, input.dtype),
             boxes_placeholder,
             *output_size,
@@ -178,7 +178,6 @@ def roi_align(
             layout,
             None,
         )
-        layout = "NHWC" if plan.nhwc else "NCHW"  # validated
         pooled_size = c.ints(output_size)
         api.plan(
             c.placeholder(_pooled_shape(input.shape, rois.shape[0], pooled_size, layout), input.dtype),
