@@ -2,7 +2,7 @@
 
 For every operator it checks a small case against the float64 reference (``python -m
 fastbwd``'s self-check), then runs the benchmark cases of ``bench/cases.py`` (small shapes;
-``--full``: the docs/semantics.md §6 shapes, as in the README's tables) and prints, per row:
+``--full``: the docs/semantics.md §6 shapes, as in docs/benchmarks.md) and prints, per row:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
 (measured on the spot with a large parallel copy), the speed-up over each baseline timed in the
 same alternating rounds, the row's spread, and its target with a verdict (``--full``). The
@@ -19,7 +19,8 @@ warns at its start when the machine is busy (its load average; two readings of t
 bandwidth far apart) and ends with a summary: the targets met, missed and not trustworthy.
 
 ``--publish`` (with ``--full``) saves the results to ``bench/results.json`` and regenerates the
-README's tables from them (``bench/to_table.py``): the one command behind the README's numbers.
+README's headline table and the full tables of ``docs/benchmarks.md`` from them
+(``bench/to_table.py``): the one command behind the published numbers.
 """
 
 import argparse
@@ -44,8 +45,10 @@ from .bandwidth import parallel_copy, parallel_stream_fill
 from .cases import OPS
 from .timing import Settings, alternating_rounds, parallel_stall, spread
 
-#: The checkout's root: where --publish writes bench/results.json and README.md.
+#: The checkout's root: where --publish writes bench/results.json, README.md and docs/benchmarks.md.
 ROOT = Path(__file__).resolve().parents[1]
+#: The files whose generated tables --publish regenerates.
+PUBLISHED = ("README.md", "docs/benchmarks.md")
 
 #: The second copy the main job times: the size of the large cases' results (A1 51 MB, P1 67 MB).
 CASE_SIZE_COPY_BYTES = 64 << 20
@@ -537,9 +540,9 @@ class Run:
                 json.dump(results, handle, indent=1)
                 handle.write("\n")
             say(f"results saved to {args.json}")
-        if args.readme:
-            to_table.write_readme(args.readme, results)
-            say(f"{args.readme}: benchmark tables regenerated from this run")
+        for path in args.write or ():
+            to_table.write(path, results)
+            say(f"{path}: benchmark tables regenerated from this run")
         return 0
 
 
@@ -562,14 +565,16 @@ def main(argv=None):
     parser.add_argument(
         "--full",
         action="store_true",
-        help="the full-size docs/semantics.md §6 shapes (the README's tables; tens of minutes)",
+        help="the full-size docs/semantics.md §6 shapes (the published tables; tens of minutes)",
     )
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
-    parser.add_argument("--readme", metavar="FILE", help="regenerate the benchmark tables of this README from the run")
+    parser.add_argument(
+        "--write", nargs="+", metavar="FILE", help="regenerate the benchmark tables in these files from the run"
+    )
     parser.add_argument(
         "--publish",
         action="store_true",
-        help="with --full: save bench/results.json and regenerate README.md's tables (the README's numbers)",
+        help="with --full: save bench/results.json and regenerate the tables of README.md and docs/benchmarks.md",
     )
     parser.add_argument(
         "--ops",
@@ -613,10 +618,12 @@ def main(argv=None):
                 "--publish records the whole --full run: give --full, and no --ops, --cases, --no-torch or --no-jax"
             )
         args.json = args.json or str(ROOT / "bench" / "results.json")
-        args.readme = args.readme or str(ROOT / "README.md")
-    if args.readme and to_table.BEGIN not in Path(args.readme).read_text():
-        # fail now rather than after the run
-        parser.error(f"{args.readme} has no benchmark tables to regenerate (no line {to_table.BEGIN!r})")
+        args.write = args.write or [str(ROOT / name) for name in PUBLISHED]
+    for path in args.write or ():
+        if not to_table.has_region(Path(path).read_text()):  # fail now rather than after the run
+            parser.error(
+                f"{path} has no benchmark tables to regenerate (no line {to_table.BEGIN!r} or {to_table.HEADLINE_BEGIN!r})"
+            )
     return Run(args).run()
 
 

@@ -126,7 +126,7 @@ def test_noisy_calls_run_until_the_budget_and_show_a_wide_spread():
     assert timing.spread(result.series(0)) > 0.5
 
 
-# ---- the README's tables -------------------------------------------------------------------
+# ---- the published tables -------------------------------------------------------------------
 
 
 def _results(quick=False):
@@ -160,12 +160,28 @@ def test_table_shows_spreads_verdicts_warnings_and_the_summary():
     assert "small shapes" in quick and ">= 5x (at full size)" in quick and ": met" not in quick
 
 
-def test_with_tables_replaces_only_the_generated_region():
-    readme = f"# title\\n\\nbefore\\n\\n{to_table.BEGIN}\\nold table\\n{to_table.END}\\n\\nafter\\n"
-    new = to_table.with_tables(readme, _results())
-    assert new.startswith("# title\\n\\nbefore\\n\\n") and new.endswith(f"{to_table.END}\\n\\nafter\\n")
-    assert to_table.tables_in(new) == to_table.table(_results())
-    assert to_table.with_tables(new, _results()) == new  # idempotent
+def test_regenerated_replaces_only_the_generated_regions():
+    for begin, end, make in to_table.REGIONS:
+        page = f"# title\\n\\nbefore\\n\\n{begin}\\nold table\\n{end}\\n\\nafter\\n"
+        new = to_table.regenerated(page, _results())
+        assert new.startswith("# title\\n\\nbefore\\n\\n") and new.endswith(f"{end}\\n\\nafter\\n")
+        assert to_table.region(new, begin, end) == make(_results())
+        assert to_table.regenerated(new, _results()) == new  # idempotent
+    assert not to_table.has_region("# no tables\\n")
+
+
+def test_headline_has_a_row_per_operator_and_bridge():
+    text = to_table.headline(_results())
+    # the pad's rows against PyTorch: 6x and 2x, median 4x; one target met, one not trustworthy (noisy, stalled)
+    assert "| `replication_pad2d_backward` | PyTorch | 4.00x (2.00x-6.00x) | 2 | 1 met, 1 not trustworthy |" in text
+    assert "| `fastbwd.torch` | PyTorch eager | 0.90x | 1 | 1 missed |" in text
+    assert "| `tiny direct calls` | PyTorch's ops (per-call cost) | 0.80x | 1 | 1 missed |" in text
+    assert (
+        "One `python3 -m bench --full` run on CPU, 2 threads (omp); torch 2, jax 0.1, numba 0; load average 2.50"
+        in text
+    )
+    quick = to_table.headline(_results(quick=True))
+    assert "not judged (small shapes)" in quick and "small shapes, not `--full`" in quick
 
 
 def test_publish_refuses_a_partial_run(capsys):
@@ -188,15 +204,17 @@ def _environment():
 
 
 @pytest.mark.slow
-def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
-    """The main job's whole path on one operator, into copies: the JSON saved, the copy's
-    tables regenerated from it (what --publish does to bench/results.json and README.md)."""
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
+def test_a_reduced_run_regenerates_copies_of_the_published_tables(tmp_path):
+    """The main job's whole path on one operator, into copies: the JSON saved, the copies'
+    tables regenerated from it (what --publish does to bench/results.json, README.md and
+    docs/benchmarks.md)."""
+    copies = [tmp_path / "README.md", tmp_path / "benchmarks.md"]
+    for name, copy in zip(main_job.PUBLISHED, copies):
+        shutil.copy(ROOT / name, copy)
     saved = tmp_path / "results.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--ops", "replication_pad2d_backward", "--no-jax", "--budget", "0.5",
-         "--json", str(saved), "--readme", str(readme)],
+         "--json", str(saved), "--write", *map(str, copies)],
         cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -205,12 +223,12 @@ def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
     assert all(row["spread"] is not None and row["rounds"] >= 3 and row["stall"] > 0 for row in results["rows"])
     assert results["machine"]["parallel_stall"] > 0 and results["machine"]["load_average"]
     assert len(results["bandwidth_readings_gbps"]) == 3
-    text = readme.read_text()
-    assert to_table.tables_in(text) == to_table.table(results)
-    # everything outside the tables is the README's own
-    original = (ROOT / "README.md").read_text()
-    assert text.split(to_table.BEGIN)[0] == original.split(to_table.BEGIN)[0]
-    assert text.split(to_table.END)[1] == original.split(to_table.END)[1]
+    for name, copy, (begin, end, make) in zip(main_job.PUBLISHED, copies, to_table.REGIONS):
+        text, original = copy.read_text(), (ROOT / name).read_text()
+        assert to_table.region(text, begin, end) == make(results)
+        # everything outside the tables is the file's own
+        assert text.split(begin)[0] == original.split(begin)[0]
+        assert text.split(end)[1] == original.split(end)[1]
     # the shapes of the small cases, the compile hint once, a summary at the end
     assert "P1q float32: (2,16,64,64) pad 3" in done.stdout
     assert done.stdout.count("--precompile") == 1
@@ -222,12 +240,12 @@ def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
 
 @pytest.mark.slow
 def test_the_compare_workflow_on_two_smoke_cases(tmp_path):
-    """The README's workflow: save a run with --benchmark-autosave, compare the next one with it
+    """The benchmarks page's workflow: save a run with --benchmark-autosave, compare the next one with it
     (--benchmark-compare), and fail on a regression (--benchmark-compare-fail); in a temporary
     folder, on the small shapes of one case: fastbwd beside its baseline."""
-    readme = (ROOT / "README.md").read_text()  # the workflow the README shows
-    assert "--benchmark-only --benchmark-autosave\n" in readme
-    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in readme
+    page = (ROOT / "docs" / "benchmarks.md").read_text()  # the workflow the benchmarks page shows
+    assert "--benchmark-only --benchmark-autosave\n" in page
+    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in page
     torch_installed = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     second = "bench_baseline[P1-float32-torch]" if torch_installed else "bench_fastbwd_out[P1-float32]"
     ids = [f"{ROOT}/bench/bench_replication_pad2d.py::{name}" for name in ("bench_fastbwd[P1-float32]", second)]
