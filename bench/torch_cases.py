@@ -511,12 +511,12 @@ def measure_overhead(case, calls=2000):
 
 
 def _unet_training_case(batch, size, channels, groups, target):
-    """T7: a training step of the small UNet of bench/torch_unet.py (GroupNorm +
+    """T7: a training step of the small UNet of bench/models/torch_unet.py (GroupNorm +
     SiLU inside its blocks' forward()), plain PyTorch vs ``fuse_group_norm_swish`` + ``enabled()``
     (bilinear upsampling and avg-pool backward routed to fastbwd)."""
     import copy
 
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
@@ -549,14 +549,14 @@ def _unet_training_case(batch, size, channels, groups, target):
 
 
 def _diffusion_unet_case(batch, size, config, target):
-    """T8 (issue 37): a training step of the UNet of bench/torch_diffusion.py, written as diffusion
+    """T8 (issue 37): a training step of the UNet of bench/models/torch_diffusion.py, written as diffusion
     libraries write theirs (resnet blocks with ``*args, **kwargs``, one shared SiLU, a shape
     branch, attention, a top-level forward symbolic tracing cannot run), plain PyTorch vs
     ``fuse_group_norm_swish`` (one example forward) + ``enabled()``. Every GroupNorm -> SiLU pair
     must be fused (all but the attention's GroupNorm)."""
     import copy
 
-    from . import torch_diffusion as D
+    from .models import torch_diffusion as D
 
     config = {**D.T8_CONFIG, **config}
     plain = D.t8_model(81, **config)
@@ -827,7 +827,7 @@ def compile_cases(quick=False):
     compiled call, against the same models compiled without fastbwd (C3: run eagerly with
     fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager; C8: C7's
     structure with PyTorch's own kernels, no fastbwd); ``quick`` uses small shapes."""
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     if quick:
         up, pool, decoder, norm, roi, unet = (
