@@ -116,12 +116,13 @@ def cases(quick=False):
     """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
     upsample without align_corners) and J6 (issue 39: a tiny one); ``quick`` uses small shapes."""
     if quick:
+        # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, pad, norm, roi = (
-            (2, 8, 16, 16),
-            (2, 8, 14, 14),
-            (2, 8, 16, 16),
-            ((2, 64, 8, 8), 32),
-            ((2, 16, 25, 38), 32),
+            (4, 16, 64, 64),
+            (4, 64, 56, 56),
+            (4, 32, 64, 64),
+            ((4, 128, 32, 32), 32),
+            ((2, 64, 50, 76), 128),
         )
     else:
         up, pool, pad, norm, roi = (

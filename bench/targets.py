@@ -147,12 +147,17 @@ def summary_text(summary, max_spread):
 #: verdicts but not in its speed-up against the framework.
 NOT_AGAINST_THE_FRAMEWORK = ("T4-NHWC", "C3", "C5", "C7", "C8")
 
+#: A row whose fastbwd call takes less than this many milliseconds is a tiny call: Python's
+#: per-call cost (validation, dispatch, the bridge; 5-20 us) decides its ratio, not the kernels.
+#: Its speed-up is summed up apart from the others.
+TINY_MS = 0.1
+
 #: The bridges' groups, in order: (op, variant) of their rows -> (group name, what it is timed against).
 BRIDGES = {
     ("fastbwd.torch", "autograd"): ("fastbwd.torch", "PyTorch eager"),
     ("fastbwd.torch", "compiled"): ("torch.compile", "torch.compile without fastbwd"),
     ("fastbwd.jax", "jit(grad)"): ("fastbwd.jax", "JAX's own gradient"),
-    ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's ops (per-call cost)"),
+    ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's own ops"),
 }
 
 
@@ -178,7 +183,8 @@ def against_the_framework(row):
 def group_summaries(rows, max_spread, judge=True):
     """One dict per group, operators first (in the rows' order), then the bridges: ``name``,
     ``against`` (what its speed-ups are measured against), ``rows``, ``speedups`` (its rows
-    against the framework), ``met``, ``missed``, ``untrusted`` (verdict counts; zero when
+    against the framework taking at least :data:`TINY_MS`, noisy and stalled ones left out),
+    ``tiny`` (those taking less), ``met``, ``missed``, ``untrusted`` (verdict counts; zero when
     ``judge`` is False) and ``unsure`` (rows noisy or stalled, whatever their target)."""
     groups = {}
     for row in rows:
@@ -188,18 +194,34 @@ def group_summaries(rows, max_spread, judge=True):
         bridge = BRIDGES.get((row["op"], row["variant"]))
         group = groups.setdefault(
             name,
-            dict(name=name, against=bridge[1] if bridge else "PyTorch", bridge=bridge is not None, rows=0, speedups=[])
+            dict(name=name, against=bridge[1] if bridge else "PyTorch", bridge=bridge is not None, rows=0)
+            | dict(speedups=[], tiny=[])
             | {MET: 0, MISSED: 0, UNTRUSTED: 0, "unsure": 0},
         )
         group["rows"] += 1
-        if against_the_framework(row):
-            group["speedups"].append(row["speedup"])
+        trustworthy = not (noisy(row, max_spread) or stalled(row))
+        if against_the_framework(row) and trustworthy:
+            group["tiny" if row["ms"] < TINY_MS else "speedups"].append(row["speedup"])
         outcome = verdict(row, max_spread) if judge else None
         if outcome:
             group[outcome] += 1
-        if noisy(row, max_spread) or stalled(row):
+        if not trustworthy:
             group["unsure"] += 1
     return sorted(groups.values(), key=lambda group: group["bridge"])
+
+
+#: The median speed-up of a group's trustworthy rows (tiny calls aside) above this is "faster",
+#: below its inverse "slower", between them "on par".
+ON_PAR = 1.05
+
+
+def standing(group):
+    """A group's standing against the framework, from its trustworthy rows that are not tiny calls:
+    "faster", "on par", "slower"; or why there is none."""
+    if not group["speedups"]:
+        return "tiny calls only" if group["tiny"] else "no trustworthy row"
+    middle = median(group["speedups"])
+    return "faster" if middle >= ON_PAR else "slower" if middle <= 1 / ON_PAR else "on par"
 
 
 def median(values):

@@ -211,13 +211,14 @@ def headline(results):
     judge = not results.get("quick")
     machine = results["machine"]
     lines = [
-        "| operator or bridge | timed against | speed-up: median (range) | rows | targets |",
-        "|---|---|---:|---:|---|",
+        f"| operator or bridge | timed against | speed-up: median (range) | tiny calls (< {targets.TINY_MS:g} ms) "
+        "| rows | targets |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for group in targets.group_summaries(results["rows"], max_spread, judge):
         lines.append(
             f"| `{group['name']}` | {group['against']} | {targets.speedups_text(group['speedups'])} | "
-            f"{group['rows']} | {targets.verdicts_text(group, judge)} |"
+            f"{targets.speedups_text(group['tiny'])} | {group['rows']} | {targets.verdicts_text(group, judge)} |"
         )
     versions = ", ".join(
         f"{name} {machine[key]}"
@@ -231,8 +232,9 @@ def headline(results):
         "",
         f"One `{command}` run on {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}); "
         f"{versions}{load_text}. A row's speed-ups are its cases against PyTorch's or JAX's own code (an "
-        "operator's: its allocating and `out=` calls against PyTorch's); its targets include the cases against "
-        "fastbwd's other layout or eager mode. Each case, its baseline and its spread: "
+        "operator's: its allocating and `out=` calls against PyTorch's), rows marked noisy or stalled left out; a tiny call's, where fastbwd takes less than "
+        f"{targets.TINY_MS:g} ms, is Python's per-call cost rather than the kernels'. The targets include the cases "
+        "against fastbwd's other layout or eager mode. Each case, its baseline and its spread: "
         "[docs/benchmarks.md](docs/benchmarks.md).",
     ]
     return "\n".join(lines)

@@ -172,16 +172,33 @@ def test_regenerated_replaces_only_the_generated_regions():
 
 def test_headline_has_a_row_per_operator_and_bridge():
     text = to_table.headline(_results())
-    # the pad's rows against PyTorch: 6x and 2x, median 4x; one target met, one not trustworthy (noisy, stalled)
-    assert "| `replication_pad2d_backward` | PyTorch | 4.00x (2.00x-6.00x) | 2 | 1 met, 1 not trustworthy |" in text
-    assert "| `fastbwd.torch` | PyTorch eager | 0.90x | 1 | 1 missed |" in text
-    assert "| `tiny direct calls` | PyTorch's ops (per-call cost) | 0.80x | 1 | 1 missed |" in text
+    # the pad's rows against PyTorch: 6x, and 2x noisy and stalled (left out of the speed-up); one target met,
+    # one not trustworthy; a direct call of 7.5 us is a tiny call, its ratio Python's per-call cost
+    assert "| `replication_pad2d_backward` | PyTorch | 6.00x | - | 2 | 1 met, 1 not trustworthy |" in text
+    assert "| `fastbwd.torch` | PyTorch eager | 0.90x | - | 1 | 1 missed |" in text
+    assert "| `tiny direct calls` | PyTorch's own ops | - | 0.80x | 1 | 1 missed |" in text
     assert (
         "One `python3 -m bench --full` run on CPU, 2 threads (omp); torch 2, jax 0.1, numba 0; load average 2.50"
         in text
     )
     quick = to_table.headline(_results(quick=True))
     assert "not judged (small shapes)" in quick and "small shapes, not `--full`" in quick
+
+
+def test_group_standing_uses_trustworthy_rows_that_are_not_tiny_calls():
+    rows = _results()["rows"]
+    groups = {group["name"]: group for group in targets.group_summaries(rows, 0.1)}
+    assert (
+        groups["replication_pad2d_backward"]["speedups"] == [6.0]
+        and groups["replication_pad2d_backward"]["unsure"] == 1
+    )
+    assert targets.standing(groups["replication_pad2d_backward"]) == "faster"
+    assert targets.standing(groups["fastbwd.torch"]) == "slower"  # 0.90x
+    assert targets.standing(groups["tiny direct calls"]) == "tiny calls only"
+    stalled = [row | dict(stall=9.0) for row in rows]
+    assert all(targets.standing(group) == "no trustworthy row" for group in targets.group_summaries(stalled, 0.1))
+    on_par = [rows[0] | dict(speedup=1.02)]
+    assert targets.standing(targets.group_summaries(on_par, 0.1)[0]) == "on par"
 
 
 def test_publish_refuses_a_partial_run(capsys):
@@ -229,8 +246,14 @@ def test_a_reduced_run_regenerates_copies_of_the_published_tables(tmp_path):
         # everything outside the tables is the file's own
         assert text.split(begin)[0] == original.split(begin)[0]
         assert text.split(end)[1] == original.split(end)[1]
-    # the shapes of the small cases, the compile hint once, a summary at the end
-    assert "P1q float32: (2,16,64,64) pad 3" in done.stdout
+    # the report: the machine, its load in one line, the summary, then the rows (the small cases' shapes), the
+    # compile hint once, the targets' paragraph at the end
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("fastbwd ") and lines[1].startswith("Machine: ") and lines[3].startswith("Summary (")
+    assert lines[5].split()[:2] == ["replication_pad2d_backward", "PyTorch"]
+    assert lines[6].startswith("Checks: 1 of 1 operators match the float64 reference")
+    assert done.stdout.index("Summary (") < done.stdout.index("P1q float32: (4,32,64,64) pad 3")
+    assert "WARNING" not in done.stdout
     assert done.stdout.count("--precompile") == 1
     assert "Targets: set for the --full shapes" in done.stdout
 
