@@ -14,9 +14,11 @@ against the plain framework's, timed the same way.
 
 The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
 rounds until the spread of the rounds settles or the case's time budget runs out; a row whose
-spread is wider than ``--max-spread`` is marked noisy and its target gets no verdict. The run
-warns at its start when the machine is busy (its load average; two readings of the copy
-bandwidth far apart) and ends with a summary: the targets met, missed and not trustworthy.
+spread is wider than ``--max-spread`` is marked noisy, one timed while parallel calls stalled is
+marked stalled, and neither gets a verdict. The report prints when the run ends (progress goes
+to stderr meanwhile): the machine, what its load did in one line, a summary per operator and
+bridge (``bench/targets.py``'s ``group_summaries``), then the rows, then the targets met, missed
+and not trustworthy (docs/design.md, "The main job on a shared machine").
 
 ``--publish`` (with ``--full``) saves the results to ``bench/results.json`` and regenerates the
 README's headline table and the full tables of ``docs/benchmarks.md`` from them
@@ -525,12 +527,16 @@ class Run:
             torch.set_num_threads(numba.get_num_threads())
         machine = self.machine(torch)
         self.progress("the main job: the report (a summary, then each row) prints when the run ends")
-        measured = self.bandwidth()
-        self.operators(torch is not None, measured["bandwidth_gbps"])
-        if torch is not None and self.selected("torch"):
-            self.torch_bridge()
-        if not args.no_jax and self.selected("jax"):
-            machine["jax"] = self.jax_bridge()
+        try:
+            measured = self.bandwidth()
+            self.operators(torch is not None, measured["bandwidth_gbps"])
+            if torch is not None and self.selected("torch"):
+                self.torch_bridge()
+            if not args.no_jax and self.selected("jax"):
+                machine["jax"] = self.jax_bridge()
+        except BaseException:  # a failed check or an interrupt: what was measured, then the error
+            say("\n".join(self.header + self.details + [self._partial]))
+            raise
         end = copy_bandwidth(self.yardstick_bytes)
         measured["bandwidth_readings_gbps"].append(end)
         if _disagree(measured["bandwidth_gbps"], end):
