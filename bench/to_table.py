@@ -283,7 +283,10 @@ def main(argv=None):
     with open(args.results) as handle:
         results = json.load(handle)
     for path in args.write or ():
-        write(path, results)
+        try:
+            write(path, results)
+        except ValueError as error:
+            parser.error(str(error))
         print(f"{path}: benchmark tables regenerated from {args.results}")
     if not args.write:
         print(headline(results) + "\n\n" + table(results))
