@@ -123,7 +123,10 @@ def test_noisy_calls_run_until_the_budget_and_show_a_wide_spread():
     start = time.perf_counter()
     result = timing.alternating_rounds([erratic], [(0, None)], settings)
     assert not result.settled and time.perf_counter() - start < 2.0
-    assert timing.spread(result.series(0)) > 0.5
+    # half the interquartile range over the median: about 0.9 when the median falls between a fast
+    # and a slow call, (0.01 - 0.0005) / 2 / 0.01 = 0.475 when an odd count puts it on a slow one
+    # (the bound 0.5 failed so in CI); either way far wider than the 10% that marks a row noisy
+    assert timing.spread(result.series(0)) > 0.3
 
 
 # ---- the published tables -------------------------------------------------------------------
