@@ -106,7 +106,7 @@ def summarize(rows, max_spread, judge=True):
 
 
 def summary_text(summary, max_spread):
-    """The summary as a paragraph (the main job's last lines and the README's)."""
+    """The summary as a paragraph (the main job's last lines and docs/benchmarks.md's)."""
     judged = len(summary["met"]) + len(summary["missed"]) + len(summary["untrusted"])
     if not summary["judged"]:
         text = "Targets: set for the --full shapes, so a run on small shapes gives them no verdict."

@@ -75,7 +75,7 @@ def _spread_cell(row, results):
 
 
 def table(results):
-    """The README's benchmark section (machine line, tables, summary) for ``results``."""
+    """docs/benchmarks.md's tables (machine line, tables, summary) for ``results``."""
     machine = results["machine"]
     max_spread = results.get("max_spread", DEFAULT_MAX_SPREAD)
     size = "small shapes (not --full): " if results.get("quick") else ""
