@@ -488,7 +488,7 @@ class Run:
         )
         self.paired_cases(list(cases(quick=not self.full)), "jax", "fastbwd.jax", "jit(grad)", "jax")
         if jax.device_count() < 2:
-            say("J9 (a batch split over two devices) left out: jax started with one device (XLA_FLAGS)")
+            self.say("J9 (a batch split over two devices) left out: jax started with one device (XLA_FLAGS)")
         transport = Settings(round_seconds=0.02, min_rounds=7, tolerance=0.05, budget=3.0)
         stall = parallel_stall()
         timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
