@@ -173,7 +173,7 @@ def bench_prepared_call(case_id, variant, benchmark):
 def bench_unet_fusion(benchmark):
     """fuse_group_norm_swish on a fresh SmallUNet (one example forward decides): its time, and
     the fused and skipped counts in extra_info."""
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     models = iter([SmallUNet() for _ in range(6)])
     example = (torch.randn(1, 3, 16, 16), torch.randn(1, 128))

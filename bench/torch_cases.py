@@ -141,14 +141,9 @@ MODULE_SHAPES = [
     ((8, 512, 32, 32), 32),
 ]
 #: small versions of the six (the same ids T6.1-T6.6 and T6f.1-T6f.6)
-MODULE_SHAPES_QUICK = [
-    ((2, 64, 8, 8), 32),
-    ((2, 32, 16, 16), 16),
-    ((2, 128, 4, 4), 32),
-    ((2, 16, 16, 16), 8),
-    ((2, 8, 32, 32), 4),
-    ((2, 128, 8, 8), 32),
-]
+#: The same six shapes with a batch of 2 (the main job's small shapes: the kernels, not the
+#: per-call cost, decide the larger ones; the main job sums up rows under 0.1 ms apart).
+MODULE_SHAPES_QUICK = [((2, *shape[1:]), groups) for shape, groups in MODULE_SHAPES]
 
 
 def _module_case(index, shape, groups, forward_only, target):
@@ -317,12 +312,13 @@ def cases(quick=False):
     """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes), T7 and T8; ``quick``
     uses small shapes."""
     if quick:
+        # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, norm, roi, block = (
-            (2, 8, 16, 16),
-            (2, 8, 14, 14),
-            ((2, 64, 8, 8), 32),
-            ((2, 16, 25, 38), 32),
-            (2, 32, 16),
+            (4, 16, 64, 64),
+            (4, 64, 56, 56),
+            ((4, 128, 32, 32), 32),
+            ((2, 64, 50, 76), 128),
+            (2, 32, 32),
         )
     else:
         up, pool, norm, roi, block = (
@@ -351,9 +347,9 @@ def cases(quick=False):
         *module_cases(quick),
         tiny_module_case(),
         *module_cases(quick, forward_only=True),
-        _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
+        _unet_training_case(*((2, 32, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
         _diffusion_unet_case(
-            *((2, 16, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
+            *((2, 32, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
             "every pair fused; >= 1.0x",
         ),
     ]
@@ -629,12 +625,12 @@ def measure_overhead(case, calls=2000):
 
 
 def _unet_training_case(batch, size, channels, groups, target):
-    """T7: a training step of the small UNet of bench/torch_unet.py (GroupNorm +
+    """T7: a training step of the small UNet of bench/models/torch_unet.py (GroupNorm +
     SiLU inside its blocks' forward()), plain PyTorch vs ``fuse_group_norm_swish`` + ``enabled()``
     (bilinear upsampling and avg-pool backward routed to fastbwd)."""
     import copy
 
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
@@ -667,14 +663,14 @@ def _unet_training_case(batch, size, channels, groups, target):
 
 
 def _diffusion_unet_case(batch, size, config, target):
-    """T8 (issue 37): a training step of the UNet of bench/torch_diffusion.py, written as diffusion
+    """T8 (issue 37): a training step of the UNet of bench/models/torch_diffusion.py, written as diffusion
     libraries write theirs (resnet blocks with ``*args, **kwargs``, one shared SiLU, a shape
     branch, attention, a top-level forward symbolic tracing cannot run), plain PyTorch vs
     ``fuse_group_norm_swish`` (one example forward) + ``enabled()``. Every GroupNorm -> SiLU pair
     must be fused (all but the attention's GroupNorm)."""
     import copy
 
-    from . import torch_diffusion as D
+    from .models import torch_diffusion as D
 
     config = {**D.T8_CONFIG, **config}
     plain = D.t8_model(81, **config)
@@ -945,7 +941,7 @@ def compile_cases(quick=False):
     compiled call, against the same models compiled without fastbwd (C3: run eagerly with
     fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager; C8: C7's
     structure with PyTorch's own kernels, no fastbwd); ``quick`` uses small shapes."""
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     if quick:
         up, pool, decoder, norm, roi, unet = (

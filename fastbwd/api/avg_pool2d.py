@@ -107,6 +107,19 @@ def avg_pool2d_backward(
         ranks, dtypes, sizes, kernel/stride/padding values and lengths, ``2*p > k``, channels
         above 65535, an empty non-batch dimension, an output size below 1, a grad_output shape
         that does not match the pooled input, ``cube_math_type`` not in 0-3, a bad ``out``.
+
+    Examples
+    --------
+    The gradient of a 2x2 average pooling with stride 2 (the default stride is the kernel size)
+    of a ``(1, 1, 4, 4)`` input, given as its shape: each cell gets a quarter of its window's.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 2, 2), np.float32)
+    >>> fastbwd.avg_pool2d_backward(grad_output, (1, 1, 4, 4), 2)
+    array([[[[0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25]]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape

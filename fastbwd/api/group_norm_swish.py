@@ -151,6 +151,18 @@ def group_norm_swish_backward(
         integer or <= 0, C % G != 0, C/G > 4000; unsupported dtypes (dy and x not the same
         float dtype, a parameter neither dy's dtype nor float32); a bad data_format,
         swish_scale, flag (activate_swish included) or ``out``.
+
+    Examples
+    --------
+    The forward's mean and rstd feed the backward; ``dgamma`` and ``dbeta`` are per channel.
+
+    >>> import numpy as np, fastbwd
+    >>> x = np.arange(2 * 4 * 3 * 3, dtype=np.float32).reshape(2, 4, 3, 3)
+    >>> gamma, beta = np.ones(4, np.float32), np.zeros(4, np.float32)
+    >>> y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, 2)
+    >>> dx, dgamma, dbeta = fastbwd.group_norm_swish_backward(np.ones_like(x), mean, rstd, x, gamma, beta, 2)
+    >>> dx.shape, dgamma.shape, dbeta.shape
+    ((2, 4, 3, 3), (4,), (4,))
     """
     dy = v.as_array(FUNC, "dy", dy)
     mean = v.as_array(FUNC, "mean", mean)
@@ -388,7 +400,7 @@ def group_norm_swish(
 
     The forward of :func:`group_norm_swish_backward`, which takes the mean and rstd returned
     here; the same as PyTorch's ``torch.native_group_norm(x, gamma, beta, N, C, HxW, G, eps)``
-    followed by ``y * torch.sigmoid(swish_scale * y)``.
+    followed by ``y * torch.sigmoid(swish_scale * y)`` (docs/semantics.md §5.1).
 
     Parameters
     ----------
@@ -443,6 +455,17 @@ def group_norm_swish(
         C % G != 0, C/G > 4000; unsupported dtypes (x not a float dtype, a parameter neither
         x's dtype nor float32); eps not finite or < 0; a bad data_format, swish_scale, flag or
         ``out``.
+
+    Examples
+    --------
+    Two groups of two channels: ``mean`` and ``rstd`` are ``(N, num_groups)``.
+
+    >>> import numpy as np, fastbwd
+    >>> x = np.arange(2 * 4 * 3 * 3, dtype=np.float32).reshape(2, 4, 3, 3)
+    >>> y, mean, rstd = fastbwd.group_norm_swish(x, np.ones(4, np.float32), np.zeros(4, np.float32), 2)
+    >>> y.shape, mean
+    ((2, 4, 3, 3), array([[ 8.5, 26.5],
+           [44.5, 62.5]], dtype=float32))
     """
     x = v.as_array(FORWARD, "x", x)
     gamma = v.as_array(FORWARD, "gamma", gamma)

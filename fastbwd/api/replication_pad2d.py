@@ -61,6 +61,16 @@ def replication_pad2d_backward(
     ------
     ParamError
         For every bad argument listed in docs/semantics.md §3 (status 161001 for a missing argument).
+
+    Examples
+    --------
+    The Ascend documents' example: a width-5 row padded by 1 on each side; the edge cells also
+    collect the padding's gradient.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 7), np.float32)
+    >>> fastbwd.replication_pad2d_backward(grad_output, (1, 1, 5), (1, 1, 0, 0))
+    array([[[2., 1., 1., 1., 2.]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape

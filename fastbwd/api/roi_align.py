@@ -97,6 +97,18 @@ def roi_align_backward(
         sampling_ratio is negative or not an integer, aligned is not a bool, ``layout`` is not
         "NCHW" or "NHWC", a dtype is unsupported or differs between grad_output and boxes, or
         ``out`` is unusable.
+
+    Examples
+    --------
+    One box inside an ``(1, 3, 8, 8)`` feature map, 2x2 bins of 2x2 samples each: every sample's
+    bilinear weights sum to 1, so the gradient keeps grad_output's total (4 per channel).
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 3, 2, 2), np.float32)
+    >>> boxes = np.array([[0, 1.0, 1.0, 5.0, 5.0]], np.float32)  # (batch index, x1, y1, x2, y2)
+    >>> grad_input = fastbwd.roi_align_backward(grad_output, boxes, (1, 3, 8, 8), 2, 2, 1.0, 2, True)
+    >>> grad_input.shape, float(grad_input.sum())
+    ((1, 3, 8, 8), 12.0)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)

@@ -73,6 +73,17 @@ def upsample_bilinear2d_backward(
         ``input_size`` not 4; OH, OW, H or W <= 0; a dimension of grad_output or of the result
         above 2**20; grad_output's shape not the expected one; a bad ``layout``, flag or scale;
         a bad ``out``. Status 161001 when grad_output, output_size or input_size is None.
+
+    Examples
+    --------
+    The gradient of ``F.interpolate(x, size=(4, 4), mode="bilinear")`` for an ``x`` of shape
+    ``(1, 1, 2, 2)``: by symmetry each input cell collects a quarter of the 16 ones.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 4, 4), np.float32)
+    >>> fastbwd.upsample_bilinear2d_backward(grad_output, (4, 4), (1, 1, 2, 2))
+    array([[[[4., 4.],
+             [4., 4.]]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     call = OPERATION.plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out)
