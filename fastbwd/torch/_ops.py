@@ -28,6 +28,7 @@ from fastbwd.api import group_norm_swish as gns_api
 from fastbwd.api import roi_align as roi_align_api
 
 from . import _convert as c
+from . import _probes
 from ._threads import match_torch_threads
 
 
@@ -448,6 +449,9 @@ def group_norm_swish(
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale):
+    empty_error = _probes.group_norm_empty_error(input.shape)  # the real kernel's (PyTorch's) refusal
+    if empty_error is not None:
+        raise empty_error
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
     return y, mean, torch.empty_like(mean)
