@@ -71,6 +71,10 @@ def test_ci_runs_the_readme_test_command_and_the_slow_tests():
     assert 'pip install --quiet -e ".[test]"' in ci
     # the README's set, then its complement: every test runs in CI
     assert f"\npython -m pytest {readme_set}\npython -m pytest -m slow\n" in ci
+    # the PyTorch releases CI installs are the ones the README says are tested
+    releases = re.findall(r"pip install --quiet torch==(\S+)", ci)
+    assert releases == ["2.13.0", "2.14.1"]
+    assert f"tested with PyTorch {releases[0]} and {releases[1]}" in " ".join(README.split())
 
 
 def test_ci_builds_the_site_as_the_readme_says():

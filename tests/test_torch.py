@@ -734,6 +734,39 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
         ft.roi_align(x, rows.float(), 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64], ids=str)
+def test_roi_align_refuses_other_dtypes_with_torchvisions_exception_type(dtype):
+    """An integer, bool or complex feature map: the RuntimeError torchvision raises for the same
+    call (its CPU kernel: "not implemented for 'Int'"), saying which dtypes are taken, from every
+    entry point: both box forms, boxes float or of the input's dtype, the module, CPU autocast
+    (which casts floating-point tensors only, as autocast does), the registered operators, and
+    a compiled call (refused when traced, by the fake kernel)."""
+    x = torch.ones(2, 3, 11, 13).to(dtype)
+    boxes = _roi_boxes(torch.float32)
+    per_image = [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
+    grad = torch.ones(5, 3, 2, 2).to(dtype)
+    message = (
+        f"roi_align: (input|grad).dtype must be one of float32, float64, float16, bfloat16, but got {str(dtype)[6:]}"
+    )
+    calls = [
+        lambda: ft.roi_align(x, boxes, 2),
+        lambda: ft.roi_align(x, boxes.to(dtype), 2),
+        lambda: ft.roi_align(x, per_image, (2, 3), 0.5, 0, True),
+        lambda: ft.RoIAlign(2, 1.0, 2)(x, boxes),
+        lambda: torch.ops.fastbwd.roi_align(x, boxes, 1.0, 2, 2, 2, False),
+        lambda: torch.ops.fastbwd.roi_align_backward(grad, boxes, 1.0, 2, 2, 2, 3, 11, 13, 2, False),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=f"^{message}$"):
+            call()
+        with pytest.raises(RuntimeError, match=f"^{message}$"), torch.autocast("cpu", dtype=torch.bfloat16):
+            call()
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=message):
+        torch.compile(ft.roi_align, backend="aot_eager", fullgraph=True)(x, boxes, 2)
+    torch._dynamo.reset()
+
+
 def test_roi_align_matches_pure_pytorch_formulation():
     """An independent check: torchvision's semantics written with torch ops (no fastbwd code)."""
     from bench import roi_baselines
