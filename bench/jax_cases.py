@@ -8,6 +8,7 @@ JAX lacks); ``check()`` runs both once and asserts that their gradients agree. T
 to ``g``. Only imported where jax is installed.
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class JaxCase:
     jax: Callable[[], object] | None
     check: Callable[[], None]
     target: str
+    note: str = ""
 
 
 def _randn(shape, seed, dtype=np.float32):
@@ -112,16 +114,54 @@ def _roi_align_case(input_shape, num_boxes, target):
     )
 
 
+def _sharded_case(shape, output_size, target):
+    """J9 (issue 47): J1's operator, forward + backward (``sum(f(x) ** 2)``), with the batch
+    sharded over two CPU devices, against the same program on one device; ``check()`` asserts
+    the gradient is bitwise the one-device one, sharded like x, and that the compiled program
+    has no collective. None with fewer than two devices (``python3 -m bench`` starts JAX with
+    two: ``XLA_FLAGS=--xla_force_host_platform_device_count=2``)."""
+    if jax.device_count() < 2:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = _randn(shape, 21)
+    step = jax.jit(jax.grad(lambda x: jnp.sum(fj.upsample_bilinear2d(x, output_size) ** 2)))
+    one = jax.device_put(x, jax.devices()[0])
+    split = jax.device_put(x, NamedSharding(mesh, PartitionSpec("batch")))
+    text = step.lower(split).compile().as_text()
+    gathers = len(re.findall(r" all-gather(?:-start)?\(", text))
+    others = len(re.findall(r" (?:all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", text))
+
+    def check():
+        expected, actual = step(one), step(split)
+        assert np.array_equal(np.asarray(actual), np.asarray(expected)), "J9: the sharded gradient differs"
+        assert actual.sharding.is_equivalent_to(split.sharding, x.ndim), f"J9: gradient sharded {actual.sharding}"
+        assert gathers == others == 0, f"J9: {gathers} all-gathers and {others} other collectives"
+
+    return JaxCase(
+        "J9",
+        f"J1 forward + backward, batch {shape} split over 2 CPU devices, against 1 device",
+        _ready(step, split),
+        _ready(step, one),
+        check,
+        target,
+        note=f"{gathers} all-gathers, {others} other collectives",
+    )
+
+
 def cases(quick=False):
     """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
-    upsample without align_corners) and J6 (issue 39: a tiny one); ``quick`` uses small shapes."""
+    upsample without align_corners), J6 (issue 39: a tiny one) and, with two devices, J9 (issue 47:
+    J1 sharded over them); ``quick`` uses small shapes."""
     if quick:
+        # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, pad, norm, roi = (
-            (2, 8, 16, 16),
-            (2, 8, 14, 14),
-            (2, 8, 16, 16),
-            ((2, 64, 8, 8), 32),
-            ((2, 16, 25, 38), 32),
+            (4, 16, 64, 64),
+            (4, 64, 56, 56),
+            (4, 32, 64, 64),
+            ((4, 128, 32, 32), 32),
+            ((2, 64, 50, 76), 128),
         )
     else:
         up, pool, pad, norm, roi = (
@@ -195,7 +235,7 @@ def cases(quick=False):
             ">= 0.77x",
             27,
         ),
-    ]
+    ] + [case for case in [_sharded_case(up, up_size, ">= 1.6x")] if case is not None]  # J9: two devices
 
 
 def transport_overhead(shape=(1024,), calls=11):

@@ -12,7 +12,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import avg_pool2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _sharding
 
 FUNC = "avg_pool2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -37,7 +37,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(plan, grad_output, None, grad_input)
 
 
-_TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _divisors(size, kernel, stride, pad, out_size, count_include_pad):

@@ -10,7 +10,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import group_norm_swish as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _sharding
 
 FUNC = "group_norm_swish"
 #: The backward's arguments in the user's words (its dy, mean and rstd are shaped from x).
@@ -23,7 +23,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(plan, *inputs, config["swish_scale"], outputs)
 
 
-_TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False)
+_TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False, split=_sharding.samples)
 
 
 def _statistics(x, num_groups, eps, layout):
@@ -83,7 +83,7 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_
     ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout)
     dx, dweight, dbias = _ffi.call(_TARGET, [grad_output, mean, rstd, x, weight, bias], results, config)
-    return dx, dweight, dbias.astype(bias.dtype)
+    return dx, _sharding.gradient_like(dweight, weight), _sharding.gradient_like(dbias.astype(bias.dtype), bias)
 
 
 _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from .. import _validation as v
 from ..api import replication_pad2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _sharding
 
 FUNC = "replication_pad2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -22,7 +22,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(api.plan(grad_output, grad_input.shape, config["padding"], grad_input), grad_output, None, grad_input)
 
 
-_TARGET = _ffi.target("replication_pad2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("replication_pad2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _forward(x, padding):

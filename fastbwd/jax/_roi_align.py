@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from .. import _validation as v
 from ..api import roi_align as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _sharding
 
 FUNC = "roi_align"
 #: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
@@ -39,8 +39,8 @@ def _nchw(shape, layout):
     return (shape[0], shape[3], shape[1], shape[2]) if layout == "NHWC" else tuple(shape)
 
 
-_FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False)
-_BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False)
+_FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False, split=_sharding.boxes_forward)
+_BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False, split=_sharding.boxes_backward)
 
 
 def _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout):
@@ -74,17 +74,20 @@ def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned
 
 
 def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout), boxes
+    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout), (boxes, input)
 
 
-def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, boxes, grad_output):
-    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
+def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, residuals, grad_output):
+    boxes, input = residuals
+    # sharded like input (its rows are images, which the boxes spread over every device)
+    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype, sharding=jax.typeof(input).sharding)
     (grad_input,) = _ffi.call(
         _BACKWARD,
         [grad_output, boxes],
         [result],
         _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
+    grad_input = _sharding.gradient_like(grad_input, input)
     # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
     return grad_input, jnp.zeros_like(boxes)
 
@@ -165,7 +168,7 @@ def roi_align(
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
     with v.called_as(FUNC, _SUBJECTS):
-        plan = api.forward_plan(
+        api.forward_plan(  # validates layout too ("NCHW" or "NHWC")
             c.placeholder(input.shape, input.dtype),
             boxes_placeholder,
             *output_size,
@@ -175,7 +178,6 @@ def roi_align(
             layout,
             None,
         )
-        layout = "NHWC" if plan.nhwc else "NCHW"  # validated
         pooled_size = c.ints(output_size)
         api.plan(
             c.placeholder(_pooled_shape(input.shape, rois.shape[0], pooled_size, layout), input.dtype),

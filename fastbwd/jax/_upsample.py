@@ -10,7 +10,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _sharding
 
 FUNC = "upsample_bilinear2d"
 
@@ -28,7 +28,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(plan, grad_output, grad_input)
 
 
-_TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _axes(layout):

@@ -75,9 +75,24 @@ def _nhwc(tensor):
     return c.as_array(tensor.permute(0, 2, 3, 1).contiguous())
 
 
+#: The dtypes RoIAlign takes: torchvision's CPU kernels' (float32, float64, float16) and bfloat16.
+_ROI_ALIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_roi_align_dtype(tensor, name):
+    """Refuse an integer, bool or complex ``tensor`` with the exception type torchvision's
+    roi_align raises for it (RuntimeError), before anything is allocated in its dtype."""
+    if tensor.dtype not in _ROI_ALIGN_DTYPES:
+        raise RuntimeError(
+            f"roi_align: {name}.dtype must be one of float32, float64, float16, bfloat16, "
+            f"but got {str(tensor.dtype).removeprefix('torch.')}"
+        )
+
+
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     """The forward; a channels_last input runs the NHWC layout, in place, and gives a
     channels_last result."""
+    _check_roi_align_dtype(input, "input")
     c.match_torch_threads()
     memory_format = c.memory_format(input)
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
@@ -107,10 +122,14 @@ roi_align = custom_op(
 
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    if rois.dim() != 2 or rois.shape[1] != 5:
-        raise RuntimeError("roi_align: rois must be (K, 5)")
-    shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
-    return torch.empty(shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
+    _check_roi_align_dtype(input, "input")
+    torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
+    return torch.empty(
+        (rois.shape[0], input.shape[1], pooled_height, pooled_width),
+        dtype=input.dtype,
+        device=input.device,
+        memory_format=c.memory_format(input),
+    )
 
 
 def _roi_align_backward_kernel(
@@ -129,6 +148,7 @@ def _roi_align_backward_kernel(
 ):
     """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
     gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
+    _check_roi_align_dtype(grad, "grad")
     c.match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
@@ -152,9 +172,27 @@ roi_align_backward = custom_op(
 
 
 @roi_align_backward.register_fake
-def _(grad, *arguments):  # rois, spatial_scale, pooled sizes, batch_size, channels, height, width, ..., channels_last
-    memory_format = torch.channels_last if arguments[10:] == (True,) else torch.contiguous_format
-    return torch.empty(arguments[4:8], dtype=grad.dtype, device=grad.device, memory_format=memory_format)
+def _(
+    grad,
+    rois,
+    spatial_scale,
+    pooled_height,
+    pooled_width,
+    batch_size,
+    channels,
+    height,
+    width,
+    sampling_ratio,
+    aligned,
+    channels_last=False,
+):
+    _check_roi_align_dtype(grad, "grad")
+    return torch.empty(
+        (batch_size, channels, height, width),
+        dtype=grad.dtype,
+        device=grad.device,
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
+    )
 
 
 def _roi_align_setup(ctx, inputs, output):
@@ -197,11 +235,12 @@ roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_ro
 
 
 def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    # torchvision's autocast kernel: compute in float32 (autocast off inside), return the input's dtype.
+    # torchvision's autocast kernel: compute in float32 (autocast off inside), return the input's
+    # dtype. As autocast does, only floating-point tensors are cast: an integer input is refused
+    # as outside autocast.
+    input32, rois32 = (t.float() if t.is_floating_point() else t for t in (input, rois))
     with torch.autocast("cpu", enabled=False):
-        output = roi_align(
-            input.float(), rois.float(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned
-        )
+        output = roi_align(input32, rois32, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
     return output.to(input.dtype)
 
 

@@ -1,0 +1,2 @@
+"""Models the benchmarks and tests train, written as the libraries they stand for write theirs
+(``torch_unet``: T7's small UNet; ``torch_diffusion``: T8's diffusion UNet)."""
