@@ -123,7 +123,8 @@ roi_align = custom_op(
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     _check_roi_align_dtype(input, "input")
-    torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
+    if rois.dim() != 2 or rois.shape[1] != 5:
+        raise RuntimeError("roi_align: rois must be (K, 5)")
     return torch.empty(
         (rois.shape[0], input.shape[1], pooled_height, pooled_width),
         dtype=input.dtype,
@@ -172,27 +173,10 @@ roi_align_backward = custom_op(
 
 
 @roi_align_backward.register_fake
-def _(
-    grad,
-    rois,
-    spatial_scale,
-    pooled_height,
-    pooled_width,
-    batch_size,
-    channels,
-    height,
-    width,
-    sampling_ratio,
-    aligned,
-    channels_last=False,
-):
+def _(grad, *arguments):  # rois, spatial_scale, pooled sizes, batch_size, channels, height, width, ..., channels_last
     _check_roi_align_dtype(grad, "grad")
-    return torch.empty(
-        (batch_size, channels, height, width),
-        dtype=grad.dtype,
-        device=grad.device,
-        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
-    )
+    memory_format = torch.channels_last if arguments[10:] == (True,) else torch.contiguous_format
+    return torch.empty(arguments[4:8], dtype=grad.dtype, device=grad.device, memory_format=memory_format)
 
 
 def _roi_align_setup(ctx, inputs, output):
