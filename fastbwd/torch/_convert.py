@@ -47,7 +47,7 @@ def as_array(tensor):
         if tensor.requires_grad:
             tensor = tensor.detach()
         return tensor.view(torch.int16).numpy().view(ARRAY_DTYPES[_BFLOAT16])
-    return tensor.numpy(force=tensor.requires_grad)
+    return tensor.numpy(force=True) if tensor.requires_grad else tensor.numpy()
 
 
 _BFLOAT16 = torch.bfloat16  # torch dtypes are singletons
