@@ -72,7 +72,7 @@ def test_on_two_cpu_devices():
     """tests/jax_two_devices.py in a process with two CPU devices: every case passes."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/jax_two_devices.py"]
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/jax_two_devices.py"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert re.search(r"\d+ passed", result.stdout) and "skipped" not in result.stdout, result.stdout[-3000:]
