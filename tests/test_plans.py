@@ -122,6 +122,23 @@ def test_a_plan_is_not_taken_for_another_batch_dtype_or_direction(rng):
         np.testing.assert_array_equal(result, function(np.ascontiguousarray(second), *size))
 
 
+def test_the_last_plan_argument_is_in_the_key_too(rng):
+    """A call that differs from a stored plan's only in its last plan argument (GroupNorm+Swish's
+    activate_swish, upsampling's out=) gets a plan of its own."""
+    args = _gn_args(rng)
+    with_swish = fastbwd.group_norm_swish_backward(*args)
+    plain = fastbwd.group_norm_swish_backward(*args, activate_swish=False)
+    assert not np.array_equal(plain[0], with_swish[0])
+    gn_api.OPERATION.plans.clear()
+    for a, b in zip(plain, fastbwd.group_norm_swish_backward(*args, activate_swish=False)):
+        np.testing.assert_array_equal(a, b)
+    grad = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    size = ((6, 8), (1, 2, 3, 4), False)
+    fastbwd.upsample_bilinear2d_backward(grad, *size)
+    with pytest.raises(fastbwd.ParamError, match=r"out\.dtype must be float32"):
+        fastbwd.upsample_bilinear2d_backward(grad, *size, out=np.empty((1, 2, 3, 4), np.float64))
+
+
 def test_stored_plan_does_not_let_bad_arguments_through(rng):
     dy, mean, rstd, x, gamma, beta, groups = _gn_args(rng)
     fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, groups)
