@@ -231,7 +231,7 @@ def test_an_array_the_plan_was_not_made_for_is_refused_even_where_the_bytes_agre
         moved = list(arrays)
         moved[index] = _misaligned(arrays[index])
         assert _same(function(*moved, *arguments[6:]), function(*arguments))
-        with raises_param_error(r"must be aligned as the prepared arrays", param="dy"):
+        with raises_param_error(rf"{function.__name__}: \w+ must be aligned as the prepared arrays"):
             prepared(*moved)
 
 
