@@ -1,4 +1,5 @@
-"""GroupNorm + Swish for JAX: the forward in jax.numpy, fastbwd's fused backward."""
+"""GroupNorm (+ Swish) for JAX: fastbwd's forward and fused backward kernels, both through the
+FFI transport (XLA's own GroupNorm forward is several times slower on the CPU)."""
 
 import functools
 
@@ -13,68 +14,80 @@ from . import _common as c
 from . import _ffi
 
 FUNC = "group_norm_swish"
-#: The backward's arguments in the user's words (its dy, mean and rstd are shaped from x).
+#: The api's arguments in the user's words (the backward's dy, mean and rstd are shaped from x).
 _SUBJECTS = {"gamma": "weight", "beta": "bias", "data_format": "layout", "dy": "x"}
+#: Operand positions of the forward's weight and bias: shared by a vmapped batch when not batched.
+_PARAMETERS = (1, 2)
+
+
+def _forward_adapter(inputs, outputs, config):
+    def run(inputs, outputs):
+        x, weight, bias = inputs
+        plan = api.forward_plan(x, weight, bias, config["num_groups"], config["layout"], config["activate_swish"], outputs)
+        api.run_forward(plan, x, weight, bias, config["eps"], config["swish_scale"], outputs)
+
+    c.run_batched(run, inputs, outputs, config["ranks"], shared=_PARAMETERS)
 
 
 def _backward_adapter(inputs, outputs, config):
-    outputs = tuple(outputs)
-    plan = api.plan(*inputs, config["num_groups"], config["layout"], True, True, outputs)
-    api.run(plan, *inputs, config["swish_scale"], outputs)
+    # Each vmapped element has its own weight and bias gradients: one call per element.
+    def run(inputs, outputs):
+        outputs = tuple(outputs)
+        plan = api.plan(*inputs, config["num_groups"], config["layout"], True, True, outputs)
+        api.run(plan, *inputs, config["swish_scale"], outputs)
+
+    c.run_batched(run, inputs, outputs, config["ranks"])
 
 
-_TARGET = _ffi.target("group_norm_swish_backward", _backward_adapter, fold=False)
+_FORWARD = _ffi.target("group_norm_swish_forward", _forward_adapter, fold="expand")
+_BACKWARD = _ffi.target("group_norm_swish_backward", _backward_adapter, fold="expand")
 
 
-def _statistics(x, num_groups, eps, layout):
-    """``(mean, rstd)`` of each (sample, group), shape ``(N, G)``, in the compute type (biased
-    variance, ``rstd = 1 / sqrt(var + eps)``), and x in the compute type."""
+def _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
+    """``(out, mean, rstd)`` by fastbwd's forward kernel; weight and bias in the compute type."""
+    stats = jax.ShapeDtypeStruct((x.shape[0], num_groups), weight.dtype)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats]
+    config = dict(
+        num_groups=num_groups, eps=eps, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish
+    )
+    out, mean, rstd = _ffi.call(_FORWARD, [x, weight, bias], results, config)
+    return out, (mean, rstd)
+
+
+def reference(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish=True):
+    """The same function in jax.numpy (statistics in the compute type, biased variance, centred
+    sums, rounded once): what the tests compare with."""
     compute = x.astype(d.compute_dtype(x.dtype))
     batch = x.shape[0]
+    channels = x.shape[-1] if layout == "NHWC" else x.shape[1]
     if layout == "NHWC":
-        grouped = compute.reshape(batch, -1, num_groups, x.shape[-1] // num_groups)
+        grouped = compute.reshape(batch, -1, num_groups, channels // num_groups)
         axes = (1, 3)
     else:
         grouped = compute.reshape(batch, num_groups, -1)
         axes = (2,)
-    mean = jnp.mean(grouped, axis=axes)
-    centered = grouped - jnp.expand_dims(mean, axes)
-    variance = jnp.mean(centered * centered, axis=axes)
-    return mean, lax.rsqrt(variance + jnp.asarray(eps, compute.dtype)), compute
+    mean = jnp.mean(grouped, axis=axes, keepdims=True)
+    centered = grouped - mean
+    rstd = lax.rsqrt(jnp.mean(centered * centered, axis=axes, keepdims=True) + jnp.asarray(eps, compute.dtype))
+    channel_shape = (1,) * (x.ndim - 1) + (channels,) if layout == "NHWC" else (1, channels) + (1,) * (x.ndim - 2)
+    y = (centered * rstd).reshape(x.shape) * weight.astype(compute.dtype).reshape(channel_shape)
+    y = y + bias.astype(compute.dtype).reshape(channel_shape)
+    if activate_swish:
+        y = y * jax.nn.sigmoid(jnp.asarray(swish_scale, compute.dtype) * y)
+    return y.astype(x.dtype)
 
 
-def _forward(x, weight, bias, num_groups, eps, swish_scale, layout):
-    mean, rstd, compute = _statistics(x, num_groups, eps, layout)
-    batch, channels = x.shape[0], (x.shape[-1] if layout == "NHWC" else x.shape[1])
-    group_size = channels // num_groups
-    if layout == "NHWC":
-        stats_shape = (batch,) + (1,) * (x.ndim - 2) + (channels,)
-        channel_shape = (1,) * (x.ndim - 1) + (channels,)
-    else:
-        stats_shape = (batch, channels) + (1,) * (x.ndim - 2)
-        channel_shape = (1, channels) + (1,) * (x.ndim - 2)
-
-    def per_channel(stat):  # (N, G) -> broadcastable against x, one value per channel
-        return jnp.repeat(stat, group_size, axis=1).reshape(stats_shape)
-
-    gamma = weight.astype(compute.dtype).reshape(channel_shape)
-    beta = bias.astype(compute.dtype).reshape(channel_shape)
-    y = (compute - per_channel(mean)) * per_channel(rstd) * gamma + beta
-    scale = jnp.asarray(swish_scale, compute.dtype)
-    return (y * jax.nn.sigmoid(scale * y)).astype(x.dtype), (mean, rstd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _group_norm_swish(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
+    return _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _group_norm_swish(x, weight, bias, num_groups, eps, swish_scale, layout):
-    return _forward(x, weight, bias, num_groups, eps, swish_scale, layout)[0]
-
-
-def _group_norm_swish_fwd(x, weight, bias, num_groups, eps, swish_scale, layout):
-    out, (mean, rstd) = _forward(x, weight, bias, num_groups, eps, swish_scale, layout)
+def _group_norm_swish_fwd(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
+    out, (mean, rstd) = _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)
     return out, (x, weight, bias, mean, rstd)
 
 
-def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_output):
+def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, activate_swish, residuals, grad_output):
     x, weight, bias, mean, rstd = residuals
     results = [
         jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -82,8 +95,7 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, residuals, grad_
         jax.ShapeDtypeStruct(bias.shape, weight.dtype),
     ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout)
-    dx, dweight, dbias = _ffi.call(_TARGET, [grad_output, mean, rstd, x, weight, bias], results, config)
-    return dx, dweight, dbias.astype(bias.dtype)
+    return tuple(_ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config))
 
 
 _group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
@@ -112,7 +124,7 @@ def group_norm_swish(
     weight, bias : jax.Array
         ``(C,)``, in x's dtype or float32 (mixed precision).
     eps : float
-        Added to the variance.
+        Added to the variance, >= 0.
     swish_scale : float
         Any value; used in the compute type (float32 unless x is float64).
     layout : {"NCHW", "NHWC"}
@@ -120,42 +132,55 @@ def group_norm_swish(
     Returns
     -------
     jax.Array
-        x's shape and dtype; statistics and activation computed in float32 (float64 for
-        float64) and rounded once. Its gradients (x, weight, bias) are
-        ``fastbwd.group_norm_swish_backward`` on the saved mean and rstd; the weight and bias
-        gradients come in weight's dtype (bias's, if it differs). Under ``jax.vmap`` the kernel
-        runs once per batch element (a loop: weight and bias may be batched too, and each
-        element needs its own weight and bias gradients).
+        x's shape and dtype: ``fastbwd.group_norm_swish`` (statistics and activation computed in
+        float32, float64 for float64, centred variance, rounded once). Its gradients (x,
+        weight, bias) are ``fastbwd.group_norm_swish_backward`` on the forward's mean and rstd;
+        the weight and bias gradients come in their own dtypes. Under ``jax.vmap`` an unbatched
+        weight and bias let the forward run once on the whole batch; the backward runs once per
+        batch element (each element has its own weight and bias gradients).
 
     Raises
     ------
     ParamError
-        At trace time (the checks of ``fastbwd.group_norm_swish_backward``, said of this
-        function's arguments, and a bad ``eps``).
+        At trace time (the checks of ``fastbwd.group_norm_swish`` and its backward, said of this
+        function's arguments).
     """
     x, weight, bias = jnp.asarray(x), jnp.asarray(weight), jnp.asarray(bias)
-    eps = v.float_value(FUNC, "eps", eps)
     if layout not in ("NCHW", "NHWC"):
         v.fail(FUNC, "layout", "must be one of 'NCHW', 'NHWC'", v.describe(layout))
-    swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
+    with v.called_as(FUNC, _SUBJECTS):
+        eps, swish_scale = api.forward_scalars(eps, swish_scale)
+    _plan_at_trace_time(x, weight, bias, num_groups, layout)
+    compute = d.compute_dtype(x.dtype)
+    # The kernels take the parameters in the compute type, and so give the statistics in it.
+    return _group_norm_swish(
+        x, weight.astype(compute), bias.astype(compute), int(num_groups), eps, swish_scale, layout, True
+    )
+
+
+def _plan_at_trace_time(x, weight, bias, num_groups, layout):
+    """Both directions' checks, on placeholders (ParamError in the user's words)."""
     stats_dtype = d.compute_dtype(x.dtype)
 
     def stats_shape():
         return (x.shape[0], int(num_groups))
 
     stats = c.placeholder(c.shape_or((x.shape[0], 1), stats_shape), stats_dtype)
+    x_placeholder = c.placeholder(x.shape, x.dtype)
+    weight_placeholder = c.placeholder(weight.shape, weight.dtype)
+    bias_placeholder = c.placeholder(bias.shape, bias.dtype)
     with v.called_as(FUNC, _SUBJECTS):
+        api.forward_plan(x_placeholder, weight_placeholder, bias_placeholder, num_groups, layout, True, None)
         api.plan(
-            c.placeholder(x.shape, x.dtype),
+            x_placeholder,
             stats,
             stats,
-            c.placeholder(x.shape, x.dtype),
-            c.placeholder(weight.shape, weight.dtype),
-            c.placeholder(bias.shape, bias.dtype),
+            x_placeholder,
+            weight_placeholder,
+            bias_placeholder,
             num_groups,
             layout,
             True,
             True,
             None,
         )
-    return _group_norm_swish(x, weight, bias, int(num_groups), eps, float(swish_scale), layout)
