@@ -23,7 +23,9 @@ _PARAMETERS = (1, 2)
 def _forward_adapter(inputs, outputs, config):
     def run(inputs, outputs):
         x, weight, bias = inputs
-        plan = api.forward_plan(x, weight, bias, config["num_groups"], config["layout"], config["activate_swish"], outputs)
+        plan = api.forward_plan(
+            x, weight, bias, config["num_groups"], config["layout"], config["activate_swish"], outputs
+        )
         api.run_forward(plan, x, weight, bias, config["eps"], config["swish_scale"], outputs)
 
     c.run_batched(run, inputs, outputs, config["ranks"], shared=_PARAMETERS)
@@ -47,9 +49,7 @@ def _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activ
     """``(out, mean, rstd)`` by fastbwd's forward kernel; weight and bias in the compute type."""
     stats = jax.ShapeDtypeStruct((x.shape[0], num_groups), weight.dtype)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats]
-    config = dict(
-        num_groups=num_groups, eps=eps, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish
-    )
+    config = dict(num_groups=num_groups, eps=eps, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish)
     out, mean, rstd = _ffi.call(_FORWARD, [x, weight, bias], results, config)
     return out, (mean, rstd)
 
