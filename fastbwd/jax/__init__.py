@@ -23,11 +23,12 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         '(or pip install -e ".[jax]" in fastbwd\'s checkout)'
     ) from error
 
-from ._avg_pool import avg_pool2d
+from ._avg_pool import avg_pool, avg_pool2d
 from ._group_norm_swish import group_norm_swish
-from ._pad import replication_pad2d
+from ._pad import pad, replication_pad2d
+from ._reach import reach
 from ._roi_align import roi_align
-from ._upsample import upsample_bilinear2d
+from ._upsample import resize, upsample_bilinear2d
 
 __all__ = [
     "upsample_bilinear2d",
@@ -35,4 +36,8 @@ __all__ = [
     "replication_pad2d",
     "roi_align",
     "group_norm_swish",
+    "resize",
+    "avg_pool",
+    "pad",
+    "reach",
 ]

@@ -366,9 +366,15 @@ def avg_pool(
     window or a window start fastbwd's symmetric padding cannot reach (``"SAME"`` with an even
     window and stride 1 is served; see docs/jax.md).
     """
+    return avg_pool_or(_flax_formula, inputs, window_shape, strides, padding, count_include_pad)
+
+
+def avg_pool_or(fallback, inputs, window_shape, strides=None, padding="VALID", count_include_pad=True):
+    """:func:`avg_pool`, or ``fallback`` (``flax.linen.avg_pool`` or its formula) with the same
+    arguments for a call fastbwd cannot serve."""
     plan = _flax_plan(inputs, window_shape, strides, padding)
     if plan is None:
-        return _flax_formula(inputs, window_shape, strides, padding, count_include_pad)
+        return fallback(inputs, window_shape, strides, padding, count_include_pad)
     return _flax_pool(jnp.asarray(inputs), plan, bool(count_include_pad))
 
 

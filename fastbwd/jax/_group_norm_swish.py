@@ -5,10 +5,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _dtypes as d
 from .. import _validation as v
+from .._errors import ParamError
 from ..api import group_norm_swish as api
 from . import _common as c
 from . import _ffi
@@ -184,3 +186,40 @@ def _plan_at_trace_time(x, weight, bias, num_groups, layout):
             True,
             None,
         )
+
+
+def servable(x, num_groups, eps, layout, activate_swish):
+    """Whether :func:`library_call` computes a library's GroupNorm (``activate_swish``: followed
+    by Swish) of ``x``: a floating ``x`` (channels first or last, as ``layout`` says) and a
+    group count, group size and eps fastbwd's kernels take; GroupNorm alone waits for its
+    backward. When it does not, the library runs its own code."""
+    if not activate_swish or not isinstance(x, jax.Array | np.ndarray) or np.dtype(x.dtype) not in d.FLOATING:
+        return False
+    if not isinstance(num_groups, int | np.integer) or isinstance(num_groups, bool):
+        return False
+    channels = x.shape[1] if layout == "NCHW" else x.shape[-1]
+    parameter = np.empty((channels,), d.compute_dtype(x.dtype))
+    try:
+        api.forward_scalars(eps, 1.0)
+        _plan_at_trace_time(x, parameter, parameter, num_groups, layout)
+    except ParamError:
+        return False
+    return True
+
+
+def library_call(x, weight, bias, num_groups, eps, layout, activate_swish, out_dtype):
+    """``group_norm_swish`` (``activate_swish=False``: GroupNorm alone) of a :func:`servable`
+    library GroupNorm call, cast to ``out_dtype``."""
+    compute = d.compute_dtype(x.dtype)
+    eps, swish_scale = api.forward_scalars(eps, 1.0)
+    out = _group_norm_swish(
+        jnp.asarray(x),
+        weight.astype(compute),
+        bias.astype(compute),
+        int(num_groups),
+        eps,
+        swish_scale,
+        layout,
+        bool(activate_swish),
+    )
+    return out.astype(out_dtype)
