@@ -296,27 +296,34 @@ ROI_ALIGN_FORWARD = Operator(
 
 # --------------------------------------------------------------------------------------------
 # group_norm_swish_backward (docs/semantics.md §5): NCHW and NHWC kernels, parameters in the
-# data's dtype or float32, and the parameter-gradient kernel (in gamma's dtype). The forward
+# data's dtype or float32, and the parameter-gradient kernel (in gamma's dtype); each kernel
+# also without Swish (activate_swish=False: compiled apart, the scale's type is None). The forward
 # group_norm_swish (§5.1): NCHW and NHWC kernels, parameters in the data's dtype or float32
 # (the api converts them to the compute type: the same kernels, statistics rounded after).
 # --------------------------------------------------------------------------------------------
 
 
-def _group_norm_swish(layout, params):
+def _group_norm_swish(layout, params, activate_swish=True):
     def call(dtype):
         f = _fastbwd()
         param_dtype = np.float32 if params == "float32" else dtype
         x, dy = _array((2, 4, 3, 3), dtype, 1), _array((2, 4, 3, 3), dtype, 2)
         mean, rstd = np.zeros((2, 2), param_dtype), np.ones((2, 2), param_dtype)
         gamma, beta = np.ones(4, param_dtype), np.zeros(4, param_dtype)
+        swish = {"activate_swish": activate_swish}
         if layout == "NHWC":
             # data_format="NHWC", and NCHW-shaped arrays with channels-last strides
-            f.group_norm_swish_backward(_channels_last(dy), mean, rstd, _channels_last(x), gamma, beta, 2)
+            f.group_norm_swish_backward(_channels_last(dy), mean, rstd, _channels_last(x), gamma, beta, 2, **swish)
             x, dy = x.transpose(0, 2, 3, 1).copy(), dy.transpose(0, 2, 3, 1).copy()
-            return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, "NHWC")
-        return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2)
+            return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, "NHWC", **swish)
+        return f.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, **swish)
 
     return call
+
+
+def _group_norm(layout, params):
+    """The backward without Swish (activate_swish=False), parameters in the data's dtype."""
+    return _group_norm_swish(layout, params, activate_swish=False)
 
 
 def _group_norm_swish_forward(layout, params):
@@ -355,9 +362,10 @@ def _check_group_norm_swish_forward():
 _HALVES_AND_FLOAT64 = ("float16", "bfloat16", "float64")
 
 
-def _group_norm_swish_paths(call):
+def _group_norm_swish_paths(call, without_swish=None):
     """A GroupNorm+Swish operator's paths: NCHW and NHWC, each with parameters in the data's
-    dtype and (a variant) in float32; ``call(layout, params)`` makes each path's call."""
+    dtype and (a variant) in float32, and ``without_swish``'s kernels when given;
+    ``call(layout, params)`` (and ``without_swish(layout, params)``) makes each path's call."""
     return tuple(
         path
         for layout in ("NCHW", "NHWC")
@@ -365,11 +373,12 @@ def _group_norm_swish_paths(call):
             Path(HALVES_AND_FLOATS, layout, "params in the data dtype", call(layout, "same")),
             Path(_HALVES_AND_FLOAT64, layout, "float32 params", call(layout, "float32"), variant=True),
         )
+        + ((Path(HALVES_AND_FLOATS, layout, "without Swish", without_swish(layout, "same")),) if without_swish else ())
     )
 
 
 GROUP_NORM_SWISH = Operator(
-    "group_norm_swish_backward", _group_norm_swish_paths(_group_norm_swish), _check_group_norm_swish
+    "group_norm_swish_backward", _group_norm_swish_paths(_group_norm_swish, _group_norm), _check_group_norm_swish
 )
 GROUP_NORM_SWISH_FORWARD = Operator(
     "group_norm_swish", _group_norm_swish_paths(_group_norm_swish_forward), _check_group_norm_swish_forward

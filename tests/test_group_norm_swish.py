@@ -11,11 +11,12 @@ import pytest
 
 from bench.inputs import group_norm_swish_inputs
 from fastbwd import group_norm_swish_backward as gns_bwd
+from fastbwd.api import _plans
 from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
-from conftest import BF16, raises_param_error, to_nhwc
+from conftest import BF16, assert_thread_invariant, raises_param_error, to_nhwc
 
 F = "group_norm_swish_backward"
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -191,6 +192,88 @@ def test_matches_torch_autograd(scale):
         for result, grad in zip(results, torch_grads):
             expect = grad.numpy()
             np.testing.assert_allclose(result, expect, rtol=rtol, atol=rtol * np.abs(expect).max())
+
+
+# --------------------------------------------------------------------------------------------
+# activate_swish=False: the plain GroupNorm backward (gnew = dy)
+# --------------------------------------------------------------------------------------------
+
+
+_WITHOUT_SWISH_SHAPES = [((3, 12, 7, 5), 4), ((2, 6, 300), 3), ((1, 6, 70, 65), 2), ((2, 64, 9, 5), 32)]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+@pytest.mark.parametrize(
+    "data_format, shape, groups",
+    [
+        (data_format, shape, groups)
+        for data_format in ("NCHW", "NHWC", "channels_last")
+        for shape, groups in _WITHOUT_SWISH_SHAPES
+        if data_format != "channels_last" or len(shape) == 4  # channels-last strides: 4-D arrays
+    ],
+)
+def test_without_swish_matches_reference(dtype, data_format, shape, groups):
+    """Every dtype and layout against the float64 reference without Swish (the scale is
+    ignored: 0.0 and 2.5 give the same bits), and bitwise the same dx in every layout."""
+    args = inputs(shape, groups, dtype, seed=31)
+    dy, mean, rstd, x, gamma, beta = args
+    nchw = gns_bwd(*args, groups, "NCHW", 2.5, activate_swish=False)
+    if data_format == "NHWC":
+        results = gns_bwd(to_nhwc(dy), mean, rstd, to_nhwc(x), gamma, beta, groups, "NHWC", 0.0, activate_swish=False)
+        results = (np.moveaxis(results[0], -1, 1),) + results[1:]
+    elif data_format == "channels_last":
+        channels_last = (to_nhwc(dy).transpose(0, 3, 1, 2), to_nhwc(x).transpose(0, 3, 1, 2))
+        results = gns_bwd(channels_last[0], mean, rstd, channels_last[1], gamma, beta, groups, activate_swish=False)
+        assert results[0].transpose(0, 2, 3, 1).flags.c_contiguous
+    else:
+        results = gns_bwd(*args, groups, "NCHW", 0.0, activate_swish=False)
+    assert all(bitwise_equal(a, b) for a, b in zip(results, nchw))
+    for result, like in zip(results, (x, gamma, beta)):
+        assert result.dtype == like.dtype and result.shape == like.shape
+    upcast = [np.asarray(a).astype(np.float64) for a in args]
+    reference = ref.group_norm_swish_backward(*upcast, groups, activate_swish=False)
+    assert_all_match(results, reference)
+    # not the Swish gradient
+    with_swish = gns_bwd(*args, groups, "NCHW", 2.5)
+    assert not bitwise_equal(with_swish[0], nchw[0])
+
+
+def test_without_swish_matches_torch_native_group_norm_backward():
+    """PyTorch autograd of F.group_norm alone, with that forward's statistics."""
+    torch = pytest.importorskip("torch")
+    shape, groups, eps = (3, 8, 6, 5), 4, 1e-5
+    rng = np.random.default_rng(8)
+    x, dy = rng.standard_normal(shape) * 2 + 0.5, rng.standard_normal(shape)
+    gamma, beta = rng.uniform(-1.5, 1.5, 8), rng.uniform(-0.5, 0.5, 8)
+    tx, tg, tb = (torch.tensor(a, requires_grad=True) for a in (x, gamma, beta))
+    y = torch.nn.functional.group_norm(tx, groups, tg, tb, eps)
+    torch_grads = torch.autograd.grad(y, (tx, tg, tb), torch.tensor(dy))
+    _, mean, rstd = torch.ops.aten.native_group_norm(
+        torch.tensor(x), torch.tensor(gamma), torch.tensor(beta), shape[0], shape[1], 30, groups, eps
+    )
+    for dtype, rtol in ((np.float64, 1e-11), (np.float32, 2e-5)):
+        cast = [np.asarray(a, dtype) for a in (dy, mean.numpy(), rstd.numpy(), x, gamma, beta)]
+        results = gns_bwd(*cast, groups, activate_swish=False)
+        for result, grad in zip(results, torch_grads):
+            expect = grad.numpy()
+            np.testing.assert_allclose(result, expect, rtol=rtol, atol=rtol * np.abs(expect).max())
+
+
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+def test_without_swish_is_thread_invariant(data_format):
+    """Every thread count on the pool, and the serial twin, give the same bits."""
+    shape, groups = (2, 12, 70, 65), 3
+    dy, mean, rstd, x, gamma, beta = inputs(shape, groups, F32, seed=32)
+    if data_format == "NHWC":
+        dy, x = to_nhwc(dy), to_nhwc(x)
+
+    def call():
+        return gns_bwd(dy, mean, rstd, x, gamma, beta, groups, data_format, activate_swish=False)
+
+    assert_thread_invariant(call)
+    with _plans.launching("serial"):
+        serial = call()
+    assert all(bitwise_equal(a, b) for a, b in zip(serial, call()))
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
@@ -691,6 +774,7 @@ def zeros(shape, dtype=F32):
         (dict(swish_scale=True), r"swish_scale must be a real number, but got True \(a bool\)", "swish_scale"),
         (dict(dgamma_is_require=1), r"dgamma_is_require must be a bool, but got 1", "dgamma_is_require"),
         (dict(dbeta_is_require="no"), r"dbeta_is_require must be a bool, but got 'no'", "dbeta_is_require"),
+        (dict(activate_swish=1), r"activate_swish must be a bool, but got 1", "activate_swish"),
         (dict(x=np.array(["a"])), r"x must be a numeric array", "x"),
         (dict(gamma=object()), r"gamma must be a numeric array", "gamma"),
     ],
@@ -714,6 +798,6 @@ def test_param_error_is_value_and_type_error():
 
 
 def test_none_for_optional_scalars_is_an_error():
-    for name in ("data_format", "swish_scale", "dgamma_is_require", "dbeta_is_require"):
+    for name in ("data_format", "swish_scale", "dgamma_is_require", "dbeta_is_require", "activate_swish"):
         with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
             call(**{name: None})

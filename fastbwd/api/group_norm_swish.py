@@ -47,12 +47,14 @@ def group_norm_swish_backward(
     dgamma_is_require: bool = True,
     dbeta_is_require: bool = True,
     *,
+    activate_swish: bool = True,
     out: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
-    ``sig = sigmoid(s*y)``, ``gnew = dy * sig * (1 + s*y*(1 - sig))`` (docs/semantics.md §5)::
+    ``sig = sigmoid(s*y)``, ``gnew = dy * sig * (1 + s*y*(1 - sig))`` (docs/semantics.md §5;
+    ``gnew = dy`` with ``activate_swish=False``, the plain GroupNorm backward)::
 
         dbeta[c]  = sum over n, spatial of gnew
         dgamma[c] = sum over n, spatial of gnew * xhat
@@ -93,6 +95,10 @@ def group_norm_swish_backward(
         finite derivatives. A NaN scale gives NaN everywhere.
     dgamma_is_require, dbeta_is_require : bool, optional
         When False that gradient is not returned (None in its place).
+    activate_swish : bool, optional, keyword-only
+        True (default): the gradient of GroupNorm followed by Swish, as the forward's
+        ``activate_swish``. False: of GroupNorm alone (``out = y``, so ``gnew = dy``;
+        ``swish_scale`` is then checked but not used), PyTorch's ``native_group_norm_backward``.
     out : tuple of 3 (numpy.ndarray or None), optional
         ``(dx, dgamma, dbeta)``; each given array must have exactly its result's shape, dtype
         and memory layout and is written completely and returned. An array given for a
@@ -126,7 +132,7 @@ def group_norm_swish_backward(
         (N, G) or (N*G,), or of different shapes; gamma or beta shape != (C,); num_groups not an
         integer or <= 0, C % G != 0, C/G > 4000; unsupported dtypes (dy and x not the same
         float dtype, a parameter neither dy's dtype nor float32); a bad data_format,
-        swish_scale, flag or ``out``.
+        swish_scale, flag (activate_swish included) or ``out``.
     """
     dy = v.as_array(FUNC, "dy", dy)
     mean = v.as_array(FUNC, "mean", mean)
@@ -135,11 +141,37 @@ def group_norm_swish_backward(
     gamma = v.as_array(FUNC, "gamma", gamma)
     beta = v.as_array(FUNC, "beta", beta)
     swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
-    call_plan = plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out)
+    call_plan = plan(
+        dy,
+        mean,
+        rstd,
+        x,
+        gamma,
+        beta,
+        num_groups,
+        data_format,
+        dgamma_is_require,
+        dbeta_is_require,
+        out,
+        activate_swish,
+    )
     return run(call_plan, dy, mean, rstd, x, gamma, beta, swish_scale, out)
 
 
-def plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out):
+def plan(
+    dy,
+    mean,
+    rstd,
+    x,
+    gamma,
+    beta,
+    num_groups,
+    data_format,
+    dgamma_is_require,
+    dbeta_is_require,
+    out,
+    activate_swish=True,
+):
     """The validated plan of a backward call: the public function's arguments but
     ``swish_scale``, the arrays as NumPy arrays (ParamError as the public function raises it).
     Remembered per metadata and thread count (:mod:`fastbwd.api._plans`; the arrays' values are
@@ -157,6 +189,7 @@ def plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_requ
         dgamma_is_require,
         dbeta_is_require,
         out,
+        activate_swish,
         thread_count(),
     )
 
@@ -245,12 +278,15 @@ class _Plan(NamedTuple):
     want_dbeta: bool
 
 
-def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out, threads):
+def _plan(
+    dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out, activate, threads
+):
     """Validate every argument (errors in the documented order) and plan the kernels."""
     groups = v.int_value(FUNC, "num_groups", num_groups)
     data_format = v.choice(FUNC, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
     want_dgamma = v.bool_value(FUNC, "dgamma_is_require", dgamma_is_require)
     want_dbeta = v.bool_value(FUNC, "dbeta_is_require", dbeta_is_require)
+    activate = v.bool_value(FUNC, "activate_swish", activate)
 
     v.check_dtype(FUNC, "x", x, d.FLOATING)
     v.check_same_dtype(FUNC, "dy", dy.dtype, "x", x.dtype)
@@ -286,6 +322,7 @@ def _plan(dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_req
         want_dgamma,
         want_dbeta,
         threads,
+        activate,
     )
     return _Plan(
         kernels.plan(geometry),

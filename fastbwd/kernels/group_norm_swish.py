@@ -177,12 +177,26 @@ def _swish_derivative(z):
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
 
+def swish_gradient(dy_value, y, swish_scale):
+    """``dy * d(y*sigmoid(s*y))/dy`` at ``s = swish_scale``, or ``dy`` itself when
+    ``swish_scale`` is None (the plain GroupNorm backward, ``activate_swish=False``): a choice
+    made when the kernel compiles, by the scale's type (njit only)."""
+    raise NotImplementedError("swish_gradient() is only callable from @njit code")
+
+
+@overload(swish_gradient, inline="always")
+def _swish_gradient(dy_value, y, swish_scale):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy_value, y, swish_scale: dy_value
+    return lambda dy_value, y, swish_scale: dy_value * swish_derivative(swish_scale * y)
+
+
 @helper
 def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
-    """``(gnew, xhat)`` of one element, in the compute type."""
+    """``(gnew, xhat)`` of one element, in the compute type (``swish_scale`` None: no Swish)."""
     xhat = (x_value - mean) * rstd
     y = fma(xhat, gamma, beta)
-    gnew = dy_value * swish_derivative(swish_scale * y)
+    gnew = swish_gradient(dy_value, y, swish_scale)
     return gnew, xhat
 
 
@@ -349,7 +363,8 @@ def _task_groups(task, runs, groups_per_task, groups):
 @parallel_kernel
 def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, fmt):
     """dy, x -> dx, all (N, C, HxW) C-contiguous; mean, rstd (N, G), gamma, beta (C,) and
-    swish_scale in the compute type; sum_g, sum_gx (N, C) compute-type outputs.
+    swish_scale in the compute type (None: no Swish, gnew = dy: the plain GroupNorm backward);
+    sum_g, sum_gx (N, C) compute-type outputs.
 
     Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
     ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
@@ -903,6 +918,7 @@ class Geometry(NamedTuple):
     want_dgamma: bool
     want_dbeta: bool
     threads: int  # the thread count a parallel launch runs on (it sizes the NHWC tasks)
+    activate_swish: bool = True  # False: the plain GroupNorm backward (gnew = dy)
 
 
 class ForwardGeometry(NamedTuple):
@@ -957,12 +973,14 @@ class BackwardPlan(NamedTuple):
     wants: tuple  # (want_dgamma, want_dbeta, parameter_fmt): the last arguments of parameter_grads
     sums: tuple  # the shape of the per-(n, c) sums
     compute: np.dtype
+    activate_swish: bool
 
     def run(self, dy, mean, rstd, x, gamma, beta, dx, dgamma, dbeta, swish_scale):
         """dx (and dgamma, dbeta when wanted) from the kernel views of dy, x and dx (C-contiguous
         in the plan's layout, any shape holding it); mean, rstd ``(N, G)``, gamma, beta ``(C,)``
-        and ``swish_scale`` in the compute type, C-contiguous; dgamma, dbeta ``(C,)`` kernel
-        views in the parameters' dtype (one that is not wanted is not written)."""
+        and ``swish_scale`` in the compute type, C-contiguous (ignored without Swish); dgamma,
+        dbeta ``(C,)`` kernel views in the parameters' dtype (one that is not wanted is not
+        written)."""
         sum_g = np.empty(self.sums, self.compute)
         sum_gx = np.empty(self.sums, self.compute)
         shape = self.shape
@@ -973,7 +991,7 @@ class BackwardPlan(NamedTuple):
             rstd,
             gamma,
             beta,
-            swish_scale,
+            swish_scale if self.activate_swish else None,  # None: the kernels compiled without Swish
             dx.reshape(shape),
             sum_g,
             sum_gx,
@@ -1006,6 +1024,7 @@ def _backward_plan(g):
         (g.want_dgamma, g.want_dbeta, g.parameter_fmt),
         (g.batch, g.channels),
         g.compute,
+        g.activate_swish,
     )
 
 

@@ -637,14 +637,14 @@ def group_norm_swish_forward(x, gamma, beta, num_groups, eps=1e-5, swish_scale=1
     return out, mean, rstd
 
 
-def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_scale=1.0):
+def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_scale=1.0, activate_swish=True):
     """GroupNorm+swish backward: the docs/semantics.md §5 formulas verbatim, in float64.
 
     mean, rstd: (N, G) or flat (N*G,), used as given (not recomputed). Returns
     (dx, dgamma, dbeta). swish_scale is used as given in float64 (the kernels use it in their
     compute type: for float32 or half data pass float(np.float32(scale))). Where s*y is +-inf
     (an infinite scale) the Swish derivative is its limit, 1 or 0, instead of the formula's
-    inf * 0 = NaN.
+    inf * 0 = NaN. ``activate_swish=False``: the plain GroupNorm backward (gnew = dy).
     """
     dy = np.asarray(dy, dtype=np.float64)
     x = np.asarray(x, dtype=np.float64)
@@ -674,7 +674,7 @@ def group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, num_groups, swish_
         sig = _sigmoid(z)
         dsw = sig * (1.0 + z * (1.0 - sig))
     dsw = np.where(np.isinf(z), (z > 0).astype(np.float64), dsw)  # the limits at z = +-inf
-    gnew = dy4 * dsw
+    gnew = dy4 * dsw if activate_swish else dy4
 
     dbeta = gnew.sum(axis=(0, 3)).reshape(C)
     dgamma = (gnew * xhat).sum(axis=(0, 3)).reshape(C)
