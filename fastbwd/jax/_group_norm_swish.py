@@ -37,7 +37,7 @@ def _backward_adapter(inputs, outputs, config):
     # Each vmapped element has its own weight and bias gradients: one call per element.
     def run(inputs, outputs):
         outputs = tuple(outputs)
-        plan = api.plan(*inputs, config["num_groups"], config["layout"], True, True, outputs)
+        plan = api.plan(*inputs, config["num_groups"], config["layout"], True, True, outputs, config["activate_swish"])
         api.run(plan, *inputs, config["swish_scale"], outputs)
 
     c.run_batched(run, inputs, outputs, config["ranks"])
@@ -96,7 +96,7 @@ def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, activate_swish, 
         jax.ShapeDtypeStruct(weight.shape, weight.dtype),
         jax.ShapeDtypeStruct(bias.shape, weight.dtype),
     ]
-    config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout)
+    config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish)
     return tuple(_ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config))
 
 
@@ -112,9 +112,11 @@ def group_norm_swish(
     swish_scale: float = 1.0,
     *,
     layout: str = "NCHW",
+    activate_swish: bool = True,
 ) -> jax.Array:
     """GroupNorm (``F.group_norm(x, num_groups, weight, bias, eps)``) followed by Swish,
-    ``y * sigmoid(swish_scale * y)`` (SiLU for ``swish_scale=1``).
+    ``y * sigmoid(swish_scale * y)`` (SiLU for ``swish_scale=1``), or GroupNorm alone
+    (``activate_swish=False``).
 
     Parameters
     ----------
@@ -130,6 +132,8 @@ def group_norm_swish(
     swish_scale : float
         Any value; used in the compute type (float32 unless x is float64).
     layout : {"NCHW", "NHWC"}
+    activate_swish : bool
+        False: GroupNorm alone (``swish_scale`` is checked but not used).
 
     Returns
     -------
@@ -152,15 +156,16 @@ def group_norm_swish(
         v.fail(FUNC, "layout", "must be one of 'NCHW', 'NHWC'", v.describe(layout))
     with v.called_as(FUNC, _SUBJECTS):
         eps, swish_scale = api.forward_scalars(eps, swish_scale)
-    _plan_at_trace_time(x, weight, bias, num_groups, layout)
+        activate_swish = v.bool_value(FUNC, "activate_swish", activate_swish)
+    _plan_at_trace_time(x, weight, bias, num_groups, layout, activate_swish)
     compute = d.compute_dtype(x.dtype)
     # The kernels take the parameters in the compute type, and so give the statistics in it.
     return _group_norm_swish(
-        x, weight.astype(compute), bias.astype(compute), int(num_groups), eps, swish_scale, layout, True
+        x, weight.astype(compute), bias.astype(compute), int(num_groups), eps, swish_scale, layout, activate_swish
     )
 
 
-def _plan_at_trace_time(x, weight, bias, num_groups, layout):
+def _plan_at_trace_time(x, weight, bias, num_groups, layout, activate_swish):
     """Both directions' checks, on placeholders (ParamError in the user's words)."""
     stats_dtype = d.compute_dtype(x.dtype)
 
@@ -172,7 +177,7 @@ def _plan_at_trace_time(x, weight, bias, num_groups, layout):
     weight_placeholder = c.placeholder(weight.shape, weight.dtype)
     bias_placeholder = c.placeholder(bias.shape, bias.dtype)
     with v.called_as(FUNC, _SUBJECTS):
-        api.forward_plan(x_placeholder, weight_placeholder, bias_placeholder, num_groups, layout, True, None)
+        api.forward_plan(x_placeholder, weight_placeholder, bias_placeholder, num_groups, layout, activate_swish, None)
         api.plan(
             x_placeholder,
             stats,
@@ -185,15 +190,16 @@ def _plan_at_trace_time(x, weight, bias, num_groups, layout):
             True,
             True,
             None,
+            activate_swish,
         )
 
 
 def servable(x, num_groups, eps, layout, activate_swish):
     """Whether :func:`library_call` computes a library's GroupNorm (``activate_swish``: followed
     by Swish) of ``x``: a floating ``x`` (channels first or last, as ``layout`` says) and a
-    group count, group size and eps fastbwd's kernels take; GroupNorm alone waits for its
-    backward. When it does not, the library runs its own code."""
-    if not activate_swish or not isinstance(x, jax.Array | np.ndarray) or np.dtype(x.dtype) not in d.FLOATING:
+    group count, group size and eps fastbwd's kernels take. When it does not, the library runs
+    its own code."""
+    if not isinstance(x, jax.Array | np.ndarray) or np.dtype(x.dtype) not in d.FLOATING:
         return False
     if not isinstance(num_groups, int | np.integer) or isinstance(num_groups, bool):
         return False
@@ -201,7 +207,7 @@ def servable(x, num_groups, eps, layout, activate_swish):
     parameter = np.empty((channels,), d.compute_dtype(x.dtype))
     try:
         api.forward_scalars(eps, 1.0)
-        _plan_at_trace_time(x, parameter, parameter, num_groups, layout)
+        _plan_at_trace_time(x, parameter, parameter, num_groups, layout, activate_swish)
     except ParamError:
         return False
     return True
