@@ -7,7 +7,6 @@ sums are exactly what the backward kernel computes. There fastbwd's kernel is th
 (XLA's reduce_window is several times slower on the CPU).
 """
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -19,7 +18,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import avg_pool2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _linear
 
 FUNC = "avg_pool2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -133,22 +132,18 @@ def _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_o
     return (sums.astype(compute) / divisor.astype(compute)).astype(x.dtype)
 
 
-# The static arguments (input_shape: x's shape, which the backward needs) are not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
-def _avg_pool(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout, input_shape):
+def _static_forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout, input_shape):
     return _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout)
 
 
-def _avg_pool_fwd(x, *static):
-    return _forward(x, *static[:-1]), None
+def _backward(grad_output, *static):
+    *arguments, input_shape = static
+    return _kernel_call(grad_output, _config(*arguments), input_shape)
 
 
-def _avg_pool_bwd(*static_residuals_and_grad):
-    *static, input_shape, _, grad_output = static_residuals_and_grad
-    return (_kernel_call(grad_output, _config(*static), input_shape),)
-
-
-_avg_pool.defvjp(_avg_pool_fwd, _avg_pool_bwd)
+# static: (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout,
+# input_shape); input_shape, x's shape, is what the backward needs
+_avg_pool = _linear.linear_function(_static_forward, _backward)
 
 
 def _plan_at_trace_time(func, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, layout):
@@ -229,17 +224,8 @@ def avg_pool2d(
     kernel, stride, padding = _plan_at_trace_time(
         FUNC, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, layout
     )
-    return _avg_pool(
-        x,
-        kernel,
-        stride,
-        padding,
-        bool(ceil_mode),
-        bool(count_include_pad),
-        int(divisor_override or 0),
-        layout,
-        x.shape,
-    )
+    static = (kernel, stride, padding, bool(ceil_mode), bool(count_include_pad), int(divisor_override or 0), layout)
+    return _avg_pool(x, static + (x.shape,))
 
 
 # ---- flax.linen.avg_pool ------------------------------------------------------------------------
@@ -384,7 +370,8 @@ def _flax_pool(x, plan, count_include_pad):
     batch_shape, spatial, features = x.shape[: x.ndim - 1 - rank], x.shape[x.ndim - 1 - rank : -1], x.shape[-1]
     images = x.astype(dtype).reshape((-1,) + (1,) * (2 - rank) + spatial + (features,))
     divisor = kernel[0] * kernel[1] if count_include_pad else 0
-    pooled = _avg_pool(images, kernel, stride, padding, ceil_mode, count_include_pad, divisor, "NHWC", images.shape)
+    static = (kernel, stride, padding, ceil_mode, count_include_pad, divisor, "NHWC", images.shape)
+    pooled = _avg_pool(images, static)
     if pooled.shape[1:3] != sizes:
         ends = (pooled.shape[0],) + tuple(f + s for f, s in zip(firsts, sizes)) + (features,)
         pooled = lax.slice(pooled, (0, *firsts, 0), ends)

@@ -13,7 +13,7 @@ from .. import _validation as v
 from .._errors import ParamError
 from ..api import group_norm_swish as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _linear
 
 FUNC = "group_norm_swish"
 #: The api's arguments in the user's words (the backward's dy, mean and rstd are shaped from x).
@@ -79,28 +79,37 @@ def reference(x, weight, bias, num_groups, eps, swish_scale, layout, activate_sw
     return y.astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _group_norm_swish(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
-    return _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)[0]
-
-
-def _group_norm_swish_fwd(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
-    out, (mean, rstd) = _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)
-    return out, (x, weight, bias, mean, rstd)
-
-
-def _group_norm_swish_bwd(num_groups, eps, swish_scale, layout, activate_swish, residuals, grad_output):
-    x, weight, bias, mean, rstd = residuals
+def _backward(grad_output, mean, rstd, x, weight, bias, num_groups, swish_scale, layout, activate_swish):
     results = [
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(weight.shape, weight.dtype),
         jax.ShapeDtypeStruct(bias.shape, weight.dtype),
     ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish)
-    return tuple(_ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config))
+    return _ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config)
 
 
-_group_norm_swish.defvjp(_group_norm_swish_fwd, _group_norm_swish_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _group_norm_swish(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
+    return _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)[0]
+
+
+@_group_norm_swish.defjvp
+def _group_norm_swish_jvp(num_groups, eps, swish_scale, layout, activate_swish, primals, tangents):
+    # The tangent: forward mode evaluates the JVP of the jax.numpy reference; reverse mode
+    # transposes it by fastbwd's backward on the forward's mean and rstd.
+    out, (mean, rstd) = _kernel_forward(*primals, num_groups, eps, swish_scale, layout, activate_swish)
+
+    def apply(residuals, linear):
+        def function(x, weight, bias):
+            return reference(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)
+
+        return [jax.jvp(function, tuple(residuals[:3]), tuple(linear))[1]]
+
+    def transpose(residuals, cotangents):
+        return _backward(cotangents[0], *residuals[3:], *residuals[:3], num_groups, swish_scale, layout, activate_swish)
+
+    return out, _linear.call(apply, transpose, [*primals, mean, rstd], list(tangents))[0]
 
 
 def group_norm_swish(

@@ -1,7 +1,6 @@
 """Replication (edge) padding for JAX: PyTorch's ``F.pad(mode="replicate")`` and
 ``jnp.pad(mode="edge")``, channels first or last: a gather forward, fastbwd's backward."""
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -12,7 +11,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import replication_pad2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _linear
 
 FUNC = "replication_pad2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -59,21 +58,17 @@ def _forward(x, padding, layout):
     return x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _pad(x, padding, input_shape, layout):
+def _backward(grad_output, padding, input_shape, layout):
+    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
+    return _ffi.call(_TARGET, [grad_output], [result], dict(padding=list(padding), layout=layout))[0]
+
+
+def _static_forward(x, padding, input_shape, layout):
     return _forward(x, padding, layout)
 
 
-def _pad_fwd(x, padding, input_shape, layout):
-    return _forward(x, padding, layout), None
-
-
-def _pad_bwd(padding, input_shape, layout, _, grad_output):
-    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
-    return tuple(_ffi.call(_TARGET, [grad_output], [result], dict(padding=list(padding), layout=layout)))
-
-
-_pad.defvjp(_pad_fwd, _pad_bwd)
+# static: (padding, input_shape, layout); input_shape, x's shape, is what the backward needs
+_pad = _linear.linear_function(_static_forward, _backward)
 
 
 def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NCHW") -> jax.Array:
@@ -120,7 +115,7 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NC
         shape = nchw_shape  # an impossible padding: its validation below says which
     with v.called_as(FUNC, _SUBJECTS):
         api.plan(c.placeholder(shape, x.dtype), nchw_shape, padding, None)
-    return _pad(x, c.ints(padding), x.shape, layout)
+    return _pad(x, (c.ints(padding), x.shape, layout))
 
 
 # ---- jnp.pad(mode="edge") ----------------------------------------------------------------------
@@ -174,7 +169,7 @@ def pad(array: jax.Array, pad_width, mode="constant", **kwargs) -> jax.Array:
     if plan is None:
         return _jnp_pad(array, pad_width, mode, **kwargs)
     shape, padding = plan
-    images = _pad(jnp.asarray(array).reshape(shape), padding, shape, "NHWC")
+    images = _pad(jnp.asarray(array).reshape(shape), (padding, shape, "NHWC"))
     return images.reshape(tuple(s + lo + hi for s, (lo, hi) in zip(array.shape, _pairs(pad_width, array.ndim))))
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from .. import _validation as v
 from ..api import roi_align as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _linear
 
 FUNC = "roi_align"
 #: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
@@ -68,16 +68,7 @@ def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, 
     return output
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout)
-
-
-def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout), boxes
-
-
-def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, boxes, grad_output):
+def _backward(grad_output, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
     (grad_input,) = _ffi.call(
         _BACKWARD,
@@ -85,11 +76,30 @@ def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_sh
         [result],
         _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
-    # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
-    return grad_input, jnp.zeros_like(boxes)
+    return grad_input
 
 
-_roi_align.defvjp(_roi_align_fwd, _roi_align_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
+    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout)
+
+
+@_roi_align.defjvp
+def _roi_align_jvp(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, primals, tangents):
+    # Linear in the features; the boxes get no derivative (torchvision's roi_align does not
+    # differentiate them either), so their tangent is not used.
+    (input, boxes), (tangent, _) = primals, tangents
+    arguments = pooled_size, spatial_scale, sampling_ratio, aligned
+
+    def apply(residuals, linear):
+        return [_forward(linear[0], residuals[0], *arguments, layout)]
+
+    def transpose(residuals, cotangents):
+        return [_backward(cotangents[0], residuals[0], *arguments, input_shape, layout)]
+
+    # the primal through the function itself (jax.jvp of jax.grad finds this rule again)
+    output = _roi_align(input, boxes, *arguments, input_shape, layout)
+    return output, _linear.call(apply, transpose, [boxes], [tangent])[0]
 
 
 def _rois(boxes, dtype):

@@ -1,7 +1,6 @@
 """Bilinear upsampling for JAX: PyTorch's ``F.interpolate(mode="bilinear")`` and
 ``jax.image.resize(method="linear")``, forward in jax.numpy, fastbwd's backward."""
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -14,7 +13,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi
+from . import _ffi, _linear
 
 FUNC = "upsample_bilinear2d"
 
@@ -64,23 +63,19 @@ def _forward(x, output_size, align_corners, layout, keep_unchanged=False):
     return compute.astype(x.dtype)
 
 
-# The static arguments (input_shape: x's shape, which the backward needs) are not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _upsample(x, output_size, align_corners, layout, input_shape, keep_unchanged=False):
+def _backward(grad_output, output_size, align_corners, layout, input_shape, keep_unchanged=False):
+    config = dict(output_size=list(output_size), align_corners=align_corners, layout=layout)
+    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
+    return _ffi.call(_TARGET, [grad_output], [result], config)[0]
+
+
+# static: (output_size, align_corners, layout, input_shape, keep_unchanged); input_shape, x's
+# shape, is what the backward needs
+def _static_forward(x, output_size, align_corners, layout, input_shape, keep_unchanged=False):
     return _forward(x, output_size, align_corners, layout, keep_unchanged)
 
 
-def _upsample_fwd(x, output_size, align_corners, layout, input_shape, keep_unchanged=False):
-    return _forward(x, output_size, align_corners, layout, keep_unchanged), None
-
-
-def _upsample_bwd(output_size, align_corners, layout, input_shape, keep_unchanged, _, grad_output):
-    config = dict(output_size=list(output_size), align_corners=align_corners, layout=layout)
-    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
-    return tuple(_ffi.call(_TARGET, [grad_output], [result], config))
-
-
-_upsample.defvjp(_upsample_fwd, _upsample_bwd)
+_upsample = _linear.linear_function(_static_forward, _backward)
 
 
 def upsample_bilinear2d(
@@ -144,7 +139,7 @@ def upsample_bilinear2d(
             layout,
             None,
         )
-    return _upsample(x, c.ints(output_size), bool(align_corners), layout, x.shape)
+    return _upsample(x, (c.ints(output_size), bool(align_corners), layout, x.shape, False))
 
 
 # ---- jax.image.resize ---------------------------------------------------------------------------
@@ -200,5 +195,5 @@ def resize(image, shape, method, antialias=True, precision=lax.Precision.HIGHEST
         return _jax_resize(image, shape, method, antialias, precision)
     view, output_size = plan
     images = jnp.asarray(image).reshape(view)
-    resized = _upsample(images, output_size, False, "NHWC", view, True)
+    resized = _upsample(images, (output_size, False, "NHWC", view, True))
     return resized.reshape(tuple(int(size) for size in shape))
