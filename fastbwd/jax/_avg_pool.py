@@ -156,9 +156,8 @@ def _plan_at_trace_time(func, x, kernel_size, stride, padding, ceil_mode, count_
         kernel = c.ints(kernel_size, 2)
         steps = c.ints(stride, 2) if stride not in (None, ()) else kernel
         sizes = _output_sizes(nchw_shape, kernel, steps, c.ints(padding, 2), bool(ceil_mode), "NCHW")
-        if min(sizes) < 1:
-            raise ValueError(sizes)
-        return _output_shape(nchw_shape, sizes, "NCHW")
+        # an empty axis keeps size 1: its kernel check, before the shape's, says what is wrong
+        return _output_shape(nchw_shape, tuple(max(size, 1) for size in sizes), "NCHW")
 
     with v.called_as(func, _SUBJECTS):
         api.plan(
