@@ -529,8 +529,8 @@ ERRORS = [
         r"^replication_pad2d: layout must be one of 'NCHW', 'NHWC', but got 'nhwc'",
     ),
     (
-        lambda x: fj.replication_pad2d(x, (3, 0, 0, 0), layout="NHWC"),
-        r"^replication_pad2d: padding\[0\] \(left\) must be less than the input width 3",
+        lambda x: fj.replication_pad2d(x, (0, 0, 3, 0), layout="NHWC"),
+        r"^replication_pad2d: padding\[2\] \(top\) must be less than the input height 3",
     ),
     (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)), r"^group_norm_swish: num_groups must divide"),
     (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)), r"^group_norm_swish: weight.shape must be"),

@@ -159,7 +159,8 @@ def _plan_at_trace_time(func, x, kernel_size, stride, padding, ceil_mode, count_
         # an empty axis keeps size 1: its kernel check, before the shape's, says what is wrong
         return _output_shape(nchw_shape, tuple(max(size, 1) for size in sizes), "NCHW")
 
-    with v.called_as(func, _SUBJECTS):
+    subjects = _SUBJECTS if layout == "NCHW" else dict(_SUBJECTS, **c.channels_last_subjects(x.ndim))
+    with v.called_as(func, subjects):
         api.plan(
             c.placeholder(c.shape_or(nchw_shape, grad_output_shape), x.dtype),
             nchw_shape,

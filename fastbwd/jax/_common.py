@@ -73,3 +73,12 @@ def run_batched(run, inputs, outputs, ranks, shared=()):
     for index in np.ndindex(*batch):
         run([element(a, extra, index) for a in inputs], [element(a, extra, index) for a in outputs])
     return None
+
+
+def channels_last_subjects(ndim, names=("input", "grad_output")):
+    """For a function whose channels-last x (``(N, H, W, C)``, or ``(H, W, C)`` given a batch
+    of 1) an api reads as NCHW: each ``name.shape[i]`` of the api's messages as x's own axis."""
+    axes = (0, 3, 1, 2) if ndim == 4 else (None, 2, 0, 1)
+    return {
+        f"{name}.shape[{i}]": f"x.shape[{axis}]" for name in names for i, axis in enumerate(axes) if axis is not None
+    }

@@ -113,7 +113,8 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NC
     shape = c.shape_or(nchw_shape, grad_output_shape)
     if min(shape) < 0:
         shape = nchw_shape  # an impossible padding: its validation below says which
-    with v.called_as(FUNC, _SUBJECTS):
+    subjects = _SUBJECTS if layout == "NCHW" else dict(_SUBJECTS, **c.channels_last_subjects(x.ndim))
+    with v.called_as(FUNC, subjects):
         api.plan(c.placeholder(shape, x.dtype), nchw_shape, padding, None)
     return _pad(x, (c.ints(padding), x.shape, layout))
 
