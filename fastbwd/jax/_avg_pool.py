@@ -276,20 +276,33 @@ def _torch_axis(size, kernel, stride, low, high, ceil_mode):
 
 def _flax_plan(inputs, window_shape, strides, padding):
     """How fastbwd serves ``flax.linen.avg_pool(inputs, window_shape, strides, padding)``:
-    ``(rank, kernel, stride, padding, ceil_mode, firsts, sizes)``: the window's rank and
-    PyTorch's pooling on the NHWC array (batch axes merged; height 1 for a 1-D window) whose
-    output, cut at ``firsts`` to ``sizes``, is Flax's; None
-    when fastbwd cannot (the call then runs Flax's own formula)."""
-    if not isinstance(inputs, jax.Array | np.ndarray) or np.dtype(inputs.dtype) not in d.FLOATING:
+    :func:`window_plan` of its channels-last input; None when fastbwd cannot (the call then
+    runs Flax's own formula)."""
+    if not isinstance(inputs, jax.Array | np.ndarray):
+        return None
+    try:
+        rank = len(window_shape)
+    except TypeError:
+        return None
+    if inputs.ndim < rank + 1:
+        return None
+    return window_plan(inputs.shape[-1 - rank : -1], inputs.shape[-1], inputs.dtype, window_shape, strides, padding)
+
+
+def window_plan(spatial, channels, dtype, window_shape, strides, padding):
+    """How fastbwd serves a pooling of ``lax.reduce_window``'s kind (Flax's, Equinox's):
+    ``(rank, kernel, stride, padding, ceil_mode, firsts, sizes)``: the window's rank and the
+    PyTorch pooling (height 1 for a 1-D window) whose output, cut at ``firsts`` to ``sizes``,
+    is the reduce_window's window sums; None when fastbwd cannot."""
+    if np.dtype(dtype) not in d.FLOATING:
         return None
     try:
         window = tuple(int(k) for k in window_shape)
         steps = tuple(int(s) for s in strides) if strides else (1,) * len(window)
     except TypeError:
         return None
-    if len(window) not in (1, 2) or len(steps) != len(window) or inputs.ndim < len(window) + 1:
+    if len(window) not in (1, 2) or len(steps) != len(window) or len(spatial) != len(window):
         return None
-    spatial = inputs.shape[-1 - len(window) : -1]
     try:
         if isinstance(padding, str):
             pads = tuple(tuple(p) for p in lax.padtype_to_pads(spatial, window, steps, padding))
@@ -299,11 +312,11 @@ def _flax_plan(inputs, window_shape, strides, padding):
         return None
     if len(pads) != len(window) or min(window + steps) < 1 or min(min(p) for p in pads) < 0:
         return None
-    if min(inputs.shape) < 1 or inputs.shape[-1] > api.MAX_CHANNELS:
+    if min(spatial) < 1 or not 1 <= channels <= api.MAX_CHANNELS:
         return None
     rank = len(window)
     if rank == 1:  # a 1-D pooling is a 2-D one of height 1
-        window, steps, pads, spatial = (1,) + window, (1,) + steps, ((0, 0),) + pads, (1,) + spatial
+        window, steps, pads, spatial = (1,) + window, (1,) + steps, ((0, 0),) + pads, (1,) + tuple(spatial)
     for ceil_mode in (False, True):  # one ceil_mode for both axes, as in PyTorch
         axes = [
             _torch_axis(size, k, s, lo, hi, ceil_mode) for size, k, s, (lo, hi) in zip(spatial, window, steps, pads)
@@ -314,6 +327,22 @@ def _flax_plan(inputs, window_shape, strides, padding):
                 return None
             return rank, window, steps, torch_pads, ceil_mode, firsts, sizes
     return None
+
+
+def window_sums_mean(images, plan, count_include_pad, layout):
+    """The average pooling of ``images`` (4-D, in ``layout``) :func:`window_plan` planned:
+    window sums over the window's size (``count_include_pad``) or over its input cells."""
+    _, kernel, stride, padding, ceil_mode, firsts, sizes = plan
+    divisor = kernel[0] * kernel[1] if count_include_pad else 0
+    static = (kernel, stride, padding, ceil_mode, count_include_pad, divisor, layout, images.shape)
+    pooled = _avg_pool(images, static)
+    h_axis = 1 if layout == "NHWC" else 2
+    if pooled.shape[h_axis : h_axis + 2] != sizes:
+        starts, ends = [0] * 4, list(pooled.shape)
+        for axis, first, size in zip((h_axis, h_axis + 1), firsts, sizes):
+            starts[axis], ends[axis] = first, first + size
+        pooled = lax.slice(pooled, starts, ends)
+    return pooled
 
 
 def avg_pool(
@@ -365,14 +394,9 @@ def avg_pool_or(fallback, inputs, window_shape, strides=None, padding="VALID", c
 
 
 def _flax_pool(x, plan, count_include_pad):
-    rank, kernel, stride, padding, ceil_mode, firsts, sizes = plan
+    rank, *_, sizes = plan
     dtype = x.dtype if count_include_pad else jnp.result_type(x.dtype, jnp.ones(()).dtype)
     batch_shape, spatial, features = x.shape[: x.ndim - 1 - rank], x.shape[x.ndim - 1 - rank : -1], x.shape[-1]
     images = x.astype(dtype).reshape((-1,) + (1,) * (2 - rank) + spatial + (features,))
-    divisor = kernel[0] * kernel[1] if count_include_pad else 0
-    static = (kernel, stride, padding, ceil_mode, count_include_pad, divisor, "NHWC", images.shape)
-    pooled = _avg_pool(images, static)
-    if pooled.shape[1:3] != sizes:
-        ends = (pooled.shape[0],) + tuple(f + s for f, s in zip(firsts, sizes)) + (features,)
-        pooled = lax.slice(pooled, (0, *firsts, 0), ends)
+    pooled = window_sums_mean(images, plan, count_include_pad, "NHWC")
     return pooled.reshape(batch_shape + sizes[2 - rank :] + (features,))

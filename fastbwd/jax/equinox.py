@@ -1,5 +1,5 @@
-"""fastbwd.jax.equinox: Equinox's ``eqx.nn.GroupNorm`` on fastbwd's kernels, and the tree surgery
-of :func:`fastbwd.jax.reach` for Equinox models. Needs Equinox."""
+"""fastbwd.jax.equinox: Equinox's ``eqx.nn.GroupNorm`` and ``eqx.nn.AvgPool2d`` on fastbwd's
+kernels, and the tree surgery of :func:`fastbwd.jax.reach` for Equinox models. Needs Equinox."""
 
 import dataclasses
 import functools
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dtypes as d
-from . import _reach
+from . import _avg_pool, _reach
 
 _NO_STATE = object()
 
@@ -68,6 +68,25 @@ class GroupNorm(eqx.nn.GroupNorm):
         return out if state is _NO_STATE else (out, state)
 
 
+class AvgPool2d(eqx.nn.AvgPool2d):
+    """``equinox.nn.AvgPool2d`` on fastbwd's kernels: the same fields and result (one example
+    ``(channels, height, width)``, window sums over the window's size), its gradient
+    ``fastbwd.avg_pool2d_backward`` (and its forward too for a stride-1 window of ``2 * pad + 1``).
+    Sums are taken in float32 and rounded once (Equinox sums in the input's dtype). Calls
+    fastbwd cannot serve (integer inputs, a pad beyond half the window, more than 65535
+    channels) and Equinox's errors are Equinox's own."""
+
+    def __call__(self, x, *, key=None):
+        if not isinstance(x, jax.Array | np.ndarray) or x.ndim != 3:
+            return super().__call__(x)
+        padding = self._update_padding_for_ceil(x.shape) if self.use_ceil else self.padding
+        self._check_is_padding_valid(padding)
+        plan = _avg_pool.window_plan(x.shape[1:], x.shape[0], x.dtype, self.kernel_size, self.stride, padding)
+        if plan is None:
+            return super().__call__(x)
+        return _avg_pool.window_sums_mean(jnp.asarray(x)[None], plan, True, "NCHW")[0]
+
+
 def _rebuilt(cls, module, **extra):
     """An instance of ``cls`` holding ``module``'s fields (and ``extra`` ones), as Equinox's own
     unflattening builds modules (no ``__init__``)."""
@@ -98,15 +117,18 @@ def _reached_class(cls):
 def _replacement(node):
     if type(node) is eqx.nn.GroupNorm:
         return _rebuilt(GroupNorm, node, swish=False)
+    if type(node) is eqx.nn.AvgPool2d:
+        return _rebuilt(AvgPool2d, node)
     if type(node) is eqx.nn.Lambda and node.fn is _reach.silu:
         return eqx.nn.Lambda(_reach.swish)
     return None
 
 
 def reach_model(model):
-    """fastbwd.jax.reach for an Equinox model: a new model whose ``eqx.nn.GroupNorm`` modules are
-    :class:`GroupNorm` (the same parameters), whose ``eqx.nn.Lambda(jax.nn.silu)`` layers use
-    fastbwd's swish (``eqx.tree_at``), and whose ``__call__`` runs under ``reach()``."""
+    """fastbwd.jax.reach for an Equinox model: a new model whose ``eqx.nn.GroupNorm`` and
+    ``eqx.nn.AvgPool2d`` modules are :class:`GroupNorm` and :class:`AvgPool2d` (the same
+    fields), whose ``eqx.nn.Lambda(jax.nn.silu)`` layers use fastbwd's swish (``eqx.tree_at``),
+    and whose ``__call__`` runs under ``reach()``."""
 
     def is_leaf(node):
         return _replacement(node) is not None
