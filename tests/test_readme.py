@@ -55,7 +55,7 @@ def test_ci_runs_the_readme_test_command_and_the_slow_tests():
 def test_each_readme_block_is_a_program_that_exits(index):
     """Each Python block, alone (its own imports), as a separate process with a time limit."""
     code = BLOCKS[index]
-    for framework in ("torch", "jax"):
+    for framework in ("torch", "jax", "flax", "equinox"):
         if re.search(rf"^import .*\b{framework}\b", code, re.M):
             pytest.importorskip(framework)
     # torch.compile traces and loads its compiled code again in the child (Inductor's cache keeps
