@@ -306,6 +306,7 @@ LINEN = [
     ((2, 3, 4, 5, 8), np.float32, dict(num_groups=4)),
     ((2, 5, 6, 8), np.float32, dict(num_groups=4, reduction_axes=(1, 2, 3))),
     ((2, 5, 6, 8), np.float32, dict(num_groups=4, reduction_axes=(2, 3))),  # Flax's own code
+    ((1, 2, 2, 4002), np.float32, dict(num_groups=1)),  # 4002-channel groups: Flax's own code
     ((2, 5, 6, 8), np.float32, dict(num_groups=4, force_float32_reductions=False)),
     ((2, 5, 6, 8), BF16, dict(num_groups=4, param_dtype=BF16, force_float32_reductions=False)),  # Flax's
 ]
@@ -346,6 +347,7 @@ NNX = [
     ((2, 5, 6, 8), BF16, dict(num_groups=4, param_dtype=BF16, dtype=BF16)),
     ((3, 8), np.float32, dict(num_groups=2)),
     ((2, 5, 6, 8), np.float32, dict(num_groups=4, reduction_axes=(2, 3))),  # NNX's own code
+    ((1, 2, 2, 4002), np.float32, dict(num_groups=1)),  # 4002-channel groups: NNX's own code
 ]
 
 
@@ -387,6 +389,7 @@ EQUINOX = [
     ((8, 5, 6), BF16, dict(groups=4)),
     ((8, 5, 6), np.float16, dict(groups=4, dtype=np.float16)),
     ((8, 5, 6), np.int32, dict(groups=4)),  # Equinox's own code
+    ((4002, 2), np.float32, dict(groups=1)),  # 4002-channel groups: Equinox's own code
 ]
 
 

@@ -14,9 +14,9 @@ While a program is traced under :func:`reach`:
 * a swish applied to the output of a GroupNorm fastbwd computed becomes one fused GroupNorm +
   Swish (the GroupNorm's own result, then unused, is dropped by XLA).
 
-An NNX or Equinox model given to :func:`reach` has its GroupNorm modules (and an
-``eqx.nn.Sequential``'s or ``nnx.Sequential``'s swish) replaced by fastbwd's, and its own
-``__call__`` runs under :func:`reach`.
+An NNX or Equinox model given to :func:`reach` has its GroupNorm modules (Equinox: and its
+``AvgPool2d`` modules; and an ``nnx.Sequential``'s or ``eqx.nn.Sequential``'s swish) replaced by
+fastbwd's, and its own ``__call__`` runs under :func:`reach`.
 """
 
 import contextlib
@@ -68,8 +68,8 @@ def swish(x):
     return silu(x) if fused is None else fused()
 
 
-def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, swish=False):
-    """A library's GroupNorm (``swish``: followed by Swish) on fastbwd, or its own code.
+def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, with_swish=False):
+    """A library's GroupNorm (``with_swish``: followed by Swish) on fastbwd, or its own code.
 
     ``x``: the input as fastbwd's kernels take it (the library's promotions applied, a batch
     axis added where the library has none); ``shape``: the library's result shape;
@@ -82,7 +82,7 @@ def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback
         out = gns.library_call(x, *weight_and_bias, groups, eps, layout, activate_swish, result_dtype)
         return out.reshape(shape)
 
-    if swish:
+    if with_swish:
         return run(parameters(True), True) if fused else swish(fallback())
     out = run(parameters(True), False) if gns.servable(x, groups, eps, layout, False) else fallback()
     if fused:
@@ -176,8 +176,8 @@ def reach(target=None):
     * ``fastbwd.jax.reach(model)`` for an NNX module: the same module, its GroupNorm modules
       replaced by fastbwd's and its ``__call__`` run under ``reach()``.
     * ``fastbwd.jax.reach(model)`` for an Equinox module: a new model with the same fields, its
-      GroupNorm modules replaced by fastbwd's (``eqx.tree_at``) and its ``__call__`` run under
-      ``reach()``.
+      GroupNorm and AvgPool2d modules replaced by fastbwd's (``eqx.tree_at``) and its
+      ``__call__`` run under ``reach()``.
 
     Everything reached computes what the library computes (docs/jax.md says where it differs
     within float tolerance); a call fastbwd cannot serve runs the library's own code.

@@ -43,7 +43,7 @@ def group_norm(module, x, swish=False):
         x.shape,
         lambda _: (weight, bias),
         fallback,
-        swish,
+        with_swish=swish,
     )
 
 

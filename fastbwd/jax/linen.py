@@ -101,7 +101,9 @@ def group_norm(module, x, fallback, swish=False):
     def parameters(create):
         return _parameters(module, images.shape[-1], create)
 
-    return _reach.group_norm(images, groups, module.epsilon, "NHWC", result, x.shape, parameters, fallback, swish)
+    return _reach.group_norm(
+        images, groups, module.epsilon, "NHWC", result, x.shape, parameters, fallback, with_swish=swish
+    )
 
 
 def _sequential(module, args, kwargs):

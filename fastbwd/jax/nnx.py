@@ -69,7 +69,7 @@ def group_norm(module, x, mask=None, swish=False):
         x.shape,
         lambda _: (weight, bias),
         fallback,
-        swish,
+        with_swish=swish,
     )
 
 
