@@ -2,7 +2,7 @@
 
 For every operator it checks a small case against the float64 reference (``python -m
 fastbwd``'s self-check), then runs the benchmark cases of ``bench/cases.py`` (small shapes;
-``--full``: the docs/semantics.md §6 shapes, as in the README's tables) and prints, per row:
+``--full``: the docs/semantics.md §6 shapes, as in docs/benchmarks.md) and prints, per row:
 median time, GB/s (minimum bytes read + written / time), % of this machine's memory bandwidth
 (measured on the spot with a large parallel copy), the speed-up over each baseline timed in the
 same alternating rounds, the row's spread, and its target with a verdict (``--full``). The
@@ -14,12 +14,15 @@ against the plain framework's, timed the same way.
 
 The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
 rounds until the spread of the rounds settles or the case's time budget runs out; a row whose
-spread is wider than ``--max-spread`` is marked noisy and its target gets no verdict. The run
-warns at its start when the machine is busy (its load average; two readings of the copy
-bandwidth far apart) and ends with a summary: the targets met, missed and not trustworthy.
+spread is wider than ``--max-spread`` is marked noisy, one timed while parallel calls stalled is
+marked stalled, and neither gets a verdict. The report prints when the run ends (progress goes
+to stderr meanwhile): the machine, what its load did in one line, a summary per operator and
+bridge (``bench/targets.py``'s ``group_summaries``), then the rows, then the targets met, missed
+and not trustworthy (docs/design.md, "The main job on a shared machine").
 
 ``--publish`` (with ``--full``) saves the results to ``bench/results.json`` and regenerates the
-README's tables from them (``bench/to_table.py``): the one command behind the README's numbers.
+README's headline table and the full tables of ``docs/benchmarks.md`` from them
+(``bench/to_table.py``): the one command behind the published numbers.
 """
 
 import argparse
@@ -27,6 +30,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,8 +48,10 @@ from .bandwidth import parallel_copy, parallel_stream_fill
 from .cases import OPS
 from .timing import Settings, alternating_rounds, parallel_stall, spread
 
-#: The checkout's root: where --publish writes bench/results.json and README.md.
+#: The checkout's root: where --publish writes bench/results.json, README.md and docs/benchmarks.md.
 ROOT = Path(__file__).resolve().parents[1]
+#: The files whose generated tables --publish regenerates.
+PUBLISHED = ("README.md", "docs/benchmarks.md")
 
 #: The second copy the main job times: the size of the large cases' results (A1 51 MB, P1 67 MB).
 CASE_SIZE_COPY_BYTES = 64 << 20
@@ -137,8 +143,29 @@ class Run:
             budget=args.budget if args.budget is not None else base.budget,
         )
         self.max_spread = args.max_spread
+        self.header = []
+        self.bridge_checks = 0
         self.rows = []
         self.warnings = []
+        #: The per-row detail, printed after the summary when the run ends.
+        self.details = []
+        self._partial = ""
+        self.checks = []
+
+    def say(self, text="", end="\n"):
+        """Add to the per-row detail (printed after the summary, at the end of the run)."""
+        *lines, self._partial = (self._partial + text + end).split("\n")
+        self.details += lines
+
+    def progress(self, text):
+        """What the run is timing now, on stderr: one line rewritten in place in a terminal (the
+        report on stdout starts with the summary, so it waits for the end of the run); elsewhere
+        only the sections' starts."""
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r\x1b[K{text}"[: 8 + shutil.get_terminal_size().columns])
+            sys.stderr.flush()
+        elif not text.startswith(" "):
+            print(text, file=sys.stderr, flush=True)
 
     def selected(self, name):
         return not self.args.ops or name in self.args.ops
@@ -195,14 +222,14 @@ class Run:
             load_average=list(load),
             running_elsewhere=others,
         )
-        say(
+        self.header = [
             f"fastbwd {machine['fastbwd']} ({os.path.dirname(os.path.abspath(fastbwd.__file__))}) | numba "
             f"{machine['numba']} | {machine['threads']} threads ({machine['threading_layer']}) | {machine['cpu']}, "
             f"{machine['cpus']} CPUs | torch {machine['torch'] or 'not installed'}"
-        )
+        ]
         note = shadowing_note()
         if note:
-            say(note)
+            self.header.append(note)
         if load[0] > BUSY_LOAD or (others is not None and others >= BUSY_RUNNING):
             now = "" if others is None else f"; {others:.1f} other processes were running as it started"
             self.warn(
@@ -221,13 +248,14 @@ class Run:
         return machine
 
     def warn(self, text):
+        """A sign of a busy machine: saved with the results; the report says it once, in one line."""
         self.warnings.append(text)
-        say(f"WARNING: {text}")
 
     def bandwidth(self):
         """The copy yardstick (two readings, the higher one kept), the case-size copy and the streamed write."""
         yardstick_bytes = CASE_SIZE_COPY_BYTES if not self.full else 512 << 20
-        say(f"measuring memory bandwidth (a {yardstick_bytes >> 20} MB parallel copy, twice) ... ", end="")
+        self.progress("measuring the memory bandwidth")
+        self.say(f"measuring memory bandwidth (a {yardstick_bytes >> 20} MB parallel copy, twice) ... ", end="")
         first = copy_bandwidth(yardstick_bytes)
         # The large copy's halves are above glibc's non-temporal threshold (192 MB per memcpy on
         # these machines), so it stores without reading the destination first; a copy the size of
@@ -237,7 +265,7 @@ class Run:
         write = stream_write_bandwidth(CASE_SIZE_COPY_BYTES)
         second = copy_bandwidth(yardstick_bytes)
         bandwidth = max(first, second)
-        say(
+        self.say(
             f"{first:.1f} and {second:.1f} GB/s"
             + (f"; a 64 MB copy: {case_size:.1f} GB/s" if case_size is not None else "")
             + f"; a 64 MB streamed write: {write:.1f} GB/s written"
@@ -262,11 +290,14 @@ class Run:
         for spec in OPS.values():
             if not self.selected(spec.name):
                 continue
-            say(f"\n{spec.name}: checking a small case against the float64 reference ... ", end="")
+            self.progress(f"{spec.name}: checking a small case against the float64 reference")
+            self.say(f"\n{spec.name}: checking a small case against the float64 reference ... ", end="")
             t0 = time.perf_counter()
-            say(f"{small_check(spec.name)} ({time.perf_counter() - t0:.1f} s)")
+            verdict = small_check(spec.name)
+            self.checks.append((spec.name, verdict))
+            self.say(f"{verdict} ({time.perf_counter() - t0:.1f} s)")
             cases = spec.cases if self.full else spec.quick_cases
-            say(
+            self.say(
                 f"  {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}  {'baseline':<21} {'ms':>9} "
                 f"{'speed-up':>8} {'spread':>7}  {'target' if self.full else 'target (for the --full shapes)'}"
             )
@@ -274,7 +305,8 @@ class Run:
                 self.operator_case(spec, case, with_torch, bandwidth)
 
     def operator_case(self, spec, case, with_torch, bandwidth):
-        say(f"  {case.id} {case.dtype}: {case.label}")
+        self.progress(f"  {spec.name}: timing {case.id} {case.dtype}")
+        self.say(f"  {case.id} {case.dtype}: {case.label}")
         t0 = time.perf_counter()
         prepared = spec.prepare(case, with_torch)
         setup = time.perf_counter() - t0
@@ -328,7 +360,7 @@ class Run:
                 if baseline
                 else f"  {'':<21} {'':>9} {'':>8}"
             )
-            say(f"{left}{right} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip())
+            self.say(f"{left}{right} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip())
 
     # ---- the bridges: fastbwd's way against the framework's own, case by case -------------
 
@@ -338,12 +370,14 @@ class Run:
         ``check``, ``target`` and the baseline slots in."""
         heading = "target" if self.full else "target (for the --full shapes)"
         width = max([len(case.label) for case in cases] + [60])
-        say(
+        self.say(
             f"{'case':<6} {'what':<{width}} {'fastbwd ms':>10} {baseline_name + ' ms':>10} {'speed-up':>8} "
             f"{'spread':>7}  {heading}"
         )
         for case in self.wanted(cases):
-            case.check()
+            self.progress(f"  {op}: checking and timing {case.id}")
+            case.check()  # asserts: a wrong gradient ends the run
+            self.bridge_checks += 1
             baseline = getattr(case, baseline_attribute)
             functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
             stall = parallel_stall()
@@ -375,17 +409,60 @@ class Run:
                 if base_seconds is not None
                 else f"{'-':>10} {'-':>8}"
             )
-            say(
+            self.say(
                 f"{case.id:<6} {case.label:<{width}} {seconds * 1e3:10.2f} {other} {self.spread_text(row):>7}  "
                 f"{self.verdict_text(row)}".rstrip()
                 + (f"  ({row['note']})" if row["note"] else "")
             )
 
+    def prepared_cases(self, cases):
+        """Time each prepared call against PyTorch's op(s) and its bare kernel call, alternating
+        the three; a row each with the speed-up and the microseconds the call adds to its kernel."""
+        heading = "target" if self.full else "target (for the --full shapes)"
+        width = max([len(case.label) for case in cases] + [60])
+        self.say(
+            f"{'case':<6} {'what':<{width}} {'fastbwd us':>10} {'torch us':>9} {'kernel us':>9} {'adds us':>8} "
+            f"{'speed-up':>8} {'spread':>7}  {heading}"
+        )
+        for case in self.wanted(cases):
+            case.check()
+            stall = parallel_stall()
+            timing = alternating_rounds([case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], self.settings)
+            seconds, base_seconds, kernel_seconds = (timing.median(index) for index in range(3))
+            row = self.finish_row(
+                dict(
+                    op="fastbwd",
+                    case=case.id,
+                    label=case.label,
+                    dtype="float32",
+                    variant="prepared",
+                    ms=seconds * 1e3,
+                    gbps=None,
+                    pct_bandwidth=None,
+                    baseline="torch",
+                    baseline_ms=base_seconds * 1e3,
+                    speedup=base_seconds / seconds,
+                    kernel_ms=kernel_seconds * 1e3,
+                    overhead_us=(seconds - kernel_seconds) * 1e6,
+                    target=case.target,
+                    note="",
+                ),
+                timing.series(0, 1),
+                timing,
+                stall,
+            )
+            self.say(
+                f"{case.id:<6} {case.label:<{width}} {seconds * 1e6:10.2f} {base_seconds * 1e6:9.2f} "
+                f"{kernel_seconds * 1e6:9.2f} {row['overhead_us']:8.2f} {targets.speedup_text(row['speedup']):>8} "
+                f"{self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip()
+            )
+
     def torch_bridge(self):
         """The PyTorch bridge's cases (``bench/torch_cases.py``) and the routing's per-call cost."""
-        from .torch_cases import cases, direct_cases, measure_overhead, overhead_cases
+        from .torch_cases import cases, direct_cases, measure_overhead, overhead_cases, prepared_cases
 
-        say(
+        self.progress("fastbwd.torch: checking and timing its cases")
+        self.say(
             "\nfastbwd.torch (PyTorch models on fastbwd's backward): checking each case's gradients "
             "against plain PyTorch, then timing both in alternating rounds"
         )
@@ -393,18 +470,23 @@ class Run:
         if self.full:  # Inductor compiles each model twice: a minute or more on two cores
             from .torch_cases import compile_cases
 
-            say(
+            self.say(
                 "\nfastbwd.torch under torch.compile (Inductor; fastbwd enabled before the first compiled call): "
                 "checking each case's gradients against eager, then timing it against its baseline (the label says which)"
             )
             self.paired_cases(compile_cases(), "torch", "fastbwd.torch", "compiled", "baseline")
-        say(
+        self.say(
             "\nwarm direct calls on tiny inputs (NumPy arrays) against PyTorch's own ops on the same values, "
             "timed the same way"
         )
         self.paired_cases(direct_cases(), "torch", "fastbwd", "direct", "torch")
-        say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
-        say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
+        self.say(
+            "\nthe same calls prepared once (function.prepare, aclnn's two-phase call), timed the same way "
+            "with the bare kernel call they end in"
+        )
+        self.prepared_cases(prepared_cases())
+        self.say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
+        self.say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
         for case in self.wanted(overhead_cases()):
             stall = parallel_stall()
             us = measure_overhead(case)
@@ -425,7 +507,7 @@ class Run:
                 target=None,
             )
             self.rows.append(row)
-            say(
+            self.say(
                 f"{case.id:<6} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
                 f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f} {self.spread_text(row):>7}"
             )
@@ -433,18 +515,27 @@ class Run:
     def jax_bridge(self):
         """The JAX bridge's cases (``bench/jax_cases.py``) and its per-call transport cost.
         Returns the jax version, None without jax."""
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+            # J9 splits a batch over two CPU devices, which XLA creates when jax starts; the
+            # other cases run on the first, as with one
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
         try:
             import jax
         except ImportError:
-            say("\nfastbwd.jax: jax is not installed, its cases are left out")
+            self.say("\nfastbwd.jax: jax is not installed, its cases are left out")
             return None
         from .jax_cases import cases, transport_overhead
 
-        say(
+        self.progress("fastbwd.jax: checking and timing its cases")
+
+        self.say(
             f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
             "each case's gradients against JAX's own, then timing both"
         )
         self.paired_cases(list(cases(quick=not self.full)), "jax", "fastbwd.jax", "jit(grad)", "jax")
+        if jax.device_count() < 2:
+            self.say("J9 (a batch split over two devices) left out: jax started with one device (XLA_FLAGS)")
         transport = Settings(round_seconds=0.02, min_rounds=7, tolerance=0.05, budget=3.0)
         stall = parallel_stall()
         timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
@@ -470,7 +561,7 @@ class Run:
             stall=stall,
         )
         self.rows.append(row)
-        say(
+        self.say(
             f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
             f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us), spread {self.spread_text(row)}"
         )
@@ -489,28 +580,17 @@ class Run:
         if torch is not None:
             torch.set_num_threads(numba.get_num_threads())
         machine = self.machine(torch)
-        measured = self.bandwidth()
-        say(
-            "\nA first run compiles each kernel it calls (seconds per operator; `python -m fastbwd --precompile` "
-            "compiles them all ahead); the checks below include that time, the timings do not."
-        )
-        if not self.full:
-            say(
-                "Small shapes: a case id ending in q is the --full case of that id at a small size (its shapes are "
-                "printed), where fixed per-call costs weigh more; the targets are set for the --full shapes, so "
-                "rows get no verdict here, and the data stays in the caches, so no % of the memory's copy rate "
-                "either. `python3 -m bench --full` runs the full-size cases."
-            )
-        say(
-            f"Each row: medians of alternating rounds (until the spread settles or {self.settings.budget:g} s per "
-            f"case); spread: half the interquartile range of the rounds' speed-ups (or times) over their median, "
-            f"'noisy' above {targets.spread_text(self.max_spread)}."
-        )
-        self.operators(torch is not None, measured["bandwidth_gbps"])
-        if torch is not None and self.selected("torch"):
-            self.torch_bridge()
-        if not args.no_jax and self.selected("jax"):
-            machine["jax"] = self.jax_bridge()
+        self.progress("the main job: the report (a summary, then each row) prints when the run ends")
+        try:
+            measured = self.bandwidth()
+            self.operators(torch is not None, measured["bandwidth_gbps"])
+            if torch is not None and self.selected("torch"):
+                self.torch_bridge()
+            if not args.no_jax and self.selected("jax"):
+                machine["jax"] = self.jax_bridge()
+        except BaseException:  # a failed check or an interrupt: what was measured, then the error
+            say("\n".join(self.header + self.details + [self._partial]))
+            raise
         end = copy_bandwidth(self.yardstick_bytes)
         measured["bandwidth_readings_gbps"].append(end)
         if _disagree(measured["bandwidth_gbps"], end):
@@ -519,9 +599,12 @@ class Run:
                 f"{measured['bandwidth_gbps']:.1f} at its start: the machine's speed changed during the run."
             )
         summary = targets.summarize(self.rows, self.max_spread, judge=self.full)
-        say("\n" + targets.summary_text(summary, self.max_spread))
-        if self.warnings:
-            say(f"This run warned {len(self.warnings)} time(s) that the machine was busy (above).")
+        self.progress("")
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[K")
+        report = [*self.header, self.machine_line(machine, measured), "", *self.summary_lines(), ""]
+        report += self.reading_lines() + self.details + ["", targets.summary_text(summary, self.max_spread)]
+        say("\n".join(report))
         results = dict(
             machine=machine,
             **measured,
@@ -537,10 +620,80 @@ class Run:
                 json.dump(results, handle, indent=1)
                 handle.write("\n")
             say(f"results saved to {args.json}")
-        if args.readme:
-            to_table.write_readme(args.readme, results)
-            say(f"{args.readme}: benchmark tables regenerated from this run")
+        for path in args.write or ():
+            to_table.write(path, results)
+            say(f"{path}: benchmark tables regenerated from this run")
         return 0
+
+    # ---- the report: the machine in a line, the summary, then each row -------------------
+
+    def untrustworthy(self):
+        return [row for row in self.rows if targets.noisy(row, self.max_spread) or targets.stalled(row)]
+
+    def machine_line(self, machine, measured):
+        """What the machine's load did to the run, said once, in one line."""
+        load, others = machine["load_average"][0], machine.get("running_elsewhere")
+        stalls = [row["stall"] for row in self.rows if row.get("stall") is not None] + [machine["parallel_stall"]]
+        readings = measured["bandwidth_readings_gbps"]
+        unsure, rows = len(self.untrustworthy()), len(self.rows)
+        state = (
+            f"load average {load:.2f} on {machine['cpus']} CPUs at the start"
+            + (f", {others:.1f} other processes running" if others is not None else "")
+            + f"; parallel calls took up to {max(stalls):.1f}x their one-thread time"
+            + f"; the copy bandwidth read {', '.join(f'{value:.1f}' for value in readings)} GB/s"
+        )
+        if not self.warnings and not unsure:
+            return f"Machine: quiet enough ({state}); every row is trustworthy."
+        return (
+            f"Machine: BUSY, other processes hold the cores ({state}): {unsure} of {rows} rows are untrustworthy "
+            f"(a spread wider than {targets.spread_text(self.max_spread)}, or timed while parallel calls stalled "
+            f"above {targets.STALL_LIMIT:g}x), marked below and left out of the standing and the verdicts."
+        )
+
+    def summary_lines(self):
+        """Each operator and bridge: its speed-up against the framework's own code, its tiny calls'
+        apart, how many of its rows the load made untrustworthy, its standing (and targets)."""
+        groups = targets.group_summaries(self.rows, self.max_spread, judge=self.full)
+        size = "full shapes" if self.full else "small shapes; the targets are for --full"
+        lines = [
+            f"Summary ({size}): fastbwd's speed-up against PyTorch's and JAX's own code, the median of the "
+            f"trustworthy rows and their range; tiny calls (fastbwd under {targets.TINY_MS:g} ms: Python's per-call "
+            "cost decides) apart",
+            f"  {'operator or bridge':<30} {'against':<31} {'speed-up':<22} {'tiny calls':<20} {'rows':>4} "
+            f"{'untrustworthy':>13}  {'standing' + ('; targets' if self.full else '')}",
+        ]
+        for group in groups:
+            verdicts = f"; {targets.verdicts_text(group)}" if self.full else ""
+            lines.append(
+                f"  {group['name']:<30} {group['against']:<31} {targets.speedups_text(group['speedups']):<22} "
+                f"{targets.speedups_text(group['tiny']):<20} {group['rows']:>4} {group['unsure']:>13}  "
+                f"{targets.standing(group)}{verdicts}"
+            )
+        mismatches = [f"{name}: {verdict}" for name, verdict in self.checks if verdict.startswith("MISMATCH")]
+        checks = (
+            f"Checks: {len(self.checks) - len(mismatches)} of {len(self.checks)} operators match the float64 "
+            f"reference; {self.bridge_checks} bridge cases' results match plain PyTorch's and JAX's."
+        )
+        lines.append(checks + (f" MISMATCH: {'; '.join(mismatches)}" if mismatches else ""))
+        return lines
+
+    def reading_lines(self):
+        """How to read the rows below."""
+        lines = [
+            f"Each row below: medians of alternating rounds of fastbwd and its baseline (until the spread settles or "
+            f"{self.settings.budget:g} s per case); spread: half the interquartile range of the rounds' speed-ups (or "
+            f"times) over their median, 'noisy' above {targets.spread_text(self.max_spread)}; 'stalled': timed while "
+            "parallel calls waited for descheduled threads. A first run compiles each kernel it calls (seconds per "
+            "operator; `python -m fastbwd --precompile` compiles them all ahead); the checks include that time, "
+            "the timings do not."
+        ]
+        if not self.full:
+            lines.append(
+                "Small shapes: a case id ending in q is the --full case of that id at a small size (its shapes are "
+                "printed); the data stays in the caches, so no % of the memory's copy rate; `python3 -m bench "
+                "--full` runs the full-size cases and judges their targets."
+            )
+        return lines
 
 
 def _cpu_name():
@@ -562,14 +715,16 @@ def main(argv=None):
     parser.add_argument(
         "--full",
         action="store_true",
-        help="the full-size docs/semantics.md §6 shapes (the README's tables; tens of minutes)",
+        help="the full-size docs/semantics.md §6 shapes (the published tables; tens of minutes)",
     )
     parser.add_argument("--json", metavar="FILE", help="save the results as JSON")
-    parser.add_argument("--readme", metavar="FILE", help="regenerate the benchmark tables of this README from the run")
+    parser.add_argument(
+        "--write", nargs="+", metavar="FILE", help="regenerate the benchmark tables in these files from the run"
+    )
     parser.add_argument(
         "--publish",
         action="store_true",
-        help="with --full: save bench/results.json and regenerate README.md's tables (the README's numbers)",
+        help="with --full: save bench/results.json and regenerate the tables of README.md and docs/benchmarks.md",
     )
     parser.add_argument(
         "--ops",
@@ -613,10 +768,12 @@ def main(argv=None):
                 "--publish records the whole --full run: give --full, and no --ops, --cases, --no-torch or --no-jax"
             )
         args.json = args.json or str(ROOT / "bench" / "results.json")
-        args.readme = args.readme or str(ROOT / "README.md")
-    if args.readme and to_table.BEGIN not in Path(args.readme).read_text():
-        # fail now rather than after the run
-        parser.error(f"{args.readme} has no benchmark tables to regenerate (no line {to_table.BEGIN!r})")
+        args.write = args.write or [str(ROOT / name) for name in PUBLISHED]
+    for path in args.write or ():
+        if not to_table.has_region(Path(path).read_text()):  # fail now rather than after the run
+            parser.error(
+                f"{path} has no benchmark tables to regenerate (no line {to_table.BEGIN!r} or {to_table.HEADLINE_BEGIN!r})"
+            )
     return Run(args).run()
 
 

@@ -11,7 +11,14 @@ torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
 
-from .torch_cases import cases, compile_cases, direct_cases, measure_overhead, overhead_cases  # noqa: E402
+from .torch_cases import (  # noqa: E402
+    cases,
+    compile_cases,
+    direct_cases,
+    measure_overhead,
+    overhead_cases,
+    prepared_cases,
+)
 
 #: T1-T8's ids, the same at both sizes.
 CASE_IDS = [case.id for case in cases(quick=True)]
@@ -127,7 +134,7 @@ def bench_routing_overhead(case_id, way, benchmark):
         benchmark.pedantic(case.direct if way == "direct" else case.aten, rounds=200, warmup_rounds=10, iterations=1)
 
 
-# ---- O4, O5: warm direct calls of GroupNorm+Swish on a tiny input against PyTorch's own ops ------
+# ---- O1-O5: warm direct calls on tiny inputs against PyTorch's own ops (O1-O3: .grad_input ops) ------
 
 DIRECT = {case.id: case for case in direct_cases()}
 
@@ -143,6 +150,22 @@ def bench_direct_call(case_id, variant, benchmark):
     benchmark.pedantic(getattr(case, variant), rounds=200, warmup_rounds=10, iterations=1)
 
 
+# ---- O1p-O5p: the same calls prepared once (issue 46), beside PyTorch's ops and the bare kernel call --
+
+PREPARED = {case.id: case for case in prepared_cases()}
+
+
+@pytest.mark.parametrize("variant", ["fastbwd", "torch", "kernel"])
+@pytest.mark.parametrize("case_id", list(PREPARED))
+def bench_prepared_call(case_id, variant, benchmark):
+    case = PREPARED[case_id]
+    if variant == "fastbwd":
+        case.check()
+    benchmark.group = f"{case.id} {case.label}"
+    benchmark.extra_info.update(case=case.id, variant=variant, target=case.target, threads=numba.get_num_threads())
+    benchmark.pedantic(getattr(case, variant), rounds=200, warmup_rounds=10, iterations=1)
+
+
 # ---- T7's fusion: what fuse_group_norm_swish finds in the small UNet, and what it costs ------
 # (T7's training steps themselves run in bench_torch_bridge above, from torch_cases.cases()).
 
@@ -150,7 +173,7 @@ def bench_direct_call(case_id, variant, benchmark):
 def bench_unet_fusion(benchmark):
     """fuse_group_norm_swish on a fresh SmallUNet (one example forward decides): its time, and
     the fused and skipped counts in extra_info."""
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     models = iter([SmallUNet() for _ in range(6)])
     example = (torch.randn(1, 3, 16, 16), torch.randn(1, 128))

@@ -13,6 +13,7 @@ operator's backward applied to ``g``: XLA drops the forward, and the row times t
 alone. Only imported where jax is installed.
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class JaxCase:
     jax: Callable[[], object] | None
     check: Callable[[], None]
     target: str
+    note: str = ""
 
 
 def _randn(shape, seed, dtype=np.float32):
@@ -139,16 +141,53 @@ def _roi_align_case(input_shape, num_boxes, target):
     )
 
 
+def _sharded_case(shape, output_size, target):
+    """J9 (issue 47): J1's operator, forward + backward (``sum(f(x) ** 2)``), with the batch
+    sharded over two CPU devices, against the same program on one device; ``check()`` asserts
+    the gradient is bitwise the one-device one, sharded like x, and that the compiled program
+    has no collective. None with fewer than two devices (``python3 -m bench`` starts JAX with
+    two: ``XLA_FLAGS=--xla_force_host_platform_device_count=2``)."""
+    if jax.device_count() < 2:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = _randn(shape, 21)
+    step = jax.jit(jax.grad(lambda x: jnp.sum(fj.upsample_bilinear2d(x, output_size) ** 2)))
+    one = jax.device_put(x, jax.devices()[0])
+    split = jax.device_put(x, NamedSharding(mesh, PartitionSpec("batch")))
+    text = step.lower(split).compile().as_text()
+    gathers = len(re.findall(r" all-gather(?:-start)?\(", text))
+    others = len(re.findall(r" (?:all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", text))
+
+    def check():
+        expected, actual = step(one), step(split)
+        assert np.array_equal(np.asarray(actual), np.asarray(expected)), "J9: the sharded gradient differs"
+        assert actual.sharding.is_equivalent_to(split.sharding, x.ndim), f"J9: gradient sharded {actual.sharding}"
+        assert gathers == others == 0, f"J9: {gathers} all-gathers and {others} other collectives"
+
+    return JaxCase(
+        "J9",
+        f"J1 forward + backward, batch {shape} split over 2 CPU devices, against 1 device",
+        _ready(step, split),
+        _ready(step, one),
+        check,
+        target,
+        note=f"{gathers} all-gathers, {others} other collectives",
+    )
+
+
 def _operator_cases(quick):
     """J1-J6 (forward + backward) and J1b-J6b (backward only: issue 15's table, J1r against JAX's
     own resize, the same map for a x2 upsample without align_corners, and issue 39's tiny J6)."""
     if quick:
+        # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, pad, norm, roi = (
-            (2, 8, 16, 16),
-            (2, 8, 14, 14),
-            (2, 8, 16, 16),
-            ((2, 64, 8, 8), 32),
-            ((2, 16, 25, 38), 32),
+            (4, 16, 64, 64),
+            (4, 64, 56, 56),
+            (4, 32, 64, 64),
+            ((4, 128, 32, 32), 32),
+            ((2, 64, 50, 76), 128),
         )
     else:
         up, pool, pad, norm, roi = (
@@ -252,12 +291,14 @@ def _input(id, up, pool, pad):
 
 def cases(quick=False):
     """Every JAX row: J1-J6 and their backward-only rows, the libraries' models reached by
-    fastbwd.jax.reach (J7 Flax, J8 Equinox, issue 47) with J7's layers one by one (J7a-J7f), and
-    the channels-last drop-ins against the calls they replace (J10, J11); ``quick`` uses small
-    shapes."""
-    from . import jax_models
+    fastbwd.jax.reach (J7 Flax, J8 Equinox, issue 47) with J7's layers one by one (J7a-J7f), the
+    channels-last drop-ins against the calls they replace (J10, J11) and, with two devices, J9
+    (issue 47: J1 sharded over them); ``quick`` uses small shapes."""
+    from . import jax_model_cases
 
-    return _operator_cases(quick) + jax_models.cases(quick)
+    up = (4, 16, 64, 64) if quick else (8, 64, 64, 64)
+    sharded = [case for case in [_sharded_case(up, (2 * up[2], 2 * up[3]), ">= 1.6x")] if case is not None]
+    return _operator_cases(quick) + jax_model_cases.cases(quick) + sharded  # J9: two devices
 
 
 def transport_overhead(shape=(1024,), calls=11):

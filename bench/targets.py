@@ -13,6 +13,8 @@ import re
 
 #: ``>= 5x``, ``>= 1.5x``, ``≥ 1.0×`` (anywhere in the text: "every pair fused; >= 1.0x" too).
 _AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*(?:x|×)")
+#: ``overhead <= 1 us``: a prepared call's microseconds over its bare kernel call (issue 46).
+_OVERHEAD_AT_MOST = re.compile(r"overhead\s*(?:<=|≤)\s*(\d+(?:\.\d+)?)\s*(?:us|µs)")
 
 MET, MISSED, UNTRUSTED = "met", "missed", "not trustworthy"
 
@@ -25,6 +27,12 @@ STALL_LIMIT = 2.0
 def threshold(target):
     """The speed-up ``target`` asks for, or None when it asks for none."""
     match = _AT_LEAST.search(target or "")
+    return float(match.group(1)) if match else None
+
+
+def overhead_limit(target):
+    """The microseconds over the bare kernel call ``target`` allows, or None."""
+    match = _OVERHEAD_AT_MOST.search(target or "")
     return float(match.group(1)) if match else None
 
 
@@ -52,7 +60,11 @@ def verdict(row, max_spread):
         return None
     if noisy(row, max_spread) or stalled(row):
         return UNTRUSTED
-    return MET if row["speedup"] >= limit else MISSED
+    met = row["speedup"] >= limit
+    overhead = overhead_limit(row.get("target"))
+    if overhead is not None and row.get("overhead_us") is not None:
+        met = met and row["overhead_us"] <= overhead
+    return MET if met else MISSED
 
 
 def row_name(row):
@@ -106,7 +118,7 @@ def summarize(rows, max_spread, judge=True):
 
 
 def summary_text(summary, max_spread):
-    """The summary as a paragraph (the main job's last lines and the README's)."""
+    """The summary as a paragraph (the main job's last lines and docs/benchmarks.md's)."""
     judged = len(summary["met"]) + len(summary["missed"]) + len(summary["untrusted"])
     if not summary["judged"]:
         text = "Targets: set for the --full shapes, so a run on small shapes gives them no verdict."
@@ -138,3 +150,110 @@ def summary_text(summary, max_spread):
     else:
         text += f" Every row's spread was within {spread_text(max_spread)}."
     return text
+
+
+# ---- the summary by operator and bridge (the main job's first lines, the README's headline) ----
+
+#: Bridge cases whose baseline is not the plain framework: fastbwd's own NCHW call (T4-NHWC),
+#: fastbwd eager (C3, C5, C7) or PyTorch's kernels eager (C8). Their rows count in their group's
+#: verdicts but not in its speed-up against the framework.
+NOT_AGAINST_THE_FRAMEWORK = ("T4-NHWC", "C3", "C5", "C7", "C8")
+
+#: A row whose fastbwd call takes less than this many milliseconds is a tiny call: Python's
+#: per-call cost (validation, dispatch, the bridge; 5-20 us) decides its ratio, not the kernels.
+#: Its speed-up is summed up apart from the others.
+TINY_MS = 0.1
+
+#: The bridges' groups, in order: (op, variant) of their rows -> (group name, what it is timed against).
+BRIDGES = {
+    ("fastbwd.torch", "autograd"): ("fastbwd.torch", "PyTorch eager"),
+    ("fastbwd.torch", "compiled"): ("torch.compile", "torch.compile without fastbwd"),
+    ("fastbwd.jax", "jit(grad)"): ("fastbwd.jax", "JAX's own gradient"),
+    ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's own ops"),
+}
+
+
+def group_of(row):
+    """The summary group of ``row`` (an operator's name or a bridge's), or None for rows outside
+    the summary (per-call transport and routing costs, which have no speed-up)."""
+    if (row["op"], row["variant"]) in BRIDGES:
+        return BRIDGES[row["op"], row["variant"]][0]
+    if row["op"].startswith("fastbwd"):
+        return None
+    return row["op"]
+
+
+def against_the_framework(row):
+    """The row times fastbwd against PyTorch or JAX themselves (not fastbwd's other layout, a
+    serial loop, or the same kernels eager)."""
+    if row.get("speedup") is None or row["case"] in NOT_AGAINST_THE_FRAMEWORK:
+        return False
+    baseline = row.get("baseline") or ""
+    return baseline.startswith(("torch", "jax")) or row["variant"] == "compiled"
+
+
+def group_summaries(rows, max_spread, judge=True):
+    """One dict per group, operators first (in the rows' order), then the bridges: ``name``,
+    ``against`` (what its speed-ups are measured against), ``rows``, ``speedups`` (its rows
+    against the framework taking at least :data:`TINY_MS`, noisy and stalled ones left out),
+    ``tiny`` (those taking less), ``met``, ``missed``, ``untrusted`` (verdict counts; zero when
+    ``judge`` is False) and ``unsure`` (rows noisy or stalled, whatever their target)."""
+    groups = {}
+    for row in rows:
+        name = group_of(row)
+        if name is None:
+            continue
+        bridge = BRIDGES.get((row["op"], row["variant"]))
+        group = groups.setdefault(
+            name,
+            dict(name=name, against=bridge[1] if bridge else "PyTorch", bridge=bridge is not None, rows=0)
+            | dict(speedups=[], tiny=[])
+            | {MET: 0, MISSED: 0, UNTRUSTED: 0, "unsure": 0},
+        )
+        group["rows"] += 1
+        trustworthy = not (noisy(row, max_spread) or stalled(row))
+        if against_the_framework(row) and trustworthy:
+            group["tiny" if row["ms"] < TINY_MS else "speedups"].append(row["speedup"])
+        outcome = verdict(row, max_spread) if judge else None
+        if outcome:
+            group[outcome] += 1
+        if not trustworthy:
+            group["unsure"] += 1
+    return sorted(groups.values(), key=lambda group: group["bridge"])
+
+
+#: The median speed-up of a group's trustworthy rows (tiny calls aside) above this is "faster",
+#: below its inverse "slower", between them "on par".
+ON_PAR = 1.05
+
+
+def standing(group):
+    """A group's standing against the framework, from its trustworthy rows that are not tiny calls:
+    "faster", "on par", "slower"; or why there is none."""
+    if not group["speedups"]:
+        return "tiny calls only" if group["tiny"] else "no trustworthy row"
+    middle = median(group["speedups"])
+    return "faster" if middle >= ON_PAR else "slower" if middle <= 1 / ON_PAR else "on par"
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def speedups_text(speedups):
+    """``11x (1.7x-14x)``: the median of a group's speed-ups and their range; ``-`` without any."""
+    if not speedups:
+        return "-"
+    if len(speedups) == 1:
+        return speedup_text(speedups[0])
+    return f"{speedup_text(median(speedups))} ({speedup_text(min(speedups))}-{speedup_text(max(speedups))})"
+
+
+def verdicts_text(group, judge=True):
+    """``5 met, 1 missed, 2 not trustworthy`` for a group's targets (``-`` when none or not judged)."""
+    if not judge:
+        return "not judged (small shapes)"
+    parts = [f"{group[key]} {key}" for key in (MET, MISSED, UNTRUSTED) if group[key]]
+    return ", ".join(parts) or "-"

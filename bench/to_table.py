@@ -1,13 +1,14 @@
-"""Turn the main job's JSON (``python3 -m bench --full --json results.json``) into the README's
-Markdown benchmark tables, or put them into the README between its markers.
+"""Turn the main job's JSON (``python3 -m bench --full --json results.json``) into Markdown: the
+README's headline table (one row per operator and per bridge) and the full tables of the
+documentation's benchmarks page, each put between its markers in the files that hold them.
 
 Usage:
-    python bench/to_table.py RESULTS.json                      print the tables
-    python bench/to_table.py RESULTS.json --readme README.md   replace the README's tables with them
+    python bench/to_table.py RESULTS.json                                       print both
+    python bench/to_table.py RESULTS.json --write README.md docs/benchmarks.md  regenerate them in place
 
 ``python3 -m bench --full --publish`` runs the full benchmark, saves ``bench/results.json`` and
-does the second; ``tests/test_readme.py`` checks that the README's tables are this module's
-``table()`` of ``bench/results.json``.
+does the second; ``tests/test_readme.py`` checks that both files hold this module's
+``headline()`` and ``table()`` of ``bench/results.json``.
 """
 
 import argparse
@@ -19,11 +20,16 @@ if not __package__:  # run as a script, python bench/to_table.py: the checkout's
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import targets  # noqa: E402
 
-#: The README's generated region lies between these two lines.
+#: The full tables (docs/benchmarks.md) lie between these two lines.
 BEGIN = (
     "<!-- benchmark tables: generated from bench/results.json by `python3 -m bench --full --publish`; do not edit -->"
 )
 END = "<!-- end of the benchmark tables -->"
+#: The headline table (README.md) lies between these two.
+HEADLINE_BEGIN = (
+    "<!-- headline table: generated from bench/results.json by `python3 -m bench --full --publish`; do not edit -->"
+)
+HEADLINE_END = "<!-- end of the headline table -->"
 
 #: The spread above which a row is not trusted, for results saved before the run recorded its own.
 DEFAULT_MAX_SPREAD = 0.10
@@ -69,7 +75,7 @@ def _spread_cell(row, results):
 
 
 def table(results):
-    """The README's benchmark section (machine line, tables, summary) for ``results``."""
+    """docs/benchmarks.md's tables (machine line, tables, summary) for ``results``."""
     machine = results["machine"]
     max_spread = results.get("max_spread", DEFAULT_MAX_SPREAD)
     size = "small shapes (not --full): " if results.get("quick") else ""
@@ -198,35 +204,92 @@ def table(results):
     return "\n".join(lines)
 
 
-def tables_in(readme):
-    """The generated region of the README text ``readme`` (between :data:`BEGIN` and :data:`END`)."""
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    return readme[start:end].strip("\n")
+def headline(results):
+    """The README's headline: one row per operator and per bridge (the median and range of its
+    speed-ups against PyTorch or JAX, its targets' verdicts) and the machine it ran on."""
+    max_spread = results.get("max_spread", DEFAULT_MAX_SPREAD)
+    judge = not results.get("quick")
+    machine = results["machine"]
+    lines = [
+        f"| operator or bridge | timed against | speed-up: median (range) | tiny calls (< {targets.TINY_MS:g} ms) "
+        "| rows | targets |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for group in targets.group_summaries(results["rows"], max_spread, judge):
+        lines.append(
+            f"| `{group['name']}` | {group['against']} | {targets.speedups_text(group['speedups'])} | "
+            f"{targets.speedups_text(group['tiny'])} | {group['rows']} | {targets.verdicts_text(group, judge)} |"
+        )
+    versions = ", ".join(
+        f"{name} {machine[key]}"
+        for name, key in (("torch", "torch"), ("jax", "jax"), ("numba", "numba"))
+        if machine.get(key)
+    )
+    load = machine.get("load_average")
+    load_text = f"; load average {load[0]:.2f} on {machine['cpus']} CPUs at its start" if load else ""
+    command = "python3 -m bench --full" if judge else "python3 -m bench` (small shapes, not `--full`"
+    lines += [
+        "",
+        f"One `{command}` run on {machine['cpu']}, {machine['threads']} threads ({machine['threading_layer']}); "
+        f"{versions}{load_text}. A row's speed-ups are its cases against PyTorch's or JAX's own code (an "
+        "operator's: its allocating and `out=` calls against PyTorch's), rows marked noisy or stalled left out; a tiny call's, where fastbwd takes less than "
+        f"{targets.TINY_MS:g} ms, is Python's per-call cost rather than the kernels'. The targets include the cases "
+        "against fastbwd's other layout or eager mode. Each case, its baseline and its spread: "
+        "[docs/benchmarks.md](docs/benchmarks.md).",
+    ]
+    return "\n".join(lines)
 
 
-def with_tables(readme, results):
-    """``readme`` with its generated region replaced by ``table(results)``."""
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    return readme[:start] + "\n" + table(results) + "\n" + readme[end:]
+#: Each generated region: its markers and the function of the results that fills it.
+REGIONS = ((HEADLINE_BEGIN, HEADLINE_END, headline), (BEGIN, END, table))
 
 
-def write_readme(readme_path, results):
-    path = Path(readme_path)
-    path.write_text(with_tables(path.read_text(), results))
+def region(text, begin, end):
+    """The generated region of ``text`` between the markers ``begin`` and ``end`` (None when absent)."""
+    if begin not in text:
+        return None
+    return text[text.index(begin) + len(begin) : text.index(end)].strip("\n")
+
+
+def regenerated(text, results):
+    """``text`` with each generated region it holds replaced from ``results``."""
+    for begin, end, make in REGIONS:
+        if begin in text:
+            start, stop = text.index(begin) + len(begin), text.index(end)
+            text = text[:start] + "\n" + make(results) + "\n" + text[stop:]
+    return text
+
+
+def has_region(text):
+    return any(begin in text for begin, _, _ in REGIONS)
+
+
+def write(path, results):
+    """Regenerate the generated regions of the file ``path`` from ``results``."""
+    path = Path(path)
+    text = path.read_text()
+    if not has_region(text):
+        raise ValueError(f"{path} has no generated benchmark table (no line {HEADLINE_BEGIN!r} or {BEGIN!r})")
+    path.write_text(regenerated(text, results))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python bench/to_table.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="the main job's JSON (python3 -m bench --json FILE)")
-    parser.add_argument("--readme", metavar="FILE", help="replace the tables in this README instead of printing them")
+    parser.add_argument(
+        "--write", nargs="+", metavar="FILE", help="regenerate the tables in these files instead of printing them"
+    )
     args = parser.parse_args(argv)
     with open(args.results) as handle:
         results = json.load(handle)
-    if args.readme:
-        write_readme(args.readme, results)
-        print(f"{args.readme}: benchmark tables replaced with those of {args.results}")
-    else:
-        print(table(results))
+    for path in args.write or ():
+        try:
+            write(path, results)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"{path}: benchmark tables regenerated from {args.results}")
+    if not args.write:
+        print(headline(results) + "\n\n" + table(results))
     return 0
 
 

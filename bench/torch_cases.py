@@ -141,14 +141,9 @@ MODULE_SHAPES = [
     ((8, 512, 32, 32), 32),
 ]
 #: small versions of the six (the same ids T6.1-T6.6 and T6f.1-T6f.6)
-MODULE_SHAPES_QUICK = [
-    ((2, 64, 8, 8), 32),
-    ((2, 32, 16, 16), 16),
-    ((2, 128, 4, 4), 32),
-    ((2, 16, 16, 16), 8),
-    ((2, 8, 32, 32), 4),
-    ((2, 128, 8, 8), 32),
-]
+#: The same six shapes with a batch of 2 (the main job's small shapes: the kernels, not the
+#: per-call cost, decide the larger ones; the main job sums up rows under 0.1 ms apart).
+MODULE_SHAPES_QUICK = [((2, *shape[1:]), groups) for shape, groups in MODULE_SHAPES]
 
 
 def _module_case(index, shape, groups, forward_only, target):
@@ -317,12 +312,13 @@ def cases(quick=False):
     """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes), T7 and T8; ``quick``
     uses small shapes."""
     if quick:
+        # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, norm, roi, block = (
-            (2, 8, 16, 16),
-            (2, 8, 14, 14),
-            ((2, 64, 8, 8), 32),
-            ((2, 16, 25, 38), 32),
-            (2, 32, 16),
+            (4, 16, 64, 64),
+            (4, 64, 56, 56),
+            ((4, 128, 32, 32), 32),
+            ((2, 64, 50, 76), 128),
+            (2, 32, 32),
         )
     else:
         up, pool, norm, roi, block = (
@@ -351,9 +347,9 @@ def cases(quick=False):
         *module_cases(quick),
         tiny_module_case(),
         *module_cases(quick, forward_only=True),
-        _unet_training_case(*((2, 16, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
+        _unet_training_case(*((2, 32, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
         _diffusion_unet_case(
-            *((2, 16, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
+            *((2, 32, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
             "every pair fused; >= 1.0x",
         ),
     ]
@@ -374,50 +370,24 @@ class OverheadCase:
 def overhead_cases():
     """The per-call overhead of the routing (issue 11): each routed operator on a tiny input
     (2 x 3 planes of about 10 x 10), where the kernels take a few microseconds."""
-    from fastbwd.torch import _convert
+    arrays, aten = _tiny_inputs()
+    calls = []
+    for id, label, name in _TINY_CALLS:
+        function, arguments = getattr(fastbwd, name), _tiny_arguments(id, arrays)
 
-    A = torch.ops.aten
-    x = _randn((2, 3, 8, 10), 51)
-    grad_input = torch.empty_like(x)
-    out = _convert.as_array(grad_input)
-    up = _randn((2, 3, 16, 20), 52)
-    pool = _randn((2, 3, 4, 5), 53)
-    pad = _randn((2, 3, 10, 14), 54)
-    # the direct calls get arrays, as a NumPy caller has them (viewing is not part of the call)
-    x_array, up_array, pool_array, pad_array = map(_convert.as_array, (x, up, pool, pad))
-    calls = [
-        (
-            "O1",
-            "upsample_bilinear2d_backward (2,3,16,20) -> (2,3,8,10)",
-            lambda: A.upsample_bilinear2d_backward.grad_input(
-                up, [16, 20], [2, 3, 8, 10], False, None, None, grad_input=grad_input
-            ),
-            lambda: fastbwd.upsample_bilinear2d_backward(up_array, [16, 20], [2, 3, 8, 10], False, None, None, out=out),
-        ),
-        (
-            "O2",
-            "avg_pool2d_backward k3 s2 p1, input (2,3,8,10)",
-            lambda: A.avg_pool2d_backward.grad_input(
-                pool, x, [3, 3], [2, 2], [1, 1], False, True, None, grad_input=grad_input
-            ),
-            lambda: fastbwd.avg_pool2d_backward(pool_array, x_array, [3, 3], [2, 2], [1, 1], False, True, 0, out=out),
-        ),
-        (
-            "O3",
-            "replication_pad2d_backward pad (2,2,1,1), input (2,3,8,10)",
-            lambda: A.replication_pad2d_backward.grad_input(pad, x, [2, 2, 1, 1], grad_input=grad_input),
-            lambda: fastbwd.replication_pad2d_backward(pad_array, x_array, [2, 2, 1, 1], out=out),
-        ),
-    ]
-    return [OverheadCase(*call) for call in calls]
+        def direct(function=function, arguments=arguments, out=arrays["out"]):
+            return function(*arguments, out=out)
+
+        calls.append(OverheadCase(id, label, aten[id], direct))
+    return calls
 
 
-def direct_cases():
-    """O4 and O5 (issue 39): a warm direct call of fastbwd's GroupNorm+Swish forward and backward
-    on :data:`TINY_MODULE_SHAPE` (NumPy arrays, as a NumPy caller has them), against PyTorch's
-    own ops on the same values: ``native_group_norm`` + ``silu``, and ``silu_backward`` +
-    ``native_group_norm_backward`` from the forward's output, as autograd runs them (fastbwd's
-    backward recomputes that output). All three gradients both ways."""
+def _group_norm_swish_tiny():
+    """O4's and O5's inputs (:data:`TINY_MODULE_SHAPE`: NumPy arrays, as a NumPy caller has
+    them, and the same values as tensors) and PyTorch's own ops on them: ``native_group_norm`` +
+    ``silu``, and ``silu_backward`` + ``native_group_norm_backward`` from the forward's output,
+    as autograd runs them (fastbwd's backward recomputes that output). All three gradients both
+    ways. Returns ``(forward arrays, backward arrays, groups, torch_forward, torch_backward)``."""
     A = torch.ops.aten
     shape, groups = TINY_MODULE_SHAPE
     batch, channels, positions = shape[0], shape[1], shape[2] * shape[3]
@@ -437,27 +407,37 @@ def direct_cases():
             grad, x, mean, rstd, gamma, batch, channels, positions, groups, [True, True, True]
         )
 
+    return (x_a, gamma_a, beta_a), (dy_a, mean_a, rstd_a, x_a, gamma_a, beta_a), groups, torch_forward, torch_backward
+
+
+def _checked(id, fastbwd_call, torch_call):
+    def check():
+        results = [torch.from_numpy(a).reshape(e.shape) for a, e in zip(fastbwd_call(), torch_call())]
+        _assert_close(results, torch_call(), 1e-4, 1e-5, id)
+
+    return check
+
+
+def direct_cases():
+    """O1-O3 (:func:`tiny_direct_cases`), and O4 and O5 (issue 39): a warm direct call of
+    fastbwd's GroupNorm+Swish forward and backward on :data:`TINY_MODULE_SHAPE` against
+    PyTorch's own ops on the same values (:func:`_group_norm_swish_tiny`)."""
+    forward_arrays, backward_arrays, groups, torch_forward, torch_backward = _group_norm_swish_tiny()
+
     def fastbwd_forward():
-        return fastbwd.group_norm_swish(x_a, gamma_a, beta_a, groups)
+        return fastbwd.group_norm_swish(*forward_arrays, groups)
 
     def fastbwd_backward():
-        return fastbwd.group_norm_swish_backward(dy_a, mean_a, rstd_a, x_a, gamma_a, beta_a, groups)
+        return fastbwd.group_norm_swish_backward(*backward_arrays, groups)
 
-    def checked(id, fastbwd_call, torch_call):
-        def check():
-            results = [torch.from_numpy(a).reshape(e.shape) for a, e in zip(fastbwd_call(), torch_call())]
-            _assert_close(results, torch_call(), 1e-4, 1e-5, id)
-
-        return check
-
-    where = f"{shape}, {groups} groups"
-    return [
+    where = f"{TINY_MODULE_SHAPE[0]}, {groups} groups"
+    return tiny_direct_cases() + [
         TorchCase(
             "O4",
             f"group_norm_swish {where} vs native_group_norm + silu",
             fastbwd_forward,
             torch_forward,
-            checked("O4", fastbwd_forward, torch_forward),
+            _checked("O4", fastbwd_forward, torch_forward),
             ">= 1.0x",
         ),
         TorchCase(
@@ -465,10 +445,144 @@ def direct_cases():
             f"group_norm_swish_backward {where} vs silu_backward + native_group_norm_backward",
             fastbwd_backward,
             torch_backward,
-            checked("O5", fastbwd_backward, torch_backward),
+            _checked("O5", fastbwd_backward, torch_backward),
             ">= 1.0x",
         ),
     ]
+
+
+def _tiny_inputs():
+    """The tiny inputs of the O rows (issue 46's table): PyTorch tensors and, for fastbwd, NumPy
+    arrays over the same memory (as a NumPy caller has them), and the aten calls of each."""
+    from fastbwd.torch import _convert
+
+    A = torch.ops.aten
+    x = _randn((2, 3, 8, 10), 51)
+    grad_input = torch.empty_like(x)
+    up, pool, pad = _randn((2, 3, 16, 20), 52), _randn((2, 3, 4, 5), 53), _randn((2, 3, 10, 14), 54)
+    arrays = dict(zip(("x", "out", "up", "pool", "pad"), map(_convert.as_array, (x, grad_input, up, pool, pad))))
+    aten = {
+        "O1": lambda: A.upsample_bilinear2d_backward.grad_input(
+            up, [16, 20], [2, 3, 8, 10], False, None, None, grad_input=grad_input
+        ),
+        "O2": lambda: A.avg_pool2d_backward.grad_input(
+            pool, x, [3, 3], [2, 2], [1, 1], False, True, None, grad_input=grad_input
+        ),
+        "O3": lambda: A.replication_pad2d_backward.grad_input(pad, x, [2, 2, 1, 1], grad_input=grad_input),
+    }
+    return arrays, aten
+
+
+#: The O rows' fastbwd calls: (id, label, function, its arguments but ``out``), on _tiny_inputs' arrays.
+_TINY_CALLS = (
+    ("O1", "upsample_bilinear2d_backward (2,3,16,20) -> (2,3,8,10)", "upsample_bilinear2d_backward"),
+    ("O2", "avg_pool2d_backward k3 s2 p1, input (2,3,8,10)", "avg_pool2d_backward"),
+    ("O3", "replication_pad2d_backward pad (2,2,1,1), input (2,3,8,10)", "replication_pad2d_backward"),
+)
+
+
+def _tiny_arguments(id, a):
+    return {
+        "O1": (a["up"], [16, 20], [2, 3, 8, 10], False, None, None),
+        "O2": (a["pool"], a["x"], [3, 3], [2, 2], [1, 1], False, True, 0),
+        "O3": (a["pad"], a["x"], [2, 2, 1, 1]),
+    }[id]
+
+
+def tiny_direct_cases():
+    """O1-O3 (issue 46): a warm direct call of each routed operator's fastbwd function on its
+    tiny input, with ``out=`` (:func:`overhead_cases`' direct calls), against PyTorch's own
+    ``.grad_input`` op on the same values (the routing disabled, as it is in the main job)."""
+    result = []
+    for case in overhead_cases():
+
+        def check(case=case):
+            assert not ft.is_enabled(), "the baseline must be PyTorch's own kernel"
+            _assert_close([torch.from_numpy(case.direct().copy())], [case.aten()], 1e-5, 1e-6, case.id)
+
+        label = f"{case.label} vs PyTorch's .grad_input op"
+        result.append(TorchCase(case.id, label, case.direct, case.aten, check, ">= 1.0x"))
+    return result
+
+
+@dataclass
+class PreparedCase:
+    """A prepared call (``function.prepare``) on a tiny input against PyTorch's own op(s), and
+    the bare kernel call it ends in (the kernels' plan's ``run`` on the kernel operands and
+    result views it was last given): what the prepared call adds is their difference."""
+
+    id: str
+    label: str
+    fastbwd: Callable[[], object]
+    torch: Callable[[], object]
+    kernel: Callable[[], object]
+    check: Callable[[], None]
+    target: str
+
+
+def bare_kernel(prepared, *arrays, **kwargs):
+    """A zero-argument call of ``prepared``'s kernels' plan on the arguments its ``run`` gave
+    them in one call of ``prepared(*arrays, **kwargs)`` (the same operands, the same result
+    memory): the kernel call alone, what no Python layer can avoid."""
+    kernels = prepared.plan.kernels
+    kind = type(kernels)
+    original = kind.run
+    captured = []
+
+    def capture(self, *args):
+        captured.append(args)
+        return original(self, *args)
+
+    kind.run = capture
+    try:
+        prepared(*arrays, **kwargs)
+    finally:
+        kind.run = original
+    (args,) = captured
+    return lambda: kernels.run(*args)
+
+
+def prepared_cases():
+    """O1p-O5p (issue 46): each O row's call prepared once (``function.prepare``, aclnn's
+    two-phase call) and then run on its arrays, against the same PyTorch op(s); the target is
+    2x PyTorch and at most 1 us over the bare kernel call."""
+    arrays, aten = _tiny_inputs()
+    result = []
+    target = ">= 2x; overhead <= 1 us"
+    for id, label, name in _TINY_CALLS:
+        arguments = _tiny_arguments(id, arrays)
+        prepared = getattr(fastbwd, name).prepare(*arguments, out=arrays["out"])
+        taken = tuple(a for a in arguments if isinstance(a, type(arrays["out"])))
+
+        def call(prepared=prepared, taken=taken, out=arrays["out"]):
+            return prepared(*taken, out=out)
+
+        def check(call=call, torch_call=aten[id], id=id):
+            _assert_close([torch.from_numpy(call().copy())], [torch_call()], 1e-5, 1e-6, id + "p")
+
+        kernel = bare_kernel(prepared, *taken, out=arrays["out"])
+        result.append(PreparedCase(id + "p", f"{label}, prepared", call, aten[id], kernel, check, target))
+    forward_arrays, backward_arrays, groups, torch_forward, torch_backward = _group_norm_swish_tiny()
+    where = f"{TINY_MODULE_SHAPE[0]}, {groups} groups"
+    for id, function, arrays, torch_call, label in (
+        ("O4p", fastbwd.group_norm_swish, forward_arrays, torch_forward, "vs native_group_norm + silu"),
+        (
+            "O5p",
+            fastbwd.group_norm_swish_backward,
+            backward_arrays,
+            torch_backward,
+            "vs silu_backward + native_group_norm_backward",
+        ),
+    ):
+        prepared = function.prepare(*arrays, groups)
+
+        def call(prepared=prepared, arrays=arrays):
+            return prepared(*arrays)
+
+        label = f"{function.__name__} {where}, prepared, {label}"
+        kernel = bare_kernel(prepared, *arrays)
+        result.append(PreparedCase(id, label, call, torch_call, kernel, _checked(id, call, torch_call), target))
+    return result
 
 
 def measure_overhead(case, calls=2000):
@@ -511,12 +625,12 @@ def measure_overhead(case, calls=2000):
 
 
 def _unet_training_case(batch, size, channels, groups, target):
-    """T7: a training step of the small UNet of bench/torch_unet.py (GroupNorm +
+    """T7: a training step of the small UNet of bench/models/torch_unet.py (GroupNorm +
     SiLU inside its blocks' forward()), plain PyTorch vs ``fuse_group_norm_swish`` + ``enabled()``
     (bilinear upsampling and avg-pool backward routed to fastbwd)."""
     import copy
 
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     torch.manual_seed(71)
     plain = SmallUNet(3, channels, 64, groups)
@@ -549,14 +663,14 @@ def _unet_training_case(batch, size, channels, groups, target):
 
 
 def _diffusion_unet_case(batch, size, config, target):
-    """T8 (issue 37): a training step of the UNet of bench/torch_diffusion.py, written as diffusion
+    """T8 (issue 37): a training step of the UNet of bench/models/torch_diffusion.py, written as diffusion
     libraries write theirs (resnet blocks with ``*args, **kwargs``, one shared SiLU, a shape
     branch, attention, a top-level forward symbolic tracing cannot run), plain PyTorch vs
     ``fuse_group_norm_swish`` (one example forward) + ``enabled()``. Every GroupNorm -> SiLU pair
     must be fused (all but the attention's GroupNorm)."""
     import copy
 
-    from . import torch_diffusion as D
+    from .models import torch_diffusion as D
 
     config = {**D.T8_CONFIG, **config}
     plain = D.t8_model(81, **config)
@@ -827,7 +941,7 @@ def compile_cases(quick=False):
     compiled call, against the same models compiled without fastbwd (C3: run eagerly with
     fastbwd; C5 and C7: ``roi_align`` and ``GroupNormSwish`` compiled against eager; C8: C7's
     structure with PyTorch's own kernels, no fastbwd); ``quick`` uses small shapes."""
-    from .torch_unet import SmallUNet
+    from .models.torch_unet import SmallUNet
 
     if quick:
         up, pool, decoder, norm, roi, unet = (

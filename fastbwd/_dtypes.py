@@ -11,9 +11,13 @@ The one place that knows how a user's array becomes something a kernel can take:
   ``out=`` after checking it.
 """
 
+import math
+from typing import NamedTuple
+
 import ml_dtypes
 import numpy as np
 
+from . import _result_cache
 from . import _validation as v
 from ._result_cache import empty
 from .kernels import BFLOAT16, FLOAT16, NATIVE
@@ -106,6 +110,39 @@ def physical(array, layout):
     return np.ascontiguousarray(array)
 
 
+def layout_views(func, layout, grad_output, input, out):
+    """A ``layout=`` argument of avg-pool's and pad's kind (arrays NHWC-ordered or not):
+    ``(nhwc, grad_output, input, out)``, NHWC-ordered arguments as their NCHW views, which the
+    checks then read as any channels-last NCHW call's."""
+    nhwc = v.layout(func, layout, grad_output) == NHWC
+    if nhwc:
+        grad_output, input, out = nchw_views(grad_output, input, out)
+    return nhwc, grad_output, input, out
+
+
+def grad_input(nhwc, input_shape, dtype, layout, user_grad_output, grad_output):
+    """``(results, source)`` of avg-pool's and pad's plans: the grad_input :class:`Result` (a
+    C-contiguous ``(N, H, W, C)`` array for a ``layout="NHWC"`` call) and the :class:`Operand`
+    of grad_output (``user_grad_output``: as given; ``grad_output``: its NCHW view)."""
+    if nhwc:
+        return (nhwc_result(input_shape, dtype),), operand(user_grad_output)
+    return (result(input_shape, dtype, layout),), operand(grad_output, layout)
+
+
+def nchw_views(*arrays):
+    """NHWC-ordered arguments (``layout="NHWC"``: arrays ``(N, H, W, C)`` or shapes) as their NCHW
+    views (channels-last strides) or shapes; anything else (None, an array of another rank: the
+    checks refuse it) as it is."""
+    views = []
+    for value in arrays:
+        if isinstance(value, np.ndarray) and value.ndim == 4:
+            value = value.transpose(0, 3, 1, 2)
+        elif isinstance(value, (tuple, list)) and len(value) == 4:
+            value = type(value)((value[0], value[3], value[1], value[2]))
+        views.append(value)
+    return views
+
+
 def logical(array, layout):
     """The NCHW view of a physical NHWC array (identity for NCHW)."""
     if layout == NHWC:
@@ -114,7 +151,64 @@ def logical(array, layout):
 
 
 # --------------------------------------------------------------------------------------------
-# outputs
+# kernel operands: how an input array becomes what a kernel takes (decided by its metadata)
+# --------------------------------------------------------------------------------------------
+
+
+class Operand(NamedTuple):
+    """How a plan hands an input array to its kernels: transposed to the physical layout, copied
+    when that view is not C-contiguous (or to another dtype), reshaped, and half formats viewed
+    as ``uint16``. Decided from the array's metadata, which the plan's key holds."""
+
+    axes: tuple  # the transpose to the physical layout (channels-last NCHW -> NHWC), or None
+    copy: bool  # a C-contiguous copy is made (after the transpose)
+    dtype: np.dtype  # the copy's dtype (a parameter converted to the compute type), or None
+    shape: tuple  # the shape the kernels take it in, or None
+    half: bool  # float16 or bfloat16: passed as uint16
+
+
+def operand(array, layout=NCHW, dtype=None, shape=None):
+    """The :class:`Operand` of ``array`` for kernels reading it in ``layout`` (``dtype``: converted
+    to it when it differs; ``shape``: reshaped to it), or None when it is taken as it is."""
+    axes = (0, 2, 3, 1) if layout == NHWC else None
+    view = array if axes is None else array.transpose(axes)
+    if dtype is not None and array.dtype == dtype:
+        dtype = None
+    copy = dtype is not None or not view.flags.c_contiguous
+    if shape is not None and tuple(shape) == array.shape:
+        shape = None
+    half = (dtype or array.dtype) in _FORMATS
+    if axes is None and not copy and shape is None and not half:
+        return None
+    return Operand(axes, copy, dtype, shape, half)
+
+
+def kernel_operand(array, how):
+    """``array`` as the kernels take it (``how``: its :class:`Operand`, or None: as it is)."""
+    if how is None:
+        return array
+    if how.axes is not None:
+        array = array.transpose(how.axes)
+    if how.copy:
+        array = np.ascontiguousarray(array, dtype=how.dtype)
+    if how.shape is not None:
+        array = array.reshape(how.shape)
+    return array.view(np.uint16) if how.half else array
+
+
+def operands(*each):
+    """The :class:`Operand` (or None) of each of several arrays, or None when every one is None
+    (the arrays are then taken as they are, without a call per array)."""
+    return None if all(how is None for how in each) else each
+
+
+def kernel_operands(arrays, hows):
+    """:func:`kernel_operand` of each of ``arrays`` (``hows``: from :func:`operands`)."""
+    return arrays if hows is None else tuple(map(kernel_operand, arrays, hows))
+
+
+# --------------------------------------------------------------------------------------------
+# results: the one allocation path
 # --------------------------------------------------------------------------------------------
 
 
@@ -125,25 +219,78 @@ def _physical_shape(shape, layout):
     return tuple(shape)
 
 
-def output(func, out, shape, dtype, layout=NCHW, *, inputs=(), param="out", checked=False):
-    """The result array (logical shape ``shape``) and its physical C-contiguous view for the kernel.
+def _contiguous_strides(shape, itemsize):
+    """NumPy's strides of a new C-contiguous array of ``shape``."""
+    strides = []
+    step = itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size or 1
+    return tuple(reversed(strides))
 
-    Without ``out`` a new array is allocated (:func:`empty`: the kernel writes every element). With ``out``
-    it must be a writeable ndarray of exactly that shape, dtype and layout (:func:`check_out`;
-    ``checked=True`` when the caller's plan has checked exactly this metadata already) that
-    does not overlap any of ``inputs``; it is checked completely before anything is written.
-    Returns ``(result, physical_view)``.
-    """
+
+class Result(NamedTuple):
+    """One result of a call as its plan decided it: allocated C-contiguous in its physical layout
+    (or taken from ``out=``) and handed to the kernels as that physical array."""
+
+    shape: tuple  # the result's shape
+    dtype: np.dtype
+    layout: str  # NCHW, or NHWC: a 4-D NCHW-shaped result with channels-last strides
+    param: str  # the ``out=`` entry's name in messages
+    physical: tuple  # the C-contiguous shape allocated
+    metadata: tuple  # ``(shape, strides, dtype)`` of such an array: what an ``out=`` entry has
+    half: bool  # the kernels take it as uint16
+    small: bool  # below the result cache's floor: ``np.empty`` directly
+
+
+def result(shape, dtype, layout=NCHW, param="out"):
+    """The :class:`Result` of a ``shape`` and ``dtype`` result in ``layout``."""
+    dtype = np.dtype(dtype)
+    shape = tuple(shape)
+    physical = _physical_shape(shape, layout)
+    strides = _contiguous_strides(physical, dtype.itemsize)
+    if layout == NHWC:
+        strides = (strides[0], strides[3], strides[1], strides[2])
+    small = math.prod(physical) * dtype.itemsize < _result_cache.SMALLEST
+    return Result(shape, dtype, layout, param, physical, (shape, strides, dtype), dtype in _FORMATS, small)
+
+
+def nhwc_result(shape, dtype):
+    """The :class:`Result` of a ``layout="NHWC"`` call whose result has the NCHW ``shape``: a
+    C-contiguous ``(N, H, W, C)`` array (the kernels' physical NHWC array itself)."""
+    n, c, h, w = shape
+    return result((n, h, w, c), dtype)
+
+
+def allocate(func, spec, out, names, inputs):
+    """``(result, kernel view)`` of one :class:`Result`: a new array (:func:`empty`: the kernels
+    write every element), or ``out`` (its metadata already checked, by the plan's key or a
+    prepared call) after checking that it overlaps none of ``inputs`` (arrays or None), whose
+    names are ``names``."""
     if out is None:
-        phys = empty(_physical_shape(shape, layout), dtype)
-        return logical(phys, layout), phys
-    if not checked:
-        check_out(func, out, shape, dtype, layout, param=param)
-    phys = out.transpose(0, 2, 3, 1) if layout == NHWC else out
-    for name, array in inputs:
-        if array is not None and _overlaps(out, array):
-            v.fail(func, param, f"must not overlap {name}", "overlapping memory")
-    return out, phys
+        phys = np.empty(spec.physical, spec.dtype) if spec.small else empty(spec.physical, spec.dtype)
+        array = phys if spec.layout == NCHW else phys.transpose(0, 3, 1, 2)
+    else:
+        for name, other in zip(names, inputs):
+            if other is not None and _overlaps(out, other):
+                v.fail(func, spec.param, f"must not overlap {name}", "overlapping memory")
+        array = out
+        phys = out if spec.layout == NCHW else out.transpose(0, 2, 3, 1)
+    return array, (phys.view(np.uint16) if spec.half else phys)
+
+
+def allocate_all(func, specs, entries, names, inputs):
+    """:func:`allocate` of several results (``entries``: the ``out=`` array or None of each);
+    each given one must not overlap ``inputs`` nor an earlier result either."""
+    arrays, views = [], []
+    names, inputs = list(names), list(inputs)
+    for spec, entry in zip(specs, entries):
+        array, view = allocate(func, spec, entry, names, inputs)
+        names.append(spec.param)
+        inputs.append(array)
+        arrays.append(array)
+        views.append(view)
+    return arrays, views
 
 
 def check_out(func, out, shape, dtype, layout=NCHW, *, param="out"):

@@ -110,6 +110,8 @@ def _from_torch(value):
 
 def as_array(func, param, value):
     """``value`` as a NumPy array of numbers (no copy where NumPy can avoid one)."""
+    if type(value) is np.ndarray and value.dtype.kind in "biufc":  # the common case, first
+        return value
     require(func, param, value)
     array = _from_torch(value)
     if array is None:
@@ -266,6 +268,19 @@ def choice(func, param, value, options):
     require(func, param, value)
     if not isinstance(value, str) or value not in options:
         fail(func, param, f"must be one of {', '.join(repr(o) for o in options)}", describe(value))
+    return value
+
+
+#: The ``layout=`` argument of every function (docs/semantics.md §0.1): the axis order of its
+#: arrays, channels at axis 1 or last.
+LAYOUTS = ("NCHW", "NHWC")
+
+
+def layout(func, value, array=None, param="grad_output"):
+    """A ``layout=`` argument: "NCHW" or "NHWC"; "NHWC" needs ``array`` (named ``param``) 4-D."""
+    value = choice(func, "layout", value, LAYOUTS)
+    if value == "NHWC" and array is not None and array.ndim != 4:
+        fail(func, param, "must be 4-D with layout='NHWC'", f"{array.ndim}-D with shape {tuple(array.shape)}")
     return value
 
 

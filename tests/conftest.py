@@ -3,7 +3,9 @@ determinism check and the error matcher (``from conftest import ...``); input bu
 with the benchmarks come from ``bench/inputs.py``."""
 
 import contextlib
+import functools
 import re
+import warnings
 
 import ml_dtypes
 import numba
@@ -94,3 +96,35 @@ def raises_param_error(match, *, status=ACLNN_ERR_PARAM_INVALID, param=None):
         assert isinstance(error, ValueError) and isinstance(error, TypeError)
     else:
         raise AssertionError(f"no ParamError raised (expected one matching {match!r})")
+
+
+def pytorch_deprecation(api):
+    """What a test calling PyTorch's deprecated ``api`` (``"torch.jit.script"`` or
+    ``"torch.jit.trace"``) expects: ``pytest.warns`` of the warning PyTorch gives each call, on
+    the releases that give one (2.13: a DeprecationWarning, 2.14: a FutureWarning), nothing on
+    older ones; the API's own parts too (tracing a module warns of ``torch.jit.trace_method``).
+    Any other warning still fails the test."""
+    category = _deprecation_category(api)
+    if category is None:
+        return contextlib.nullcontext()
+    return pytest.warns(category, match=rf"^`{re.escape(api)}\w*` is")
+
+
+@functools.cache
+def _deprecation_category(api):
+    """The category of the warning ``api`` gives on a trivial function, or None: asked of the
+    installed PyTorch once (the release, not its version string, says whether it warns)."""
+    import torch
+
+    def trivial(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    calls = {
+        "torch.jit.script": lambda: torch.jit.script(trivial),
+        "torch.jit.trace": lambda: torch.jit.trace(trivial, torch.zeros(1)),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calls[api]()
+    categories = [w.category for w in caught if str(w.message).startswith(f"`{api}` is")]
+    return categories[0] if categories else None

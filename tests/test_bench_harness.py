@@ -123,10 +123,13 @@ def test_noisy_calls_run_until_the_budget_and_show_a_wide_spread():
     start = time.perf_counter()
     result = timing.alternating_rounds([erratic], [(0, None)], settings)
     assert not result.settled and time.perf_counter() - start < 2.0
-    assert timing.spread(result.series(0)) > 0.5
+    # half the interquartile range over the median: about 0.9 when the median falls between a fast
+    # and a slow call, (0.01 - 0.0005) / 2 / 0.01 = 0.475 when an odd count puts it on a slow one
+    # (the bound 0.5 failed so in CI); either way far wider than the 10% that marks a row noisy
+    assert timing.spread(result.series(0)) > 0.3
 
 
-# ---- the README's tables -------------------------------------------------------------------
+# ---- the published tables -------------------------------------------------------------------
 
 
 def _results(quick=False):
@@ -160,12 +163,45 @@ def test_table_shows_spreads_verdicts_warnings_and_the_summary():
     assert "small shapes" in quick and ">= 5x (at full size)" in quick and ": met" not in quick
 
 
-def test_with_tables_replaces_only_the_generated_region():
-    readme = f"# title\\n\\nbefore\\n\\n{to_table.BEGIN}\\nold table\\n{to_table.END}\\n\\nafter\\n"
-    new = to_table.with_tables(readme, _results())
-    assert new.startswith("# title\\n\\nbefore\\n\\n") and new.endswith(f"{to_table.END}\\n\\nafter\\n")
-    assert to_table.tables_in(new) == to_table.table(_results())
-    assert to_table.with_tables(new, _results()) == new  # idempotent
+def test_regenerated_replaces_only_the_generated_regions():
+    for begin, end, make in to_table.REGIONS:
+        page = f"# title\\n\\nbefore\\n\\n{begin}\\nold table\\n{end}\\n\\nafter\\n"
+        new = to_table.regenerated(page, _results())
+        assert new.startswith("# title\\n\\nbefore\\n\\n") and new.endswith(f"{end}\\n\\nafter\\n")
+        assert to_table.region(new, begin, end) == make(_results())
+        assert to_table.regenerated(new, _results()) == new  # idempotent
+    assert not to_table.has_region("# no tables\\n")
+
+
+def test_headline_has_a_row_per_operator_and_bridge():
+    text = to_table.headline(_results())
+    # the pad's rows against PyTorch: 6x, and 2x noisy and stalled (left out of the speed-up); one target met,
+    # one not trustworthy; a direct call of 7.5 us is a tiny call, its ratio Python's per-call cost
+    assert "| `replication_pad2d_backward` | PyTorch | 6.00x | - | 2 | 1 met, 1 not trustworthy |" in text
+    assert "| `fastbwd.torch` | PyTorch eager | 0.90x | - | 1 | 1 missed |" in text
+    assert "| `tiny direct calls` | PyTorch's own ops | - | 0.80x | 1 | 1 missed |" in text
+    assert (
+        "One `python3 -m bench --full` run on CPU, 2 threads (omp); torch 2, jax 0.1, numba 0; load average 2.50"
+        in text
+    )
+    quick = to_table.headline(_results(quick=True))
+    assert "not judged (small shapes)" in quick and "small shapes, not `--full`" in quick
+
+
+def test_group_standing_uses_trustworthy_rows_that_are_not_tiny_calls():
+    rows = _results()["rows"]
+    groups = {group["name"]: group for group in targets.group_summaries(rows, 0.1)}
+    assert (
+        groups["replication_pad2d_backward"]["speedups"] == [6.0]
+        and groups["replication_pad2d_backward"]["unsure"] == 1
+    )
+    assert targets.standing(groups["replication_pad2d_backward"]) == "faster"
+    assert targets.standing(groups["fastbwd.torch"]) == "slower"  # 0.90x
+    assert targets.standing(groups["tiny direct calls"]) == "tiny calls only"
+    stalled = [row | dict(stall=9.0) for row in rows]
+    assert all(targets.standing(group) == "no trustworthy row" for group in targets.group_summaries(stalled, 0.1))
+    on_par = [rows[0] | dict(speedup=1.02)]
+    assert targets.standing(targets.group_summaries(on_par, 0.1)[0]) == "on par"
 
 
 def test_publish_refuses_a_partial_run(capsys):
@@ -188,15 +224,17 @@ def _environment():
 
 
 @pytest.mark.slow
-def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
-    """The main job's whole path on one operator, into copies: the JSON saved, the copy's
-    tables regenerated from it (what --publish does to bench/results.json and README.md)."""
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
+def test_a_reduced_run_regenerates_copies_of_the_published_tables(tmp_path):
+    """The main job's whole path on one operator, into copies: the JSON saved, the copies'
+    tables regenerated from it (what --publish does to bench/results.json, README.md and
+    docs/benchmarks.md)."""
+    copies = [tmp_path / "README.md", tmp_path / "benchmarks.md"]
+    for name, copy in zip(main_job.PUBLISHED, copies):
+        shutil.copy(ROOT / name, copy)
     saved = tmp_path / "results.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--ops", "replication_pad2d_backward", "--no-jax", "--budget", "0.5",
-         "--json", str(saved), "--readme", str(readme)],
+         "--json", str(saved), "--write", *map(str, copies)],
         cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -205,14 +243,21 @@ def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
     assert all(row["spread"] is not None and row["rounds"] >= 3 and row["stall"] > 0 for row in results["rows"])
     assert results["machine"]["parallel_stall"] > 0 and results["machine"]["load_average"]
     assert len(results["bandwidth_readings_gbps"]) == 3
-    text = readme.read_text()
-    assert to_table.tables_in(text) == to_table.table(results)
-    # everything outside the tables is the README's own
-    original = (ROOT / "README.md").read_text()
-    assert text.split(to_table.BEGIN)[0] == original.split(to_table.BEGIN)[0]
-    assert text.split(to_table.END)[1] == original.split(to_table.END)[1]
-    # the shapes of the small cases, the compile hint once, a summary at the end
-    assert "P1q float32: (2,16,64,64) pad 3" in done.stdout
+    for name, copy, (begin, end, make) in zip(main_job.PUBLISHED, copies, to_table.REGIONS):
+        text, original = copy.read_text(), (ROOT / name).read_text()
+        assert to_table.region(text, begin, end) == make(results)
+        # everything outside the tables is the file's own
+        assert text.split(begin)[0] == original.split(begin)[0]
+        assert text.split(end)[1] == original.split(end)[1]
+    # the report: the machine, its load in one line, the summary, then the rows (the small cases' shapes), the
+    # compile hint once, the targets' paragraph at the end
+    lines = done.stdout.splitlines()
+    machine = next(i for i, line in enumerate(lines) if line.startswith("Machine: "))  # after a shadowing note
+    assert lines[0].startswith("fastbwd ") and machine <= 2 and lines[machine + 2].startswith("Summary (")
+    assert lines[machine + 4].split()[:2] == ["replication_pad2d_backward", "PyTorch"]
+    assert lines[machine + 5].startswith("Checks: 1 of 1 operators match the float64 reference")
+    assert done.stdout.index("Summary (") < done.stdout.index("P1q float32: (4,32,64,64) pad 3")
+    assert "WARNING" not in done.stdout
     assert done.stdout.count("--precompile") == 1
     assert "Targets: set for the --full shapes" in done.stdout
 
@@ -222,12 +267,12 @@ def test_a_reduced_run_regenerates_a_readme_copy(tmp_path):
 
 @pytest.mark.slow
 def test_the_compare_workflow_on_two_smoke_cases(tmp_path):
-    """The README's workflow: save a run with --benchmark-autosave, compare the next one with it
+    """The benchmarks page's workflow: save a run with --benchmark-autosave, compare the next one with it
     (--benchmark-compare), and fail on a regression (--benchmark-compare-fail); in a temporary
     folder, on the small shapes of one case: fastbwd beside its baseline."""
-    readme = (ROOT / "README.md").read_text()  # the workflow the README shows
-    assert "--benchmark-only --benchmark-autosave\n" in readme
-    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in readme
+    page = (ROOT / "docs" / "benchmarks.md").read_text()  # the workflow the benchmarks page shows
+    assert "--benchmark-only --benchmark-autosave\n" in page
+    assert "--benchmark-only --benchmark-compare --benchmark-compare-fail=median:10%\n" in page
     torch_installed = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0
     second = "bench_baseline[P1-float32-torch]" if torch_installed else "bench_fastbwd_out[P1-float32]"
     ids = [f"{ROOT}/bench/bench_replication_pad2d.py::{name}" for name in ("bench_fastbwd[P1-float32]", second)]

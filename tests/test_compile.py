@@ -530,11 +530,11 @@ def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_unet_compiled_with_fastbwd_has_eagers_gradients(backend):
-    """T7's UNet (bench/torch_unet.py: GroupNorm + SiLU in its blocks' forward(), avg-pool down,
+    """T7's UNet (bench/models/torch_unet.py: GroupNorm + SiLU in its blocks' forward(), avg-pool down,
     bilinear up, a time embedding). Plain Inductor in torch 2.13 gets these gradients wrong by up
     to half their size (its decomposed bilinear backward under layout optimisation,
     docs/history.md); with fastbwd enabled every pair fuses and every gradient is eager's."""
-    from bench.torch_unet import SmallUNet
+    from bench.models.torch_unet import SmallUNet
 
     torch.manual_seed(2)
     model = SmallUNet(3, (16, 32), 32, 8)

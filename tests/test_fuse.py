@@ -21,6 +21,8 @@ import fastbwd.torch as ft  # noqa: E402
 from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
 from fastbwd.torch import _fuse  # noqa: E402
 
+from conftest import pytorch_deprecation  # noqa: E402
+
 
 def _randn(*shape, dtype=torch.float32, seed=0, memory_format=torch.contiguous_format):
     generator = torch.Generator().manual_seed(seed)
@@ -372,7 +374,6 @@ def _fused_block():
     return block, reference
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script and trace are deprecated
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # nn.GroupNorm's own checks, traced
 def test_fx_tracing_scripting_and_jit_tracing_see_nn_group_norm():
     block, reference = _fused_block()
@@ -380,9 +381,11 @@ def test_fx_tracing_scripting_and_jit_tracing_see_nn_group_norm():
     graph = torch.fx.symbolic_trace(block)
     assert F.group_norm in [node.target for node in graph.graph.nodes]
     assert torch.equal(graph(x), reference(x))
-    scripted = torch.jit.script(block)
+    with pytorch_deprecation("torch.jit.script"):  # deprecated: PyTorch's warning where it gives one
+        scripted = torch.jit.script(block)
     assert torch.equal(scripted(x), reference(x))
-    traced = torch.jit.trace(block, x)
+    with pytorch_deprecation("torch.jit.trace"):
+        traced = torch.jit.trace(block, x)
     assert torch.equal(traced(x), reference(x))
     assert "aten::group_norm" in str(traced.inlined_graph) and "fastbwd::" not in str(traced.inlined_graph)
 
@@ -430,7 +433,9 @@ def test_compiled_with_fastbwd_enabled_the_compilers_pass_fuses_the_pair(backend
 
 
 # forward AD's first use loads PyTorch's own decompositions, which call the deprecated torch.jit.script
+# (2.13 warns with a DeprecationWarning, 2.14 with a FutureWarning): PyTorch's code, not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_autocast_functorch_fake_tensors_and_forward_ad_see_nn_group_norm(monkeypatch):
     block, reference = _fused_block()
     x = _randn(2, 4, 3, 3)

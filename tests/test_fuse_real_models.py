@@ -1,5 +1,5 @@
 """fuse_group_norm_swish on models written the way diffusion and segmentation libraries write
-theirs (bench/torch_diffusion.py: ``*args, **kwargs``, a deprecation check, one shared nn.SiLU
+theirs (bench/models/torch_diffusion.py: ``*args, **kwargs``, a deprecation check, one shared nn.SiLU
 also used on the time embedding, a branch on a shape, optional up/down-sampling, scale/shift
 time embeddings, attention, a top-level forward symbolic tracing cannot run, a decoder of
 conv-norm-activation modules; issue 37). Every GroupNorm -> SiLU pair is fused and nothing
@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastbwd.torch as ft  # noqa: E402
-from bench import torch_diffusion as D  # noqa: E402
+from bench.models import torch_diffusion as D  # noqa: E402
 
 #: A small configuration of the UNet (the benchmark's is D.T8_CONFIG).
 SMALL = dict(block_out_channels=(8, 16, 32), layers_per_block=2, norm_num_groups=4)
@@ -402,7 +402,7 @@ def test_a_fused_model_trains_saves_and_loads_in_programs_that_exit(tmp_path):
         import sys; sys.path.insert(0, {root!r})
         import torch, torch.nn.functional as F
         import fastbwd.torch as ft
-        from bench import torch_diffusion as D
+        from bench.models import torch_diffusion as D
 
         model = D.UNet2DModel(block_out_channels=(8, 16, 32), norm_num_groups=4)
         report = ft.fuse_group_norm_swish(model)  # decides at the first calls
@@ -421,7 +421,7 @@ def test_a_fused_model_trains_saves_and_loads_in_programs_that_exit(tmp_path):
         f"""
         import sys; sys.path.insert(0, {root!r})
         import torch
-        from bench import torch_diffusion as D
+        from bench.models import torch_diffusion as D
 
         model = torch.load({str(path)!r}, weights_only=False)
         fused = sum(type(m).__name__ == "FusedGroupNorm" and m.fusion_state == "fused" for m in model.modules())

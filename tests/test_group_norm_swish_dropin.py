@@ -9,6 +9,7 @@ kernels'; and the behaviours the mutation audit found unpinned."""
 import copy
 import itertools
 import math
+import re
 
 import pytest
 
@@ -151,7 +152,65 @@ def test_every_layout_and_dtype(layout, dtype, param_dtype):
     ],
 )
 def test_empty_inputs(shape, memory_format, dtype, affine):
-    _compare(torch.zeros(shape).contiguous(memory_format=memory_format), 2, dtype, affine=affine)
+    """An empty batch gives empty results; no values per channel, empty results on PyTorch 2.13
+    and its RuntimeError on 2.14 and later, from both modules alike."""
+    x = torch.zeros(shape).contiguous(memory_format=memory_format)
+    if _refused_by_pytorch(shape):
+        _compare_refusal(x.to(dtype), 2, affine=affine)
+    else:
+        _compare(x, 2, dtype, affine=affine)
+
+
+#: PyTorch 2.14 refuses GroupNorm on an input with no channels or no values per channel; 2.13
+#: returned empty results (the two releases CI runs; fastbwd asks PyTorch, not its version).
+REFUSES_EMPTY = torch.__version__ >= "2.14"
+
+
+def _refused_by_pytorch(shape):
+    return REFUSES_EMPTY and (shape[1] == 0 or 0 in shape[2:])
+
+
+def _compare_refusal(x, groups, affine=True):
+    """nn.GroupNorm + nn.SiLU and GroupNormSwish raise the same exception type and message on
+    ``x`` (also under no_grad), GroupNormSwish before any fastbwd kernel runs."""
+    fused, plain = _pair(groups, x.shape[1], x.dtype, affine=affine)
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        with grad_mode(), pytest.raises(Exception) as expected:
+            plain(x)
+        with grad_mode(), pytest.raises(expected.type, match=f"^{re.escape(str(expected.value))}$"):
+            fused(x)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 0, 2), (0, 4, 0, 2), (2, 0, 3, 3), (2, 0, 0, 3), (0, 0, 2), (3, 4, 2, 0, 1), (2, 4), (0, 4, 2)]
+)
+def test_the_empty_input_rule_is_the_installed_pytorchs(shape, monkeypatch):
+    """What PyTorch does on an input with no channels or no values per channel (the one place
+    2.13 and 2.14 differ for GroupNorm) the drop-ins do too, eager and compiled: refused by both
+    with PyTorch's exception and message (compiled: when the graph is traced, before any
+    kernel), or empty results from both. fastbwd asks PyTorch once; here the releases' facts."""
+    from fastbwd.torch import _ops, _probes
+
+    groups = 2 if shape[1] else 1
+    x = torch.zeros(shape)
+    error = _probes.group_norm_empty_error(shape)
+    assert (error is not None) == _refused_by_pytorch(shape)
+    if error is None:
+        torch.testing.assert_close(ft.group_norm_swish(x, groups), F.silu(F.group_norm(x, groups)))
+        return
+    with pytest.raises(type(error)) as expected:
+        F.group_norm(x, groups)
+    assert str(expected.value) == str(error)
+    monkeypatch.setattr(_ops, "_forward_kernel", _no_kernel)
+    torch._dynamo.reset()
+    for call in (ft.group_norm_swish, torch.compile(ft.group_norm_swish, backend="aot_eager")):
+        with pytest.raises(type(error), match=f"^{re.escape(str(error))}$"):
+            call(x, groups)
+    torch._dynamo.reset()
+
+
+def _no_kernel(*args):
+    raise AssertionError("a kernel ran on an input PyTorch refuses")
 
 
 def test_issue_37_cases():
@@ -399,6 +458,13 @@ def test_fake_kernels_give_the_real_kernels_strides(case, dtype, param_dtype):
 
     x, groups = _fake_case(case, dtype)
     channels = x.shape[1]
+    if _refused_by_pytorch(x.shape):  # the real kernel raises PyTorch's error: the fake one too
+        refusal = "^Expected HxW to be greater than 0, got 0$"
+        with pytest.raises(RuntimeError, match=refusal):
+            OPS.group_norm_swish(x, None, None, groups, 1e-5, 1.0)
+        with FakeTensorMode() as mode, pytest.raises(RuntimeError, match=refusal):
+            OPS.group_norm_swish(mode.from_tensor(x), None, None, groups, 1e-5, 1.0)
+        return
     for weight, bias in ((_randn((channels,), param_dtype), _randn((channels,), param_dtype, 1)), (None, None)):
         dy = _randn(x.shape, dtype, 2)
         real = OPS.group_norm_swish(x, weight, bias, groups, 1e-5, 1.0)

@@ -1,8 +1,9 @@
 """fastbwd as users install released packages: ``python -m build`` gives a wheel and an sdist
 that install into fresh virtual environments (not editable) and pass ``python -m fastbwd``; the
-wheel ships the LICENSE; the sdist is the whole source. An editable install of a checkout named
-``fastbwd`` is not shadowed from the checkout's parent folder, and a checkout's package that
-shadows an installed one says so."""
+wheel ships the package alone and the LICENSE; the sdist is the whole source. An editable
+install exposes the package alone (not the checkout's bench, tests or tools), and that of a
+checkout named ``fastbwd`` is not shadowed from the checkout's parent folder; a checkout's
+package that shadows an installed one says so."""
 
 import os
 import pathlib
@@ -41,13 +42,16 @@ def _fresh_python(folder):
 
 
 def _source_copy(destination):
-    """The checkout's tracked files (as a fresh clone has them), in ``destination``."""
+    """The checkout's tracked files (as a fresh clone has them, symbolic links as links), in ``destination``."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     for name in files.decode().split("\0"):
-        if name and (ROOT / name).is_file():
-            target = destination / name
+        source, target = ROOT / name, destination / name
+        if name and (source.is_symlink() or source.is_file()):
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes((ROOT / name).read_bytes())
+            if source.is_symlink():
+                target.symlink_to(os.readlink(source))
+            else:
+                target.write_bytes(source.read_bytes())
     return destination
 
 
@@ -76,8 +80,10 @@ def test_the_wheel_ships_the_package_and_its_license(built):
 def test_the_sdist_is_the_whole_source(built):
     _, sdist = built
     names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
-    for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "fastbwd/__init__.py",
-                 "bench/__main__.py", "bench/results.json", "tests/test_packaging.py", "docs/semantics.md"):  # fmt: skip
+    # the package's files under src/ (the link's target, as files), what runs beside it at the root
+    for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "mkdocs.yml", "src/fastbwd/__init__.py",
+                 "src/fastbwd/kernels/_jit.py", "bench/__main__.py", "bench/results.json", "bench/models/torch_unet.py",
+                 "tests/test_packaging.py", "docs/semantics.md", "docs/reference/index.md"):  # fmt: skip
         assert name in names, name
     assert not [name for name in names if "__pycache__" in name or name.endswith((".pyc", ".nbi", ".nbc"))]
 
@@ -110,12 +116,23 @@ def test_wheel_and_sdist_install_in_fresh_environments_and_pass_the_self_check(b
 
 def test_an_editable_checkout_named_fastbwd_works_from_its_parent_folder(tmp_path):
     """pip install -e of a checkout named fastbwd, then Python started in the folder holding it:
-    ``import fastbwd`` is the package, not the checkout folder as an empty namespace package."""
+    ``import fastbwd`` is the package, not the checkout folder as an empty namespace package; the
+    checkout's other folders are not importable there; from the checkout's root the main job and
+    the tests' harness are."""
     environment = _clean_environment()
     checkout = _source_copy(tmp_path / "fastbwd")
     python = _fresh_python(tmp_path / "venv")
     _run([python, "-m", "pip", "install", "--quiet", "-e", str(checkout)], cwd=tmp_path, env=environment)
     done = _run([python, "-c", "import fastbwd; print(fastbwd.__version__, fastbwd.__file__)"], cwd=tmp_path, env=environment)  # fmt: skip
-    assert done.stdout.split() == [fastbwd.__version__, str(checkout / "fastbwd" / "__init__.py")]
+    version, file = done.stdout.split()
+    assert version == fastbwd.__version__ and os.path.realpath(file) == str(checkout / "fastbwd" / "__init__.py")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("bench", "tests", "tools", "src"):
+        code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)"
+        assert subprocess.run([python, "-c", code], cwd=elsewhere, env=environment).returncode == 0, name
+    code = "import bench.targets, fastbwd; print(fastbwd.__file__)"
+    done = _run([python, "-c", code], cwd=checkout, env=environment)  # the checkout's root: the harness is there
+    assert done.stdout.strip() == str(checkout / "fastbwd" / "__init__.py")
     done = _run([python, "-m", "fastbwd", "--ops", "replication_pad2d_backward"], cwd=tmp_path, env=environment)
     assert "matches the float64 reference" in done.stdout and "note:" not in done.stdout

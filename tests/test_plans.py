@@ -77,17 +77,17 @@ def test_failed_validation_is_not_stored():
 
 
 def test_repeated_call_reuses_the_plan(rng):
-    gn_api._PLANS.clear()
+    gn_api.OPERATION.plans.clear()
     args = _gn_args(rng)
     first = fastbwd.group_norm_swish_backward(*args)
-    assert len(gn_api._PLANS) == 1
+    assert len(gn_api.OPERATION.plans) == 1
     again = fastbwd.group_norm_swish_backward(*args, swish_scale=1.0)
-    assert len(gn_api._PLANS) == 1
+    assert len(gn_api.OPERATION.plans) == 1
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
     # another swish_scale is not part of the plan: same plan, other numbers
     other = fastbwd.group_norm_swish_backward(*args, swish_scale=-0.5)
-    assert len(gn_api._PLANS) == 1
+    assert len(gn_api.OPERATION.plans) == 1
     assert not np.array_equal(other[0], first[0])
 
 
@@ -116,9 +116,9 @@ def test_upsample_plan_checks_overlap_and_types_every_call(rng):
     grad_output = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
     out = np.empty((1, 2, 3, 4), np.float32)
     fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), out=out)
-    planned = len(up_api._PLANS)
+    planned = len(up_api.OPERATION.plans)
     fastbwd.upsample_bilinear2d_backward(grad_output, (6, 8), (1, 2, 3, 4), out=out)
-    assert len(up_api._PLANS) == planned
+    assert len(up_api.OPERATION.plans) == planned
     # an out= that is a view into grad_output, with the metadata of a valid one
     inside = grad_output[:, :, :3, :4].copy()
     view = np.lib.stride_tricks.as_strided(grad_output, inside.shape, inside.strides)
@@ -175,12 +175,12 @@ def test_roi_align_plan_keeps_no_box_values(rng):
     def call(boxes=boxes, spatial_scale=0.5, out=None):
         return fastbwd.roi_align_backward(grad_output, boxes, (2, 3, 8, 8), 2, 2, spatial_scale, 2, True, out=out)
 
-    roi_api._PLANS.clear()
+    roi_api.OPERATION.plans.clear()
     first = call()
-    assert len(roi_api._PLANS) == 1
+    assert len(roi_api.OPERATION.plans) == 1
     np.testing.assert_array_equal(call(), first)
     moved = call(other_boxes)
-    assert len(roi_api._PLANS) == 1
+    assert len(roi_api.OPERATION.plans) == 1
     assert not np.array_equal(moved, first)
     with pytest.raises(fastbwd.ParamError, match="spatial_scale must be greater than FLT_MIN"):
         call(spatial_scale=float("nan"))

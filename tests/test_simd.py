@@ -1,4 +1,4 @@
-"""The explicit vector and memory intrinsics of fastbwd/kernels/_lanes.py and _memory.py: exact, and
+"""The explicit vector and memory intrinsics of fastbwd/kernels/_lanes.py (with _lane_tiles.py and _lane_rows.py) and _memory.py: exact, and
 bitwise the scalar loops."""
 
 import ml_dtypes
@@ -8,15 +8,15 @@ from numba import njit
 
 from fastbwd import _dtypes as d
 from fastbwd.kernels._halfbits import store
-from fastbwd.kernels._lanes import (
-    LANES,
+from fastbwd.kernels._lane_rows import lanes_shifted_sum
+from fastbwd.kernels._lane_tiles import (
     decode_transpose_lanes,
     gather_transpose_lanes,
     lanes_axpy,
     lanes_gather_sum,
-    lanes_shifted_sum,
     transpose_lanes,
 )
+from fastbwd.kernels._lanes import LANES
 from fastbwd.kernels._memory import (
     LINE_BYTES,
     cells_per_line,

@@ -302,7 +302,7 @@ def test_remembered_plans_check_overlap_on_every_call():
     plain = A.replication_pad2d_backward(grad, x, [1, 1, 0, 0])
     direct = fastbwd.replication_pad2d_backward(*_arrays(grad, x), (1, 1, 0, 0))
     for first_overlapping in (True, False):
-        replication_pad2d_api._PLANS.clear()
+        replication_pad2d_api.OPERATION.plans.clear()
         with ft.enabled():
             for overlapping in (first_overlapping, not first_overlapping, True, False):
                 served, fallbacks = _routing.SERVED.copy(), _routing.FALLBACK.copy()
@@ -341,13 +341,13 @@ def test_dispatcher_hands_kernels_schema_types(monkeypatch):
         return original(grad_output, *args)
 
     monkeypatch.setattr(upsample_api, "plan", recording)
-    upsample_api._PLANS.clear()
+    upsample_api.OPERATION.plans.clear()
     results = []
     with ft.enabled():
         for spelling in spellings:
             results.append(A.upsample_bilinear2d_backward(grad, *spelling))
     assert seen == [[(list, [int, int]), (list, [int] * 4), (bool, None), (float, None), (float, None)]] * 3
-    assert len(upsample_api._PLANS) == 1
+    assert len(upsample_api.OPERATION.plans) == 1
     for result in results[1:]:
         assert torch.equal(result, results[0])
 
@@ -732,6 +732,39 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
         ft.roi_align(x, rows, (2, 0))
     with pytest.raises(fastbwd.ParamError, match=r"^roi_align: boxes.dtype must equal input.dtype \(float64\)"):
         ft.roi_align(x, rows.float(), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64], ids=str)
+def test_roi_align_refuses_other_dtypes_with_torchvisions_exception_type(dtype):
+    """An integer, bool or complex feature map: the RuntimeError torchvision raises for the same
+    call (its CPU kernel: "not implemented for 'Int'"), saying which dtypes are taken, from every
+    entry point: both box forms, boxes float or of the input's dtype, the module, CPU autocast
+    (which casts floating-point tensors only, as autocast does), the registered operators, and
+    a compiled call (refused when traced, by the fake kernel)."""
+    x = torch.ones(2, 3, 11, 13).to(dtype)
+    boxes = _roi_boxes(torch.float32)
+    per_image = [boxes[boxes[:, 0] == i, 1:] for i in range(2)]
+    grad = torch.ones(5, 3, 2, 2).to(dtype)
+    message = (
+        f"roi_align: (input|grad).dtype must be one of float32, float64, float16, bfloat16, but got {str(dtype)[6:]}"
+    )
+    calls = [
+        lambda: ft.roi_align(x, boxes, 2),
+        lambda: ft.roi_align(x, boxes.to(dtype), 2),
+        lambda: ft.roi_align(x, per_image, (2, 3), 0.5, 0, True),
+        lambda: ft.RoIAlign(2, 1.0, 2)(x, boxes),
+        lambda: torch.ops.fastbwd.roi_align(x, boxes, 1.0, 2, 2, 2, False),
+        lambda: torch.ops.fastbwd.roi_align_backward(grad, boxes, 1.0, 2, 2, 2, 3, 11, 13, 2, False),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=f"^{message}$"):
+            call()
+        with pytest.raises(RuntimeError, match=f"^{message}$"), torch.autocast("cpu", dtype=torch.bfloat16):
+            call()
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=message):
+        torch.compile(ft.roi_align, backend="aot_eager", fullgraph=True)(x, boxes, 2)
+    torch._dynamo.reset()
 
 
 def test_roi_align_matches_pure_pytorch_formulation():

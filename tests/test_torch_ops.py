@@ -13,6 +13,8 @@ import fastbwd.torch as ft  # noqa: E402
 from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
 from fastbwd.api import roi_align as roi_align_api  # noqa: E402
 
+from conftest import pytorch_deprecation  # noqa: E402
+
 OPS = torch.ops.fastbwd
 CHANNELS_LAST = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
 
@@ -184,23 +186,44 @@ def test_fx_symbolic_trace_keeps_the_operators_as_leaves():
     torch.testing.assert_close(traced(x, boxes), head(x, boxes), rtol=0, atol=0)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script is deprecated
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the eager shape checks, traced
 def test_torch_jit_script_and_trace_both_box_forms():
+    """TorchScript works, and is deprecated: each call expects PyTorch's warning where it gives one."""
     x, boxes = _randn((2, 3, 9, 11)), _boxes()
     for function, box_form in ((_roi_with_tensor, boxes), (_roi_with_list, _per_image(boxes))):
-        scripted = torch.jit.script(function)
+        with pytorch_deprecation("torch.jit.script"):
+            scripted = torch.jit.script(function)
         torch.testing.assert_close(scripted(x, box_form), function(x, box_form), rtol=0, atol=0)
     module = ft.RoIAlign((3, 4), 0.8, 2, aligned=True)
-    scripted = torch.jit.script(module)
+    with pytorch_deprecation("torch.jit.script"):
+        scripted = torch.jit.script(module)
     for box_form in (boxes, _per_image(boxes)):
         torch.testing.assert_close(scripted(x, box_form), module(x, box_form), rtol=0, atol=0)
-    traced = torch.jit.trace(_roi_with_tensor, (x, boxes))  # records the operator, not Python
+    with pytorch_deprecation("torch.jit.trace"):
+        traced = torch.jit.trace(_roi_with_tensor, (x, boxes))  # records the operator, not Python
     assert "fastbwd::roi_align" in str(traced.graph)
     torch.testing.assert_close(traced(x, boxes), _roi_with_tensor(x, boxes), rtol=0, atol=0)
     # Scripted code skips the eager checks; the operator's own validation still refuses bad boxes.
+    with pytorch_deprecation("torch.jit.script"):
+        scripted = torch.jit.script(_roi_with_tensor)
     with pytest.raises(RuntimeError, match="boxes must have shape \\(K, 5\\)"):
-        torch.jit.script(_roi_with_tensor)(x, boxes[:, :4])
+        scripted(x, boxes[:, :4])
+
+
+def test_the_tested_releases_deprecate_torchscript():
+    """The releases CI runs warn on TorchScript (2.13 a DeprecationWarning, 2.14 a FutureWarning),
+    so the test above expects the warning there (pytorch_deprecation asks PyTorch which)."""
+    if torch.__version__ < "2.13":
+        pytest.skip(f"PyTorch {torch.__version__}: not a release CI runs")
+    expected = FutureWarning if torch.__version__ >= "2.14" else DeprecationWarning
+    calls = {
+        "torch.jit.script": lambda: torch.jit.script(_roi_with_tensor),
+        "torch.jit.trace": lambda: torch.jit.trace(torch.neg, _randn(2)),
+    }
+    for api, call in calls.items():
+        with pytorch_deprecation(api) as record:
+            call()
+        assert record is not None and {w.category for w in record} == {expected}, api
 
 
 # ---- torch.compile --------------------------------------------------------------------------------

@@ -36,18 +36,39 @@ class Unkeyable(Exception):
 
 
 def key(*values):
-    """A hashable description of ``values`` for a :class:`Plans` table.
+    """A hashable description of ``values`` for a :class:`Plans` table, built in one pass.
 
-    Arrays are described by type, shape, strides, dtype and writeability (not by address or
-    contents), scalars by type and value, sequences element by element. Raises
+    Arrays are described by shape, strides, dtype, writeability and alignment (not by address
+    or contents), scalars by type and value, sequences element by element. Raises
     :class:`Unkeyable` for anything else.
     """
-    return tuple(map(_key, values))
+    parts = []
+    append = parts.append
+    for value in values:
+        kind = type(value)
+        # the common kinds by their exact type first, inline (keying is part of every call's
+        # cost); subclasses, NumPy scalars and nested sequences through _key
+        if kind is _ndarray:
+            flags = value.flags
+            # alignment too: a plan's launches call the entry points compiled for their first arrays
+            append((value.shape, value.strides, value.dtype, flags.writeable, flags.aligned))
+        elif kind in _PLAIN_TYPES:
+            append((kind, value))
+        elif kind is list or kind is tuple:
+            types = tuple(map(type, value))
+            if _PLAIN_TYPES.issuperset(types):  # sizes and flags: keyed without recursion
+                append((kind, tuple(value), types))
+            else:
+                append(_key(value))
+        else:
+            append(_key(value))
+    return tuple(parts)
+
+
+_ndarray = np.ndarray
 
 
 def _key(value):
-    # plain values and sequences by their exact type first (no isinstance for them: keying is
-    # part of every call's cost), then arrays, NumPy scalars and subclasses
     kind = type(value)
     if kind in _PLAIN_TYPES:
         return kind, value
@@ -58,8 +79,7 @@ def _key(value):
         return (kind,) + tuple(map(_key, value))
     if isinstance(value, np.ndarray):
         flags = value.flags
-        # alignment too: a plan's launches call the entry points compiled for their first arrays
-        return (np.ndarray, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)
+        return (kind, value.shape, value.strides, value.dtype, flags.writeable, flags.aligned)
     if isinstance(value, _SCALAR_TYPES):
         return kind, value
     raise Unkeyable(kind.__name__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -14,7 +13,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import avg_pool2d as kernels
 from ..kernels.avg_pool2d import axis_windows  # noqa: F401 - the JAX forward divides by its windows
-from . import _plans
+from . import _contract
 
 FUNC = "avg_pool2d_backward"
 
@@ -37,6 +36,7 @@ def avg_pool2d_backward(
     divisor_override: int | None = 0,
     cube_math_type: int = 0,
     *,
+    layout: str = "NCHW",
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.avg_pool2d`` with respect to its input.
@@ -74,6 +74,10 @@ def avg_pool2d_backward(
     cube_math_type : int, default 0
         The device's matmul precision mode, one of 0, 1, 2, 3. Validated; it does not change the
         CPU numerics (float32 accumulation always).
+    layout : {"NCHW", "NHWC"}, optional, keyword-only
+        The axis order of grad_output, input and the result (checks name the axes of the
+        NCHW order). ``"NHWC"``: 4-D only, grad_output ``(N, OH, OW, C)``, input
+        ``(N, H, W, C)``; the result is ``(N, H, W, C)``, C-contiguous.
     out : numpy.ndarray, optional
         Written completely and returned: exactly the result's shape, dtype and memory layout,
         not overlapping grad_output or input.
@@ -103,48 +107,26 @@ def avg_pool2d_backward(
         ranks, dtypes, sizes, kernel/stride/padding values and lengths, ``2*p > k``, channels
         above 65535, an empty non-batch dimension, an output size below 1, a grad_output shape
         that does not match the pooled input, ``cube_math_type`` not in 0-3, a bad ``out``.
+
+    Examples
+    --------
+    The gradient of a 2x2 average pooling with stride 2 (the default stride is the kernel size)
+    of a ``(1, 1, 4, 4)`` input, given as its shape: each cell gets a quarter of its window's.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 2, 2), np.float32)
+    >>> fastbwd.avg_pool2d_backward(grad_output, (1, 1, 4, 4), 2)
+    array([[[[0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25],
+             [0.25, 0.25, 0.25, 0.25]]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
     input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    return run(
-        plan(
-            grad_output,
-            input if input_array is None else input_array,
-            kernel_size,
-            stride,
-            padding,
-            ceil_mode,
-            count_include_pad,
-            divisor_override,
-            cube_math_type,
-            out,
-        ),
+    call = OPERATION.plan(
         grad_output,
-        input_array,
-        out,
-    )
-
-
-def plan(
-    grad_output,
-    input,
-    kernel_size,
-    stride,
-    padding,
-    ceil_mode,
-    count_include_pad,
-    divisor_override,
-    cube_math_type,
-    out,
-):
-    """The validated plan of a call with the public function's arguments, ``grad_output`` a
-    NumPy array and ``input`` one or a shape (ParamError as the public function raises it):
-    remembered per metadata (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
-    return _PLANS(
-        _plan,
-        grad_output,
-        input,
+        input if input_array is None else input_array,
         kernel_size,
         stride,
         padding,
@@ -153,36 +135,9 @@ def plan(
         divisor_override,
         cube_math_type,
         out,
+        layout,
     )
-
-
-def run(plan, grad_output, input_array, out):
-    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
-    (``input_array`` None when the input was given as a shape; ``out`` an array or None): the
-    per-call checks (``out`` overlapping neither input), then the kernels. Returns the result."""
-    result, grad_input = d.output(
-        FUNC,
-        out,
-        plan.input_shape,
-        grad_output.dtype,
-        plan.layout,
-        inputs=(("grad_output", grad_output), ("input", input_array)),
-        checked=True,
-    )
-    if plan.kernels is not None:  # None: empty (N is 0)
-        plan.kernels.run(d.kernel_view(d.physical(grad_output, plan.layout)), d.kernel_view(grad_input))
-    return result
-
-
-_PLANS = _plans.Plans()
-
-
-class _Plan(NamedTuple):
-    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    input_shape: tuple
-    layout: str  # of grad_output and the result: NHWC for channels-last strides
-    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
+    return call.run(grad_output, input_array, out)
 
 
 def _plan(
@@ -196,9 +151,12 @@ def _plan(
     divisor_override,
     cube_math_type,
     out,
+    layout="NCHW",
 ):
     """Validate every argument (errors in the documented order) and decide the kernel path.
     ``input`` is the forward input as an array, or its shape."""
+    user_grad_output = grad_output
+    nhwc, grad_output, input, out = d.layout_views(FUNC, layout, grad_output, input, out)
     v.check_ndim(FUNC, "grad_output", grad_output, (3, 4))
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING)
     input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
@@ -267,9 +225,11 @@ def _plan(
         out_height == out_width == 1 and input_array is not None and d.is_channels_last(input_array)
     ):
         layout = d.NHWC
+    layout = d.NHWC if nhwc else layout
     d.check_out(FUNC, out, input_shape, dtype, layout)
+    results, source = d.grad_input(nhwc, input_shape, dtype, layout, user_grad_output, grad_output)
     if math.prod(input_shape) == 0:
-        return _Plan(input_shape, layout, None)
+        return _contract.OneResultPlan(FUNC, _NAMES, 1, results, None, None)
     geometry = kernels.Geometry(
         layout == d.NHWC,
         input_shape[0] if ndim == 4 else 1,
@@ -287,7 +247,32 @@ def _plan(
         d.compute_dtype(dtype),
         d.storage_format(dtype),
     )
-    return _Plan(input_shape, layout, kernels.plan(geometry))
+    return _contract.OneResultPlan(FUNC, _NAMES, 1, results, source, kernels.plan(geometry))
+
+
+_NAMES = ("grad_output", "input")
+OPERATION = _contract.Operation(
+    avg_pool2d_backward,
+    _plan,
+    (
+        "grad_output",
+        "input",
+        "kernel_size",
+        "stride",
+        "padding",
+        "ceil_mode",
+        "count_include_pad",
+        "divisor_override",
+        "cube_math_type",
+        "out",
+        "layout",
+    ),
+    shapes=("input",),
+)
+#: The validated plan of a call (the bridges'): the public function's arguments in this order,
+#: the arrays as NumPy arrays, ``input`` one or a shape (ParamError as the function raises it).
+plan = OPERATION.plan
+run = _contract.run
 
 
 def _check_positive(param, values):

@@ -20,8 +20,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import group_norm_swish as kernels
-from ..kernels import thread_count
-from . import _plans
+from . import _contract
 
 FUNC = "group_norm_swish_backward"
 FORWARD = "group_norm_swish"
@@ -32,6 +31,20 @@ CHANNELS_LAST_FORMAT = "NHWC"
 #: The documents' limit on channels per group.
 MAX_GROUP_SIZE = 4000
 MAX_RANK = 8
+
+
+def data_format_of(func, data_format, layout):
+    """``data_format`` as the plans take it, given ``layout=`` too (the one layout argument of
+    every function): None leaves ``data_format`` to decide; "NCHW" or "NHWC" decides, and a
+    ``data_format`` other than its default must then agree with it."""
+    if layout is None:
+        return data_format
+    if data_format != "NCHW":
+        v.choice(func, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
+    layout = v.layout(func, layout)
+    if data_format != "NCHW" and (data_format == CHANNELS_LAST_FORMAT) != (layout == CHANNELS_LAST_FORMAT):
+        v.fail(func, "layout", f"must agree with data_format ({data_format!r})", repr(layout))
+    return layout
 
 
 def group_norm_swish_backward(
@@ -48,8 +61,9 @@ def group_norm_swish_backward(
     dbeta_is_require: bool = True,
     *,
     activate_swish: bool = True,
-    out: Sequence[np.ndarray | None] | None = None,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    layout: str | None = None,
+    out: tuple | None = None,
+) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``out = y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x) * gamma + beta``.
 
     With ``s = swish_scale`` in the compute type, ``xhat = (x - mean[n,g]) * rstd[n,g]``,
@@ -99,6 +113,10 @@ def group_norm_swish_backward(
         True (default): the gradient of GroupNorm followed by Swish, as the forward's
         ``activate_swish``. False: of GroupNorm alone (``out = y``, so ``gnew = dy``;
         ``swish_scale`` is then checked but not used), PyTorch's ``native_group_norm_backward``.
+    layout : {"NCHW", "NHWC"}, optional, keyword-only
+        The layout argument every function takes: channels at axis 1 or last. None (default):
+        ``data_format`` decides (its older name, kept); given, it decides, and a
+        ``data_format`` other than "NCHW" must agree with it.
     out : tuple of 3 (numpy.ndarray or None), optional
         ``(dx, dgamma, dbeta)``; each given array must have exactly its result's shape, dtype
         and memory layout and is written completely and returned. An array given for a
@@ -133,6 +151,18 @@ def group_norm_swish_backward(
         integer or <= 0, C % G != 0, C/G > 4000; unsupported dtypes (dy and x not the same
         float dtype, a parameter neither dy's dtype nor float32); a bad data_format,
         swish_scale, flag (activate_swish included) or ``out``.
+
+    Examples
+    --------
+    The forward's mean and rstd feed the backward; ``dgamma`` and ``dbeta`` are per channel.
+
+    >>> import numpy as np, fastbwd
+    >>> x = np.arange(2 * 4 * 3 * 3, dtype=np.float32).reshape(2, 4, 3, 3)
+    >>> gamma, beta = np.ones(4, np.float32), np.zeros(4, np.float32)
+    >>> y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, 2)
+    >>> dx, dgamma, dbeta = fastbwd.group_norm_swish_backward(np.ones_like(x), mean, rstd, x, gamma, beta, 2)
+    >>> dx.shape, dgamma.shape, dbeta.shape
+    ((2, 4, 3, 3), (4,), (4,))
     """
     dy = v.as_array(FUNC, "dy", dy)
     mean = v.as_array(FUNC, "mean", mean)
@@ -141,7 +171,9 @@ def group_norm_swish_backward(
     gamma = v.as_array(FUNC, "gamma", gamma)
     beta = v.as_array(FUNC, "beta", beta)
     swish_scale = v.float_value(FUNC, "swish_scale", swish_scale)
-    call_plan = plan(
+    if layout is not None:
+        data_format = data_format_of(FUNC, data_format, layout)
+    call = OPERATION.plan(
         dy,
         mean,
         rstd,
@@ -155,10 +187,62 @@ def group_norm_swish_backward(
         out,
         activate_swish,
     )
-    return run(call_plan, dy, mean, rstd, x, gamma, beta, swish_scale, out)
+    return call.run(dy, mean, rstd, x, gamma, beta, swish_scale, out)
 
 
-def plan(
+_INPUT_NAMES = ("dy", "mean", "rstd", "x", "gamma", "beta")
+
+
+class _Plan(NamedTuple):
+    """What a backward call's metadata decided (see :mod:`fastbwd.api._contract`)."""
+
+    kernels: kernels.BackwardPlan
+    results: tuple  # the _dtypes.Result of dx, dgamma and dbeta
+    operands: tuple  # the _dtypes.Operand of dy, mean, rstd, x, gamma and beta (_dtypes.operands)
+    compute: np.dtype
+    want_dgamma: bool
+    want_dbeta: bool
+
+    def out_entries(self, out):
+        return _out_entries(out)
+
+    def run(self, dy, mean, rstd, x, gamma, beta, swish_scale, out):
+        """The backward call on NumPy arrays with the metadata the plan was made for
+        (``swish_scale`` a float, ``out`` as the public function takes it): the outputs
+        (``out`` entries checked to overlap no input), then the kernels. Returns
+        ``(dx, dgamma, dbeta)``."""
+        results = self.results
+        if out is None:
+            dx, dx_phys = d.allocate(FUNC, results[0], None, (), ())
+            dgamma = dbeta = dgamma_phys = dbeta_phys = None
+            if self.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
+                dgamma, dgamma_phys = d.allocate(FUNC, results[1], None, (), ())
+                dbeta, dbeta_phys = d.allocate(FUNC, results[2], None, (), ())
+        else:
+            (dx, dgamma, dbeta), (dx_phys, dgamma_phys, dbeta_phys) = d.allocate_all(
+                FUNC, results, _out_entries(out), _INPUT_NAMES, (dy, mean, rstd, x, gamma, beta)
+            )
+        self.kernels.run(
+            *d.kernel_operands((dy, mean, rstd, x, gamma, beta), self.operands),
+            dx_phys,
+            dgamma_phys,
+            dbeta_phys,
+            d.compute_scalar(swish_scale, self.compute),  # a huge scale: an infinity, a valid step
+        )
+        # A gradient that is not required: None, and an out= array given for it is zero-filled.
+        if not self.want_dgamma:
+            if out is not None:
+                dgamma_phys.fill(0)
+            dgamma = None
+        if not self.want_dbeta:
+            if out is not None:
+                dbeta_phys.fill(0)
+            dbeta = None
+        return dx, dgamma, dbeta
+
+
+def _plan(
+    threads,
     dy,
     mean,
     rstd,
@@ -170,116 +254,7 @@ def plan(
     dgamma_is_require,
     dbeta_is_require,
     out,
-    activate_swish=True,
-):
-    """The validated plan of a backward call: the public function's arguments but
-    ``swish_scale``, the arrays as NumPy arrays (ParamError as the public function raises it).
-    Remembered per metadata and thread count (:mod:`fastbwd.api._plans`; the arrays' values are
-    not part of it), and what :func:`run` takes."""
-    return _PLANS(
-        _plan,
-        dy,
-        mean,
-        rstd,
-        x,
-        gamma,
-        beta,
-        num_groups,
-        data_format,
-        dgamma_is_require,
-        dbeta_is_require,
-        out,
-        activate_swish,
-        thread_count(),
-    )
-
-
-def run(plan, dy, mean, rstd, x, gamma, beta, swish_scale, out):
-    """The backward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
-    for (``swish_scale`` a float, ``out`` as the public function takes it): the per-call checks
-    (``out`` overlapping no input), the outputs and the kernels. Returns ``(dx, dgamma, dbeta)``."""
-    if out is None:
-        dx_phys = d.empty(plan.dx.physical, plan.dx.dtype)
-        dx = dx_phys if plan.dx.logical is None else dx_phys.transpose(plan.dx.logical)
-        dgamma = dbeta = None
-        if plan.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
-            dgamma = np.empty(plan.channels, gamma.dtype)
-            dbeta = np.empty(plan.channels, gamma.dtype)
-        dgamma_phys, dbeta_phys = dgamma, dbeta
-    else:
-        (dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys) = _outputs(
-            plan, x, gamma, _out_entries(out), (dy, mean, rstd, x, gamma, beta)
-        )
-    parameters = plan.parameters
-    plan.kernels.run(
-        _kernel_view(dy, plan.dy),
-        _to_compute(mean, plan.mean),
-        _to_compute(rstd, plan.rstd),
-        _kernel_view(x, plan.x),
-        _to_compute(gamma, parameters),
-        _to_compute(beta, parameters),
-        dx_phys.view(np.uint16) if plan.x.half else dx_phys,
-        _parameter_view(dgamma_phys, plan.half_parameters),
-        _parameter_view(dbeta_phys, plan.half_parameters),
-        d.compute_scalar(swish_scale, plan.compute),  # a huge scale: an infinity, a valid step
-    )
-    # A gradient that is not required: None, and an out= array given for it is zero-filled.
-    if not plan.want_dgamma:
-        if out is not None:
-            dgamma_phys.fill(0)
-        dgamma = None
-    if not plan.want_dbeta:
-        if out is not None:
-            dbeta_phys.fill(0)
-        dbeta = None
-    return dx, dgamma, dbeta
-
-
-def _parameter_view(array, half):
-    """dgamma's or dbeta's kernel view (None when the kernels do not write them)."""
-    return array.view(np.uint16) if half and array is not None else array
-
-
-_PLANS = _plans.Plans()
-
-
-class _Array(NamedTuple):
-    """How an input array becomes a kernel's view of it (decided by its metadata)."""
-
-    transpose: tuple  # axes of the physical layout's view (channels-last NCHW -> NHWC), or None
-    copy: bool  # that view is not C-contiguous: copied
-    half: bool  # float16 or bfloat16: passed as uint16
-
-
-class _Result(NamedTuple):
-    """The x-shaped result: its dtype, physical (C-contiguous) shape, and the axes of its logical
-    view (None when the two are the same)."""
-
-    dtype: np.dtype
-    physical: tuple
-    logical: tuple
-
-
-class _Plan(NamedTuple):
-    """What a backward call's metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    kernels: kernels.BackwardPlan
-    layout: str  # physical layout of x and dx: NHWC for a channels-last NCHW array
-    dy: _Array
-    x: _Array
-    dx: _Result
-    mean: tuple  # (dtype, shape) mean is converted to, or None when it is the kernels' already
-    rstd: tuple
-    parameters: tuple  # the same for gamma and beta (one conversion for both)
-    channels: int
-    compute: np.dtype
-    half_parameters: bool  # gamma's dtype (dgamma's, dbeta's) is float16 or bfloat16
-    want_dgamma: bool
-    want_dbeta: bool
-
-
-def _plan(
-    dy, mean, rstd, x, gamma, beta, num_groups, data_format, dgamma_is_require, dbeta_is_require, out, activate, threads
+    activate=True,
 ):
     """Validate every argument (errors in the documented order) and plan the kernels."""
     groups = v.int_value(FUNC, "num_groups", num_groups)
@@ -304,10 +279,7 @@ def _plan(
 
     # The physical layout the kernels see: (N, C, HxW) or (N, HxW, C).
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
-    out_dx, out_dgamma, out_dbeta = _out_entries(out)
-    d.check_out(FUNC, out_dx, x.shape, dtype, layout, param="out[0]")
-    d.check_out(FUNC, out_dgamma, (channels,), gamma.dtype, param="out[1]")
-    d.check_out(FUNC, out_dbeta, (channels,), gamma.dtype, param="out[2]")
+    results = _results(FUNC, out, x, layout, (channels,), gamma.dtype, _BACKWARD_OUT_NAMES)
     compute = d.compute_dtype(dtype)
     geometry = kernels.Geometry(
         channels_last or layout == d.NHWC,
@@ -324,69 +296,29 @@ def _plan(
         threads,
         activate,
     )
-    return _Plan(
-        kernels.plan(geometry),
-        layout,
-        _array(dy, layout),
-        _array(x, layout),
-        _result(x.shape, dtype, layout),
-        _conversion(mean, compute, (batch, groups)),
-        _conversion(rstd, compute, (batch, groups)),
-        _parameter_conversion(gamma, beta, compute),
-        channels,
-        compute,
-        gamma.dtype in _HALF_FORMATS,
-        want_dgamma,
-        want_dbeta,
+    statistics = (batch, groups)
+    operands = d.operands(
+        d.operand(dy, layout),
+        d.operand(mean, dtype=compute, shape=statistics),
+        d.operand(rstd, dtype=compute, shape=statistics),
+        d.operand(x, layout),
+        d.operand(gamma, dtype=compute),
+        d.operand(beta, dtype=compute),
     )
+    return _Plan(kernels.plan(geometry), results, operands, compute, want_dgamma, want_dbeta)
 
 
-_HALF_FORMATS = (d.float16, d.bfloat16)
-
-
-def _array(array, layout):
-    """The :class:`_Array` of an input whose values the kernels read in ``layout``."""
-    transpose = (0, 2, 3, 1) if layout == d.NHWC else None
-    view = array if transpose is None else array.transpose(transpose)
-    return _Array(transpose, not view.flags.c_contiguous, array.dtype in _HALF_FORMATS)
-
-
-def _kernel_view(array, how):
-    """``array`` as the kernels take it (see :class:`_Array`)."""
-    if how.transpose is not None:
-        array = array.transpose(how.transpose)
-    if how.copy:
-        array = np.ascontiguousarray(array)
-    return array.view(np.uint16) if how.half else array
-
-
-def _result(shape, dtype, layout):
-    if layout == d.NHWC:
-        n, c, h, w = shape
-        return _Result(dtype, (n, h, w, c), (0, 3, 1, 2))
-    return _Result(dtype, tuple(shape), None)
-
-
-def _conversion(array, compute, shape):
-    """None when ``array`` is C-contiguous, of the compute dtype and ``shape`` (the kernels take
-    it as it is), else ``(compute, shape)`` (:func:`_to_compute` makes that array)."""
-    if array.dtype == compute and array.shape == shape and array.flags.c_contiguous:
-        return None
-    return compute, shape
-
-
-def _parameter_conversion(gamma, beta, compute):
-    """:func:`_conversion` of gamma and beta together: one that needs none is returned as it is
-    by :func:`_to_compute` (``np.ascontiguousarray`` copies nothing)."""
-    gamma_as, beta_as = (_conversion(a, compute, a.shape) for a in (gamma, beta))
-    return gamma_as or beta_as
-
-
-def _to_compute(array, conversion):
-    if conversion is None:
-        return array
-    dtype, shape = conversion
-    return np.ascontiguousarray(array, dtype=dtype).reshape(shape)
+def _results(func, out, x, layout, parameter_shape, parameter_dtype, names):
+    """The :class:`~fastbwd._dtypes.Result` of the x-shaped result and of the two results of
+    ``parameter_shape``, after checking ``out``'s entries against them (ParamError)."""
+    results = (
+        d.result(x.shape, x.dtype, layout, "out[0]"),
+        d.result(parameter_shape, parameter_dtype, param="out[1]"),
+        d.result(parameter_shape, parameter_dtype, param="out[2]"),
+    )
+    for entry, spec in zip(_out_entries(out, func, names), results):
+        d.check_out(func, entry, spec.shape, spec.dtype, spec.layout, param=spec.param)
+    return results
 
 
 def _check_parameter_dtype(func, name, param, dtype):
@@ -429,32 +361,10 @@ def _check_parameter_shapes(func, gamma, beta, channels):
     v.check_shape(func, "beta", beta.shape, (channels,), "one per channel")
 
 
-_INPUT_NAMES = ("dy", "mean", "rstd", "x", "gamma", "beta")
+_BACKWARD_OUT_NAMES = "dx, dgamma, dbeta"
 
 
-def _outputs(plan, x, gamma, out_entries, inputs):
-    """``(dx, dx_phys), (dgamma, dgamma_phys), (dbeta, dbeta_phys)``: the out= arrays (their
-    metadata already checked) after the overlap checks, or new arrays."""
-    inputs = tuple(zip(_INPUT_NAMES, inputs))
-    out_dx, out_dgamma, out_dbeta = out_entries
-    channels = plan.channels
-    dx = d.output(FUNC, out_dx, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]", checked=True)
-    dgamma = d.output(
-        FUNC, out_dgamma, (channels,), gamma.dtype, inputs=inputs + (("out[0]", dx[0]),), param="out[1]", checked=True
-    )
-    dbeta = d.output(
-        FUNC,
-        out_dbeta,
-        (channels,),
-        gamma.dtype,
-        inputs=inputs + (("out[0]", dx[0]), ("out[1]", dgamma[0])),
-        param="out[2]",
-        checked=True,
-    )
-    return dx, dgamma, dbeta
-
-
-def _out_entries(out, func=FUNC, names="dx, dgamma, dbeta"):
+def _out_entries(out, func=FUNC, names=_BACKWARD_OUT_NAMES):
     """``out=`` as three entries (array or None); None means allocate all three."""
     if out is None:
         return None, None, None
@@ -476,6 +386,7 @@ def group_norm_swish(
     activate_swish: bool = True,
     swish_scale: float = 1.0,
     *,
+    layout: str | None = None,
     out: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm followed by Swish: ``y * sigmoid(swish_scale * y)``, ``y = GroupNorm(x)*gamma + beta``.
@@ -489,7 +400,7 @@ def group_norm_swish(
 
     The forward of :func:`group_norm_swish_backward`, which takes the mean and rstd returned
     here; the same as PyTorch's ``torch.native_group_norm(x, gamma, beta, N, C, HxW, G, eps)``
-    followed by ``y * torch.sigmoid(swish_scale * y)``.
+    followed by ``y * torch.sigmoid(swish_scale * y)`` (docs/semantics.md §5.1).
 
     Parameters
     ----------
@@ -513,6 +424,8 @@ def group_norm_swish(
     swish_scale : float, optional
         ``s``, any real value (0 and negatives included), used in the compute type (float64
         for float64 data, float32 otherwise).
+    layout : {"NCHW", "NHWC"}, optional, keyword-only
+        As :func:`group_norm_swish_backward`'s: None leaves ``data_format`` to decide.
     out : tuple of 3 (numpy.ndarray or None), optional
         ``(y, mean, rstd)``; each given array must have exactly its result's shape, dtype and
         memory layout and is written completely and returned. On any error nothing is written.
@@ -542,13 +455,26 @@ def group_norm_swish(
         C % G != 0, C/G > 4000; unsupported dtypes (x not a float dtype, a parameter neither
         x's dtype nor float32); eps not finite or < 0; a bad data_format, swish_scale, flag or
         ``out``.
+
+    Examples
+    --------
+    Two groups of two channels: ``mean`` and ``rstd`` are ``(N, num_groups)``.
+
+    >>> import numpy as np, fastbwd
+    >>> x = np.arange(2 * 4 * 3 * 3, dtype=np.float32).reshape(2, 4, 3, 3)
+    >>> y, mean, rstd = fastbwd.group_norm_swish(x, np.ones(4, np.float32), np.zeros(4, np.float32), 2)
+    >>> y.shape, mean
+    ((2, 4, 3, 3), array([[ 8.5, 26.5],
+           [44.5, 62.5]], dtype=float32))
     """
     x = v.as_array(FORWARD, "x", x)
     gamma = v.as_array(FORWARD, "gamma", gamma)
     beta = v.as_array(FORWARD, "beta", beta)
     eps, swish_scale = forward_scalars(eps, swish_scale)
-    call_plan = forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out)
-    return run_forward(call_plan, x, gamma, beta, eps, swish_scale, out)
+    if layout is not None:
+        data_format = data_format_of(FORWARD, data_format, layout)
+    call = FORWARD_OPERATION.plan(x, gamma, beta, num_groups, data_format, activate_swish, out)
+    return call.run(x, gamma, beta, eps, swish_scale, out)
 
 
 def forward_scalars(eps, swish_scale):
@@ -560,63 +486,48 @@ def forward_scalars(eps, swish_scale):
     return eps, v.float_value(FORWARD, "swish_scale", swish_scale)
 
 
-def forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out):
-    """The validated plan of a forward call: the public function's arguments but the scalars
-    (:func:`forward_scalars`), the arrays as NumPy arrays (ParamError as the public function
-    raises it). Remembered per metadata and thread count, and what :func:`run_forward` takes."""
-    return _FORWARD_PLANS(_forward_plan, x, gamma, beta, num_groups, data_format, activate_swish, out, thread_count())
-
-
-def run_forward(plan, x, gamma, beta, eps, swish_scale, out):
-    """The forward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
-    for (``eps`` and ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the
-    public function takes it). Returns ``(y, mean, rstd)``."""
-    compute = plan.compute
-    if out is None:
-        y_phys = d.empty(plan.y.physical, plan.y.dtype)
-        y = y_phys if plan.y.logical is None else y_phys.transpose(plan.y.logical)
-        mean = np.empty(plan.statistics, gamma.dtype)
-        rstd = np.empty(plan.statistics, gamma.dtype)
-    else:
-        y, y_phys, mean, rstd = _forward_outputs(plan, x, gamma, beta, out)
-    # the kernel writes the statistics in the compute type; other dtypes are rounded once here
-    direct = gamma.dtype == compute
-    mean_c = mean if direct else np.empty(plan.statistics, compute)
-    rstd_c = rstd if direct else np.empty(plan.statistics, compute)
-    parameters = plan.parameters
-    plan.kernels.run(
-        _kernel_view(x, plan.x),
-        _to_compute(gamma, parameters),
-        _to_compute(beta, parameters),
-        y_phys.view(np.uint16) if plan.x.half else y_phys,
-        mean_c,
-        rstd_c,
-        d.compute_scalar(eps, compute),
-        d.compute_scalar(swish_scale, compute),  # beyond float32's range: an infinity
-    )
-    if not direct:
-        mean[...] = mean_c
-        rstd[...] = rstd_c
-    return y, mean, rstd
-
-
-_FORWARD_PLANS = _plans.Plans()
 _FORWARD_OUT_NAMES = "y, mean, rstd"
 
 
 class _ForwardPlan(NamedTuple):
-    """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
+    """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._contract`)."""
 
     kernels: kernels.ForwardPlan
-    layout: str
-    x: _Array
-    y: _Result
-    statistics: tuple  # the shape of mean and rstd, (N, G)
-    parameters: tuple  # the conversion of gamma and beta (see _conversion), or None
+    results: tuple  # the _dtypes.Result of y, mean and rstd
+    operands: tuple  # the _dtypes.Operand of x, gamma and beta (_dtypes.operands)
     compute: np.dtype
 
+    def out_entries(self, out):
+        return _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
 
-def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out, threads):
+    def run(self, x, gamma, beta, eps, swish_scale, out):
+        """The forward call on NumPy arrays with the metadata the plan was made for (``eps`` and
+        ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the public function
+        takes it). Returns ``(y, mean, rstd)``."""
+        compute = self.compute
+        (y, mean, rstd), (y_phys, _, _) = d.allocate_all(
+            FORWARD, self.results, self.out_entries(out), ("x", "gamma", "beta"), (x, gamma, beta)
+        )
+        # the kernel writes the statistics in the compute type; other dtypes are rounded once here
+        direct = gamma.dtype == compute
+        statistics = self.results[1].shape
+        mean_c = mean if direct else np.empty(statistics, compute)
+        rstd_c = rstd if direct else np.empty(statistics, compute)
+        self.kernels.run(
+            *d.kernel_operands((x, gamma, beta), self.operands),
+            y_phys,
+            mean_c,
+            rstd_c,
+            d.compute_scalar(eps, compute),
+            d.compute_scalar(swish_scale, compute),  # beyond float32's range: an infinity
+        )
+        if not direct:
+            mean[...] = mean_c
+            rstd[...] = rstd_c
+        return y, mean, rstd
+
+
+def _forward_plan(threads, x, gamma, beta, num_groups, data_format, activate_swish, out):
     """Validate the forward's arguments (in the backward's order) and plan the kernel."""
     groups = v.int_value(FORWARD, "num_groups", num_groups)
     data_format = v.choice(FORWARD, "data_format", data_format, CHANNELS_FIRST_FORMATS + (CHANNELS_LAST_FORMAT,))
@@ -629,10 +540,7 @@ def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out, 
     batch, channels, hw = _geometry(FORWARD, x, groups, channels_last)
     _check_parameter_shapes(FORWARD, gamma, beta, channels)
     layout = d.NHWC if not channels_last and d.is_channels_last(x) else d.NCHW
-    out_y, out_mean, out_rstd = _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
-    d.check_out(FORWARD, out_y, x.shape, x.dtype, layout, param="out[0]")
-    d.check_out(FORWARD, out_mean, (batch, groups), gamma.dtype, param="out[1]")
-    d.check_out(FORWARD, out_rstd, (batch, groups), gamma.dtype, param="out[2]")
+    results = _results(FORWARD, out, x, layout, (batch, groups), gamma.dtype, _FORWARD_OUT_NAMES)
     compute = d.compute_dtype(x.dtype)
     geometry = kernels.ForwardGeometry(
         channels_last or layout == d.NHWC,
@@ -645,33 +553,48 @@ def _forward_plan(x, gamma, beta, num_groups, data_format, activate_swish, out, 
         activate_swish,
         threads,
     )
-    return _ForwardPlan(
-        kernels.plan(geometry),
-        layout,
-        _array(x, layout),
-        _result(x.shape, x.dtype, layout),
-        (batch, groups),
-        _parameter_conversion(gamma, beta, compute),
-        compute,
-    )
+    operands = d.operands(d.operand(x, layout), d.operand(gamma, dtype=compute), d.operand(beta, dtype=compute))
+    return _ForwardPlan(kernels.plan(geometry), results, operands, compute)
 
 
-def _forward_outputs(plan, x, gamma, beta, out):
-    """``y, y_phys, mean, rstd`` from the out= entries (their metadata already checked), after
-    the overlap checks; new arrays for the others."""
-    out_y, out_mean, out_rstd = _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
-    inputs = (("x", x), ("gamma", gamma), ("beta", beta))
-    y, y_phys = d.output(FORWARD, out_y, x.shape, x.dtype, plan.layout, inputs=inputs, param="out[0]", checked=True)
-    mean, _ = d.output(
-        FORWARD, out_mean, plan.statistics, gamma.dtype, inputs=inputs + (("out[0]", y),), param="out[1]", checked=True
-    )
-    rstd, _ = d.output(
-        FORWARD,
-        out_rstd,
-        plan.statistics,
-        gamma.dtype,
-        inputs=inputs + (("out[0]", y), ("out[1]", mean)),
-        param="out[2]",
-        checked=True,
-    )
-    return y, y_phys, mean, rstd
+def _bind(arguments):
+    """A prepared backward call's plan arguments and scalars (see _contract.Operation)."""
+    a = arguments
+    data_format = data_format_of(FUNC, a["data_format"], a["layout"])
+    flags = (a["dgamma_is_require"], a["dbeta_is_require"], a["out"], a["activate_swish"])
+    plan_args = (*(a[n] for n in _INPUT_NAMES), a["num_groups"], data_format, *flags)
+    return plan_args, (v.float_value(FUNC, "swish_scale", a["swish_scale"]),)
+
+
+def _bind_forward(arguments):
+    """A prepared forward call's plan arguments and scalars."""
+    a = arguments
+    data_format = data_format_of(FORWARD, a["data_format"], a["layout"])
+    plan_args = (a["x"], a["gamma"], a["beta"], a["num_groups"], data_format, a["activate_swish"], a["out"])
+    return plan_args, forward_scalars(a["eps"], a["swish_scale"])
+
+
+_BACKWARD_PARAMETERS = (*_INPUT_NAMES, "num_groups", "data_format", "dgamma_is_require", "dbeta_is_require", "out")
+# the NHWC task partition is sized by the thread count: the plans are "threaded"
+OPERATION = _contract.Operation(
+    group_norm_swish_backward,
+    _plan,
+    _BACKWARD_PARAMETERS + ("activate_swish",),
+    scalars=("swish_scale",),
+    threaded=True,
+    bind=_bind,
+)
+FORWARD_OPERATION = _contract.Operation(
+    group_norm_swish,
+    _forward_plan,
+    ("x", "gamma", "beta", "num_groups", "data_format", "activate_swish", "out"),
+    scalars=("eps", "swish_scale"),
+    threaded=True,
+    bind=_bind_forward,
+)
+#: The validated plans of a backward and a forward call (the bridges'): the function's arguments
+#: but the scalars, in this order, the arrays as NumPy arrays (ParamError as the function raises
+#: it), ``activate_swish`` last and optional for the backward (True).
+plan = OPERATION.plan
+forward_plan = FORWARD_OPERATION.plan
+run = run_forward = _contract.run

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -13,7 +12,7 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import replication_pad2d as kernels
-from . import _plans
+from . import _contract
 
 FUNC = "replication_pad2d_backward"
 
@@ -23,6 +22,7 @@ def replication_pad2d_backward(
     input: ArrayLike | Sequence[int],
     padding: Sequence[int],
     *,
+    layout: str = "NCHW",
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Gradient of ``torch.nn.functional.pad(input, padding, mode="replicate")`` for 2-D padding.
@@ -34,14 +34,19 @@ def replication_pad2d_backward(
     ----------
     grad_output : array_like
         ``(N, C, H + top + bottom, W + left + right)`` or unbatched ``(C, ...)``. float16,
-        bfloat16, float32, float64, complex64 or complex128. Any strides; a 4-D array with
-        channels-last strides gives a channels-last result without copying.
+        bfloat16, float32, float64, complex64 or complex128, or ``(N, OH, OW, C)`` with
+        ``layout="NHWC"``. Any strides; a 4-D array with channels-last strides gives a
+        channels-last result without copying.
     input : array_like or tuple of int
-        The forward input (only its shape and dtype are used) or its shape, 3-D or 4-D.
+        The forward input (only its shape and dtype are used) or its shape, 3-D or 4-D
+        (``(N, H, W, C)`` with ``layout="NHWC"``).
     padding : sequence of 4 int
         ``(left, right, top, bottom)``. Each must be smaller than the dimension it pads
         (``left, right < W``; ``top, bottom < H``); negative pads crop as in PyTorch, as long as
         the padded sizes stay >= 1.
+    layout : {"NCHW", "NHWC"}, optional, keyword-only
+        The axis order of grad_output, input and the result (checks name the axes of the
+        NCHW order). ``"NHWC"``: 4-D only; the result is ``(N, H, W, C)``, C-contiguous.
     out : numpy.ndarray, optional
         Written completely and returned: exactly the result's shape, dtype and memory layout.
 
@@ -56,54 +61,29 @@ def replication_pad2d_backward(
     ------
     ParamError
         For every bad argument listed in docs/semantics.md §3 (status 161001 for a missing argument).
+
+    Examples
+    --------
+    The Ascend documents' example: a width-5 row padded by 1 on each side; the edge cells also
+    collect the padding's gradient.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 7), np.float32)
+    >>> fastbwd.replication_pad2d_backward(grad_output, (1, 1, 5), (1, 1, 0, 0))
+    array([[[2., 1., 1., 1., 2.]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     # ``input`` as an array (a view: NumPy array, torch tensor or other array-like) unless it is a shape
     input_array = None if isinstance(input, (tuple, list)) else v.as_array(FUNC, "input", input)
-    return run(
-        plan(grad_output, input if input_array is None else input_array, padding, out), grad_output, input_array, out
-    )
+    call = OPERATION.plan(grad_output, input if input_array is None else input_array, padding, out, layout)
+    return call.run(grad_output, input_array, out)
 
 
-def plan(grad_output, input, padding, out):
-    """The validated plan of a call with the public function's arguments, ``grad_output`` a
-    NumPy array and ``input`` one or a shape (ParamError as the public function raises it):
-    remembered per metadata (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
-    return _PLANS(_plan, grad_output, input, padding, out)
-
-
-def run(plan, grad_output, input_array, out):
-    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
-    (``input_array`` None when the input was given as a shape; ``out`` an array or None): the
-    per-call checks (``out`` overlapping neither input), then the kernels. Returns the result."""
-    result, grad_input = d.output(
-        FUNC,
-        out,
-        plan.input_shape,
-        grad_output.dtype,
-        plan.layout,
-        inputs=(("grad_output", grad_output), ("input", input_array)),
-        checked=True,
-    )
-    if plan.kernels is not None:  # None: empty (N is 0)
-        plan.kernels.run(d.kernel_view(d.physical(grad_output, plan.layout)), d.kernel_view(grad_input))
-    return result
-
-
-_PLANS = _plans.Plans()
-
-
-class _Plan(NamedTuple):
-    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    input_shape: tuple
-    layout: str  # of grad_output and the result: NHWC for channels-last strides
-    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
-
-
-def _plan(grad_output, input, padding, out):
+def _plan(grad_output, input, padding, out, layout="NCHW"):
     """Validate every argument (errors in the documented order) and decide the kernel path.
     ``input`` is the forward input as an array, or its shape."""
+    user_grad_output = grad_output
+    nhwc, grad_output, input, out = d.layout_views(FUNC, layout, grad_output, input, out)
     v.check_dtype(FUNC, "grad_output", grad_output, d.FLOATING_AND_COMPLEX)
     input_shape = v.input_shape_like(FUNC, input, grad_output, (3, 4))
     left, right, top, bottom = v.int_tuple(FUNC, "padding", padding, (4,))
@@ -152,10 +132,11 @@ def _plan(grad_output, input, padding, out):
     )
 
     dtype = grad_output.dtype
-    layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
+    layout = d.NHWC if nhwc or d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, input_shape, dtype, layout)
+    results, source = d.grad_input(nhwc, input_shape, dtype, layout, user_grad_output, grad_output)
     if math.prod(input_shape) == 0:
-        return _Plan(input_shape, layout, None)
+        return _contract.OneResultPlan(FUNC, _NAMES, 1, results, None, None)
     geometry = kernels.Geometry(
         layout == d.NHWC,
         input_shape[0] if ndim == 4 else 1,
@@ -169,4 +150,14 @@ def _plan(grad_output, input, padding, out):
         dtype.itemsize,
         d.storage_format(dtype),
     )
-    return _Plan(input_shape, layout, kernels.plan(geometry))
+    return _contract.OneResultPlan(FUNC, _NAMES, 1, results, source, kernels.plan(geometry))
+
+
+_NAMES = ("grad_output", "input")
+OPERATION = _contract.Operation(
+    replication_pad2d_backward, _plan, ("grad_output", "input", "padding", "out", "layout"), shapes=("input",)
+)
+#: The validated plan of a call (the bridges'): the public function's arguments in this order,
+#: the arrays as NumPy arrays, ``input`` one or a shape (ParamError as the function raises it).
+plan = OPERATION.plan
+run = _contract.run

@@ -5,7 +5,6 @@ forward ``roi_align_forward`` (for fastbwd.torch; not exported by fastbwd)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -13,11 +12,10 @@ from numpy.typing import ArrayLike
 from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import roi_align as kernels
-from . import _plans
+from . import _contract
 
 FUNC = "roi_align_backward"
 FORWARD = "roi_align_forward"
-LAYOUTS = (d.NCHW, d.NHWC)
 
 #: The smallest normal float32 (docs/semantics.md §4: spatial_scale must exceed it).
 FLT_MIN = float(np.finfo(np.float32).tiny)
@@ -99,37 +97,22 @@ def roi_align_backward(
         sampling_ratio is negative or not an integer, aligned is not a bool, ``layout`` is not
         "NCHW" or "NHWC", a dtype is unsupported or differs between grad_output and boxes, or
         ``out`` is unusable.
+
+    Examples
+    --------
+    One box inside an ``(1, 3, 8, 8)`` feature map, 2x2 bins of 2x2 samples each: every sample's
+    bilinear weights sum to 1, so the gradient keeps grad_output's total (4 per channel).
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 3, 2, 2), np.float32)
+    >>> boxes = np.array([[0, 1.0, 1.0, 5.0, 5.0]], np.float32)  # (batch index, x1, y1, x2, y2)
+    >>> grad_input = fastbwd.roi_align_backward(grad_output, boxes, (1, 3, 8, 8), 2, 2, 1.0, 2, True)
+    >>> grad_input.shape, float(grad_input.sum())
+    ((1, 3, 8, 8), 12.0)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
     boxes = v.as_array(FUNC, "boxes", boxes)
-    return run(
-        plan(
-            grad_output,
-            boxes,
-            input_shape,
-            pooled_height,
-            pooled_width,
-            spatial_scale,
-            sampling_ratio,
-            aligned,
-            layout,
-            out,
-        ),
-        grad_output,
-        boxes,
-        out,
-    )
-
-
-def plan(
-    grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
-):
-    """The validated plan of a call with the public function's arguments, ``grad_output`` and
-    ``boxes`` NumPy arrays (ParamError as the public function raises it): remembered per
-    metadata (:mod:`fastbwd.api._plans`; the boxes' values are not part of it), and what
-    :func:`run` takes."""
-    return _PLANS(
-        _plan,
+    call = OPERATION.plan(
         grad_output,
         boxes,
         input_shape,
@@ -141,40 +124,14 @@ def plan(
         layout,
         out,
     )
-
-
-def run(plan, grad_output, boxes, out):
-    """The call ``plan`` describes, on NumPy arrays with the metadata the plan was made for
-    (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
-    the boxes' tables and the kernels. Returns the result."""
-    result, grad_input = d.output(
-        FUNC,
-        out,
-        plan.result_shape,
-        grad_output.dtype,
-        inputs=(("grad_output", grad_output), ("boxes", boxes)),
-        checked=True,
-    )
-    if plan.kernels is not None:  # None: an empty result
-        plan.kernels.run(d.kernel_view(np.ascontiguousarray(grad_output)), boxes, d.kernel_view(grad_input))
-    return result
-
-
-_PLANS = _plans.Plans()
-
-
-class _Plan(NamedTuple):
-    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    result_shape: tuple  # (B, C, H, W), or (B, H, W, C) for the NHWC layout
-    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
+    return call.run(grad_output, boxes, out)
 
 
 def _plan(
     grad_output, boxes, input_shape, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
 ):
     """Validate every argument (errors in the documented order); the arrays' values are not read."""
-    layout = v.choice(FUNC, "layout", layout, LAYOUTS)
+    layout = v.layout(FUNC, layout)
     nhwc = layout == d.NHWC
     input_shape = v.int_tuple(FUNC, "input_shape", input_shape, (4,))
     pooled_height = v.int_value(FUNC, "pooled_height", pooled_height)
@@ -198,9 +155,10 @@ def _plan(
     batch, _, height, width = input_shape
     result_shape = (batch, height, width, channels) if nhwc else input_shape
     d.check_out(FUNC, out, result_shape, dtype, d.NCHW)  # C-contiguous in either layout
+    results = (d.result(result_shape, dtype),)
     if 0 in input_shape:
-        return _Plan(result_shape, None)
-    geometry = kernels.BackwardGeometry(
+        return _contract.OneResultPlan(FUNC, _NAMES, 2, results, None, None)
+    geometry = kernels.Geometry(
         num_boxes,
         *input_shape,
         pooled_height,
@@ -210,7 +168,11 @@ def _plan(
         d.compute_dtype(dtype),
         d.storage_format(dtype),
     )
-    return _Plan(result_shape, kernels.plan(geometry))
+    return _contract.OneResultPlan(FUNC, _NAMES, 2, results, d.operand(grad_output), kernels.plan(geometry))
+
+
+_NAMES = ("grad_output", "boxes")
+_FORWARD_NAMES = ("input", "boxes")
 
 
 def roi_align_forward(
@@ -286,38 +248,15 @@ def roi_align_forward(
     """
     input = v.as_array(FORWARD, "input", input)
     boxes = v.as_array(FORWARD, "boxes", boxes)
-    return run_forward(
-        forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out),
-        input,
-        boxes,
-        out,
+    call = FORWARD_OPERATION.plan(
+        input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
     )
-
-
-def forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out):
-    """The validated plan of a forward call with :func:`roi_align_forward`'s arguments, ``input``
-    and ``boxes`` NumPy arrays (ParamError as that function raises it): remembered per metadata
-    (the boxes' values are not part of it), and what :func:`run_forward` takes."""
-    return _FORWARD_PLANS(
-        _forward_plan, input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out
-    )
-
-
-_FORWARD_PLANS = _plans.Plans()
-
-
-class _ForwardPlan(NamedTuple):
-    """What the forward's arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    shape: tuple  # of the result
-    nhwc: bool  # layout="NHWC"
-    channels_last: bool  # the input's memory is read in place as (B, H * W, C)
-    kernels: object  # the kernels' plan (kernels.plan); None for an empty result
+    return call.run(input, boxes, out)
 
 
 def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, sampling_ratio, aligned, layout, out):
     """Validate the forward's arguments (errors in the documented order); the arrays' values are not read."""
-    layout = v.choice(FORWARD, "layout", layout, LAYOUTS)
+    layout = v.layout(FORWARD, layout)
     nhwc = layout == d.NHWC
     pooled_height = v.int_value(FORWARD, "pooled_height", pooled_height)
     pooled_width = v.int_value(FORWARD, "pooled_width", pooled_width)
@@ -342,8 +281,9 @@ def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, samp
         # memory order; any other layout through a C-contiguous copy.
         channels_last = not input.flags.c_contiguous and input.transpose(0, 2, 3, 1).flags.c_contiguous
     d.check_out(FORWARD, out, shape, dtype, d.NCHW)  # C-contiguous in either layout
+    results = (d.result(shape, dtype),)
     if 0 in shape:
-        return _ForwardPlan(shape, nhwc, channels_last, None)
+        return _contract.OneResultPlan(FORWARD, _FORWARD_NAMES, 2, results, None, None)
     geometry = kernels.ForwardGeometry(
         shape[0],
         batch,
@@ -358,26 +298,30 @@ def _forward_plan(input, boxes, pooled_height, pooled_width, spatial_scale, samp
         d.compute_dtype(dtype),
         d.storage_format(dtype),
     )
-    return _ForwardPlan(shape, nhwc, channels_last, kernels.plan(geometry))
+    # the kernel reads (B, C, H*W), or (B, H*W, C) in place for channels-last memory (the NHWC
+    # layout's array or an NCHW array's channels-last strides); anything else through a copy
+    pixels = height * width
+    if nhwc:
+        source = d.operand(input, shape=(batch, pixels, channels))
+    elif channels_last:
+        source = d.operand(input, d.NHWC, shape=(batch, pixels, channels))
+    else:
+        source = d.operand(input, shape=(batch, channels, pixels))
+    return _contract.OneResultPlan(FORWARD, _FORWARD_NAMES, 2, results, source, kernels.plan(geometry))
 
 
-def run_forward(plan, input, boxes, out):
-    """The forward call ``plan`` describes, on NumPy arrays with the metadata the plan was made
-    for (``out`` an array or None): the per-call checks (``out`` overlapping neither input), then
-    the boxes' tables and the kernels. Returns the result."""
-    result, pooled = d.output(
-        FORWARD, out, plan.shape, input.dtype, inputs=(("input", input), ("boxes", boxes)), checked=True
-    )
-    if plan.kernels is not None:  # None: an empty result
-        g = plan.kernels.geometry
-        if plan.nhwc:
-            source = np.ascontiguousarray(input).reshape(g.batch, g.height * g.width, g.channels)
-        elif plan.channels_last:
-            source = input.transpose(0, 2, 3, 1).reshape(g.batch, g.height * g.width, g.channels)
-        else:
-            source = np.ascontiguousarray(input).reshape(g.batch, g.channels, g.height * g.width)
-        plan.kernels.run(d.kernel_view(source), boxes, d.kernel_view(pooled))
-    return result
+_SCALARS = ("pooled_height", "pooled_width", "spatial_scale", "sampling_ratio", "aligned")
+OPERATION = _contract.Operation(
+    roi_align_backward, _plan, ("grad_output", "boxes", "input_shape", *_SCALARS, "layout", "out")
+)
+FORWARD_OPERATION = _contract.Operation(
+    roi_align_forward, _forward_plan, ("input", "boxes", *_SCALARS, "layout", "out")
+)
+#: The validated plans of a call and of a forward call (the bridges'): the function's arguments
+#: in this order, the arrays as NumPy arrays (ParamError as the function raises it).
+plan = OPERATION.plan
+forward_plan = FORWARD_OPERATION.plan
+run = run_forward = _contract.run
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -13,10 +12,9 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..kernels import upsample_bilinear2d as kernels
 from ..kernels.upsample_bilinear2d import compute_source_index_and_lambda  # noqa: F401 - the JAX forward's
-from . import _plans
+from . import _contract
 
 FUNC = "upsample_bilinear2d_backward"
-LAYOUTS = (d.NCHW, d.NHWC)
 
 
 def upsample_bilinear2d_backward(
@@ -75,58 +73,26 @@ def upsample_bilinear2d_backward(
         ``input_size`` not 4; OH, OW, H or W <= 0; a dimension of grad_output or of the result
         above 2**20; grad_output's shape not the expected one; a bad ``layout``, flag or scale;
         a bad ``out``. Status 161001 when grad_output, output_size or input_size is None.
+
+    Examples
+    --------
+    The gradient of ``F.interpolate(x, size=(4, 4), mode="bilinear")`` for an ``x`` of shape
+    ``(1, 1, 2, 2)``: by symmetry each input cell collects a quarter of the 16 ones.
+
+    >>> import numpy as np, fastbwd
+    >>> grad_output = np.ones((1, 1, 4, 4), np.float32)
+    >>> fastbwd.upsample_bilinear2d_backward(grad_output, (4, 4), (1, 1, 2, 2))
+    array([[[[4., 4.],
+             [4., 4.]]]], dtype=float32)
     """
     grad_output = v.as_array(FUNC, "grad_output", grad_output)
-    return run(
-        plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out), grad_output, out
-    )
-
-
-def plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
-    """The validated plan of a call with the public function's arguments, ``grad_output`` a
-    NumPy array (ParamError as the public function raises it): remembered per metadata
-    (:mod:`fastbwd.api._plans`), and what :func:`run` takes."""
-    return _PLANS(_plan, grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out)
-
-
-def run(plan, grad_output, out):
-    """The call ``plan`` describes, on a NumPy ``grad_output`` and ``out`` (an array or None)
-    with the metadata the plan was made for: the per-call checks (``out`` not overlapping
-    grad_output), then the kernel. Returns the result."""
-    result, grad_input = d.output(
-        FUNC,
-        out,
-        plan.result_shape,
-        grad_output.dtype,
-        plan.result_layout,
-        inputs=(("grad_output", grad_output),),
-        checked=True,
-    )
-    if plan.kernels is not None:  # None: empty (N or C is 0), nothing to compute
-        # the physical layout the kernel runs on: the user's NHWC, or an NCHW array whose
-        # strides are channels-last (read as its NHWC view without a copy; the result keeps
-        # that memory format)
-        source = np.ascontiguousarray(grad_output) if plan.user_nhwc else d.physical(grad_output, plan.layout)
-        plan.kernels.run(d.kernel_view(source), d.kernel_view(grad_input))
-    return result
-
-
-_PLANS = _plans.Plans()
-
-
-class _Plan(NamedTuple):
-    """What the arguments' metadata decided (see :mod:`fastbwd.api._plans`)."""
-
-    result_shape: tuple
-    user_nhwc: bool  # layout="NHWC"
-    layout: str  # the physical layout the kernel runs on
-    result_layout: str
-    kernels: object  # the kernels' plan (kernels.plan); None when the result is empty
+    call = OPERATION.plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out)
+    return call.run(grad_output, out)
 
 
 def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_w, layout, out):
     """Validate every argument (errors in the documented order) and decide the kernel path."""
-    layout = v.choice(FUNC, "layout", layout, LAYOUTS)
+    layout = v.layout(FUNC, layout)
     output_height, output_width = v.int_tuple(FUNC, "output_size", output_size, (2,))
     batch, channels, height, width = v.int_tuple(FUNC, "input_size", input_size, (4,))
     align_corners = v.bool_value(FUNC, "align_corners", align_corners)
@@ -166,6 +132,9 @@ def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_
     else:
         physical_layout = result_layout = d.NHWC if d.is_channels_last(grad_output) else d.NCHW
     d.check_out(FUNC, out, result_shape, dtype, result_layout)
+    # the physical layout the kernel runs on: the user's NHWC, or an NCHW array whose strides
+    # are channels-last (read as its NHWC view without a copy; the result keeps that format)
+    source = d.operand(grad_output) if layout == d.NHWC else d.operand(grad_output, physical_layout)
     geometry = kernels.Geometry(
         physical_layout == d.NHWC,
         batch,
@@ -181,4 +150,17 @@ def _plan(grad_output, output_size, input_size, align_corners, scales_h, scales_
         d.storage_format(dtype),
     )
     plan = None if batch * channels == 0 else kernels.plan(geometry)
-    return _Plan(result_shape, layout == d.NHWC, physical_layout, result_layout, plan)
+    return _contract.OneResultPlan(
+        FUNC, ("grad_output",), 1, (d.result(result_shape, dtype, result_layout),), source, plan
+    )
+
+
+OPERATION = _contract.Operation(
+    upsample_bilinear2d_backward,
+    _plan,
+    ("grad_output", "output_size", "input_size", "align_corners", "scales_h", "scales_w", "layout", "out"),
+)
+#: The validated plan of a call (the bridges'): the public function's arguments in this order,
+#: ``grad_output`` a NumPy array (ParamError as the function raises it).
+plan = OPERATION.plan
+run = _contract.run

@@ -18,7 +18,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import avg_pool2d as api
 from . import _common as c
-from . import _ffi, _linear
+from . import _ffi, _linear, _sharding
 
 FUNC = "avg_pool2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -48,7 +48,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(api.plan(grad_output, grad_input.shape, *arguments, grad_input), grad_output, None, grad_input)
 
 
-_TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("avg_pool2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _spatial_axes(ndim, layout):
@@ -143,7 +143,7 @@ def _backward(grad_output, *static):
 
 # static: (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout,
 # input_shape); input_shape, x's shape, is what the backward needs
-_avg_pool = _linear.linear_function(_static_forward, _backward)
+_avg_pool = _linear.linear_function(FUNC, _static_forward, _backward)
 
 
 def _plan_at_trace_time(func, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, layout):

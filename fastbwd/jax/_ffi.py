@@ -30,7 +30,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _gate
+from .. import api
+from . import _gate, _sharding
 
 # ---- the C structures read (x86-64 / aarch64 layout of c_api.h) ------------------------------
 
@@ -233,6 +234,22 @@ def _error(frame, message):
     return api.error_create(ctypes.byref(args))
 
 
+def _on_its_share(adapter, inputs, outputs, config):
+    """``adapter`` on the buffers. A call one of several devices of this process make at once
+    (``config["devices"]``, from _sharding) runs its kernels on its share of Numba's threads:
+    the devices share the cores, and each kernel on all of them would oversubscribe them
+    (docs/history.md, "Sharding")."""
+    devices = config.pop("devices", 1)
+    threads = api.get_num_threads() if devices > 1 else 1
+    if threads <= 1:
+        return adapter(inputs, outputs, config)
+    api.set_num_threads(max(1, threads // devices))  # for this thread (XLA's) only
+    try:
+        return adapter(inputs, outputs, config)
+    finally:
+        api.set_num_threads(threads)
+
+
 def _make_handler(adapter, fold):
     def handler(frame_address):
         frame = _CallFrame.from_address(frame_address)
@@ -255,7 +272,7 @@ def _make_handler(adapter, fold):
                 extra = inputs[0].ndim - rank
                 inputs = [_fold(a, rank, extra) for a in inputs]
                 outputs = [_fold(a, rank, extra) for a in outputs]
-            adapter(inputs, outputs, config)
+            _on_its_share(adapter, inputs, outputs, config)
             return None
         except BaseException:  # noqa: BLE001 - reported to XLA, which raises it in the caller
             return _error(frame, "fastbwd.jax: " + traceback.format_exc())
@@ -264,14 +281,18 @@ def _make_handler(adapter, fold):
 
 
 _targets = {}  # name -> fold
+_splits = {}  # name -> split (_sharding)
 _register_lock = threading.Lock()
 
 
-def target(name, adapter, fold):
+def target(name, adapter, fold, split=None):
     """Register the FFI target ``fastbwd_<name>`` (once per process) and return its name.
 
     ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers; ``fold``
     (True, False or ``"expand"``) says how vmap batches it (see the module docstring).
+
+    ``split(config, operands, results)`` returns the call's :class:`_sharding.Split`: how XLA
+    may partition it over devices (without one XLA runs the whole call on every device).
     """
     full = f"fastbwd_{name}"
     with _register_lock:
@@ -282,6 +303,7 @@ def target(name, adapter, fold):
             )
             jax.ffi.register_ffi_target(full, jax.ffi.pycapsule(_HANDLER(address)), platform="cpu", api_version=1)
             _targets[full] = fold
+            _splits[full] = split
     return full
 
 
@@ -297,4 +319,7 @@ def call(name, operands, results, config):
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
     method = {True: "broadcast_all", False: "sequential", "expand": "expand_dims"}[fold]
+    split = _splits[name]
+    if split is not None:  # partitioned over devices (docs/design.md, "Sharding")
+        return _sharding.call(name, text, method, split(config, operands, results), operands, results)
     return list(jax.ffi.ffi_call(name, list(results), vmap_method=method)(*operands, config=text))

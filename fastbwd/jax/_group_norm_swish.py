@@ -13,7 +13,7 @@ from .. import _validation as v
 from .._errors import ParamError
 from ..api import group_norm_swish as api
 from . import _common as c
-from . import _ffi, _linear
+from . import _ffi, _linear, _sharding
 
 FUNC = "group_norm_swish"
 #: The api's arguments in the user's words (the backward's dy, mean and rstd are shaped from x).
@@ -43,8 +43,8 @@ def _backward_adapter(inputs, outputs, config):
     c.run_batched(run, inputs, outputs, config["ranks"])
 
 
-_FORWARD = _ffi.target("group_norm_swish_forward", _forward_adapter, fold="expand")
-_BACKWARD = _ffi.target("group_norm_swish_backward", _backward_adapter, fold="expand")
+_FORWARD = _ffi.target("group_norm_swish_forward", _forward_adapter, fold="expand", split=_sharding.samples)
+_BACKWARD = _ffi.target("group_norm_swish_backward", _backward_adapter, fold="expand", split=_sharding.samples)
 
 
 def _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish):
@@ -86,7 +86,8 @@ def _backward(grad_output, mean, rstd, x, weight, bias, num_groups, swish_scale,
         jax.ShapeDtypeStruct(bias.shape, weight.dtype),
     ]
     config = dict(num_groups=num_groups, swish_scale=swish_scale, layout=layout, activate_swish=activate_swish)
-    return _ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config)
+    dx, dweight, dbias = _ffi.call(_BACKWARD, [grad_output, mean, rstd, x, weight, bias], results, config)
+    return [dx, _sharding.gradient_like(dweight, weight), _sharding.gradient_like(dbias, bias)]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -98,7 +99,10 @@ def _group_norm_swish(x, weight, bias, num_groups, eps, swish_scale, layout, act
 def _group_norm_swish_jvp(num_groups, eps, swish_scale, layout, activate_swish, primals, tangents):
     # The tangent: forward mode evaluates the JVP of the jax.numpy reference; reverse mode
     # transposes it by fastbwd's backward on the forward's mean and rstd.
-    out, (mean, rstd) = _kernel_forward(*primals, num_groups, eps, swish_scale, layout, activate_swish)
+    def kernel_forward(x, weight, bias):
+        return _kernel_forward(x, weight, bias, num_groups, eps, swish_scale, layout, activate_swish)
+
+    out, (mean, rstd) = _linear.without_derivative(kernel_forward, FUNC)(*primals)
 
     def apply(residuals, linear):
         def function(x, weight, bias):
@@ -109,7 +113,7 @@ def _group_norm_swish_jvp(num_groups, eps, swish_scale, layout, activate_swish, 
     def transpose(residuals, cotangents):
         return _backward(cotangents[0], *residuals[3:], *residuals[:3], num_groups, swish_scale, layout, activate_swish)
 
-    return out, _linear.call(apply, transpose, [*primals, mean, rstd], list(tangents))[0]
+    return out, _linear.call(FUNC, apply, transpose, [*primals, mean, rstd], list(tangents))[0]
 
 
 def group_norm_swish(

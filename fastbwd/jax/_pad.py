@@ -11,7 +11,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import replication_pad2d as api
 from . import _common as c
-from . import _ffi, _linear
+from . import _ffi, _linear, _sharding
 
 FUNC = "replication_pad2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -41,7 +41,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(api.plan(grad_output, grad_input.shape, config["padding"], grad_input), grad_output, None, grad_input)
 
 
-_TARGET = _ffi.target("replication_pad2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("replication_pad2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _forward(x, padding, layout):
@@ -68,7 +68,7 @@ def _static_forward(x, padding, input_shape, layout):
 
 
 # static: (padding, input_shape, layout); input_shape, x's shape, is what the backward needs
-_pad = _linear.linear_function(_static_forward, _backward)
+_pad = _linear.linear_function(FUNC, _static_forward, _backward)
 
 
 def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NCHW") -> jax.Array:

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .. import _validation as v
 from ..api import roi_align as api
 from . import _common as c
-from . import _ffi, _linear
+from . import _ffi, _linear, _sharding
 
 FUNC = "roi_align"
 #: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
@@ -39,8 +40,8 @@ def _nchw(shape, layout):
     return (shape[0], shape[3], shape[1], shape[2]) if layout == "NHWC" else tuple(shape)
 
 
-_FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False)
-_BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False)
+_FORWARD = _ffi.target("roi_align_forward", _forward_adapter, fold=False, split=_sharding.boxes_forward)
+_BACKWARD = _ffi.target("roi_align_backward", _backward_adapter, fold=False, split=_sharding.boxes_backward)
 
 
 def _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout):
@@ -68,15 +69,16 @@ def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, 
     return output
 
 
-def _backward(grad_output, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
+def _backward(grad_output, boxes, input, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
+    # sharded like input (its rows are images, which the boxes spread over every device)
+    result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype, sharding=jax.typeof(input).sharding)
     (grad_input,) = _ffi.call(
         _BACKWARD,
         [grad_output, boxes],
         [result],
         _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
-    return grad_input
+    return _sharding.gradient_like(grad_input, input)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -95,11 +97,12 @@ def _roi_align_jvp(pooled_size, spatial_scale, sampling_ratio, aligned, input_sh
         return [_forward(linear[0], residuals[0], *arguments, layout)]
 
     def transpose(residuals, cotangents):
-        return [_backward(cotangents[0], residuals[0], *arguments, input_shape, layout)]
+        return [_backward(cotangents[0], *residuals, *arguments, input_shape, layout)]
 
-    # the primal through the function itself (jax.jvp of jax.grad finds this rule again)
+    # the primal through the function itself (a second forward-mode derivative finds this rule)
     output = _roi_align(input, boxes, *arguments, input_shape, layout)
-    return output, _linear.call(apply, transpose, [boxes], [tangent])[0]
+    # input, for its type only (the gradient is sharded like it): no derivative flows through it
+    return output, _linear.call(FUNC, apply, transpose, [boxes, lax.stop_gradient(input)], [tangent])[0]
 
 
 def _rois(boxes, dtype):
@@ -175,7 +178,7 @@ def roi_align(
     sampling_ratio = max(v.int_value(FUNC, "sampling_ratio", sampling_ratio), 0)
     boxes_placeholder = c.placeholder(rois.shape, rois.dtype)
     with v.called_as(FUNC, _SUBJECTS):
-        plan = api.forward_plan(
+        api.forward_plan(  # validates layout too ("NCHW" or "NHWC")
             c.placeholder(input.shape, input.dtype),
             boxes_placeholder,
             *output_size,
@@ -185,7 +188,6 @@ def roi_align(
             layout,
             None,
         )
-        layout = "NHWC" if plan.nhwc else "NCHW"  # validated
         pooled_size = c.ints(output_size)
         api.plan(
             c.placeholder(_pooled_shape(input.shape, rois.shape[0], pooled_size, layout), input.dtype),

@@ -13,7 +13,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi, _linear
+from . import _ffi, _linear, _sharding
 
 FUNC = "upsample_bilinear2d"
 
@@ -31,7 +31,7 @@ def _backward_adapter(inputs, outputs, config):
     api.run(plan, grad_output, grad_input)
 
 
-_TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True)
+_TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True, split=_sharding.planes)
 
 
 def _axes(layout):
@@ -75,7 +75,7 @@ def _static_forward(x, output_size, align_corners, layout, input_shape, keep_unc
     return _forward(x, output_size, align_corners, layout, keep_unchanged)
 
 
-_upsample = _linear.linear_function(_static_forward, _backward)
+_upsample = _linear.linear_function(FUNC, _static_forward, _backward)
 
 
 def upsample_bilinear2d(

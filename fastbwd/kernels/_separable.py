@@ -53,7 +53,8 @@ from numba import prange
 
 from ._halfbits import NATIVE, accumulator, load, store
 from ._jit import Launch, Plan, helper, parallel_kernel
-from ._lanes import LANES, gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
+from ._lane_tiles import gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
+from ._lanes import LANES
 from ._memory import prefetch, prefetch_for_write
 
 #: NCHW planes with grad_output rows narrower than LANES, whose grad_output, height-pass and

@@ -21,7 +21,8 @@ from numba import prange
 from . import _memory, _separable
 from ._halfbits import StorageFormat, load, store
 from ._jit import Launch, Plan, parallel_kernel
-from ._lanes import LANES, interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
+from ._lane_rows import interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
+from ._lanes import LANES
 from ._memory import copy_out, line_offset, store_fence
 
 #: A task of :func:`avg_pool2d_bwd_rows_nchw` builds about this many bytes of grad_input rows

@@ -48,7 +48,8 @@ from numba.extending import intrinsic
 
 from ._halfbits import NATIVE, StorageFormat, load, store
 from ._jit import ONE_THREAD_BELOW, Launch, helper, parallel_kernel
-from ._lanes import LANES, decode_transpose_lanes, lanes_decode_axpy, transpose_lanes
+from ._lane_tiles import decode_transpose_lanes, lanes_decode_axpy, transpose_lanes
+from ._lanes import LANES
 
 #: A run of at most this many samples on one pixel pair is summed sample by sample (in float64);
 #: longer runs use the closed form of their arithmetic progression.
@@ -792,7 +793,7 @@ class AxisTable(NamedTuple):
     weight: np.ndarray
 
 
-class BackwardGeometry(NamedTuple):
+class Geometry(NamedTuple):
     """A validated roi_align_backward call with a non-empty result, as its kernels see it."""
 
     num_boxes: int
@@ -830,11 +831,11 @@ class ForwardGeometry(NamedTuple):
 
 
 def plan(geometry):
-    """The plan of a :class:`BackwardGeometry` (``run(grad_output, boxes, grad_input)``) or of a
+    """The plan of a :class:`Geometry` (``run(grad_output, boxes, grad_input)``) or of a
     :class:`ForwardGeometry` (``run(source, boxes, out)``): see their ``run``."""
     if isinstance(geometry, ForwardGeometry):
-        return _ForwardPlan(geometry)
-    return _BackwardPlan(geometry)
+        return ForwardPlan(geometry)
+    return BackwardPlan(geometry)
 
 
 class _BoxTables:
@@ -878,7 +879,7 @@ class _BoxTables:
         return box_order, image_start, box_rows, y_table, x_table, skipped
 
 
-class _BackwardPlan:
+class BackwardPlan:
     """roi_align_backward's plan: the boxes' tables, then the scatter kernel."""
 
     def __init__(self, geometry):
@@ -924,7 +925,7 @@ class _BackwardPlan:
         )
 
 
-class _ForwardPlan:
+class ForwardPlan:
     """roi_align_forward's plan: the boxes' tables, then the gather kernel."""
 
     def __init__(self, geometry):

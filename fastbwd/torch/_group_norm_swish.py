@@ -4,12 +4,13 @@ and ``fastbwd::group_norm_swish_backward`` (docs/semantics.md §5 and §7)."""
 import torch
 from torch import Tensor, nn
 
-from . import _ops
+from . import _ops, _probes
 
 
 def _check_input(input, num_groups, weight, bias):
     """nn.GroupNorm's forward checks, with its exception types and messages (F.group_norm's
-    own, then those of the aten kernel), so the module fails as nn.GroupNorm does."""
+    own, then those of the aten kernel; on empty inputs, those of the installed PyTorch), so the
+    module fails as nn.GroupNorm does."""
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     shape = list(input.shape)
@@ -21,6 +22,9 @@ def _check_input(input, num_groups, weight, bias):
             "Expected more than 1 value per channel when training, got input size "
             f"{[shape[0] * shape[1] // num_groups, num_groups] + shape[2:]}"
         )
+    empty_error = _probes.group_norm_empty_error(shape)
+    if empty_error is not None:
+        raise empty_error
     if shape[1] % num_groups:
         raise RuntimeError(
             "Expected number of channels in input to be divisible by num_groups, but "

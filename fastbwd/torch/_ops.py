@@ -28,6 +28,7 @@ from fastbwd.api import group_norm_swish as gns_api
 from fastbwd.api import roi_align as roi_align_api
 
 from . import _convert as c
+from . import _probes
 from ._threads import match_torch_threads
 
 
@@ -79,9 +80,24 @@ def _nhwc(tensor):
     return c.as_array(tensor.permute(0, 2, 3, 1).contiguous())
 
 
+#: The dtypes RoIAlign takes: torchvision's CPU kernels' (float32, float64, float16) and bfloat16.
+_ROI_ALIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_roi_align_dtype(tensor, name):
+    """Refuse an integer, bool or complex ``tensor`` with the exception type torchvision's
+    roi_align raises for it (RuntimeError), before anything is allocated in its dtype."""
+    if tensor.dtype not in _ROI_ALIGN_DTYPES:
+        raise RuntimeError(
+            f"roi_align: {name}.dtype must be one of float32, float64, float16, bfloat16, "
+            f"but got {str(tensor.dtype).removeprefix('torch.')}"
+        )
+
+
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     """The forward; a channels_last input runs the NHWC layout, in place, and gives a
     channels_last result."""
+    _check_roi_align_dtype(input, "input")
     match_torch_threads()
     memory_format = c.memory_format(input)
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
@@ -111,6 +127,7 @@ def roi_align(
 
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+    _check_roi_align_dtype(input, "input")
     torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
     return torch.empty(
         (rois.shape[0], input.shape[1], pooled_height, pooled_width),
@@ -136,6 +153,7 @@ def _roi_align_backward_kernel(
 ):
     """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
     gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
+    _check_roi_align_dtype(grad, "grad")
     match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
@@ -196,6 +214,7 @@ def _(
     aligned,
     channels_last=False,
 ):
+    _check_roi_align_dtype(grad, "grad")
     return torch.empty(
         (batch_size, channels, height, width),
         dtype=grad.dtype,
@@ -244,11 +263,11 @@ roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_ro
 
 
 def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    # torchvision's autocast kernel: compute in float32, return the input's dtype.
+    # torchvision's autocast kernel: compute in float32, return the input's dtype. As autocast
+    # does, only floating-point tensors are cast: an integer input is refused as outside autocast.
+    input32, rois32 = (t.float() if t.is_floating_point() else t for t in (input, rois))
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-        output = roi_align(
-            input.float(), rois.float(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned
-        )
+        output = roi_align(input32, rois32, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
     return output.to(input.dtype)
 
 
@@ -448,6 +467,9 @@ def group_norm_swish(
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale):
+    empty_error = _probes.group_norm_empty_error(input.shape)  # the real kernel's (PyTorch's) refusal
+    if empty_error is not None:
+        raise empty_error
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
     return y, mean, torch.empty_like(mean)

@@ -1,6 +1,7 @@
-"""The JAX rows of issue 47: models written as Flax and Equinox users write them, reached by one
-call of ``fastbwd.jax.reach``, and the channels-last drop-ins against the calls they replace.
-Every row times ``jax.jit(jax.grad(sum(f(...) ** 2)))``, forward and backward.
+"""The JAX rows of issue 47 (bench/jax_cases.py): models written as Flax and Equinox users write
+them (bench/models/), reached by one call of ``fastbwd.jax.reach``, and the channels-last drop-ins
+against the calls they replace. Every row times ``jax.jit(jax.grad(sum(f(...) ** 2)))``, forward
+and backward.
 
 * J7: a Flax linen decoder block (GroupNorm -> swish -> conv -> bilinear x2 -> avg-pool 3x3 ->
   edge pad -> conv, NHWC), ``reach(loss)`` against the plain model; J7a-J7f: each of its layers
@@ -28,20 +29,7 @@ from .jax_cases import _grad_case, _randn
 def _flax_cases(quick):
     import flax.linen as nn
 
-    class Decoder(nn.Module):
-        """Issue 47's decoder block, as a Flax user writes it."""
-
-        features: int
-
-        @nn.compact
-        def __call__(self, x):
-            h = nn.swish(nn.GroupNorm(num_groups=32)(x))
-            h = nn.Conv(self.features, (3, 3))(h)
-            n, height, width, channels = h.shape
-            h = jax.image.resize(h, (n, 2 * height, 2 * width, channels), "bilinear")
-            h = nn.avg_pool(h, (3, 3), (1, 1), "SAME")
-            h = jnp.pad(h, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
-            return nn.Conv(self.features, (3, 3), padding="VALID")(h)
+    from .models.flax_decoder import Decoder
 
     shape = (2, 16, 16, 32) if quick else (8, 64, 64, 64)
     n, height, width, channels = shape
@@ -159,25 +147,7 @@ def _flax_cases(quick):
 def _equinox_cases(quick):
     import equinox as eqx
 
-    class ResBlock(eqx.Module):
-        """A ResNet block as an Equinox user writes it: one example, channels first."""
-
-        norm1: eqx.nn.GroupNorm
-        conv1: eqx.nn.Conv2d
-        norm2: eqx.nn.GroupNorm
-        conv2: eqx.nn.Conv2d
-
-        def __init__(self, channels, key):
-            first, second = jax.random.split(key)
-            self.norm1 = eqx.nn.GroupNorm(32, channels)
-            self.conv1 = eqx.nn.Conv2d(channels, channels, 3, padding=1, key=first)
-            self.norm2 = eqx.nn.GroupNorm(32, channels)
-            self.conv2 = eqx.nn.Conv2d(channels, channels, 3, padding=1, key=second)
-
-        def __call__(self, x):
-            h = self.conv1(jax.nn.silu(self.norm1(x)))
-            h = self.conv2(jax.nn.silu(self.norm2(h)))
-            return x + h
+    from .models.equinox_resnet import ResBlock
 
     shape = (2, 32, 16, 16) if quick else (8, 64, 64, 64)
     model = ResBlock(shape[1], jax.random.key(4))

@@ -1,0 +1,398 @@
+"""group_norm_swish_backward's loop nests (docs/semantics.md §5): NCHW, NHWC and the parameter
+gradients; the per-element formulas and the block sums they share (module doc of
+``kernels/group_norm_swish.py``: the passes and the fixed order of every sum)."""
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
+
+from ._group_norm_math import (
+    BLOCK,
+    PARTIAL_SUMS,
+    WHOLE_ROWS_MAX_CHANNELS,
+    fma,
+    lane_sums,
+    swish_derivative,
+    task_groups,
+)
+from ._halfbits import load, store
+from ._jit import helper, parallel_kernel, wide_vectors
+from ._lanes import LANES, array_structs, decode_lanes, splat
+from ._memory import copy_out, store_fence
+
+# ---- the per-element formulas, shared by both layouts and both passes ------------------------
+
+
+def swish_gradient(dy_value, y, swish_scale):
+    """``dy * d(y*sigmoid(s*y))/dy`` at ``s = swish_scale``, or ``dy`` itself when
+    ``swish_scale`` is None (the plain GroupNorm backward, ``activate_swish=False``): a choice
+    made when the kernel compiles, by the scale's type (njit only)."""
+    raise NotImplementedError("swish_gradient() is only callable from @njit code")
+
+
+@overload(swish_gradient, inline="always")
+def _swish_gradient(dy_value, y, swish_scale):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy_value, y, swish_scale: dy_value
+    return lambda dy_value, y, swish_scale: dy_value * swish_derivative(swish_scale * y)
+
+
+@helper
+def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
+    """``(gnew, xhat)`` of one element, in the compute type (``swish_scale`` None: no Swish)."""
+    xhat = (x_value - mean) * rstd
+    y = fma(xhat, gamma, beta)
+    gnew = swish_gradient(dy_value, y, swish_scale)
+    return gnew, xhat
+
+
+@helper
+def _dx(gnew, xhat, rstd, gamma, c1, c2):
+    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (docs/semantics.md §5)."""
+    return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))
+
+
+@helper
+def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
+    """``c1, c2`` of the group of channels ``[start, stop)``: gamma-weighted sums / (D*HxW)."""
+    c1 = gamma[start] * sum_g[start]
+    c2 = gamma[start] * sum_gx[start]
+    for c in range(start + 1, stop):
+        c1 += gamma[c] * sum_g[c]
+        c2 += gamma[c] * sum_gx[c]
+    return c1 / count, c2 / count
+
+
+@intrinsic
+def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
+    """``(sum of gnew, sum of gnew * xhat)`` over positions ``[start, stop)`` of one block, in
+    the fixed order of the module doc: position ``start + i`` goes to lane ``i % LANES``
+    (vectors of LANES consecutive positions added in order, each lane from +0.0), then the
+    lanes are folded by halving. ``xhat = (decode(x) - mean) * rstd`` as in
+    :func:`_gnew_xhat`. Both rows are 1-D and C-contiguous; a last partial vector loads only
+    its positions (masked loads) and leaves the other lanes untouched.
+    """
+    sig = types.UniTuple(mean, 2)(gnew_row, x_row, types.intp, types.intp, mean, rstd, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        gnew, x = array_structs(context, builder, signature, args, 0, 1)
+        start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
+        vector = ir.VectorType(context.get_data_type(signature.args[4]), LANES)
+        mean_lanes = splat(builder, vector, mean_value)
+        rstd_lanes = splat(builder, vector, rstd_value)
+
+        def terms(position, used):
+            g = decode_lanes(builder, builder.gep(gnew.data, [position]), "native", vector, used)
+            x_value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
+            return g, builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
+
+        totals = lane_sums(builder, vector, start, stop, terms, 2)
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return sig, codegen
+
+
+@helper
+def _fold_lanes(lanes, width, used):
+    """Add lanes ``[0, used)`` into lane 0 by halving; ``lanes`` is the flat C-order view of a
+    (PARTIAL_SUMS, width) array (width 1 for the NCHW kernel's 1-D lanes).
+
+    Level ``h`` (PARTIAL_SUMS/2, ..., 2, 1) adds lane ``j + h`` into lane ``j``; lanes at or above
+    ``used`` hold +0 and are skipped, which changes no bit (a lane that started at +0 is never
+    -0, so adding +0 is exact). Each level is one contiguous vector loop: the lanes ``[0, count)``
+    and ``[h, h + count)`` are two disjoint runs of ``count * width`` elements.
+    """
+    wide_vectors()
+    h = PARTIAL_SUMS // 2
+    while h >= 1:
+        if used > h:
+            low = lanes[: (used - h) * width]
+            high = lanes[h * width : used * width]
+            for i in range(low.shape[0]):
+                low[i] += high[i]
+            used = h
+        h //= 2
+
+
+# ---- where a task keeps gnew between its passes -------------------------------------------------
+
+
+def _gnew_in_dx(dx, like):
+    """Whether dx's elements have the compute type (``like``'s), so that a task can keep its
+    gnew in its own dx elements between the passes (njit only; a constant of the types)."""
+    raise NotImplementedError("_gnew_in_dx() is only callable from @njit code")
+
+
+@overload(_gnew_in_dx, inline="always")
+def _gnew_in_dx_overload(dx, like):
+    if dx.dtype == like.dtype:
+        return lambda dx, like: True
+    return lambda dx, like: False
+
+
+def _gnew_storage(flat_dx, like, size, in_place):
+    """``flat_dx`` itself when ``in_place`` (only ever true when :func:`_gnew_in_dx`), else a
+    new compute-type array of ``size`` elements."""
+    raise NotImplementedError("_gnew_storage() is only callable from @njit code")
+
+
+@overload(_gnew_storage, inline="always")
+def _gnew_storage_overload(flat_dx, like, size, in_place):
+    if flat_dx.dtype == like.dtype:
+        return lambda flat_dx, like, size, in_place: flat_dx if in_place else np.empty(size, like.dtype)
+    return lambda flat_dx, like, size, in_place: np.empty(size, like.dtype)
+
+
+def _gnew_rows(dx, like, n, group_size, in_place):
+    """The rows an NCHW task keeps its gnew in: ``dx[n]`` itself when ``in_place`` (only ever
+    true when :func:`_gnew_in_dx`; the task's rows start at its first channel), else a new
+    compute-type ``(group_size, HxW)`` array."""
+    raise NotImplementedError("_gnew_rows() is only callable from @njit code")
+
+
+@overload(_gnew_rows, inline="always")
+def _gnew_rows_overload(dx, like, n, group_size, in_place):
+    if dx.dtype == like.dtype:
+        return lambda dx, like, n, group_size, in_place: (
+            dx[n] if in_place else np.empty((group_size, dx.shape[2]), like.dtype)
+        )
+    return lambda dx, like, n, group_size, in_place: np.empty((group_size, dx.shape[2]), like.dtype)
+
+
+# ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
+
+
+@parallel_kernel
+def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, fmt):
+    """dy, x -> dx, all (N, C, HxW) C-contiguous; mean, rstd (N, G), gamma, beta (C,) and
+    swish_scale in the compute type (None: no Swish, gnew = dy: the plain GroupNorm backward);
+    sum_g, sum_gx (N, C) compute-type outputs.
+
+    Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
+    ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
+    two passes in those dx elements themselves when dx has the compute type (the second pass
+    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements).
+    """
+    batch, channels, hw = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    count = sum_g.dtype.type(group_size * hw)
+    in_place = _gnew_in_dx(dx, sum_g)
+    for task in prange(batch * groups):
+        wide_vectors()
+        n = task // groups
+        g = task - n * groups
+        start = g * group_size
+        group_mean = mean[n, g]
+        group_rstd = rstd[n, g]
+        gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
+        gnew_first = start if in_place else 0
+        for k in range(group_size):
+            c = start + k
+            dy_row = dy[n, c]
+            x_row = x[n, c]
+            gnew_row = gnew_rows[gnew_first + k]
+            channel_gamma = gamma[c]
+            channel_beta = beta[c]
+            total_g = sum_g.dtype.type(0)
+            total_gx = total_g
+            for block_start in range(0, hw, BLOCK):
+                block_stop = min(block_start + BLOCK, hw)
+                # sliced so that the loop runs from 0 (a runtime start blocks vectorisation)
+                block_dy = dy_row[block_start:block_stop]
+                block_x = x_row[block_start:block_stop]
+                block_gnew = gnew_row[block_start:block_stop]
+                for i in range(block_stop - block_start):
+                    block_gnew[i] = _gnew_xhat(
+                        load(block_dy[i], fmt),
+                        load(block_x[i], fmt),
+                        group_mean,
+                        group_rstd,
+                        channel_gamma,
+                        channel_beta,
+                        swish_scale,
+                    )[0]
+                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
+                total_g += block_g
+                total_gx += block_gx
+            sum_g[n, c] = total_g
+            sum_gx[n, c] = total_gx
+        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
+        for k in range(group_size):
+            c = start + k
+            x_row = x[n, c]
+            dx_row = dx[n, c]
+            gnew_row = gnew_rows[gnew_first + k]
+            channel_gamma = gamma[c]
+            for i in range(hw):
+                xhat = (load(x_row[i], fmt) - group_mean) * group_rstd
+                dx_row[i] = store(_dx(gnew_row[i], xhat, group_rstd, channel_gamma, c1, c2), fmt)
+
+
+# ---- NHWC: x, dy, dx as (N, HxW, C) -----------------------------------------------------------
+
+
+@parallel_kernel
+def group_norm_swish_bwd_nhwc(
+    dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, groups_per_task, streaming, fmt
+):
+    """dy, x -> dx, all (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
+
+    Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
+    channels of ``dx[n]``, ``sum_g[n]`` and ``sum_gx[n]``, and keeps their ``gnew`` between the
+    passes in those dx elements themselves when dx has the compute type (the second pass then
+    overwrites each gnew with its dx; ``streaming`` is ignored), else in a scratch array. With a
+    scratch, the second pass stores dx directly, or when ``streaming`` (the plan decides by size)
+    computes each step's dx into a small buffer and copies it out with streaming stores
+    (``_memory.copy_out``), then fences. Every per-(n, c) sum has the NCHW kernel's order (lane
+    rows ``i % PARTIAL_SUMS``, the same folds and blocks). :func:`_nhwc_task` does one task.
+    """
+    groups = mean.shape[1]
+    runs = (groups + groups_per_task - 1) // groups_per_task
+    for task in prange(x.shape[0] * runs):
+        wide_vectors()
+        n, first, last = task_groups(task, runs, groups_per_task, groups)
+        _nhwc_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first, last, streaming, fmt)
+
+
+@helper
+def _nhwc_task(
+    dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, first_group, last_group, streaming, fmt
+):
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC kernel, in steps of
+    positions. A task spanning all C <= WHOLE_ROWS_MAX_CHANNELS channels takes PARTIAL_SUMS
+    positions per step: PARTIAL_SUMS*C contiguous elements laid out exactly like its
+    (PARTIAL_SUMS, C) lane rows (element ``j`` of a step is lane ``j // C``, channel ``j % C``),
+    one flat loop per step; a loop of PARTIAL_SUMS*C elements instead of C keeps the vector
+    loops busy when C is small (C = 64 left a 32-element loop per position: about one vector
+    iteration behind its alias checks and remainder). A narrower task takes one position per
+    step (its channels of one row). Either way each element gets the same arithmetic, in the
+    same order; the per-channel constants are tiled once per position of a step."""
+    wide_vectors()
+    _, hw, channels = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    count = sum_g.dtype.type(group_size * hw)
+    start = first_group * group_size
+    width = (last_group - first_group) * group_size
+    step = PARTIAL_SUMS if width == channels and channels <= WHOLE_ROWS_MAX_CHANNELS else 1
+    tiled = step * width
+    tile_mean = np.empty(tiled, sum_g.dtype)
+    tile_rstd = np.empty(tiled, sum_g.dtype)
+    tile_gamma = np.empty(tiled, sum_g.dtype)
+    tile_beta = np.empty(tiled, sum_g.dtype)
+    for j in range(tiled):
+        k = j % width
+        group = first_group + k // group_size
+        tile_mean[j] = mean[n, group]
+        tile_rstd[j] = rstd[n, group]
+        tile_gamma[j] = gamma[start + k]
+        tile_beta[j] = beta[start + k]
+    flat_dy = dy[n].reshape(hw * channels)
+    flat_x = x[n].reshape(hw * channels)
+    flat_dx = dx[n].reshape(hw * channels)
+    # gnew of position i at gnew_all[i * gnew_stride + gnew_start:][:width]: in the task's own dx
+    # elements when dx has the compute type (float32, float64), else in a scratch array
+    in_place = _gnew_in_dx(dx, sum_g)
+    gnew_all = _gnew_storage(flat_dx, sum_g, hw * width, in_place)
+    gnew_stride = channels if in_place else width
+    gnew_start = start if in_place else 0
+    lanes_g = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
+    lanes_gx = np.empty(PARTIAL_SUMS * width, sum_g.dtype)
+    total_g = sum_g[n, start : start + width]
+    total_gx = sum_gx[n, start : start + width]
+    total_g[:] = 0
+    total_gx[:] = 0
+    for block_start in range(0, hw, BLOCK):
+        block_stop = min(block_start + BLOCK, hw)
+        used = min(block_stop - block_start, PARTIAL_SUMS)
+        lanes_g[: used * width] = 0
+        lanes_gx[: used * width] = 0
+        for position in range(block_start, block_stop, step):
+            first = position * channels + start
+            size = (min(position + step, block_stop) - position) * width
+            lane = ((position - block_start) % PARTIAL_SUMS) * width
+            gnew_first = position * gnew_stride + gnew_start
+            step_dy = flat_dy[first : first + size]
+            step_x = flat_x[first : first + size]
+            step_gnew = gnew_all[gnew_first : gnew_first + size]
+            for j in range(size):
+                gnew, xhat = _gnew_xhat(
+                    load(step_dy[j], fmt),
+                    load(step_x[j], fmt),
+                    tile_mean[j],
+                    tile_rstd[j],
+                    tile_gamma[j],
+                    tile_beta[j],
+                    swish_scale,
+                )
+                step_gnew[j] = gnew
+                lanes_g[lane + j] += gnew
+                lanes_gx[lane + j] += gnew * xhat
+        _fold_lanes(lanes_g, width, used)
+        _fold_lanes(lanes_gx, width, used)
+        total_g += lanes_g[:width]
+        total_gx += lanes_gx[:width]
+    # c1, c2 tiled like the other constants (the lane arrays, at least as long, hold them)
+    tile_c1 = lanes_g
+    tile_c2 = lanes_gx
+    for g in range(first_group, last_group):
+        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, g * group_size, (g + 1) * group_size, count)
+        for k in range((g - first_group) * group_size, (g - first_group + 1) * group_size):
+            tile_c1[k] = c1
+            tile_c2[k] = c2
+    for j in range(width, tiled):
+        tile_c1[j] = tile_c1[j - width]
+        tile_c2[j] = tile_c2[j - width]
+    if in_place:
+        for position in range(0, hw, step):
+            first = position * channels + start
+            size = (min(position + step, hw) - position) * width
+            step_x = flat_x[first : first + size]
+            step_dx = flat_dx[first : first + size]
+            for j in range(size):
+                xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+                step_dx[j] = store(
+                    _dx(load(step_dx[j], fmt), xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt
+                )
+        return
+    buffer = np.empty(tiled if streaming else 0, dx.dtype)
+    for position in range(0, hw, step):
+        first = position * channels + start
+        size = (min(position + step, hw) - position) * width
+        step_x = flat_x[first : first + size]
+        step_gnew = gnew_all[position * width : position * width + size]
+        step_dx = buffer if streaming else flat_dx[first : first + size]
+        for j in range(size):
+            xhat = (load(step_x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+            step_dx[j] = store(_dx(step_gnew[j], xhat, tile_rstd[j], tile_gamma[j], tile_c1[j], tile_c2[j]), fmt)
+        if streaming:
+            copy_out(flat_dx, first, step_dx, 0, size, True)
+    store_fence()
+
+
+# ---- dgamma, dbeta ----------------------------------------------------------------------------
+
+
+@parallel_kernel
+def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt):
+    """dgamma[c] = sum_n sum_gx[n, c], dbeta[c] = sum_n sum_g[n, c], n ascending, stored once.
+
+    Parallel over channels; iteration ``c`` writes only ``dgamma[c]`` and ``dbeta[c]`` (each
+    only when wanted: the other may be a dummy array).
+    """
+    batch, channels = sum_g.shape
+    for c in prange(channels):
+        wide_vectors()
+        if want_dgamma:
+            acc = sum_gx[0, c]
+            for n in range(1, batch):
+                acc += sum_gx[n, c]
+            dgamma[c] = store(acc, fmt)
+        if want_dbeta:
+            acc = sum_g[0, c]
+            for n in range(1, batch):
+                acc += sum_g[n, c]
+            dbeta[c] = store(acc, fmt)

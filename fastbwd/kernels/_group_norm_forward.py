@@ -1,0 +1,266 @@
+"""group_norm_swish's (the forward's) loop nests (docs/semantics.md §5.1), NCHW and NHWC.
+
+One task per (n, group) or per two groups of an image (NCHW family), or per (n, run of whole
+groups) (NHWC). Statistics in two passes over the group, which a task rereads from its cache
+(G1's group is 64 KB): the mean of ``x - shift`` (``shift`` is the group's first element, so a
+constant group has mean exactly that value and variance exactly 0, hence rstd = inf at eps = 0
+as in PyTorch), then the centred sums ``t1 = sum(x - mean)`` and ``t2 = sum((x - mean)^2)`` with
+``var = (t2 - t1*t1/M) / M`` (t1 corrects for the rounding of the mean). A third pass writes
+y. Every sum has a fixed order (below), so no thread count changes a bit.
+"""
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+from ._group_norm_math import BLOCK, fma, lane_sums, swish, task_groups
+from ._halfbits import load, store
+from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
+from ._lanes import LANES, array_structs, decode_lanes, splat
+
+
+@intrinsic
+def _block_moments(typingctx, row, start, stop, offset, center, other_center, fmt):
+    """``(sum of d, sum of d^2, other sum of d, other sum of d^2)``: ``d = x - center`` over
+    ``row[start:stop]`` (1-D, C-contiguous, decoded with ``fmt``), and ``x - other_center`` over
+    the same positions ``offset`` elements on (a second group's block; offset 0 repeats the
+    first). Each sum in the order of the backward's :func:`_block_sums`: element ``start + i``
+    goes to lane ``i % LANES`` (each lane from +0.0, in order), then the lanes are folded by
+    halving; a last partial vector reads only its elements (masked loads). The two groups' adds
+    are independent chains that run side by side, where one group's sums would wait on each
+    add's latency."""
+    sig = types.UniTuple(center, 4)(row, types.intp, types.intp, types.intp, center, other_center, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        (x,) = array_structs(context, builder, signature, args, 0)
+        start, stop, offset = args[1], args[2], args[3]
+        vector = ir.VectorType(context.get_data_type(signature.args[4]), LANES)
+        centers = [splat(builder, vector, value) for value in (args[4], args[5])]
+
+        def terms(position, used):
+            deviations = [
+                builder.fsub(decode_lanes(builder, builder.gep(x.data, [at]), format_name, vector, used), center)
+                for at, center in zip((position, builder.add(position, offset)), centers)
+            ]
+            return [term for d in deviations for term in (d, builder.fmul(d, d))]
+
+        totals = lane_sums(builder, vector, start, stop, terms, 4)
+        return context.make_tuple(builder, signature.return_type, totals)
+
+    return sig, codegen
+
+
+@helper
+def _shift_of(first, zero):
+    """The shift a group's first pass sums from: its first element, or 0 when that is an
+    infinity or NaN (which would turn every other element into NaN)."""
+    return first if abs(first) < math.inf else zero
+
+
+@helper
+def _group_rstd(t1, t2, count, eps, zero, one):
+    """``1/sqrt(var + eps)`` from the centred sums: ``var = (t2 - t1*t1/M) / M``, and +0 where
+    rounding leaves it below 0 (NaN stays NaN)."""
+    var = (t2 - t1 * (t1 / count)) / count
+    var = zero if var < zero else var
+    return one / math.sqrt(var + eps)
+
+
+@leaf_helper
+def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
+    """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
+    Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
+    wide_vectors()
+    if activate_swish:
+        for i in range(x_row.shape[0]):
+            y_row[i] = store(swish(fma(load(x_row[i], fmt) - mean, scale, beta), swish_scale), fmt)
+    else:
+        for i in range(x_row.shape[0]):
+            y_row[i] = store(fma(load(x_row[i], fmt) - mean, scale, beta), fmt)
+
+
+@leaf_helper
+def _moment_sums(row, first, stop, offset, center, other_center, zero, fmt):
+    """:func:`_block_moments` over ``row[first:stop]`` (and ``offset`` further) in blocks of
+    :data:`BLOCK`, block sums added in order: ``(t1, t2, other t1, other t2)``."""
+    t1 = zero
+    t2 = zero
+    other_t1 = zero
+    other_t2 = zero
+    for block_start in range(first, stop, BLOCK):
+        d1, d2, other_d1, other_d2 = _block_moments(
+            row, block_start, min(block_start + BLOCK, stop), offset, center, other_center, fmt
+        )
+        t1 += d1
+        t2 += d2
+        other_t1 += other_d1
+        other_t2 += other_d2
+    return t1, t2, other_t1, other_t2
+
+
+@leaf_helper
+def _group_statistics(row, first, size, offset, count, eps, zero, one, fmt):
+    """``(mean, rstd, other mean, other rstd)`` of the group ``row[first:first + size]`` and of
+    the group ``offset`` elements on (offset 0: the same group twice, its results repeated):
+    the shifted sums, then the centred sums, the two groups' side by side."""
+    shift = _shift_of(load(row[first], fmt), zero)
+    other_shift = _shift_of(load(row[first + offset], fmt), zero)
+    stop = first + size
+    total, _, other_total, _ = _moment_sums(row, first, stop, offset, shift, other_shift, zero, fmt)
+    group_mean = shift + total / count
+    other_mean = other_shift + other_total / count
+    t1, t2, other_t1, other_t2 = _moment_sums(row, first, stop, offset, group_mean, other_mean, zero, fmt)
+    return (
+        group_mean,
+        _group_rstd(t1, t2, count, eps, zero, one),
+        other_mean,
+        _group_rstd(other_t1, other_t2, count, eps, zero, one),
+    )
+
+
+@parallel_kernel
+def group_norm_swish_fwd_nchw(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, groups_per_task, fmt):
+    """x -> y, both (N, C, HxW) C-contiguous; gamma, beta (C,), eps and swish_scale in the
+    compute type; mean, rstd (N, G) compute-type outputs.
+
+    Parallel over (n, run of ``groups_per_task`` groups, 1 or 2; the last run of an image may
+    be shorter); a task writes only its groups' channels of ``y[n]`` and their ``mean[n, g]``
+    and ``rstd[n, g]``. A group is one contiguous run of D*HxW elements, summed in blocks of
+    :data:`BLOCK` (:func:`_block_moments`), block sums added in order; the sums of a task's
+    two groups run side by side (a lone group's with a copy of themselves:
+    :func:`_group_statistics`), each in the same order, so the run length changes no bit.
+    """
+    groups = mean.shape[1]
+    runs = (groups + groups_per_task - 1) // groups_per_task
+    for task in prange(x.shape[0] * runs):
+        wide_vectors()
+        n, first, last = task_groups(task, runs, groups_per_task, groups)
+        _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first, last, fmt)
+
+
+@leaf_helper
+def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, g, last, fmt):
+    """Image ``n``, groups ``[g, last)`` (one or two) of the NCHW forward. A leaf helper (no
+    reference counting): its row views would otherwise cost two atomic operations each, a
+    large part of a call on small groups."""
+    wide_vectors()
+    _, channels, hw = x.shape
+    group_size = channels // mean.shape[1]
+    size = group_size * hw
+    zero = mean.dtype.type(0)
+    one = mean.dtype.type(1)
+    count = mean.dtype.type(size)
+    offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
+    group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
+        x[n].reshape(channels * hw), g * size, size, offset, count, eps, zero, one, fmt
+    )
+    mean[n, g] = group_mean
+    rstd[n, g] = group_rstd
+    if offset:
+        mean[n, g + 1] = other_mean
+        rstd[n, g + 1] = other_rstd
+    for c in range(g * group_size, last * group_size):
+        group = c // group_size
+        _normalise_row(
+            x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt
+        )
+
+
+@parallel_kernel
+def group_norm_swish_fwd_nhwc(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, groups_per_task, fmt):
+    """x -> y, both (N, HxW, C) C-contiguous; the other arguments as for the NCHW kernel.
+
+    Parallel over (n, run of ``groups_per_task`` consecutive groups); a task writes only its
+    channels of ``y[n]`` and its groups' ``mean[n]``, ``rstd[n]``. Per channel, positions are
+    added in order within blocks of :data:`BLOCK`, block sums in order; a group adds its
+    channels' sums in channel order. So the run width changes no bit; the order differs from
+    the NCHW kernel's, so the two layouts agree to rounding, not bitwise.
+    """
+    groups = mean.shape[1]
+    runs = (groups + groups_per_task - 1) // groups_per_task
+    for task in prange(x.shape[0] * runs):
+        wide_vectors()
+        n, first, last = task_groups(task, runs, groups_per_task, groups)
+        _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first, last, fmt)
+
+
+@helper
+def _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt):
+    """``total_d[k] = sum over positions of (x[n, :, start + k] - center[k])`` and ``total_dd``
+    of its squares, for the run's channels ``k``; inner loops along the channels."""
+    wide_vectors()
+    hw = x.shape[1]
+    width = total_d.shape[0]
+    total_d[:] = 0
+    total_dd[:] = 0
+    for block_start in range(0, hw, BLOCK):
+        block_d[:] = 0
+        block_dd[:] = 0
+        for i in range(block_start, min(block_start + BLOCK, hw)):
+            x_row = x[n, i, start : start + width]
+            for k in range(width):
+                d = load(x_row[k], fmt) - center[k]
+                block_d[k] += d
+                block_dd[k] += d * d
+        total_d += block_d
+        total_dd += block_dd
+
+
+@helper
+def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean, rstd, n, first_group, last_group, fmt):
+    """Image ``n``, groups ``[first_group, last_group)`` of the NHWC forward."""
+    wide_vectors()
+    _, hw, channels = x.shape
+    groups = mean.shape[1]
+    group_size = channels // groups
+    zero = mean.dtype.type(0)
+    one = mean.dtype.type(1)
+    count = mean.dtype.type(group_size * hw)
+    start = first_group * group_size
+    width = (last_group - first_group) * group_size
+    center = np.empty(width, mean.dtype)
+    scale = np.empty(width, mean.dtype)
+    total_d = np.empty(width, mean.dtype)
+    total_dd = np.empty(width, mean.dtype)
+    block_d = np.empty(width, mean.dtype)
+    block_dd = np.empty(width, mean.dtype)
+    for k in range(width):
+        center[k] = _shift_of(load(x[n, 0, start + (k // group_size) * group_size], fmt), zero)
+    _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt)
+    for g in range(first_group, last_group):
+        first = (g - first_group) * group_size
+        total = total_d[first]
+        for k in range(first + 1, first + group_size):
+            total += total_d[k]
+        group_mean = center[first] + total / count
+        for k in range(first, first + group_size):
+            center[k] = group_mean
+    _nhwc_channel_sums(x, n, start, center, total_d, total_dd, block_d, block_dd, fmt)
+    for g in range(first_group, last_group):
+        first = (g - first_group) * group_size
+        t1 = total_d[first]
+        t2 = total_dd[first]
+        for k in range(first + 1, first + group_size):
+            t1 += total_d[k]
+            t2 += total_dd[k]
+        group_rstd = _group_rstd(t1, t2, count, eps, zero, one)
+        mean[n, g] = center[first]
+        rstd[n, g] = group_rstd
+        for k in range(first, first + group_size):
+            scale[k] = group_rstd * gamma[start + k]
+    channel_beta = beta[start : start + width]
+    for i in range(hw):
+        x_row = x[n, i, start : start + width]
+        y_row = y[n, i, start : start + width]
+        if activate_swish:
+            for k in range(width):
+                y_row[k] = store(
+                    swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), swish_scale), fmt
+                )
+        else:
+            for k in range(width):
+                y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)

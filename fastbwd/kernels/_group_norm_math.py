@@ -1,0 +1,223 @@
+"""The math GroupNorm+Swish's kernels share (``kernels/group_norm_swish.py`` is the overview):
+the fixed-order reduction's constants and its lane sums in LLVM IR, fma, a vectorisable exp,
+Swish and its derivative, and the task partition over (image, run of groups).
+
+The llvmlite wheel has no SVML, so ``math.exp`` is a scalar call that blocks vectorisation: the
+float32 path uses :func:`exp_nonpositive_float32`, a Cephes-style polynomial built from float
+and integer operations only (about 1e-7 relative error; subnormal results flushed to 0, which
+is faster than scaling into the subnormal range). float64 data uses ``math.exp``.
+"""
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ._halfbits import float32_as_uint32, uint32_as_float32
+from ._jit import helper
+from ._lanes import LANES, fold_lanes_by_halving, splat
+
+#: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
+BLOCK = 4096
+#: NHWC tasks spanning all channels take PARTIAL_SUMS positions per step (:func:`_nhwc_task`)
+#: up to this many channels: their tiled constants and lane rows (6 * PARTIAL_SUMS * C
+#: compute-type elements, 120 KB at C = 320 in float32) stay in L2; wider, steps of one position
+#: are faster (docs/history.md, "Numbers that were in code comments").
+WHOLE_ROWS_MAX_CHANNELS = 320
+#: Interleaved partial sums inside a block: one vector register of float32 lanes
+#: (kernels._lanes.LANES); a power of two (the lanes are folded by halving).
+PARTIAL_SUMS = LANES
+
+# ---- exp(a) for a <= 0 in float32 (Cephes expf: exp(a) = 2^k * p(r), |r| <= ln2/2) -----------
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)  # few mantissa bits: k * _LN2_HI is exact
+_LN2_LO = np.float32(-2.12194440e-4)
+# Adding 1.5 * 2^23 + 127 rounds a float32 |t| < 2^21 to the integer k = round(t) and leaves
+# k + 127, the biased exponent of 2^k, in the low mantissa bits: 2^k is built with unsigned
+# 32-bit integer operations only (they vectorise).
+_ROUND_MAGIC = np.float32(12583039.0)
+_ROUND_MAGIC_BITS = np.uint32(0x4B400000)
+#: Below this exp(a) is under the smallest normal float32 (1.18e-38) and is returned as 0.
+_EXP_FLUSH = np.float32(-87.33)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_ONE32 = np.float32(1.0)
+_ZERO32 = np.float32(0.0)
+_ONE64 = np.float64(1.0)
+
+#: |s*y| is clamped here so that it stays finite (no inf * 0); beyond it the Swish derivative
+#: is its limit (1 above, 0 below) anyway: exp(-104) flushes to 0 in float32 and exp(-750)
+#: underflows to 0 in float64.
+SWISH_CLAMP32 = np.float32(104.0)
+SWISH_CLAMP64 = np.float64(750.0)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM ``llvm.fma``; vectorises, exact IEEE semantics).
+
+    Written explicitly because kernels run without fastmath, so LLVM never fuses on its own;
+    every use is deliberate and identical in both layouts.
+    """
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+    sig = a(a, b, c)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
+@helper
+def exp_nonpositive_float32(a):
+    """exp(a) for float32 ``a <= 0`` (NaN gives NaN); vectorises (no libm call).
+
+    About 1e-7 relative error down to the smallest normal float32; results that would be
+    subnormal (a < -87.33) are flushed to 0, an absolute error below 1.2e-38.
+    """
+    shifted = fma(a, _LOG2E, _ROUND_MAGIC)
+    k = shifted - _ROUND_MAGIC
+    r = fma(k, -_LN2_LO, fma(k, -_LN2_HI, a))
+    p = fma(fma(fma(fma(fma(_P0, r, _P1), r, _P2), r, _P3), r, _P4), r, _P5)
+    p = fma(p, r * r, r) + _ONE32
+    # biased exponent k + 127, in [1, 127] when a >= -87.33 (other lanes are discarded below)
+    biased = np.uint32(float32_as_uint32(shifted) - _ROUND_MAGIC_BITS)
+    result = p * uint32_as_float32(np.uint32(biased << np.uint32(23)))
+    return _ZERO32 if a < _EXP_FLUSH else result
+
+
+@helper
+def _clamp(z, limit):
+    """``z`` limited to [-limit, limit]; NaN stays NaN (both comparisons are false)."""
+    z = limit if z > limit else z
+    return -limit if z < -limit else z
+
+
+@helper
+def _swish_derivative_from(z, e, one):
+    """``sig*(1 + z*(1-sig))`` at a clamped ``z``, given ``e = exp(-|z|)``.
+
+    ``sig`` and ``1 - sig`` are ``1/(1+e)`` and ``e/(1+e)`` (which is which depends on the sign
+    of z): neither is formed by cancellation and their product ``sig*(1-sig)`` is the same in
+    both cases, so the result is ``sig + z*(sig*(1-sig))`` with finite factors only (no
+    ``inf * 0``, no lost ``z*(1-sig)`` term when sig rounds to 1).
+    """
+    inv = one / (one + e)
+    other = e * inv
+    sig = inv if z >= 0 else other
+    return fma(z, inv * other, sig)
+
+
+@helper
+def swish_derivative_float32(z):
+    """The Swish derivative ``d(y*sigmoid(z))/dy`` at ``z = s*y``, in float32, for any ``z``.
+
+    ``z`` is clamped to +-104 (where the result is its limit 1 or 0 anyway), and the
+    exponential only ever sees ``-|z|``, so nothing overflows; NaN propagates.
+    """
+    z = _clamp(z, SWISH_CLAMP32)
+    return _swish_derivative_from(z, exp_nonpositive_float32(-abs(z)), _ONE32)
+
+
+@helper
+def swish_derivative_float64(z):
+    """:func:`swish_derivative_float32` in float64 (``math.exp``, clamp +-750)."""
+    z = _clamp(z, SWISH_CLAMP64)
+    return _swish_derivative_from(z, math.exp(-abs(z)), _ONE64)
+
+
+def swish_derivative(z):
+    """The Swish derivative in z's precision (njit only): float32 or float64."""
+    raise NotImplementedError("swish_derivative() is only callable from @njit code")
+
+
+@overload(swish_derivative, inline="always")
+def _swish_derivative(z):
+    if z == types.float64:
+        return lambda z: swish_derivative_float64(z)
+    return lambda z: swish_derivative_float32(z)
+
+
+# ---- the fixed-order reduction ----------------------------------------------------------------
+
+
+def lane_sums(builder, vector, start, stop, terms, count):
+    """Code for ``count`` sums over positions ``[start, stop)`` in the fixed order of the module
+    doc: ``terms(position, used)`` gives the ``count`` vectors that LANES consecutive positions
+    add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
+    None), each lane summed from +0.0 in order, then the lanes folded by halving. Returns the
+    totals. The sums are independent chains of adds, so several of them run side by side."""
+    i64 = ir.IntType(64)
+    lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
+    sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(count)]
+    for total in sums:
+        builder.store(ir.Constant(vector, None), total)
+
+    def add(position, used):
+        olds = [builder.load(total) for total in sums]
+        news = [builder.fadd(old, term) for old, term in zip(olds, terms(position, used))]
+        if used is not None:  # lanes past the end keep their sums (0 * inf would be NaN)
+            news = [builder.select(used, new, old) for new, old in zip(news, olds)]
+        for total, new in zip(sums, news):
+            builder.store(new, total)
+
+    length = builder.sub(stop, start)
+    whole = builder.sdiv(length, i64(LANES))
+    with cgutils.for_range(builder, whole) as loop:
+        add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
+    tail = builder.add(start, builder.mul(whole, i64(LANES)))
+    remaining = builder.sub(stop, tail)
+    with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
+        add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
+    return [fold_lanes_by_halving(builder, builder.load(total)) for total in sums]
+
+
+@helper
+def task_groups(task, runs, groups_per_task, groups):
+    """``(n, first group, end group)`` of task ``task`` of a kernel parallel over (image, run of
+    ``groups_per_task`` consecutive groups), ``runs`` runs per image (the last may be shorter)."""
+    n = task // runs
+    first = (task - n * runs) * groups_per_task
+    return n, first, min(first + groups_per_task, groups)
+
+
+@helper
+def swish_float32(y, swish_scale):
+    """``y * sigmoid(swish_scale * y)`` in float32 for any ``y`` and scale; vectorises.
+
+    The exponential sees ``-|z|`` only (``z = s*y``), so nothing overflows (beyond |z| = 87.3
+    it is flushed to 0 and sigmoid is exactly 1 or 0, its value to float32 precision there);
+    the result is ``y/(1+e)`` or ``y*e/(1+e)`` with ``e = exp(-|z|)``: one division, no
+    cancellation. NaN propagates.
+    """
+    z = swish_scale * y
+    e = exp_nonpositive_float32(-abs(z))
+    return (y if z >= 0 else y * e) / (_ONE32 + e)
+
+
+@helper
+def swish_float64(y, swish_scale):
+    """:func:`swish_float32` in float64 (``math.exp``, which underflows to 0 past |z| = 745)."""
+    z = swish_scale * y
+    e = math.exp(-abs(z))
+    return (y if z >= 0 else y * e) / (_ONE64 + e)
+
+
+def swish(y, swish_scale):
+    """``y * sigmoid(swish_scale * y)`` in y's precision (njit only): float32 or float64."""
+    raise NotImplementedError("swish() is only callable from @njit code")
+
+
+@overload(swish, inline="always")
+def _swish(y, swish_scale):
+    if y == types.float64:
+        return lambda y, swish_scale: swish_float64(y, swish_scale)
+    return lambda y, swish_scale: swish_float32(y, swish_scale)

@@ -1,0 +1,56 @@
+"""fastbwd.jax on sharded programs (docs/semantics.md §8): the tests need two devices, which
+XLA's CPU client has only when ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` is set
+before jax is imported. This session's jax has one, so ``tests/jax_two_devices.py`` runs in a
+pytest process of its own with the flag (pytest collects that file only when named); here,
+without a second device, the parts that need none: every FFI target has a split, and a
+one-device program is the plain FFI call."""
+
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import fastbwd.jax as fj  # noqa: E402
+from fastbwd.jax import _ffi  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_operator_target_has_a_split():
+    """Every FFI target the operators register tells XLA how to partition it (a new target
+    without a split would run whole on every device)."""
+    names = set()
+    for info in pkgutil.iter_modules(fj.__path__):
+        module = importlib.import_module(f"fastbwd.jax.{info.name}")
+        names |= {value for value in vars(module).values() if isinstance(value, str) and value in _ffi._targets}
+    assert len(names) >= 6, names
+    assert sorted(name for name in names if _ffi._splits[name] is None) == []
+
+
+def test_one_device_program_is_the_plain_ffi_call():
+    """On one device the partitioning wrapper lowers to the FFI call alone: no
+    CustomSPMDPartitioning call is left for XLA (the persistent compilation cache keys on
+    the program text, which then names nothing of this process)."""
+    x = jnp.ones((2, 3, 4, 5), jnp.float32)
+    text = jax.jit(jax.grad(lambda x: jnp.sum(fj.upsample_bilinear2d(x, (8, 10)) ** 2))).lower(x).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    assert len(re.findall(r"fastbwd_upsample_bilinear2d_backward", text)) == 1
+
+
+@pytest.mark.slow
+def test_on_two_cpu_devices():
+    """tests/jax_two_devices.py in a process with two CPU devices: every case passes."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/jax_two_devices.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert re.search(r"\d+ passed", result.stdout) and "skipped" not in result.stdout, result.stdout[-3000:]
