@@ -412,6 +412,22 @@ def test_explicit_axes_and_jit_shardings():
     assert collectives(grad, op.args[0]) == []
 
 
+@pytest.mark.parametrize("name", ["group_norm_swish", "group_norm_swish_nhwc"])
+def test_group_norm_on_explicit_axes(name):
+    """GroupNorm on a batch split over explicit axes (``jax.make_mesh``'s default): the
+    gradient (its tangent's jax.numpy reshapes keep the batch's sharding) and forward mode,
+    equal to one device's, x's gradient split like x."""
+    op = OPS[name]
+    mesh = jax.make_mesh((2,), ("b",))
+    args = [jax.device_put(a, NamedSharding(mesh, P("b") if i == 0 else P())) for i, a in enumerate(op.args)]
+    result = gradient(op)(*args)
+    assert_equal_gradients(op, result, unsharded(op))
+    assert result[0].sharding.is_equivalent_to(NamedSharding(mesh, P("b")), op.args[0].ndim)
+    tangent = jax.jit(lambda *a: jax.jvp(op.f, a, a)[1])
+    expected = tangent(*[jax.device_put(a, ONE) for a in op.args])
+    np.testing.assert_allclose(np.asarray(tangent(*args)), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_gradient_like_types_a_weight_gradient_as_its_weight():
     """A weight split over explicit axes (a fully sharded data-parallel program): the weight
     gradient the kernel gives whole comes back typed as the weight. (GroupNorm itself cannot

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import _dtypes as d
 from .. import _validation as v
@@ -63,20 +65,32 @@ def reference(x, weight, bias, num_groups, eps, swish_scale, layout, activate_sw
     batch = x.shape[0]
     channels = x.shape[-1] if layout == "NHWC" else x.shape[1]
     if layout == "NHWC":
-        grouped = compute.reshape(batch, -1, num_groups, channels // num_groups)
+        grouped = _batch_reshape(compute, (batch, -1, num_groups, channels // num_groups))
         axes = (1, 3)
     else:
-        grouped = compute.reshape(batch, num_groups, -1)
+        grouped = _batch_reshape(compute, (batch, num_groups, -1))
         axes = (2,)
     mean = jnp.mean(grouped, axis=axes, keepdims=True)
     centered = grouped - mean
     rstd = lax.rsqrt(jnp.mean(centered * centered, axis=axes, keepdims=True) + jnp.asarray(eps, compute.dtype))
     channel_shape = (1,) * (x.ndim - 1) + (channels,) if layout == "NHWC" else (1, channels) + (1,) * (x.ndim - 2)
-    y = (centered * rstd).reshape(x.shape) * weight.astype(compute.dtype).reshape(channel_shape)
+    y = _batch_reshape(centered * rstd, x.shape) * weight.astype(compute.dtype).reshape(channel_shape)
     y = y + bias.astype(compute.dtype).reshape(channel_shape)
     if activate_swish:
         y = y * jax.nn.sigmoid(jnp.asarray(swish_scale, compute.dtype) * y)
     return y.astype(x.dtype)
+
+
+def _batch_reshape(array, shape):
+    """``array.reshape(shape)``, the leading (batch) axis kept: split over a mesh's explicit axes
+    (JAX's default mesh), JAX asks for the result's sharding, the batch's own (the reference is
+    the tangent of sharded programs' forward mode)."""
+    sharding = jax.typeof(array).sharding
+    spec = tuple(sharding.spec) + (None,) * array.ndim
+    explicit = _sharding._explicit_axes(sharding.mesh)
+    if not explicit or any(spec[1 : array.ndim]) or not spec[0]:
+        return array.reshape(shape)
+    return jnp.reshape(array, shape, out_sharding=NamedSharding(sharding.mesh, P(spec[0], *[None] * (len(shape) - 1))))
 
 
 def _backward(grad_output, mean, rstd, x, weight, bias, num_groups, swish_scale, layout, activate_swish):
