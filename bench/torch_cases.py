@@ -856,14 +856,14 @@ def _plain_group_norm_silu_operators():
         return _PLAIN_OPERATORS["op"], _PLAIN_OPERATORS["function"]
 
     # PyTorch's own calls, as fastbwd's graph operators make them while disabled
-    from fastbwd.torch._compile import _native_group_norm, native_group_norm_silu_backward
+    from fastbwd.torch._ops import native_backward, native_group_norm
 
     def forward_kernels(input, weight, bias, num_groups):
-        y, mean, rstd = _native_group_norm(input, weight, bias, num_groups, 1e-5)
+        y, mean, rstd = native_group_norm(input, weight, bias, num_groups, 1e-5)
         return F.silu(y), y, mean, rstd
 
     def backward_kernels(grad, input, y, mean, rstd, weight, num_groups):
-        return native_group_norm_silu_backward(grad, y, input, mean, rstd, weight, num_groups, [True, True, True])
+        return native_backward(grad, y, input, mean, rstd, weight, num_groups, [True, True, True])
 
     @torch.library.custom_op("fastbwd_bench::group_norm_silu", mutates_args=())
     def op(input: Tensor, weight: Tensor, bias: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -71,11 +71,15 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def compute_scalar(value, compute):
     """The Python float ``value`` as a ``compute`` scalar; beyond float32's range it rounds to an
     infinity, silently (no overflow warning). ``np.errstate`` is only entered for such values:
-    it costs a few microseconds, which a small call notices."""
+    it costs a few microseconds, which a small call notices. A ``compute`` scalar is returned
+    as it is (a prepared call converts its scalars once)."""
+    kind = compute.type
+    if type(value) is kind:
+        return value
     if compute == float64 or -_FLOAT32_MAX <= value <= _FLOAT32_MAX:
-        return compute.type(value)
+        return kind(value)
     with np.errstate(over="ignore"):
-        return compute.type(value)
+        return kind(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,21 +266,26 @@ def nhwc_result(shape, dtype):
     return result((n, h, w, c), dtype)
 
 
-def allocate(func, spec, out, names, inputs):
-    """``(result, kernel view)`` of one :class:`Result`: a new array (:func:`empty`: the kernels
-    write every element), or ``out`` (its metadata already checked, by the plan's key or a
-    prepared call) after checking that it overlaps none of ``inputs`` (arrays or None), whose
-    names are ``names``."""
-    if out is None:
-        phys = np.empty(spec.physical, spec.dtype) if spec.small else empty(spec.physical, spec.dtype)
-        array = phys if spec.layout == NCHW else phys.transpose(0, 3, 1, 2)
-    else:
-        for name, other in zip(names, inputs):
-            if other is not None and _overlaps(out, other):
-                v.fail(func, spec.param, f"must not overlap {name}", "overlapping memory")
-        array = out
-        phys = out if spec.layout == NCHW else out.transpose(0, 2, 3, 1)
+def new(spec):
+    """``(result, kernel view)`` of a new array for one :class:`Result` (:func:`empty` from the
+    result cache's floor, ``np.empty`` below it: uninitialised, the kernels write every element)."""
+    phys = np.empty(spec.physical, spec.dtype) if spec.small else empty(spec.physical, spec.dtype)
+    array = phys if spec.layout == NCHW else phys.transpose(0, 3, 1, 2)
     return array, (phys.view(np.uint16) if spec.half else phys)
+
+
+def allocate(func, spec, out, names, inputs):
+    """``(result, kernel view)`` of one :class:`Result`: a new array (:func:`new`), or ``out``
+    (its metadata already checked, by the plan's key or a prepared call) after checking that it
+    overlaps none of ``inputs`` (arrays or None; those past the end of ``names`` are not looked
+    at), whose names are ``names``."""
+    if out is None:
+        return new(spec)
+    for name, other in zip(names, inputs):
+        if other is not None and _overlaps(out, other):
+            v.fail(func, spec.param, f"must not overlap {name}", "overlapping memory")
+    phys = out if spec.layout == NCHW else out.transpose(0, 2, 3, 1)
+    return out, (phys.view(np.uint16) if spec.half else phys)
 
 
 def allocate_all(func, specs, entries, names, inputs):
@@ -313,12 +322,21 @@ def check_out(func, out, shape, dtype, layout=NCHW, *, param="out"):
 
 
 def _overlaps(a, b):
-    if not isinstance(b, np.ndarray) or not np.may_share_memory(a, b):
+    """Whether ``a`` and ``b`` share memory, exactly: the bounds test first (most pairs end
+    there), the exact test only for arrays whose bounds intersect (too hard to tell: True)."""
+    if type(b) is not np.ndarray and not isinstance(b, np.ndarray):
+        return False
+    if not _may_share_memory(a, b):
         return False
     try:
         return np.shares_memory(a, b, max_work=100_000)
     except np.exceptions.TooHardError:
         return True
+
+
+# NumPy's C function itself: ``np.may_share_memory`` is its ``__array_function__`` dispatcher,
+# which costs 0.1 us a call for arrays that need no dispatch (ndarrays)
+_may_share_memory = getattr(np.may_share_memory, "_implementation", np.may_share_memory)
 
 
 def read_only(array):

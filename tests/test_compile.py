@@ -14,7 +14,7 @@ F = torch.nn.functional
 nn = torch.nn
 
 import fastbwd.torch as ft  # noqa: E402
-from fastbwd.torch import _compile, _routing  # noqa: E402
+from fastbwd.torch import _compile, _private, _routing, _switch  # noqa: E402
 
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
@@ -178,6 +178,26 @@ def test_graph_operators_fake_kernels_match_the_real_ones(enabled):
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), name
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_fused_pair_operators_pass_opcheck(enabled):
+    """The fused pairs' nodes (fastbwd::group_norm_swish with follows_switch) pass opcheck on
+    contiguous and channels_last samples, with fastbwd's kernels (enabled) and PyTorch's
+    (disabled, or a pair fastbwd's kernels refuse: 4001 channels in one group)."""
+    (ft.enable if enabled else ft.disable)()
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        for shape, groups in (((2, 6, 5, 4), 3), ((1, 4001, 2, 1), 1)):
+            x = _randn(shape, 40, memory_format=memory_format)
+            weight, bias = _randn(shape[1:2], 41), _randn(shape[1:2], 42)
+            torch.library.opcheck(
+                torch.ops.fastbwd.group_norm_swish.default, (x, weight, bias, groups, 1e-5, 1.0, True)
+            )
+            _, mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, groups, 1e-5, 1.0, True)
+            arguments = (_randn(shape, 43, memory_format=memory_format), x, mean, rstd, weight, bias, groups, 1.0)
+            backward = torch.ops.fastbwd.group_norm_swish_backward.default
+            torch.library.opcheck(backward, (*arguments, [True, True, True], 1e-5, True))
+            torch.library.opcheck(backward, (*arguments, [True, False, True], 1e-5, True))
+
+
 def test_graph_operators_double_backward():
     """Each graph operator is linear in grad_output: its derivative there is the forward
     operator (gradcheck), and that derivative's own derivative too (gradgradcheck)."""
@@ -204,16 +224,18 @@ def test_group_norm_silu_operators_are_differentiable_twice(enabled):
     bias = _randn((6,), 32, torch.float64).requires_grad_()
 
     def pair(x, weight, bias):
-        return torch.ops.fastbwd.group_norm_silu(x, weight, bias, 3, 1e-5)[0]
+        return torch.ops.fastbwd.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0, True)[0]
 
     assert torch.autograd.gradcheck(pair, (x, weight, bias))
     assert torch.autograd.gradgradcheck(pair, (x, weight, bias))
-    _, mean, rstd = torch.ops.fastbwd.group_norm_silu(x, weight, bias, 3, 1e-5)
+    _, mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0, True)
     grad_output = _randn((2, 6, 4, 4), 33, torch.float64).requires_grad_()
 
     def backward(grad_output, x, weight, bias):
         mask = [True, True, True]
-        return torch.ops.fastbwd.group_norm_silu_backward(grad_output, x, mean, rstd, weight, bias, 3, 1e-5, mask)
+        return torch.ops.fastbwd.group_norm_swish_backward(
+            grad_output, x, mean, rstd, weight, bias, 3, 1.0, mask, 1e-5, True
+        )
 
     assert torch.autograd.gradcheck(backward, (grad_output, x, weight, bias))
 
@@ -390,6 +412,32 @@ def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
                 assert torch.equal(a, e), (dtype, memory_format)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_shapes_decide_at_run_time_what_fastbwd_takes(backend):
+    """With dynamic shapes the channel count is not known when the pair is fused: the fused
+    operator decides on the real tensors, so 8192 channels in one group (past the kernels' limit)
+    run PyTorch's kernels inside the same graph instead of failing."""
+    import torch._dynamo.testing
+
+    ft.enable()
+    frames = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(lambda x: F.silu(F.group_norm(x, 1)), backend=frames, dynamic=True)
+    for index, shape in enumerate([(2, 8, 3, 5), (3, 8192, 2, 3), (2, 12, 5, 3)]):
+        x, grad_output = _randn(shape, 70 + index), _randn(shape, 80 + index)
+        before = _routing.GRAPH_CALLS.copy()
+        actual = _gradients(compiled, [x], grad_output)
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+        for a, e in zip(actual, _gradients(lambda x: F.silu(F.group_norm(x, 1)), [x], grad_output)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    assert frames.frame_count == 1
+    norm = nn.GroupNorm(2, 6)  # affine: the parameters' size is known, the input's sizes are not
+    compiled = torch.compile(lambda x: F.silu(norm(x)), backend=backend, dynamic=True)
+    for index, shape in enumerate([(2, 6, 3, 5), (3, 6, 4, 2)]):
+        x, before = _randn(shape, 90 + index), _routing.GRAPH_CALLS.copy()
+        torch.testing.assert_close(compiled(x), F.silu(norm(x)), rtol=1e-4, atol=1e-5)
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1}
+
+
 # ---- the switch: graphs compiled while enabled follow it at run time -----------------------------
 
 
@@ -437,17 +485,49 @@ def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise(backend):
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 
-def test_graph_compiled_while_disabled_keeps_pytorchs_code():
+def test_graph_compiled_while_disabled_keeps_pytorchs_code_and_enable_says_so_once(monkeypatch):
+    """Dynamo does not guard on the switch: a frame compiled while disabled keeps PyTorch's code
+    after enable(), which says so once per process (with what to do); torch.compiler.reset()
+    then compiles it with fastbwd."""
+    monkeypatch.setattr(_switch, "_noticed", False)
+
     def model(x):
         return F.interpolate(x, scale_factor=2, mode="bilinear")
 
     x = _randn((2, 3, 6, 5), 22).requires_grad_()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     compiled(x).sum().backward()  # compiled while disabled: the upsample is decomposed, its backward a scatter
-    ft.enable()
+    with pytest.warns(UserWarning, match=r"compiled frames while fastbwd was disabled.*torch.compiler.reset\(\)"):
+        ft.enable()
     before = _routing.GRAPH_CALLS.copy(), _routing.SERVED.copy()
     compiled(x).sum().backward()
     assert not _counts(_routing.GRAPH_CALLS, before[0]) and not _counts(_routing.SERVED, before[1])
+    ft.disable()
+    torch.compile(lambda x: x * 2, backend="aot_eager")(x)  # another frame compiled while disabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.enable()  # said once per process: silent now
+    torch.compiler.reset()
+    compiled(x).sum().backward()
+    assert _counts(_routing.GRAPH_CALLS, before[0]) == {"upsample_bilinear2d_backward": 1}
+
+
+def test_enable_says_nothing_when_no_frame_was_compiled_while_disabled(monkeypatch):
+    monkeypatch.setattr(_switch, "_noticed", False)
+    x = _randn((2, 3, 6, 5), 22).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.enable()  # nothing compiled yet (the fixture reset Dynamo)
+        torch.compile(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), backend="aot_eager")(x)
+        ft.disable()
+        ft.enable()  # the frame was compiled while enabled: its graph follows the switch
+    torch.compiler.reset()
+    ft.disable()
+    torch.compile(lambda x: x * 3, backend="aot_eager")(x)
+    torch.compiler.reset()  # ... and forgotten
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.enable()
 
 
 def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
@@ -465,12 +545,17 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
 
     inductor_config.pre_grad_custom_pass = users_pass
     functorch_config.joint_custom_pass = users_joint_pass
+
+    def python_kernel(key):
+        overload, dispatch_key = key
+        return overload.py_kernels.get(getattr(torch._C.DispatchKey, dispatch_key))
+
     try:
-        kernels = {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS}
+        kernels = {key: python_kernel(key) for key in _compile._KERNELS}
         ft.enable()
         assert _compile.is_installed()
         assert inductor_config.pre_grad_custom_pass[0] is users_pass
-        assert all(key[0].py_kernels[key[1]] is kernel for key, kernel in _compile._KERNELS.items())
+        assert all(python_kernel(key) is kernel for key, kernel in _compile._KERNELS.items())
         ft.enable()  # idempotent
         assert len(inductor_config.pre_grad_custom_pass) == 2
         norm = nn.GroupNorm(2, 4)
@@ -482,7 +567,7 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         assert not _compile.is_installed()
         assert inductor_config.pre_grad_custom_pass is users_pass
         assert functorch_config.joint_custom_pass is users_joint_pass
-        assert {key: key[0].py_kernels.get(key[1]) for key in _compile._KERNELS} == kernels
+        assert {key: python_kernel(key) for key in _compile._KERNELS} == kernels
     finally:
         inductor_config.pre_grad_custom_pass = None
         functorch_config.joint_custom_pass = None
@@ -490,7 +575,8 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
 
 def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):
     monkeypatch.setattr(_compile, "SUPPORTED_RANGE", ((1, 0), (1, 1)))
-    monkeypatch.setattr(_compile, "_warned", False)
+    monkeypatch.setattr(_private, "_found", {})
+    monkeypatch.setattr(_private, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ft.enable()

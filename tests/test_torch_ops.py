@@ -79,7 +79,8 @@ def test_opcheck_roi_align(boxes, dtype, layout):
     torch.library.opcheck(OPS.roi_align, (x, rois, 0.8, 3, 4, 2, True))
     torch.library.opcheck(OPS.roi_align, (x, rois, 1.0, 2, 2, -1, False))
     grad = _randn((rois.shape[0], 3, 3, 4), dtype, 2).requires_grad_()
-    torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True))
+    channels_last = layout == "channels_last"  # the backward's channels_last flag: its NHWC kernel
+    torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True, channels_last))
 
 
 @pytest.mark.parametrize(
@@ -391,8 +392,8 @@ def _numpy_group_norm_swish(x, weight, bias, groups, eps, swish_scale, dy):
 def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
     """Calls repeating a geometry (each tensor's shape, strides and dtype; num_groups, eps,
     swish_scale) reuse what its first call worked out: no api validation runs again, and each
-    call gives the NumPy functions' bits. Another geometry gets its own, and a call the api
-    refuses is refused every time (nothing is remembered for it)."""
+    call gives the NumPy functions' bits. Another geometry gets its own, and a call fastbwd's
+    kernels do not take is PyTorch's, the refusal remembered like a geometry."""
     from fastbwd.torch import _ops
 
     _ops._GEOMETRIES.clear()
@@ -425,15 +426,18 @@ def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
                 assert torch.equal(got.contiguous(), want)
     assert len(_ops._GEOMETRIES) == len(geometries)
     x = geometries[0][0]
-    for _ in range(2):
-        with pytest.raises(fastbwd.ParamError, match="eps"):
-            ft.group_norm_swish(x, 3, weight, bias, -1.0)
-    assert len(_ops._GEOMETRIES) == len(geometries)
+    for _ in range(2):  # a call fastbwd's kernels refuse: PyTorch's own code, decided once
+        built.clear()
+        y = ft.group_norm_swish(x, 3, weight, bias, -1.0)
+        assert built == [] and len(_ops._GEOMETRIES) == len(geometries) + 1
+        expected = torch.nn.functional.silu(torch.nn.functional.group_norm(x, 3, weight, bias, -1.0))
+        torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_eager_call_checks_a_geometry_the_operator_made_first():
-    """A geometry first reached through the operator (no nn.GroupNorm checks) is checked on its
-    first eager call: one value per group runs in fastbwd, but nn.GroupNorm refuses it."""
+    """A geometry first reached through the operator is decided once for both paths: one value
+    per group is not fastbwd's (the operator runs PyTorch's kernels), and the eager call runs
+    F.group_norm, which refuses it as nn.GroupNorm does."""
     x, weight, bias = _randn((1, 2, 1), seed=64), _randn((2,), seed=65), _randn((2,), seed=66)
     OPS.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)
     for _ in range(2):

@@ -213,11 +213,11 @@ class _Plan(NamedTuple):
         ``(dx, dgamma, dbeta)``."""
         results = self.results
         if out is None:
-            dx, dx_phys = d.allocate(FUNC, results[0], None, (), ())
+            dx, dx_phys = d.new(results[0])
             dgamma = dbeta = dgamma_phys = dbeta_phys = None
             if self.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
-                dgamma, dgamma_phys = d.allocate(FUNC, results[1], None, (), ())
-                dbeta, dbeta_phys = d.allocate(FUNC, results[2], None, (), ())
+                dgamma, dgamma_phys = d.new(results[1])
+                dbeta, dbeta_phys = d.new(results[2])
         else:
             (dx, dgamma, dbeta), (dx_phys, dgamma_phys, dbeta_phys) = d.allocate_all(
                 FUNC, results, _out_entries(out), _INPUT_NAMES, (dy, mean, rstd, x, gamma, beta)
@@ -505,9 +505,12 @@ class _ForwardPlan(NamedTuple):
         ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the public function
         takes it). Returns ``(y, mean, rstd)``."""
         compute = self.compute
-        (y, mean, rstd), (y_phys, _, _) = d.allocate_all(
-            FORWARD, self.results, self.out_entries(out), ("x", "gamma", "beta"), (x, gamma, beta)
-        )
+        if out is None:
+            (y, y_phys), (mean, _), (rstd, _) = map(d.new, self.results)
+        else:
+            (y, mean, rstd), (y_phys, _, _) = d.allocate_all(
+                FORWARD, self.results, self.out_entries(out), ("x", "gamma", "beta"), (x, gamma, beta)
+            )
         # the kernel writes the statistics in the compute type; other dtypes are rounded once here
         direct = gamma.dtype == compute
         statistics = self.results[1].shape

@@ -257,17 +257,22 @@ class Launch:
     positions in ``read_only`` typed read-only: the kernel only reads them, and one compiled
     signature serves writeable and read-only arrays alike) and later calls call it directly,
     without typing their arguments again: a plan's calls all pass arrays of the metadata it was
-    made for. Per call only the process's safety switch is read (after ``fork``, or with
-    ``FASTBWD_SERIAL``, the serial twin runs).
+    made for. Per call a parallel launch reads the process's safety switch (after ``fork``, or
+    with ``FASTBWD_SERIAL``, the serial twin runs); a serial launch, whose twin is right in
+    every state, offers its resolved entry point as :attr:`call`, which its callers call
+    instead of the launch (the per-call cost of a small call: docs/design.md, "Per-call overhead").
     """
 
-    __slots__ = ("kernel", "parallel", "read_only", "_entry", "_serial_entry", "_locked")
+    __slots__ = ("kernel", "parallel", "read_only", "call", "_entry", "_serial_entry", "_locked")
 
     def __init__(self, kernel, work, read_only=(0,)):
         self.kernel = kernel
         # work None: always the serial twin (work that could never pay for the pool)
         self.parallel = work is not None and (_forced == "parallel" or (_forced is None and work >= ONE_THREAD_BELOW))
         self.read_only = read_only
+        #: the compiled entry point to call instead of the launch, once a serial launch has
+        #: resolved it; None before that and for a parallel launch (call the launch itself)
+        self.call = None
         self._entry = None
         self._serial_entry = None
         self._locked = False
@@ -291,6 +296,8 @@ class Launch:
 
     def _resolve_serial(self, args):
         self._serial_entry = _entry_point(self.kernel.serial, args, self.read_only)
+        if not self.parallel:
+            self.call = self._serial_entry
         return self._serial_entry
 
     def __repr__(self):
@@ -319,7 +326,8 @@ class Plan(NamedTuple):
     arguments: tuple  # the kernel's arguments after the arrays
 
     def run(self, *arrays):
-        self.launch(*map(np.ndarray.reshape, arrays, self.shapes), *self.arguments)
+        launch = self.launch
+        (launch.call or launch)(*map(np.ndarray.reshape, arrays, self.shapes), *self.arguments)
 
 
 def helper(py_func):

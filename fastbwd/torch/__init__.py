@@ -22,11 +22,11 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         '(or pip install -e ".[torch]" in fastbwd\'s checkout)'
     ) from error
 
-from . import _compile  # noqa: E402,F401  (registers the operators compiled graphs call)
+from . import _compile  # noqa: E402,F401  (the graph operators, and the hooks enable() installs)
 from ._fuse import FusedGroupNorm, FusionReport, fuse_group_norm_swish
 from ._group_norm_swish import GroupNormSwish, group_norm_swish
 from ._roi_align import RoIAlign, roi_align
-from ._routing import disable, enable, enabled, is_enabled
+from ._switch import disable, enable, enabled, is_enabled
 
 __all__ = [
     "enable",

@@ -1,4 +1,5 @@
-"""Tensors in, arrays out, and back: the bridge's zero-copy conversions (no kernels here).
+"""Tensors in, arrays out, and back: the bridge's zero-copy conversions (no kernels here), and
+the thread count every call of the bridge runs fastbwd on.
 
 A CPU tensor becomes a NumPy array over the same memory (``Tensor.numpy``), bfloat16 through an
 ``int16`` view reinterpreted as ``ml_dtypes.bfloat16`` (the way ``fastbwd._dtypes`` hands half
@@ -7,10 +8,12 @@ here over NumPy-allocated memory (see :func:`empty`), so nothing is copied on th
 """
 
 import ml_dtypes
+import numba
 import numpy as np
 import torch
 
 from fastbwd import _dtypes as d
+from fastbwd import api
 
 #: The tensor dtypes the bridge can hand to fastbwd as arrays (complex for the pad only).
 ARRAY_DTYPES = {
@@ -114,3 +117,14 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
     to_physical, to_logical = channels_last_permutation(len(shape))
     physical = tuple(shape[axis] for axis in to_physical)
     return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+
+
+def match_torch_threads():
+    """Set Numba's thread count (for the calling thread) to PyTorch's, within Numba's pool, and
+    return it. In a training step PyTorch's ops and fastbwd's kernels alternate on the same cores,
+    each with its own pool: sized alike (``torch.set_num_threads`` sizes both), neither pool
+    oversubscribes the cores the other was given."""
+    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if api.get_num_threads() != wanted:
+        api.set_num_threads(wanted)
+    return wanted

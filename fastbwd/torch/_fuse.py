@@ -13,8 +13,8 @@ Two mechanisms, neither of which touches a module's own ``forward()``:
   forward or at their first calls (:func:`_decide`).
 """
 
+import contextlib
 import gc
-import math
 import sys
 import warnings
 import weakref
@@ -23,11 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import forward_ad as _forward_ad
-from torch.utils._pytree import tree_map
 
-from . import _ops
-from ._group_norm_swish import GroupNormSwish, _check_input
+from . import _ops, _private
+from ._group_norm_swish import GroupNormSwish
 
 # ---- the report -----------------------------------------------------------------------------
 
@@ -240,14 +238,8 @@ def _unique_modules(module):
 
 
 def _refusal(norm):
-    """Why fastbwd's fused kernel cannot stand in for ``norm``, or None."""
-    if not (isinstance(norm.eps, (int, float)) and 0 <= norm.eps < math.inf):
-        return f"eps={norm.eps!r}: fastbwd's kernel takes a finite eps >= 0"
-    if norm.num_channels // norm.num_groups > _GROUP_LIMIT:
-        return (
-            f"{norm.num_channels // norm.num_groups} channels per group: fastbwd's kernel takes at most {_GROUP_LIMIT}"
-        )
-    return None
+    """Why fastbwd's fused kernels cannot stand in for ``norm`` whatever its input, or None."""
+    return _ops.settings_refusal(norm.num_channels, norm.num_groups, norm.eps)
 
 
 # ---- nn.Sequential --------------------------------------------------------------------------
@@ -285,9 +277,7 @@ def _group_norm_swish(norm):
 
 # ---- FusedGroupNorm -------------------------------------------------------------------------
 
-_GROUP_LIMIT = 4000  # fastbwd.api.group_norm_swish.MAX_GROUP_SIZE, the documents' limit
 _PENDING, _OBSERVING, _FUSED, _SKIPPED = "pending", "observing", "fused", "skipped"
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -327,7 +317,7 @@ class FusedGroupNorm(nn.GroupNorm):
         geometry = self._geometry(input)
         if geometry is None:
             if self.fusion_state == _OBSERVING:
-                self._fusion_ineligible = _ineligible(input)
+                self._fusion_ineligible = self._ineligible(input)
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         if self.fusion_state == _FUSED:
             return _LazyGroupNorm(input, self, geometry, None)
@@ -351,19 +341,19 @@ class FusedGroupNorm(nn.GroupNorm):
         return state is not None
 
     def _geometry(self, input):
-        """The call's GroupNorm+Swish geometry when fastbwd can run it exactly as nn.GroupNorm
-        would (a plain eager CPU call of a dtype pairing PyTorch accepts, checked as
-        nn.GroupNorm checks), else None (the call is nn.GroupNorm's)."""
-        if not _ops.use_eager_path(input) or input.device.type != "cpu" or input.dtype not in _FLOATING:
+        """The call's GroupNorm+Swish geometry when fastbwd runs it exactly as nn.GroupNorm would
+        (a plain eager CPU call fastbwd's kernels take, ``_ops.refusal``), else None (the call
+        is nn.GroupNorm's)."""
+        if not _ops.use_eager_path(input) or not input.is_cpu or not _private.lazy_outputs():
             return None
-        if _forward_ad._current_level >= 0:  # dual tensors: the fused operator has no forward derivative
-            return None
-        if input.dim() < 2 or input.numel() == 0:
-            return None
-        try:  # nn.GroupNorm's checks (dtype pairings included), once per geometry
-            return _ops.geometry_of(input, self.weight, self.bias, self.num_groups, float(self.eps), 1.0, _check_input)
-        except Exception:  # noqa: BLE001 - the call is nn.GroupNorm's, which raises its own error
-            return None
+        return _ops.geometry_of(input, self.weight, self.bias, self.num_groups, self.eps, 1.0)
+
+    def _ineligible(self, input):
+        """Why a call is not one the fused path takes (for the report)."""
+        if not isinstance(input, torch.Tensor):
+            return f"its calls are traced or transformed ({type(input).__name__} input), not eager"
+        reason = _ops.refusal(input, self.num_groups, self.weight, self.bias, self.eps)
+        return reason or "its calls are not plain eager CPU calls fastbwd fuses (tracing, autocast or a tensor mode)"
 
     def _settle(self, state, text):
         self._fusion_records = []
@@ -378,8 +368,9 @@ class FusedGroupNorm(nn.GroupNorm):
         self._settle(_SKIPPED, reason)
         if not self._fusion_warned:
             self._fusion_warned = True
-            frame, level = sys._getframe(), 1  # the warning points at the code that used the output
-            while frame is not None and frame.f_code.co_filename in _PLUMBING:
+            # the warning points at the code that used the output
+            frame, level, plumbing = sys._getframe(), 1, _plumbing()
+            while frame is not None and frame.f_code.co_filename in plumbing:
                 frame, level = frame.f_back, level + 1
             warnings.warn(
                 f"fastbwd.torch: the output of the fused GroupNorm {self.fusion_name!r} was used again after "
@@ -412,45 +403,18 @@ class FusedGroupNorm(nn.GroupNorm):
 def _arm_candidate(norm, name, live, names):
     """Make ``norm`` a FusedGroupNorm that observes its next calls (``live``: and decides by
     itself at a later call); ``names`` (``{id(module): qualified name}``) describe its uses."""
+    _restore(norm)
     norm.__class__ = FusedGroupNorm
-    norm.fusion_name = name
-    norm._fusion_names = names
+    norm.fusion_name, norm._fusion_names, norm._fusion_live, norm._fusion_records = name, names, live, []
     norm.fusion_state = _PENDING if live else _OBSERVING
-    norm._fusion_live = live
-    norm._fusion_records = []
-    norm._fusion_warned = False
-    norm._fusion_ineligible = None
-    for attribute in ("fusion_reason", "fusion_where"):
-        norm.__dict__.pop(attribute, None)
 
 
 def _restore(norm):
     """``norm`` a plain nn.GroupNorm again (a no-op for one)."""
     if type(norm) is FusedGroupNorm:
-        for attribute in (
-            "fusion_name",
-            "fusion_state",
-            "fusion_reason",
-            "fusion_where",
-            "_fusion_live",
-            "_fusion_records",
-            "_fusion_warned",
-            "_fusion_ineligible",
-            "_fusion_names",
-        ):
-            norm.__dict__.pop(attribute, None)
+        for attribute in [name for name in norm.__dict__ if name.startswith(("fusion_", "_fusion_"))]:
+            del norm.__dict__[attribute]  # the class's defaults
         norm.__class__ = nn.GroupNorm
-
-
-def _ineligible(input):
-    """Why a call's input is not one the fused path takes (for the report)."""
-    if not isinstance(input, torch.Tensor):
-        return f"its calls are traced or transformed ({type(input).__name__} input), not eager"
-    if input.device.type != "cpu":
-        return f"its input is on {input.device.type}, not the CPU"
-    if input.numel() == 0:
-        return "its input is empty"
-    return "its calls are not plain eager CPU calls fastbwd fuses (dtype, tracing or a tensor mode)"
 
 
 # ---- observing and deciding -----------------------------------------------------------------
@@ -546,57 +510,29 @@ def _tensors_in(value, depth=0):
 
 # ---- the lazy output ------------------------------------------------------------------------
 
-_SILU = {F.silu: False, torch._C._nn.silu: False, torch._C._nn.silu_: True}  # function -> in place
-
+#: Functions that read a tensor's metadata, which a lazy output answers without computing.
 _METADATA = {
-    torch.Tensor.size,
-    torch.Tensor.stride,
-    torch.Tensor.dim,
-    torch.Tensor.ndimension,
-    torch.Tensor.numel,
-    torch.Tensor.nelement,
-    torch.Tensor.is_contiguous,
-    torch.Tensor.element_size,
-    torch.Tensor.is_floating_point,
-    torch.Tensor.is_complex,
-    torch.Tensor.is_signed,
-    torch.Tensor.get_device,
-    torch.Tensor.storage_offset,
-    torch.Tensor.__len__,
-    torch.numel,
-    torch.is_floating_point,
-    torch.is_complex,
-} | {
+    getattr(torch.Tensor, name)
+    for name in "size stride dim ndimension numel nelement is_contiguous element_size is_floating_point is_complex "
+    "is_signed get_device storage_offset __len__".split()
+} | {torch.numel, torch.is_floating_point, torch.is_complex}
+_METADATA |= {
     getattr(torch.Tensor, name).__get__
-    for name in (
-        "shape",
-        "ndim",
-        "dtype",
-        "device",
-        "layout",
-        "requires_grad",
-        "is_cpu",
-        "is_cuda",
-        "is_sparse",
-        "is_quantized",
-        "is_meta",
-        "is_mkldnn",
-        "is_nested",
-        "itemsize",
-        "nbytes",
-    )
+    for name in "shape ndim dtype device layout requires_grad is_cpu is_cuda is_sparse is_quantized is_meta is_mkldnn "
+    "is_nested itemsize nbytes".split()
     if hasattr(torch.Tensor, name)
 }
 
-#: Frames between a use of a lazy output and the code that uses it.
-_PLUMBING = {
-    torch.overrides.__file__,
-    F.__file__,
-    torch._tensor.__file__,
-    torch._tensor_str.__file__,
-    torch.utils._pytree.__file__,
-    __file__,
-}
+
+def _plumbing():
+    """The source files of the frames between a use of a lazy output and the code using it."""
+    if not _PLUMBING:
+        torch_files = {torch.overrides.__file__, F.__file__, sys.modules[torch.Tensor.__module__].__file__}
+        _PLUMBING.update(torch_files, _private.printing_files(), {__file__})
+    return _PLUMBING
+
+
+_PLUMBING = set()
 
 
 class _LazyGroupNorm(torch.Tensor):
@@ -621,13 +557,13 @@ class _LazyGroupNorm(torch.Tensor):
             or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad)
         )
-        self = torch.Tensor._make_wrapper_subclass(
+        self = _private.wrapper_subclass(
             cls, input.shape, strides=strides, dtype=input.dtype, device=input.device, requires_grad=requires_grad
         )
         self._fb_input, self._fb_weight, self._fb_bias = input, weight, bias
         self._fb_norm, self._fb_geometry, self._fb_record = norm, geometry, record
         self._fb_grad, self._fb_inference = grad, torch.is_inference_mode_enabled()
-        self._fb_versions = None if record is not None else _versions(input, weight, bias)
+        self._fb_versions = None if record is not None else _private.versions(input, weight, bias)
         self._fb_result = result  # F.group_norm's tensor once made (or, after an in-place SiLU, its output)
         self._fb_consumed = False  # an armed output whose SiLU ran fused
         return self
@@ -638,10 +574,9 @@ class _LazyGroupNorm(torch.Tensor):
         if func in _METADATA and type(args[0]) is cls:
             lazy = args[0]
             if lazy._fb_result is None:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
+                return super().__torch_function__(func, types, args, kwargs)
             return func(lazy._fb_result, *args[1:], **kwargs)
-        inplace = _SILU.get(func)
+        inplace = _ops.silu_functions().get(func)
         if inplace is not None and args and type(args[0]) is cls:
             lazy = args[0]
             inplace = inplace or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
@@ -702,10 +637,8 @@ class _LazyGroupNorm(torch.Tensor):
         return self._fb_result
 
     def _check_unmodified(self):
-        if (
-            self._fb_versions is not None
-            and _versions(self._fb_input, self._fb_weight, self._fb_bias) != self._fb_versions
-        ):
+        versions = self._fb_versions and _private.versions(self._fb_input, self._fb_weight, self._fb_bias)
+        if versions and versions != self._fb_versions:
             raise RuntimeError(
                 f"fastbwd.torch: the input or parameters of the fused GroupNorm {self._fb_norm.fusion_name!r} were "
                 "modified in place between its call and the first use of its output, which the fused GroupNorm "
@@ -720,7 +653,17 @@ def _call(func, args, kwargs, silu_inplace=None):
     def real(value):
         return value._materialise(func, silu_inplace) if type(value) is _LazyGroupNorm else value
 
-    return func(*tree_map(real, args), **tree_map(real, kwargs))
+    return func(*_map(real, args), **_map(real, kwargs))
+
+
+def _map(function, value):
+    """``value`` with ``function`` applied to every leaf in its tuples, lists and dicts."""
+    if isinstance(value, (tuple, list)):
+        items = [_map(function, item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _map(function, item) for key, item in value.items()}
+    return function(value)
 
 
 class _Use(NamedTuple):
@@ -750,8 +693,8 @@ def _site():
     """``(module or None, description)`` of the code that is using a lazy output: the first
     frame outside fastbwd's and PyTorch's dispatch plumbing; its module when it is a
     ``forward(self, ...)``."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in _PLUMBING:
+    frame, plumbing = sys._getframe(1), _plumbing()
+    while frame is not None and frame.f_code.co_filename in plumbing:
         frame = frame.f_back
     if frame is None:
         return None, "?"
@@ -767,11 +710,6 @@ def _is_silu_subclass(owner):
     return isinstance(owner, nn.SiLU) and type(owner) is not nn.SiLU
 
 
-def _versions(*tensors):
-    """The tensors' version counters (None for an inference tensor, which has none)."""
-    return tuple(None if t is None or t.is_inference() else t._version for t in tensors)
-
-
 class _grad_mode:  # noqa: N801 - used as a context manager, like torch.no_grad
     """``torch.set_grad_enabled(enabled)`` only when it changes something (it costs a few
     microseconds otherwise)."""
@@ -784,29 +722,18 @@ class _grad_mode:  # noqa: N801 - used as a context manager, like torch.no_grad
     def __enter__(self):
         self.previous = torch.is_grad_enabled()
         if self.previous != self.enabled:
-            torch._C._set_grad_enabled(self.enabled)
+            torch.set_grad_enabled(self.enabled)
 
     def __exit__(self, *exc):
         if self.previous != self.enabled:
-            torch._C._set_grad_enabled(self.previous)
+            torch.set_grad_enabled(self.previous)
 
 
-class _creation_modes:  # noqa: N801
+def _creation_modes(lazy):
     """The grad and inference modes of the GroupNorm call, for computing its output later."""
-
-    __slots__ = ("lazy", "guards")
-
-    def __init__(self, lazy):
-        self.lazy = lazy
-
-    def __enter__(self):
-        self.guards = []
-        if torch.is_inference_mode_enabled() != self.lazy._fb_inference:
-            self.guards.append(torch.inference_mode(self.lazy._fb_inference))
-        self.guards.append(_grad_mode(self.lazy._fb_grad))
-        for guard in self.guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self.guards):
-            guard.__exit__(*exc)
+    if torch.is_inference_mode_enabled() == lazy._fb_inference:
+        return _grad_mode(lazy._fb_grad)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(lazy._fb_inference))
+    stack.enter_context(_grad_mode(lazy._fb_grad))
+    return stack

@@ -12,7 +12,9 @@ Each has a fake kernel (the shapes, dtypes and strides the real kernel returns, 
 ``torch.compile`` and ``opcheck`` see the truth) and registered autograd. The public functions in
 ``_roi_align`` and ``_group_norm_swish`` validate and then call these, or, for plain eager calls,
 the same kernels and formulas through an ``autograd.Function`` (:func:`use_eager_path`, at the
-end); the kernels here only translate tensors to arrays and back.
+end); the kernels here only translate tensors to arrays and back. The GroupNorm + Swish pair
+serves every fused use (the drop-ins, the eager fusion, compiled graphs), with one rule for what
+fastbwd's kernels take (:func:`refusal`).
 """
 
 import functools
@@ -22,14 +24,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+import fastbwd
 from fastbwd import _validation as v
 from fastbwd.api import _plans
 from fastbwd.api import group_norm_swish as gns_api
 from fastbwd.api import roi_align as roi_align_api
 
 from . import _convert as c
-from . import _probes
-from ._threads import match_torch_threads
+from . import _private, _switch
+from ._routing import GRAPH_CALLS
 
 
 def fx_leaf(function, input, *args):
@@ -40,18 +43,10 @@ def fx_leaf(function, input, *args):
 
 
 def _eager(*tensors):
-    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
-    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper), so an
+    """True when ``tensors`` are plain tensors and nothing traces or transforms the call, so an
     autograd formula may run a kernel directly instead of through its operator's dispatcher
-    entry (which costs tens of microseconds per call in Python)."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    return all(
-        type(t) is torch.Tensor
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-        and not torch._is_functional_tensor(t)
-        for t in tensors
-    )
+    entry (which costs tens of microseconds per call in Python): ``_private.eager_tensors``."""
+    return _private.eager_tensors(tensors)
 
 
 def use_eager_path(*tensors):
@@ -98,7 +93,7 @@ def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, s
     """The forward; a channels_last input runs the NHWC layout, in place, and gives a
     channels_last result."""
     _check_roi_align_dtype(input, "input")
-    match_torch_threads()
+    c.match_torch_threads()
     memory_format = c.memory_format(input)
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
@@ -112,23 +107,24 @@ def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, s
     return output
 
 
-@torch.library.custom_op("fastbwd::roi_align", mutates_args=(), device_types="cpu")
-def roi_align(
-    input: Tensor,
-    rois: Tensor,
-    spatial_scale: float,
-    pooled_height: int,
-    pooled_width: int,
-    sampling_ratio: int,
-    aligned: bool,
-) -> Tensor:
-    return _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+def custom_op(name, kernel, schema):
+    """``fastbwd::<name>``, a CPU operator of ``schema`` that ``kernel`` runs (it mutates nothing)."""
+    return torch.library.custom_op(f"fastbwd::{name}", kernel, mutates_args=(), device_types="cpu", schema=schema)
+
+
+roi_align = custom_op(
+    "roi_align",
+    _roi_align_kernel,
+    "(Tensor input, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, int sampling_ratio, "
+    "bool aligned) -> Tensor",
+)
 
 
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     _check_roi_align_dtype(input, "input")
-    torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be (K, 5)")
+    if rois.dim() != 2 or rois.shape[1] != 5:
+        raise RuntimeError("roi_align: rois must be (K, 5)")
     return torch.empty(
         (rois.shape[0], input.shape[1], pooled_height, pooled_width),
         dtype=input.dtype,
@@ -154,7 +150,7 @@ def _roi_align_backward_kernel(
     """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
     gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
     _check_roi_align_dtype(grad, "grad")
-    match_torch_threads()
+    c.match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
     if channels_last:
@@ -168,59 +164,19 @@ def _roi_align_backward_kernel(
     return grad_input
 
 
-@torch.library.custom_op("fastbwd::roi_align_backward", mutates_args=(), device_types="cpu")
-def roi_align_backward(
-    grad: Tensor,
-    rois: Tensor,
-    spatial_scale: float,
-    pooled_height: int,
-    pooled_width: int,
-    batch_size: int,
-    channels: int,
-    height: int,
-    width: int,
-    sampling_ratio: int,
-    aligned: bool,
-    channels_last: bool = False,
-) -> Tensor:
-    return _roi_align_backward_kernel(
-        grad,
-        rois,
-        spatial_scale,
-        pooled_height,
-        pooled_width,
-        batch_size,
-        channels,
-        height,
-        width,
-        sampling_ratio,
-        aligned,
-        channels_last,
-    )
+roi_align_backward = custom_op(
+    "roi_align_backward",
+    _roi_align_backward_kernel,
+    "(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, int batch_size, "
+    "int channels, int height, int width, int sampling_ratio, bool aligned, bool channels_last=False) -> Tensor",
+)
 
 
 @roi_align_backward.register_fake
-def _(
-    grad,
-    rois,
-    spatial_scale,
-    pooled_height,
-    pooled_width,
-    batch_size,
-    channels,
-    height,
-    width,
-    sampling_ratio,
-    aligned,
-    channels_last=False,
-):
+def _(grad, *arguments):  # rois, spatial_scale, pooled sizes, batch_size, channels, height, width, ..., channels_last
     _check_roi_align_dtype(grad, "grad")
-    return torch.empty(
-        (batch_size, channels, height, width),
-        dtype=grad.dtype,
-        device=grad.device,
-        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
-    )
+    memory_format = torch.channels_last if arguments[10:] == (True,) else torch.contiguous_format
+    return torch.empty(arguments[4:8], dtype=grad.dtype, device=grad.device, memory_format=memory_format)
 
 
 def _roi_align_setup(ctx, inputs, output):
@@ -263,10 +219,11 @@ roi_align_backward.register_autograd(_roi_align_backward_grad, setup_context=_ro
 
 
 def _roi_align_autocast(keyset, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    # torchvision's autocast kernel: compute in float32, return the input's dtype. As autocast
-    # does, only floating-point tensors are cast: an integer input is refused as outside autocast.
+    # torchvision's autocast kernel: compute in float32 (autocast off inside), return the input's
+    # dtype. As autocast does, only floating-point tensors are cast: an integer input is refused
+    # as outside autocast.
     input32, rois32 = (t.float() if t.is_floating_point() else t for t in (input, rois))
-    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+    with torch.autocast("cpu", enabled=False):
         output = roi_align(input32, rois32, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
     return output.to(input.dtype)
 
@@ -277,6 +234,79 @@ _library.impl("roi_align", _roi_align_autocast, "AutocastCPU", with_keyset=True)
 
 
 # ---- GroupNorm + Swish ----------------------------------------------------------------------
+# One operator family for every fused GroupNorm + Swish: the drop-ins, the eager fusion and the
+# pairs the graph passes fuse (SiLU is swish_scale 1). ``follows_switch`` (the passes' calls)
+# makes a call run PyTorch's own kernels while fastbwd is disabled; every call runs PyTorch's
+# own kernels when :func:`refusal` refuses it.
+
+#: The input dtypes fastbwd's GroupNorm+Swish kernels take, and those that may come with
+#: float32 parameters (mixed precision, as ``native_group_norm`` allows on the CPU).
+FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_MIXED = (torch.float16, torch.bfloat16)
+
+
+def _known(size):
+    """``size`` as an int, or None when it is symbolic (known only at run time)."""
+    return size if isinstance(size, int) else None
+
+
+def settings_refusal(channels, num_groups, eps, swish_scale=1.0):
+    """Why fastbwd's kernels do not take a GroupNorm + Swish of these settings, or None
+    (``channels`` None: not known yet; ``eps`` None: not asked, as for the backward alone)."""
+    if type(num_groups) is not int or num_groups <= 0:
+        return f"num_groups={num_groups!r}"
+    if eps is not None and not (type(eps) in (int, float) and 0 <= eps < math.inf):
+        return f"eps={eps!r}: fastbwd's kernels take a finite eps >= 0"
+    if not (type(swish_scale) in (int, float) and math.isfinite(swish_scale)):
+        return f"swish_scale={swish_scale!r}: fastbwd's kernels take a finite one"
+    if channels is not None and channels % num_groups:
+        return f"{channels} channels do not split into {num_groups} groups"
+    if channels is not None and channels // num_groups > gns_api.MAX_GROUP_SIZE:
+        return f"{channels // num_groups} channels per group: fastbwd's kernels take at most {gns_api.MAX_GROUP_SIZE}"
+    return None
+
+
+def refusal(input, num_groups, weight, bias, eps, swish_scale=1.0):
+    """Why fastbwd's fused GroupNorm + Swish does not stand in for ``F.group_norm(input,
+    num_groups, weight, bias, eps)`` and the Swish after it, or None when it does: the one rule of
+    the drop-ins, the eager fusion, both graph passes and the operators' kernels. A refused call
+    runs PyTorch's own code, so a call PyTorch refuses raises PyTorch's error. The tensors may be
+    fake; a size known only at run time refuses nothing here (the kernels decide again then)."""
+    if not isinstance(input, torch.Tensor):
+        return f"its input is a {type(input).__name__}"
+    if input.device.type != "cpu" or input.layout != torch.strided:
+        return f"its input is on {input.device.type}, not the CPU" if input.device.type != "cpu" else "a sparse input"
+    if input.dtype not in FUSED_DTYPES or input.dim() < 2:
+        return f"its input is {input.dim()}-D {input.dtype}"
+    parameters = [p for p in (weight, bias) if p is not None]
+    shape = [_known(size) for size in input.shape]
+    for parameter in parameters:
+        if not (isinstance(parameter, torch.Tensor) and parameter.device.type == "cpu" and parameter.dim() == 1):
+            return "a parameter is not a vector on the CPU"
+        size = _known(parameter.shape[0])
+        if parameter.layout != torch.strided or None not in (size, shape[1]) and size != shape[1]:
+            return "a parameter is not one value per channel"
+    dtypes = {parameter.dtype for parameter in parameters}
+    if dtypes - {input.dtype} and (dtypes != {torch.float32} or input.dtype not in _MIXED):
+        return f"{input.dtype} input with {'/'.join(map(str, dtypes))} parameters"  # PyTorch's pairing rule
+    reason = settings_refusal(shape[1], num_groups, eps, swish_scale)
+    if reason is None and None not in shape:
+        if math.prod(shape) == 0:
+            reason = "its input is empty"  # PyTorch's own code decides (2.13 returns empty results, 2.14 raises)
+        elif shape[0] * shape[1] // num_groups * math.prod(shape[2:]) == 1:
+            reason = "one value per group"  # F.group_norm raises a ValueError
+    return reason
+
+
+def silu_functions():
+    """``{function: works in place}`` of every spelling of SiLU the fusion recognises: ``F.silu``
+    (which ``nn.SiLU`` calls) and its private aliases."""
+    if not _SILUS:
+        _SILUS.update({torch.nn.functional.silu: False, **_private.silu_aliases()})
+    return _SILUS
+
+
+_SILUS = {}
 
 
 def stats_dtype(input, weight, bias):
@@ -284,31 +314,6 @@ def stats_dtype(input, weight, bias):
     parameters with half input: mixed precision), else the input's, as ``native_group_norm``."""
     parameter = weight if weight is not None else bias
     return parameter.dtype if parameter is not None else input.dtype
-
-
-def _parameters(input, weight, bias):
-    """gamma and beta as the NumPy functions take them: without affine parameters the
-    normalisation is the identity map (gamma one, beta zero), in :func:`stats_dtype`."""
-    if weight is not None and bias is not None:
-        return weight, bias
-    channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
-    return (
-        weight if weight is not None else torch.ones(channels, dtype=dtype),
-        bias if bias is not None else torch.zeros(channels, dtype=dtype),
-    )
-
-
-def _forward_kernel(input, weight, bias, num_groups, eps, swish_scale):
-    """``(y, mean, rstd)`` by ``fastbwd.group_norm_swish`` (§5.1), ``y`` in the memory format
-    :func:`_convert.memory_format` gives ``input``."""
-    if input.numel() == 0:  # fastbwd refuses empty groups; PyTorch returns empty results
-        x = c.dense(input, c.memory_format(input))
-        y, mean, rstd = torch.native_group_norm(
-            x, weight, bias, x.shape[0], x.shape[1], math.prod(x.shape[2:]), num_groups, eps
-        )
-        return y * torch.sigmoid(swish_scale * y), mean, rstd
-    y, arrays = geometry_of(input, weight, bias, num_groups, eps, swish_scale).forward(input, weight, bias)
-    return y, c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
 
 
 class _Geometry:
@@ -329,18 +334,19 @@ class _Geometry:
         # (N, C, HxW).
         self.flat = input.dim() > gns_api.MAX_RANK
         self.num_groups = num_groups
-        gamma, beta = (c.as_array(t) for t in _parameters(input, weight, bias))
-        # made here when the call has no such parameter: the kernels only read them
-        self.gamma = None if weight is not None else gamma
-        self.beta = None if bias is not None else beta
+        # Without affine parameters the normalisation is the identity map: gamma one and beta zero
+        # (in stats_dtype), made here once (the kernels only read them).
+        channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
+        self.gamma = None if weight is not None else c.as_array(torch.ones(channels, dtype=dtype))
+        self.beta = None if bias is not None else c.as_array(torch.zeros(channels, dtype=dtype))
+        gamma, beta = self.parameters(weight, bias)
         self.swish_scale = swish_scale
-        self.checked = False  # nn.GroupNorm's input checks passed (the eager path's own)
         self._forward = {}  # thread count -> the api's forward plan
         self._backward = {}  # (thread count, flags, arrays' metadata) -> the api's backward plan
         if eps is not None:  # the forward's scalars (validated here, ParamError)
             self.eps, _ = gns_api.forward_scalars(eps, swish_scale)
             # its plan too, so that a bad call fails before it is remembered
-            self._forward_plan(self.x_array(input), gamma, beta, match_torch_threads())
+            self._forward_plan(self.x_array(input), gamma, beta, c.match_torch_threads())
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
@@ -357,12 +363,15 @@ class _Geometry:
         ``mean`` and ``rstd``), which the eager path keeps so that its backward converts only
         ``dy``."""
         x = self.x_array(input)
-        gamma = self.gamma if weight is None else c.as_array(weight)
-        beta = self.beta if bias is None else c.as_array(bias)
-        threads = match_torch_threads()
+        gamma, beta = self.parameters(weight, bias)
+        threads = c.match_torch_threads()
         plan = self._forward.get(threads) or self._forward_plan(x, gamma, beta, threads)
         y, mean, rstd = gns_api.run_forward(plan, x, gamma, beta, self.eps, self.swish_scale, None)
         return self.result(y), _KernelArrays(mean, rstd, x, gamma, beta)
+
+    def parameters(self, weight, bias):
+        """gamma and beta as the kernels take them (the geometry's own for a missing parameter)."""
+        return self.gamma if weight is None else c.as_array(weight), self.beta if bias is None else c.as_array(bias)
 
     def _forward_plan(self, x, gamma, beta, threads):
         plan = gns_api.forward_plan(x, gamma, beta, self.num_groups, self.data_format, True, None)
@@ -376,24 +385,12 @@ class _Geometry:
         any). The results are new NumPy arrays wrapped without a copy (dx channels_last again
         for channels_last input)."""
         dy = self.x_array(grad_output)
-        key = (match_torch_threads(), need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
+        key = (c.match_torch_threads(), need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
         if not own_statistics:
             key += tuple((a.shape, a.strides, a.dtype) for a in (arrays.mean, arrays.rstd))
         plan = self._backward.get(key)
-        if plan is None:
-            plan = gns_api.plan(
-                dy,
-                arrays.mean,
-                arrays.rstd,
-                arrays.x,
-                arrays.gamma,
-                arrays.beta,
-                self.num_groups,
-                self.data_format,
-                need_weight,
-                need_bias,
-                None,
-            )
+        if plan is None:  # arrays are in the api's order
+            plan = gns_api.plan(dy, *arrays, self.num_groups, self.data_format, need_weight, need_bias, None)
             self._backward[key] = plan
         grad_input, grad_weight, grad_bias = gns_api.run(plan, dy, *arrays, self.swish_scale, None)
         return (
@@ -420,12 +417,11 @@ class _Geometry:
 _GEOMETRIES = _plans.Plans()
 
 
-def geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input=None):
-    """The :class:`_Geometry` of a call on CPU tensors (``eps`` and ``swish_scale`` floats, as
-    the operators' schemas give them; ``eps`` None for the backward alone), made on its first
-    call, after ``check_input(input, num_groups, weight, bias)`` when given (once per geometry).
-    The key holds what it depends on: each tensor's metadata and the other arguments' values,
-    with their types (``True`` and ``1`` differ)."""
+def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
+    """The :class:`_Geometry` of a call on CPU tensors (``eps`` None for the backward alone), made
+    on its first call; None when :func:`refusal` (or the api's validation) refuses the call. The
+    key holds everything both read: each tensor's metadata and the other arguments' values, with
+    their types (``True`` and ``1`` differ)."""
     key = (
         input.shape,
         input.stride(),
@@ -434,17 +430,21 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale, check_input=N
         None if bias is None else (bias.shape, bias.stride(), bias.dtype),
         type(num_groups),
         num_groups,
+        type(eps),
         eps,
+        type(swish_scale),
         swish_scale,
     )
     geometry = _GEOMETRIES.get(key)
-    if check_input is not None and (geometry is None or not geometry.checked):
-        check_input(input, num_groups, weight, bias)  # its errors before the api's
-        geometry = geometry or _GEOMETRIES.add(key, _Geometry(input, weight, bias, num_groups, eps, swish_scale))
-        geometry.checked = True
-    elif geometry is None:
-        geometry = _GEOMETRIES.add(key, _Geometry(input, weight, bias, num_groups, eps, swish_scale))
-    return geometry
+    if geometry is None:
+        geometry = refusal(input, num_groups, weight, bias, eps, swish_scale)
+        if geometry is None:
+            try:
+                geometry = _Geometry(input, weight, bias, num_groups, eps, swish_scale)
+            except fastbwd.ParamError as error:
+                geometry = str(error)
+        geometry = _GEOMETRIES.add(key, geometry)  # a refusal is remembered as its reason
+    return geometry if type(geometry) is _Geometry else None
 
 
 class _KernelArrays(NamedTuple):
@@ -458,42 +458,123 @@ class _KernelArrays(NamedTuple):
     beta: object
 
 
+def _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch):
+    """The call's :class:`_Geometry` when fastbwd's kernels run it, else None (PyTorch's do)."""
+    if follows_switch and not _switch.is_enabled():
+        return None
+    return geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+
+
+def _sizes(input):
+    """``(N, C, HxW)`` of an ``(N, C, *)`` input, as PyTorch's GroupNorm kernels take them."""
+    return input.shape[0], input.shape[1], math.prod(input.shape[2:])
+
+
+def native_group_norm(input, weight, bias, num_groups, eps):
+    """``(y, mean, rstd)`` by PyTorch's ``native_group_norm`` (``F.group_norm``'s kernel)."""
+    return torch.native_group_norm(input, weight, bias, *_sizes(input), num_groups, eps)
+
+
+def native_backward(grad_output, y, input, mean, rstd, weight, num_groups, output_mask, swish_scale=1.0):
+    """``(dx, dgamma, dbeta)`` of the Swish of ``F.group_norm(...)`` by PyTorch's own kernels
+    (``silu_backward`` for SiLU, the Swish's derivative in PyTorch ops otherwise, then
+    ``native_group_norm_backward``), ``y`` being the GroupNorm's output."""
+    if swish_scale == 1:
+        grad_y = torch.ops.aten.silu_backward(grad_output, y)
+    else:
+        grad_y = _swish_backward(grad_output, y, swish_scale)
+    return torch.ops.aten.native_group_norm_backward(
+        grad_y, input, mean, rstd, weight, *_sizes(input), num_groups, output_mask
+    )
+
+
+def _swish(y, swish_scale):
+    return torch.nn.functional.silu(y) if swish_scale == 1 else y * torch.sigmoid(swish_scale * y)
+
+
+def _swish_backward(grad_output, y, swish_scale):
+    """The Swish's derivative applied to ``grad_output`` (§5's ``gnew``), in PyTorch ops."""
+    sig = torch.sigmoid(swish_scale * y)
+    return grad_output * sig * (1 + swish_scale * y * (1 - sig))
+
+
+def _forward(input, weight, bias, num_groups, eps, swish_scale, follows_switch=False):
+    """``(y, mean, rstd)``, ``y`` in the memory format :func:`_convert.memory_format` gives
+    ``input``: fastbwd's kernel (§5.1), or PyTorch's ``native_group_norm`` and Swish."""
+    geometry = _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
+    if geometry is not None:
+        y, arrays = geometry.forward(input, weight, bias)
+        return y, c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
+    y, mean, rstd = native_group_norm(input, weight, bias, num_groups, eps)
+    statistics = stats_dtype(input, weight, bias)
+    y = _swish(y, swish_scale).contiguous(memory_format=c.memory_format(input))
+    return y, mean.to(statistics), rstd.to(statistics)
+
+
+def _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps, follows_switch):
+    """``(dx, dgamma or None, dbeta or None)``, ``dx`` in the memory format
+    :func:`_convert.memory_format` gives ``input``, ``needs`` the (weight, bias) gradients asked
+    for: fastbwd's kernel (§5), or PyTorch's (as :func:`_forward` chooses)."""
+    need_weight, need_bias = needs
+    geometry = _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
+    if geometry is not None:
+        arrays = _KernelArrays(
+            c.as_array(mean), c.as_array(rstd), geometry.x_array(input), *geometry.parameters(weight, bias)
+        )
+        return geometry.backward(grad_output, arrays, need_weight, need_bias, False)
+    y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
+    grads = native_backward(grad_output, y, input, mean, rstd, weight, num_groups, [True, *needs], swish_scale)
+    return grads[0].contiguous(memory_format=c.memory_format(input)), grads[1], grads[2]
+
+
+def _normalised(input, mean, rstd, weight, bias, num_groups, eps):
+    """The GroupNorm output the Swish saw: ``native_group_norm``'s again (its very bits, so the
+    backward is PyTorch's) when ``mean`` and ``rstd`` are the statistics it computes, else
+    normalised with the ``mean`` and ``rstd`` given (the formula of §5 takes them as given)."""
+    if eps is not None:
+        y, own_mean, own_rstd = native_group_norm(input, weight, bias, num_groups, eps)
+        if torch.equal(own_mean, mean.to(own_mean.dtype)) and torch.equal(own_rstd, rstd.to(own_rstd.dtype)):
+            return y
+    return _normalise(input, mean, rstd, weight, bias, num_groups)[1].to(input.dtype)
+
+
+def _normalise(input, mean, rstd, weight, bias, num_groups):
+    """``(xhat, y)``: GroupNorm with the given ``mean`` and ``rstd`` in differentiable PyTorch ops
+    (``y`` with the affine parameters that are given)."""
+    batch, channels = input.shape[:2]
+    broadcast = (1, channels) + (1,) * (input.dim() - 2)
+    grouped = (batch, num_groups, math.prod(input.shape[1:]) // num_groups)  # no -1: empty inputs too
+    xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)).reshape(
+        input.shape
+    )
+    y = xhat if weight is None else xhat * weight.reshape(broadcast)
+    return xhat, y if bias is None else y + bias.reshape(broadcast)
+
+
 @torch.library.custom_op("fastbwd::group_norm_swish", mutates_args=(), device_types="cpu")
 def group_norm_swish(
-    input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int, eps: float, swish_scale: float
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    num_groups: int,
+    eps: float,
+    swish_scale: float,
+    follows_switch: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _forward_kernel(input, weight, bias, num_groups, eps, swish_scale)
+    """``(y, mean, rstd)`` of GroupNorm then Swish; ``follows_switch``: PyTorch's own kernels
+    while fastbwd is disabled (the fused pairs of compiled graphs)."""
+    if follows_switch:
+        GRAPH_CALLS["group_norm_silu"] += 1
+    return _forward(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
 
 
 @group_norm_swish.register_fake
-def _(input, weight, bias, num_groups, eps, swish_scale):
-    empty_error = _probes.group_norm_empty_error(input.shape)  # the real kernel's (PyTorch's) refusal
-    if empty_error is not None:
-        raise empty_error
+def _(input, weight, bias, num_groups, eps, swish_scale, follows_switch=False):
+    if input.numel() == 0:  # the real kernel runs PyTorch's own then: its refusal (2.14 on) is ours too
+        native_group_norm(input, weight, bias, num_groups, eps)
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
     return y, mean, torch.empty_like(mean)
-
-
-def _backward_kernel(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias):
-    """``(dx, dgamma or None, dbeta or None)`` by ``fastbwd.group_norm_swish_backward`` (§5),
-    ``dx`` in the memory format :func:`_convert.memory_format` gives ``input``."""
-    if input.numel() == 0:  # an empty batch: nothing to differentiate, nothing for fastbwd
-        gamma, beta = _parameters(input, weight, bias)
-        return (
-            torch.empty(input.shape, dtype=input.dtype, memory_format=c.memory_format(input)).zero_(),
-            torch.zeros_like(gamma) if need_weight else None,
-            torch.zeros_like(beta) if need_bias else None,
-        )
-    geometry = geometry_of(input, weight, bias, num_groups, None, swish_scale)
-    arrays = _KernelArrays(
-        c.as_array(mean),
-        c.as_array(rstd),
-        geometry.x_array(input),
-        geometry.gamma if weight is None else c.as_array(weight),
-        geometry.beta if bias is None else c.as_array(bias),
-    )
-    return geometry.backward(grad_output, arrays, need_weight, need_bias, False)
 
 
 @torch.library.custom_op("fastbwd::group_norm_swish_backward", mutates_args=(), device_types="cpu")
@@ -507,63 +588,65 @@ def group_norm_swish_backward(
     num_groups: int,
     swish_scale: float,
     output_mask: list[bool],
+    eps: float | None = None,
+    follows_switch: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dgamma, dbeta)``; dgamma (dbeta) is an empty ``(0,)`` tensor unless ``weight``
-    (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it."""
-    need_weight = output_mask[1] and weight is not None
-    need_bias = output_mask[2] and bias is not None
-    grad_input, grad_weight, grad_bias = _backward_kernel(
-        grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, need_weight, need_bias
-    )
-    none_weight, none_bias = _unrequested(input, weight, bias)
-    return (
-        grad_input,
-        none_weight if grad_weight is None else grad_weight,
-        none_bias if grad_bias is None else grad_bias,
-    )
+    (``bias``) is given and ``output_mask[1]`` (``[2]``) asks for it. ``eps`` is the forward's
+    (where PyTorch's own kernels compute the normalised output again), ``follows_switch`` as
+    for the forward."""
+    if follows_switch:
+        GRAPH_CALLS["group_norm_silu_backward"] += 1
+    needs = _needs(output_mask, weight, bias)
+    grads = _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps, follows_switch)
+    return _with_unrequested(grads, input, weight, bias, needs)
 
 
-def _unrequested(input, weight, bias):
-    """The empty tensors standing for gradients nobody asked for (a custom op returns tensors)."""
+def _needs(output_mask, weight, bias):
+    """The (weight, bias) gradients ``output_mask`` asks for that exist."""
+    return output_mask[1] and weight is not None, output_mask[2] and bias is not None
+
+
+def _with_unrequested(grads, input, weight, bias, needs):
+    """``grads`` with the empty tensors that stand for gradients nobody asked for (a custom op
+    returns tensors)."""
     return (
-        input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
-        input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype),
+        grads[0],
+        grads[1] if needs[0] else input.new_empty((0,), dtype=weight.dtype if weight is not None else input.dtype),
+        grads[2] if needs[1] else input.new_empty((0,), dtype=bias.dtype if bias is not None else input.dtype),
     )
 
 
 @group_norm_swish_backward.register_fake
-def _(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask):
+def _(
+    grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask, eps=None, follows_switch=False
+):
+    needs = _needs(output_mask, weight, bias)
     grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
-    need_weight = output_mask[1] and weight is not None
-    need_bias = output_mask[2] and bias is not None
-    none_weight, none_bias = _unrequested(input, weight, bias)
-    return (
-        grad_input,
-        torch.empty_like(weight) if need_weight else none_weight,
-        torch.empty_like(bias) if need_bias else none_bias,
-    )
+    grads = (grad_input, needs[0] and torch.empty_like(weight), needs[1] and torch.empty_like(bias))
+    return _with_unrequested(grads, input, weight, bias, needs)
 
 
 def _group_norm_swish_setup(ctx, inputs, output):
-    input, weight, bias, num_groups, eps, swish_scale = inputs
+    input, weight, bias, num_groups, eps, swish_scale, follows_switch = inputs
     _, mean, rstd = output
     ctx.save_for_backward(input, weight, bias, mean, rstd)
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
-    ctx.num_groups, ctx.eps, ctx.swish_scale = num_groups, eps, swish_scale
+    ctx.num_groups, ctx.eps, ctx.swish_scale, ctx.follows_switch = num_groups, eps, swish_scale, follows_switch
 
 
 def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     if grad_output is None:
-        return (None,) * 6
+        return (None,) * 7
     input, weight, bias, mean, rstd = ctx.saved_tensors
-    return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd), None)
+    return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd), None) + (None,)
 
 
 def _grad(ctx, grad_output, input, weight, bias, statistics, kept):
-    """The operator's backward formula; ``statistics()`` gives the forward's mean and rstd
-    tensors; ``kept`` is ``(geometry, arrays)``, the :class:`_Geometry` and
-    :class:`_KernelArrays` the eager path's forward kept, or None."""
+    """The operator's backward formula (for its first six inputs); ``statistics()`` gives the
+    forward's mean and rstd tensors; ``kept`` is ``(geometry, arrays)``, the :class:`_Geometry`
+    and :class:`_KernelArrays` the eager path's forward kept, or None."""
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled() and input.numel() != 0:
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
@@ -578,17 +661,12 @@ def _grad(ctx, grad_output, input, weight, bias, statistics, kept):
     else:
         arguments = (grad_output, input, *statistics(), weight, bias, ctx.num_groups, ctx.swish_scale)
         if _eager(grad_output, input):
-            grads = _backward_kernel(*arguments, need_weight, need_bias)
+            grads = _backward(*arguments, (need_weight, need_bias), ctx.eps, ctx.follows_switch)
         else:
-            grads = group_norm_swish_backward(*arguments, [needs[0], need_weight, need_bias])
-    return (
-        grads[0] if needs[0] else None,
-        grads[1] if need_weight else None,
-        grads[2] if need_bias else None,
-        None,
-        None,
-        None,
-    )
+            mask = [needs[0], need_weight, need_bias]
+            grads = group_norm_swish_backward(*arguments, mask, ctx.eps, ctx.follows_switch)
+    wanted = (needs[0], need_weight, need_bias)
+    return tuple(grad if want else None for grad, want in zip(grads, wanted)) + (None,) * 3
 
 
 def _composite_grad(grad_output, input, weight, bias, needs, ctx):
@@ -625,18 +703,12 @@ def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, 
     given ``mean`` and ``rstd``: the derivative of ``fastbwd::group_norm_swish_backward``."""
     batch, channels = input.shape[:2]
     broadcast = (1, channels) + (1,) * (input.dim() - 2)
-    grouped = (batch, num_groups, math.prod(input.shape[1:]) // num_groups)  # no -1: empty inputs too
-    gamma = weight if weight is not None else torch.ones(channels, dtype=mean.dtype)
-    beta = bias if bias is not None else torch.zeros(channels, dtype=mean.dtype)
-    xhat = ((input.reshape(grouped) - mean.reshape(batch, num_groups, 1)) * rstd.reshape(batch, num_groups, 1)).reshape(
-        input.shape
-    )
-    y = xhat * gamma.reshape(broadcast) + beta.reshape(broadcast)
-    sig = torch.sigmoid(swish_scale * y)
-    gnew = grad_output * sig * (1 + swish_scale * y * (1 - sig))
+    grouped = (batch, num_groups, math.prod(input.shape[1:]) // num_groups)
+    xhat, y = _normalise(input, mean, rstd, weight, bias, num_groups)
+    gnew = _swish_backward(grad_output, y, swish_scale)
     reduced = [0] + list(range(2, input.dim()))
     dgamma, dbeta = (gnew * xhat).sum(reduced), gnew.sum(reduced)
-    scaled = (gnew * gamma.reshape(broadcast)).reshape(grouped)
+    scaled = (gnew if weight is None else gnew * weight.reshape(broadcast)).reshape(grouped)
     c1 = scaled.mean(-1, keepdim=True)
     c2 = (scaled * xhat.reshape(grouped)).mean(-1, keepdim=True)
     dx = rstd.reshape(batch, num_groups, 1) * (scaled - xhat.reshape(grouped) * c2 - c1)
@@ -644,7 +716,7 @@ def explicit_backward(grad_output, input, mean, rstd, weight, bias, num_groups, 
 
 
 def _group_norm_swish_backward_setup(ctx, inputs, output):
-    grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, _ = inputs
+    grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale = inputs[:8]
     ctx.save_for_backward(grad_output, input, mean, rstd, weight, bias)
     ctx.num_groups, ctx.swish_scale = num_groups, swish_scale
 
@@ -658,7 +730,7 @@ def _group_norm_swish_backward_grad(ctx, grad_dx, grad_dgamma, grad_dbeta):
         )
 
     function = lambda *tensors: explicit_backward(*tensors, ctx.num_groups, ctx.swish_scale)  # noqa: E731
-    return _partials(function, ctx.saved_tensors, ctx.needs_input_grad[:6], cotangents) + (None,) * 3
+    return _partials(function, ctx.saved_tensors, ctx.needs_input_grad[:6], cotangents) + (None,) * 5
 
 
 group_norm_swish_backward.register_autograd(
@@ -694,6 +766,7 @@ class EagerGroupNormSwish(torch.autograd.Function):
         ctx.kept = geometry, arrays
         ctx.save_for_backward(input, weight, bias)
         ctx.num_groups, ctx.eps, ctx.swish_scale = geometry.num_groups, geometry.eps, geometry.swish_scale
+        ctx.follows_switch = False
         return y
 
     @staticmethod

@@ -5,10 +5,11 @@ kernel and the backward is ``fastbwd.roi_align_backward``, both from the same pe
 tables, deterministic for any thread count.
 """
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
 from torch.jit.annotations import BroadcastingList2
-from torch.nn.modules.utils import _pair
 
 import fastbwd
 
@@ -36,14 +37,6 @@ def _check_boxes(boxes):
             raise fastbwd.ParamError(
                 f"roi_align: boxes[{index}] must be a Tensor[L, 4], but got {shape}", param="boxes"
             )
-
-
-def _check_output_size(output_size: list[int]):
-    if len(output_size) != 2:
-        raise fastbwd.ParamError(
-            f"roi_align: output_size must be an int or a pair of ints, but got {tuple(output_size)}",
-            param="output_size",
-        )
 
 
 def boxes_to_rois(boxes: list[Tensor], like: Tensor) -> Tensor:
@@ -101,13 +94,16 @@ def roi_align(
         if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
             return _ops.fx_leaf(roi_align, input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
         _check_boxes(boxes)
+        # an int or a pair (scripted, BroadcastingList2 has made a pair of an int already)
+        output_size = tuple(output_size) if isinstance(output_size, Iterable) else (output_size, output_size)
+        if len(output_size) != 2:
+            message = f"roi_align: output_size must be an int or a pair of ints, but got {output_size}"
+            raise fastbwd.ParamError(message, param="output_size")
     if isinstance(boxes, torch.Tensor):
         rois = boxes
     else:
         rois = boxes_to_rois(boxes, input)
-    output_size = _pair(output_size)
     if not torch.jit.is_scripting():
-        _check_output_size(output_size)
         if _ops.use_eager_path(input, rois):
             return _ops.EagerRoIAlign.apply(
                 input, rois, float(spatial_scale), output_size[0], output_size[1], int(sampling_ratio), bool(aligned)

@@ -19,15 +19,13 @@ will use, then ``run``): the api's table remembers each geometry's plan (docs/de
 one contract"), so a repeated call pays the lookup, as a repeated direct call does.
 
 Only the CPU dispatch key is overridden: other devices, the autograd formulas (so double
-backward) and every other operator are untouched. ``disable`` hands every call back to
-PyTorch's own kernel (see the note above ``enable`` for why the registration itself stays).
+backward) and every other operator are untouched. The kernels follow the switch (``_switch``):
+disabled, every call goes to PyTorch's own kernel (see "registration" for why the registration
+itself stays).
 """
 
 import collections
-import contextlib
-import threading
 import warnings
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -36,7 +34,7 @@ import fastbwd
 from fastbwd.api import avg_pool2d, replication_pad2d, upsample_bilinear2d
 
 from . import _convert as c
-from ._threads import match_torch_threads
+from . import _switch
 
 _DIVISOR_UNSET = 0  # fastbwd's avg_pool2d_backward spelling of PyTorch's divisor_override=None
 
@@ -52,19 +50,20 @@ class _Call(NamedTuple):
     memory_format: torch.memory_format
 
 
+def _api_call(api, memory_format, tensors, arguments, shape):
+    """The :class:`_Call` of ``api`` on ``tensors`` (grad_output, made dense in ``memory_format``,
+    then the forward input if the op has one)."""
+    grad_output = c.dense(tensors[0], memory_format)
+    return _Call(api, (grad_output, *tensors[1:]), arguments, tuple(shape), grad_output.dtype, memory_format)
+
+
 def _upsample_bilinear2d(
     memory_format, grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
 ):
     """aten::upsample_bilinear2d_backward: the result takes grad_output's memory format."""
-    memory_format = memory_format or c.memory_format(grad_output)
-    grad_output = c.dense(grad_output, memory_format)
-    return _Call(
-        upsample_bilinear2d,
-        (grad_output,),
-        (output_size, input_size, align_corners, scales_h, scales_w, "NCHW"),
-        tuple(input_size),
-        grad_output.dtype,
-        memory_format,
+    arguments = (output_size, input_size, align_corners, scales_h, scales_w, "NCHW")
+    return _api_call(
+        upsample_bilinear2d, memory_format or c.memory_format(grad_output), (grad_output,), arguments, input_size
     )
 
 
@@ -75,25 +74,15 @@ def _avg_pool2d(
     if divisor_override == _DIVISOR_UNSET:
         return None  # PyTorch refuses a zero divisor; fastbwd would read it as unset
     memory_format = memory_format or c.memory_format(input)
-    grad_output = c.dense(grad_output, memory_format)
     divisor = _DIVISOR_UNSET if divisor_override is None else divisor_override
-    return _Call(
-        avg_pool2d,
-        (grad_output, input),
-        (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, 0),
-        tuple(input.shape),
-        grad_output.dtype,
-        memory_format,
-    )
+    arguments = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, 0)
+    return _api_call(avg_pool2d, memory_format, (grad_output, input), arguments, input.shape)
 
 
 def _replication_pad2d(memory_format, grad_output, input, padding):
     """aten::replication_pad2d_backward: the result takes the forward input's memory format."""
     memory_format = memory_format or c.memory_format(input)
-    grad_output = c.dense(grad_output, memory_format)
-    return _Call(
-        replication_pad2d, (grad_output, input), (padding,), tuple(input.shape), grad_output.dtype, memory_format
-    )
+    return _api_call(replication_pad2d, memory_format, (grad_output, input), (padding,), input.shape)
 
 
 class _Route(NamedTuple):
@@ -112,10 +101,12 @@ ROUTES = {
 }
 OVERLOADS = ("", ".grad_input")
 
-#: Calls served by fastbwd and calls handed to PyTorch's own kernel, per aten operator (for
-#: tests and for users who want to see what the bridge does).
+#: Calls served by fastbwd and calls handed to PyTorch's own kernel, per aten operator, and calls
+#: of the graph operators (compiled graphs' fastbwd nodes: the routed backward operators and the
+#: fused GroupNorm + SiLU pairs): for tests and for users who want to see what the bridge does.
 SERVED = collections.Counter()
 FALLBACK = collections.Counter()
+GRAPH_CALLS = collections.Counter()
 
 
 def _served(route, args, grad_input):
@@ -152,7 +143,7 @@ def _served(route, args, grad_input):
         return None  # not viewable as arrays (a lazy conj/neg bit, a dtype NumPy lacks)
     try:
         plan = call.api.plan(*arrays, *call.arguments, out)
-        match_torch_threads()
+        c.match_torch_threads()
         call.api.run(plan, *arrays, out)
     except fastbwd.ParamError:
         return None
@@ -169,7 +160,7 @@ def _kernel(name, overload):
     route = ROUTES[name]
 
     def kernel(keyset, *args, grad_input=None):
-        if _active:
+        if _switch._active:
             result = _served(route, args, grad_input)
             if result is not None:
                 SERVED[name] += 1
@@ -183,174 +174,37 @@ def _kernel(name, overload):
     return kernel
 
 
-# ---- the routed operators as graph nodes (torch.compile) -------------------------------------
-# In a compiled graph the aten override above is not enough: AOTAutograd decomposes the bilinear
-# upsample (its backward becomes scatters), Inductor generates its own avg-pool backward, and the
-# aten meta functions do not give the memory formats the CPU kernels return. So while fastbwd is
-# enabled, _compile makes the forward operators' autograd emit these operators instead: opaque
-# custom ops whose fake kernels give exactly the strides their real kernels return.
-
-#: Calls of the graph operators below, per aten operator (for tests and curious users).
-GRAPH_CALLS = collections.Counter()
-
-_GRAPH_SCHEMAS = {
-    "upsample_bilinear2d_backward": "(Tensor grad_output, SymInt[2] output_size, SymInt[4] input_size, "
-    "bool align_corners, float? scales_h=None, float? scales_w=None) -> Tensor",
-    "avg_pool2d_backward": "(Tensor grad_output, Tensor input, int[2] kernel_size, int[2] stride, int[2] padding, "
-    "bool ceil_mode, bool count_include_pad, int? divisor_override) -> Tensor",
-    "replication_pad2d_backward": "(Tensor grad_output, Tensor input, SymInt[4] padding) -> Tensor",
-}
-
-
-def result_format(name, grad_output, input_or_size):
-    """The memory format of ``name``'s gradient as the routed kernel writes it (what
-    :data:`ROUTES` gives a functional call): the upsample's follows grad_output, the pool's and
-    the pad's the forward input. Both kernels of a graph operator follow it, so its fake strides
-    are its real strides."""
-    return c.memory_format(input_or_size if ROUTES[name].tensors == 2 else grad_output)
-
-
-def _result_shape(name, args):
-    return args[2] if name == "upsample_bilinear2d_backward" else args[1].shape
-
-
-def _graph_operator(name):
-    """``fastbwd::<name>``: calls ``aten::<name>``, whose CPU kernel is fastbwd's while enabled
-    and PyTorch's own while disabled (so a compiled graph follows the switch at run time), and
-    returns the gradient in :func:`result_format`."""
-    aten_operator = getattr(torch.ops.aten, name).default
-
-    def real(*args):
-        GRAPH_CALLS[name] += 1
-        memory_format = result_format(name, args[0], args[1])
-        return aten_operator(*args).contiguous(memory_format=memory_format)
-
-    def fake(*args):
-        memory_format = result_format(name, args[0], args[1])
-        grad_output = args[0]
-        shape = _result_shape(name, args)
-        return torch.empty(shape, dtype=grad_output.dtype, device=grad_output.device, memory_format=memory_format)
-
-    operator = torch.library.custom_op(
-        f"fastbwd::{name}", real, mutates_args=(), device_types="cpu", schema=_GRAPH_SCHEMAS[name]
-    )
-    operator.register_fake(fake)
-    return operator
-
-
-GRAPH_OPERATORS = {name: _graph_operator(name) for name in ROUTES}
-
-
-# Each gradient is linear in grad_output: its derivative there is the forward operator (as in
-# PyTorch's derivatives.yaml), and none reaches the forward input, so double backward is exact.
-def _setup(ctx, inputs, output):
-    ctx.arguments = inputs[1:]
-
-
-def _upsample_double_backward(ctx, grad):
-    output_size, input_size, align_corners, scales_h, scales_w = ctx.arguments
-    return (
-        torch.ops.aten.upsample_bilinear2d(grad, output_size, align_corners, scales_h, scales_w),
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-def _avg_pool_double_backward(ctx, grad):
-    _, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.arguments
-    forward = torch.ops.aten.avg_pool2d(
-        grad, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-    )
-    return (forward,) + (None,) * 7
-
-
-def _pad_double_backward(ctx, grad):
-    _, padding = ctx.arguments
-    return torch.ops.aten.replication_pad2d(grad, padding), None, None
-
-
-for _name, _formula in (
-    ("upsample_bilinear2d_backward", _upsample_double_backward),
-    ("avg_pool2d_backward", _avg_pool_double_backward),
-    ("replication_pad2d_backward", _pad_double_backward),
-):
-    GRAPH_OPERATORS[_name].register_autograd(_formula, setup_context=_setup)
-
-
-# ---- enable / disable ------------------------------------------------------------------------
+# ---- registration --------------------------------------------------------------------------
 # PyTorch's dispatcher does not support changing a kernel registration while other threads may
 # be calling that operator (a call can read a half-replaced table entry). So the kernels are
 # registered once, by the first enable(), and stay: enable() and disable() only flip the switch
 # they read. Disabled, each call goes straight to PyTorch's own kernel (the same bits as
 # before enable(), for a few microseconds of Python dispatch per call).
 
-_lock = threading.Lock()
 _library = None
-_active = False
+_registered = set()  # the aten operators (with overload) whose CPU kernel is fastbwd's
 
 
 def _register():
-    """Register the six kernels (once; under ``_lock``)."""
+    """Register the six kernels (at enable(), under the switch's lock; once each). An operator
+    this PyTorch lacks, or will not let us override, stays PyTorch's, with one warning."""
     global _library
-    library = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            # PyTorch warns once that a kernel is overridden: that is the point here.
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid")
-            for name in ROUTES:
-                for overload in OVERLOADS:
-                    library.impl(name + overload, _kernel(name, overload), "CPU", with_keyset=True)
-    except BaseException:
-        library._destroy()
-        raise
-    _library = library
+    if _library is None:
+        _library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        # PyTorch warns once that a kernel is overridden: that is the point here.
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+        for name in ROUTES:
+            for overload in OVERLOADS:
+                if name + overload in _registered:
+                    continue
+                try:
+                    _library.impl(name + overload, _kernel(name, overload), "CPU", with_keyset=True)
+                except Exception as error:  # noqa: BLE001 - enabling never raises: that operator stays PyTorch's
+                    warnings.warn(
+                        f"fastbwd.torch: aten::{name}{overload} stays PyTorch's ({error})", RuntimeWarning, stacklevel=4
+                    )
+                _registered.add(name + overload)
 
 
-def enable() -> None:
-    """Serve PyTorch's CPU ``upsample_bilinear2d_backward``, ``avg_pool2d_backward`` and
-    ``replication_pad2d_backward`` (and their ``.grad_input`` overloads) with fastbwd.
-
-    Idempotent and thread-safe. Model code does not change: the backward of
-    ``F.interpolate(mode="bilinear")``, ``nn.Upsample``, ``F.avg_pool2d``, ``nn.AvgPool2d``,
-    ``F.pad(mode="replicate")`` and ``nn.ReplicationPad2d`` runs on fastbwd.
-    """
-    global _active
-    from . import _compile
-
-    with _lock:
-        if _library is None:
-            _register()
-        _compile.install()
-        _active = True
-
-
-def disable() -> None:
-    """Give these operators back to PyTorch's own CPU kernels (the same bits as before
-    :func:`enable`). Idempotent and thread-safe, also while other threads run the operators."""
-    global _active
-    from . import _compile
-
-    with _lock:
-        _active = False
-        _compile.uninstall()
-
-
-def is_enabled() -> bool:
-    """True while fastbwd serves PyTorch's backward kernels."""
-    return _active
-
-
-@contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """``with fastbwd.torch.enabled(): ...`` enables the routing for the block, then restores
-    the state it found (a block inside an enabled region leaves it enabled)."""
-    was_enabled = _active
-    enable()
-    try:
-        yield
-    finally:
-        if not was_enabled:
-            disable()
+_switch.follow(_register)

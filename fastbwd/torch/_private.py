@@ -1,0 +1,243 @@
+"""PyTorch's private interfaces: every one the bridge uses, and only here (docs/design.md,
+"fastbwd.torch"). None is touched when ``fastbwd.torch`` is imported: a feature looks its
+interfaces up when it is first needed. A PyTorch that lacks one, or whose use of one raises (it
+changed), turns that feature off with one warning, never an error, and the bridge takes the
+plain path (each feature's description below says which).
+"""
+
+import importlib
+import sys
+import warnings
+
+import torch
+
+EAGER = "the eager shortcut (fastbwd's operators now run through PyTorch's dispatcher, a little slower)"
+LAZY = "fused GroupNorms' lazy outputs (a FusedGroupNorm now runs as nn.GroupNorm)"
+COMPILER = "the torch.compile hooks (torch.compile keeps PyTorch's own kernels; eager calls still run on fastbwd)"
+NOTICE = "enable()'s notice of frames torch.compile compiled while fastbwd was disabled"
+ALIASES = "torch._C._nn.silu and silu_ as SiLUs to the fusion (F.silu and nn.SiLU still are)"
+DESCRIPTIONS = "the fusion report's skipping of PyTorch's printing code"
+
+_OVERLOADS = "upsample_bilinear2d.vec upsample_bilinear2d.default avg_pool2d.default replication_pad2d.default"
+
+#: Every private interface of PyTorch's that the bridge uses (a dotted path from ``torch``) -> the
+#: feature that needs it.
+INTERFACES = {
+    "torch._C._len_torch_dispatch_stack": EAGER,
+    "torch._C._is_torch_function_mode_enabled": EAGER,
+    "torch._C._functorch.is_functorch_wrapped_tensor": EAGER,
+    "torch._is_functional_tensor": EAGER,
+    "torch.Tensor._make_wrapper_subclass": LAZY,
+    "torch.Tensor._version": LAZY,
+    "torch.autograd.forward_ad._current_level": LAZY,
+    "torch._C._AutoDispatchBelowAutograd": COMPILER,
+    "torch._C.DispatchKey.Autograd": COMPILER,
+    "torch._C.DispatchKey.CompositeImplicitAutograd": COMPILER,
+    **{
+        f"torch.ops.aten.{name}.{table}": COMPILER
+        for name in _OVERLOADS.split()
+        for table in ("py_kernels", "_dispatch_cache")
+    },
+    "torch._decomp.decompositions.upsample_compute_output_size": COMPILER,
+    "torch._inductor.config.pre_grad_custom_pass": COMPILER,
+    "torch._inductor.custom_graph_pass.CustomGraphPass": COMPILER,
+    "torch._inductor.custom_graph_pass.get_hash_for_files": COMPILER,
+    "torch._functorch.config.joint_custom_pass": COMPILER,
+    "torch._dynamo.convert_frame.FRAME_COMPILE_COUNTER": NOTICE,
+    "torch._dynamo.utils.counters": NOTICE,
+    "torch._C._nn.silu": ALIASES,
+    "torch._C._nn.silu_": ALIASES,
+    "torch._tensor_str.__file__": DESCRIPTIONS,
+}
+
+_found = {}  # feature -> {path: (owner, value)}, or None when the feature is off
+_warned = set()  # the features that have warned
+
+
+def _resolve(path):
+    """``(owner, value)`` of the last name of ``path``, importing modules along it as needed;
+    raises when this PyTorch has no such thing."""
+    parts = path.split(".")
+    owner = value = importlib.import_module(parts[0])
+    for index, name in enumerate(parts[1:], 2):
+        owner = value
+        try:
+            value = getattr(owner, name)
+        except AttributeError:
+            value = importlib.import_module(".".join(parts[:index]))
+    return owner, value
+
+
+def _interfaces(feature):
+    """``{path: (owner, value)}`` of the interfaces ``feature`` needs, looked up on its first
+    call; None (after one warning) when this PyTorch lacks one."""
+    found = _found.get(feature, ())
+    if found != ():
+        return found
+    found = {}
+    for path, needed_by in INTERFACES.items():
+        if needed_by == feature:
+            try:
+                found[path] = _resolve(path)
+            except Exception as error:  # noqa: BLE001 - whatever a lookup raises, the interface is not there
+                return broken(feature, f"{path} is missing ({type(error).__name__}: {error})")
+    _found[feature] = found
+    return found
+
+
+def broken(feature, what):
+    """Turn ``feature`` off for the rest of the process with one warning, and return None. A use
+    of an interface that raised calls this (``what`` the error): the interface has changed."""
+    if isinstance(what, BaseException):
+        what = f"{type(what).__name__}: {what}"
+    _found[feature] = None
+    if feature not in _warned:
+        _warned.add(feature)
+        warnings.warn(
+            f"fastbwd.torch: this PyTorch ({torch.__version__}) is not what fastbwd knows: {what}. Off from now "
+            f"on: {feature}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+def forget():
+    """Look every interface up again at its next use (for tests that take one away)."""
+    _found.clear()
+    _warned.clear()
+
+
+# ---- EAGER -------------------------------------------------------------------------------------
+
+
+def eager_tensors(tensors):
+    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
+    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper, no
+    functional tensor), so an autograd formula may run a kernel directly instead of through its
+    operator's dispatcher entry. False when this PyTorch cannot tell."""
+    found = _interfaces(EAGER)
+    if not found:
+        return False
+    try:
+        if found["torch._C._len_torch_dispatch_stack"][1]() or found["torch._C._is_torch_function_mode_enabled"][1]():
+            return False
+        wrapped = found["torch._C._functorch.is_functorch_wrapped_tensor"][1]
+        functional = found["torch._is_functional_tensor"][1]
+        return all(type(t) is torch.Tensor and not wrapped(t) and not functional(t) for t in tensors)
+    except Exception as error:  # noqa: BLE001
+        return broken(EAGER, error) or False
+
+
+# ---- LAZY --------------------------------------------------------------------------------------
+
+
+def lazy_outputs():
+    """True when a fused GroupNorm may return a lazy output now: the interfaces are there and no
+    forward-AD level is open (dual tensors: the fused operator has no forward derivative)."""
+    found = _interfaces(LAZY)
+    if not found:
+        return False
+    try:
+        return found["torch.autograd.forward_ad._current_level"][0]._current_level < 0
+    except Exception as error:  # noqa: BLE001
+        return broken(LAZY, error) or False
+
+
+def wrapper_subclass(cls, *args, **kwargs):
+    """``torch.Tensor._make_wrapper_subclass(cls, ...)``: a tensor of ``cls`` with metadata and no
+    storage (after :func:`lazy_outputs` said yes)."""
+    return _found[LAZY]["torch.Tensor._make_wrapper_subclass"][1](cls, *args, **kwargs)
+
+
+def versions(*tensors):
+    """The tensors' version counters (None for a missing or an inference tensor); None when
+    this PyTorch cannot give them."""
+    try:
+        return tuple(None if t is None or t.is_inference() else t._version for t in tensors)
+    except Exception as error:  # noqa: BLE001
+        return broken(LAZY, error)
+
+
+# ---- COMPILER (after compiler_available() said yes) ------------------------------------------------
+
+
+def compiler_available():
+    """True when the compiler hooks' interfaces are all there (else one warning)."""
+    return bool(_interfaces(COMPILER))
+
+
+def _compiler(path, owner=False):
+    return _found[COMPILER][path][0 if owner else 1]
+
+
+def below_autograd():
+    """A context in which calls record no autograd."""
+    return _compiler("torch._C._AutoDispatchBelowAutograd")()
+
+
+def dispatch_key(name):
+    """The dispatch key ``name`` (``Autograd`` or ``CompositeImplicitAutograd``)."""
+    return _compiler(f"torch._C.DispatchKey.{name}")
+
+
+def set_python_kernel(overload, key, kernel):
+    """Put ``kernel`` (None: none) at ``key`` of ``overload``'s Python-dispatcher table; returns
+    the one that was there (None: none)."""
+    previous = overload.py_kernels.pop(key, None)
+    if kernel is not None:
+        overload.py_kernels[key] = kernel
+    overload._dispatch_cache.clear()
+    return previous
+
+
+def upsample_output_size(input_size, output_size, scale_factors):
+    return _compiler("torch._decomp.decompositions.upsample_compute_output_size")(
+        input_size, output_size, scale_factors
+    )
+
+
+def configs():
+    """Inductor's and AOTAutograd's configuration modules (their custom passes)."""
+    return _compiler("torch._inductor.config.pre_grad_custom_pass", True), _compiler(
+        "torch._functorch.config.joint_custom_pass", True
+    )
+
+
+def custom_graph_pass():
+    """``(CustomGraphPass, get_hash_for_files)`` of Inductor."""
+    return _compiler("torch._inductor.custom_graph_pass.CustomGraphPass"), _compiler(
+        "torch._inductor.custom_graph_pass.get_hash_for_files"
+    )
+
+
+# ---- NOTICE, ALIASES, DESCRIPTIONS -----------------------------------------------------------------
+
+
+def compiled_graphs():
+    """``(graphs, alive)``: how many graphs torch.compile has made in this process, and whether
+    frames it compiled are still in use (none since a ``torch.compiler.reset()``); None when
+    this PyTorch cannot tell."""
+    if "torch._dynamo.convert_frame" not in sys.modules:
+        return 0, False  # Dynamo has not run in this process (and importing it takes a while)
+    found = _interfaces(NOTICE)
+    if not found:
+        return None
+    try:
+        graphs = found["torch._dynamo.utils.counters"][1]["stats"]["unique_graphs"]  # never reset
+        frames = found["torch._dynamo.convert_frame.FRAME_COMPILE_COUNTER"][0].FRAME_COMPILE_COUNTER  # reset
+        return int(graphs), bool(frames)
+    except Exception as error:  # noqa: BLE001
+        return broken(NOTICE, error)
+
+
+def silu_aliases():
+    """``{function: works in place}`` of SiLU's private spellings."""
+    found = _interfaces(ALIASES)
+    return {found["torch._C._nn.silu"][1]: False, found["torch._C._nn.silu_"][1]: True} if found else {}
+
+
+def printing_files():
+    """The source files of PyTorch's tensor printing."""
+    found = _interfaces(DESCRIPTIONS)
+    return {value for _, value in found.values()} if found else set()
