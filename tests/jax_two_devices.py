@@ -269,6 +269,29 @@ def test_roi_align_boxes_split_when_the_images_are_whole():
     assert collectives(f, *args) == []
 
 
+def test_roi_align_vmapped_with_the_images_split_on_their_batch():
+    """``jax.vmap`` over a whole axis of 2 while each element's 8 images split over the devices
+    (4 each): a device's images are counted on N, not on the vmapped axis, so it owns the boxes
+    of all four; every element is bitwise one call's, and so is its gradient."""
+    image = OPS["roi_align"].args[0]
+    x = np.stack([np.concatenate([image, -image[::-1]]), np.concatenate([image[::-1], image])])
+    boxes = BOXES.copy()
+    boxes[:, 0] += 2  # images 1.5 to 6: past the vmapped axis's size on both devices
+    sharded = put(x, P(None, "b"))
+
+    def f(x):
+        return fj.roi_align(x, boxes, (3, 4), 1.0, 2, True)
+
+    out = jax.jit(jax.vmap(f))(sharded)
+    dx = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(f(x) ** 2))))(sharded)
+    assert same_sharding(dx, P(None, "b"), x.ndim)
+    for element in range(2):
+        one = jax.device_put(x[element], ONE)
+        assert bitwise_equal(np.asarray(out[element]), np.asarray(jax.jit(f)(one))), element
+        expected = jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(one)
+        assert bitwise_equal(np.asarray(dx[element]), np.asarray(expected)), element
+
+
 # ---- shard_map and vmap -----------------------------------------------------------------------
 
 
