@@ -166,7 +166,6 @@ def versions(input, weight, bias):
         return broken(LAZY, error)
 
 
-
 # ---- COMPILER (after compiler_available() said yes) ------------------------------------------------
 
 
