@@ -179,11 +179,12 @@ class Gave(NamedTuple):
     tensors: tuple  # the output, then the gradients of the leaves that require grad
 
 
-def outcome(call, make, backend=None):
+def outcome(call, make, backend=None, tangent_like_output=False):
     """What the program ``make(x, weight, bias) -> (function, parameters)`` does on the call's
     inputs, ``function`` compiled with ``backend`` when one is given: :class:`Gave` the output of
     ``function(x)`` and the gradients of the input and ``parameters``, or :class:`Raised` what was
-    raised first."""
+    raised first. ``tangent_like_output``: the gradient fed to the backward has the output's
+    layout (as a compiled graph receives it) rather than the call's ``grad_layout``."""
     leaf, x, weight, bias = _inputs(call)
     try:
         with warnings.catch_warnings():
@@ -195,7 +196,10 @@ def outcome(call, make, backend=None):
             leaves = [t for t in (leaf, *parameters) if t is not None and t.requires_grad]
             if not (leaves and output.requires_grad):
                 return Gave((output.detach(),))
-            grads = torch.autograd.grad(output, leaves, _grad_output(output, call), allow_unused=True)
+            grad_output = _grad_output(output, call)
+            if tangent_like_output:
+                grad_output = torch.empty_like(output).copy_(grad_output)
+            grads = torch.autograd.grad(output, leaves, grad_output, allow_unused=True)
     except Exception as error:  # noqa: BLE001 - the type is what is compared
         return Raised(type(error), str(error)[:300])
     return Gave((output.detach(), *grads))
@@ -378,6 +382,14 @@ def check_compiled(call, name, backend):
         found = None  # PyTorch refuses the call (eagerly, or compiled): fastbwd raises its type
     else:  # PyTorch's values: eager's, or compiled PyTorch's where only eager refuses the call
         found = difference(actual, eager if isinstance(eager, Gave) else compiled_plain, TOLERANCE[call.dtype])
+        if found is not None and isinstance(eager, Gave):
+            # A compiled graph receives the gradient in the forward output's layout (AOTAutograd
+            # coerces tangents), so the user's own gradient layout is gone before any operator
+            # runs: PyTorch's result for that gradient, or compiled PyTorch's own, is PyTorch's too.
+            coerced = outcome(call, plain, tangent_like_output=True)
+            candidates = [coerced] + ([compiled_plain] if isinstance(compiled_plain, Gave) else [])
+            if any(difference(actual, other, TOLERANCE[call.dtype]) is None for other in candidates):
+                found = None
     assert found is None, f"{backend}, {name}: {found}\n{call}"
     CHECKED[backend] += 1
 
@@ -416,7 +428,7 @@ def test_eager_paths_give_pytorchs_results_and_errors():
 
 @pytest.mark.slow
 def test_eager_paths_more_examples():
-    run("eager", 1500, calls(), check_eager, derandomize=False)
+    run("eager", 1800, calls(), check_eager, derandomize=False)
 
 
 def test_compiled_with_fastbwd_gives_pytorchs_results_and_errors():
@@ -424,6 +436,6 @@ def test_compiled_with_fastbwd_gives_pytorchs_results_and_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, examples", [("aot_eager", 100), ("inductor", 20)])
+@pytest.mark.parametrize("backend, examples", [("aot_eager", 150), ("inductor", 30)])
 def test_compiled_more_examples(backend, examples):
     run(backend, examples, compiled_calls(), lambda drawn: check_compiled(*drawn, backend), derandomize=False)

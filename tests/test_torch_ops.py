@@ -79,7 +79,8 @@ def test_opcheck_roi_align(boxes, dtype, layout):
     torch.library.opcheck(OPS.roi_align, (x, rois, 0.8, 3, 4, 2, True))
     torch.library.opcheck(OPS.roi_align, (x, rois, 1.0, 2, 2, -1, False))
     grad = _randn((rois.shape[0], 3, 3, 4), dtype, 2).requires_grad_()
-    torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True))
+    channels_last = layout == "channels_last"  # the backward's channels_last flag: its NHWC kernel
+    torch.library.opcheck(OPS.roi_align_backward, (grad, rois, 0.8, 3, 4, 2, 3, 9, 11, 0, True, channels_last))
 
 
 @pytest.mark.parametrize(

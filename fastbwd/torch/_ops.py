@@ -570,6 +570,8 @@ def group_norm_swish(
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale, follows_switch=False):
+    if input.numel() == 0:  # the real kernel runs PyTorch's own then: its refusal (2.14 on) is ours too
+        native_group_norm(input, weight, bias, num_groups, eps)
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
     return y, mean, torch.empty_like(mean)
