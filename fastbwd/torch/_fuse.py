@@ -572,7 +572,7 @@ class _LazyGroupNorm(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # the SiLU first: the use every armed output expects
-        inplace = (_ops._SILUS or _ops.silu_functions()).get(func)
+        inplace = _ops.silu_functions().get(func)
         if inplace is not None and args and type(args[0]) is cls:
             lazy = args[0]
             inplace = inplace or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
@@ -705,7 +705,7 @@ def _site():
 def _user_frame():
     """The frame of the code that is using a lazy output: the first one outside fastbwd's and
     PyTorch's dispatch plumbing (None if there is none)."""
-    frame, plumbing = sys._getframe(1), _PLUMBING or _plumbing()
+    frame, plumbing = sys._getframe(1), _plumbing()
     while frame is not None and frame.f_code.co_filename in plumbing:
         frame = frame.f_back
     return frame
