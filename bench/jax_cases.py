@@ -1,11 +1,16 @@
-"""The JAX-bridge benchmark cases J1-J5 (bench/bench_jax.py and ``python3 -m bench``).
+"""The JAX-bridge benchmark cases (bench/bench_jax.py and ``python3 -m bench``).
 
 Each case builds, at full size (or ``quick`` small size), zero-argument callables over the same
-arrays: ``fastbwd``, ``jax.jit(jax.grad(loss))`` with the operator from :mod:`fastbwd.jax`, and
-``jax``, the same loss on the same forward differentiated by JAX itself (None for RoIAlign, which
-JAX lacks); ``check()`` runs both once and asserts that their gradients agree. The loss is
-``sum(f(x) * g)`` with a fixed random ``g``, so its gradient is the operator's backward applied
-to ``g``. Only imported where jax is installed.
+arrays: ``fastbwd``, ``jax.jit(jax.grad(loss))`` with the operator from :mod:`fastbwd.jax` (or
+the model reached by ``fastbwd.jax.reach``), and ``jax``, the same loss on the same forward
+differentiated by JAX itself, or the library's model as it is (None for RoIAlign, which JAX
+lacks); ``check()`` runs both once and asserts that their gradients agree.
+
+A user's loss uses the forward's value, so every row but the ``b`` ones times forward and
+backward: the loss is ``sum(f(x) ** 2)``. The ``b`` rows (J1b-J6b, issue 15's and 39's targets)
+keep the linear loss ``sum(f(x) * g)`` with a fixed random ``g``, whose gradient is the
+operator's backward applied to ``g``: XLA drops the forward, and the row times the backward
+alone. Only imported where jax is installed.
 """
 
 import re
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fastbwd.jax as fj
-from fastbwd.jax import _avg_pool, _group_norm_swish, _pad, _upsample
+from fastbwd.jax import _avg_pool, _group_norm_swish, _upsample
 
 from .inputs import roi_boxes
 
@@ -59,10 +64,11 @@ def _assert_close(actual, expected, rtol, atol, what):
         )
 
 
-def _grad_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, atol=2e-6, extra=()):
-    """``jax.grad`` of ``sum(f(x, *extra) * g)`` for the fastbwd.jax operator ``ours`` and the
-    same forward ``plain`` differentiated by JAX, with respect to x and ``extra``. Every array is
-    an argument of the jitted function (a captured one would be a constant that XLA may fold)."""
+def _backward_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, atol=2e-6, extra=()):
+    """Backward only: ``jax.grad`` of ``sum(f(x, *extra) * g)`` for the fastbwd.jax operator
+    ``ours`` and the same forward ``plain`` differentiated by JAX, with respect to x and
+    ``extra``. Every array is an argument of the jitted function (a captured one would be a
+    constant that XLA may fold)."""
     x = _randn(x_shape, seed)
     g = _randn(jax.eval_shape(ours, x, *extra).shape, seed + 1)
     argnums = tuple(range(1 + len(extra)))
@@ -78,9 +84,30 @@ def _grad_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, atol=2e
     return JaxCase(id, label, _ready(ours_grad, x, *extra, g), _ready(plain_grad, x, *extra, g), check, target)
 
 
+def _grad_case(id, label, ours, plain, args, target, rtol=2e-5, atol=2e-6, plain_args=None):
+    """Forward + backward: ``jax.grad`` of ``sum(f(*args) ** 2)`` with respect to every argument,
+    for ``ours`` (fastbwd.jax) and ``plain`` (JAX or the library alone; on ``plain_args`` when
+    they differ: an Equinox model's parameters have the reached model's class). ``args`` may
+    hold pytrees (a model's parameters)."""
+    argnums = tuple(range(len(args)))
+    plain_args = args if plain_args is None else plain_args
+
+    def step(f):
+        return jax.jit(jax.grad(lambda *args: jnp.sum(f(*args) ** 2), argnums=argnums))
+
+    ours_grad, plain_grad = step(ours), step(plain)
+
+    def check():
+        _assert_close(ours_grad(*args), plain_grad(*plain_args), rtol, atol, id)
+
+    return JaxCase(id, label, _ready(ours_grad, *args), _ready(plain_grad, *plain_args), check, target)
+
+
 def _roi_align_case(input_shape, num_boxes, target):
-    """J5: forward + backward (``jax.value_and_grad``) of fastbwd.jax.roi_align; JAX has no
-    RoIAlign to compare with, so the check is against fastbwd's NumPy functions."""
+    """J5: forward + backward (``jax.value_and_grad`` of ``sum(roi_align(x) * g)``: the linear
+    loss keeps the check exact; the forward is an FFI call XLA must run for the value) of
+    fastbwd.jax.roi_align; JAX has no RoIAlign to compare with, so the check is against
+    fastbwd's NumPy functions."""
     import fastbwd
     from fastbwd.api.roi_align import roi_align_forward
 
@@ -150,10 +177,9 @@ def _sharded_case(shape, output_size, target):
     )
 
 
-def cases(quick=False):
-    """J1-J5 (issue 15's table; J1r: J1 against JAX's own resize, the same map for a x2
-    upsample without align_corners), J6 (issue 39: a tiny one) and, with two devices, J9 (issue 47:
-    J1 sharded over them); ``quick`` uses small shapes."""
+def _operator_cases(quick):
+    """J1-J6 (forward + backward) and J1b-J6b (backward only: issue 15's table, J1r against JAX's
+    own resize, the same map for a x2 upsample without align_corners, and issue 39's tiny J6)."""
     if quick:
         # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, pad, norm, roi = (
@@ -174,68 +200,105 @@ def cases(quick=False):
     up_size = (2 * up[2], 2 * up[3])
     norm_shape, groups = norm
     weight, bias = _randn((norm_shape[1],), 32), _randn((norm_shape[1],), 33)
-    return [
-        _grad_case(
+    operators = [
+        (
             "J1",
-            f"upsample_bilinear2d x2 grad, input {up} (U1)",
+            f"upsample_bilinear2d x2, input {up} (U1)",
             lambda x: fj.upsample_bilinear2d(x, up_size),
             lambda x: _upsample._forward(x, up_size, False, "NCHW"),
-            up,
             ">= 5x",
             21,
         ),
-        _grad_case(
+        (
             "J1r",
             "J1 against jax.image.resize(method='linear') (JAX's own bilinear resize)",
             lambda x: fj.upsample_bilinear2d(x, up_size),
             lambda x: jax.image.resize(x, x.shape[:2] + up_size, "linear"),
-            up,
             ">= 5x",
             21,
         ),
-        _grad_case(
+        (
             "J2",
-            f"avg_pool2d k3 s2 p1 count_include_pad=False grad, input {pool} (A1)",
+            f"avg_pool2d k3 s2 p1 count_include_pad=False, input {pool} (A1)",
             lambda x: fj.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
-            lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0),
-            pool,
+            lambda x: _avg_pool._forward(x, (3, 3), (2, 2), (1, 1), False, False, 0, "NCHW"),
             ">= 5x",
             23,
         ),
-        _grad_case(
+        (
             "J3",
-            f"replication_pad2d (3, 3, 3, 3) grad, input {pad} (P1)",
+            f"replication_pad2d (3, 3, 3, 3), input {pad} (P1)",
             lambda x: fj.replication_pad2d(x, (3, 3, 3, 3)),
-            lambda x: _pad._forward(x, (3, 3, 3, 3)),
-            pad,
+            lambda x: jnp.pad(x, ((0, 0), (0, 0), (3, 3), (3, 3)), mode="edge"),
             ">= 5x",
             25,
         ),
-        _grad_case(
-            "J4",
-            f"group_norm_swish grad (x, weight, bias), x {norm_shape}, {groups} groups (G1)",
-            lambda x, w, b: fj.group_norm_swish(x, groups, w, b),
-            lambda x, w, b: _group_norm_swish._forward(x, w, b, groups, 1e-5, 1.0, "NCHW")[0],
+    ]
+    rows = []
+    for id, label, ours, plain, target, seed in operators:
+        rows.append(
+            _grad_case(id, label + ", fwd+bwd", ours, plain, (_randn(_input(id, up, pool, pad), seed),), "report")
+        )
+        rows.append(
+            _backward_case(id + "b", label + ", backward only", ours, plain, _input(id, up, pool, pad), target, seed)
+        )
+
+    def norm_ours(x, w, b):
+        return fj.group_norm_swish(x, groups, w, b)
+
+    def norm_plain(x, w, b):
+        return _group_norm_swish.reference(x, w, b, groups, 1e-5, 1.0, "NCHW")
+
+    norm_label = f"group_norm_swish (x, weight, bias), x {norm_shape}, {groups} groups (G1)"
+    norm_x = _randn(norm_shape, 31)
+    rows.append(
+        _grad_case("J4", norm_label + ", fwd+bwd", norm_ours, norm_plain, (norm_x, weight, bias), "report", 1e-4, 1e-5)
+    )
+    rows.append(
+        _backward_case(
+            "J4b",
+            norm_label + ", backward only",
+            norm_ours,
+            norm_plain,
             norm_shape,
             ">= 3x",
             31,
             rtol=1e-4,
             atol=1e-5,
             extra=(weight, bias),
-        ),
-        _roi_align_case(*roi, "report"),
-        # J6 (issue 39): a tiny gradient, where the per-call cost is all there is; the same
-        # shapes at both sizes
-        _grad_case(
-            "J6",
-            "tiny upsample_bilinear2d grad, input (2, 3, 8, 10) -> (16, 20), against jax.image.resize's",
-            lambda x: fj.upsample_bilinear2d(x, (16, 20)),
-            lambda x: jax.image.resize(x, x.shape[:2] + (16, 20), "linear"),
-            (2, 3, 8, 10),
-            ">= 0.77x",
-            27,
-        ),
-    ] + [case for case in [_sharded_case(up, up_size, ">= 1.6x")] if case is not None]  # J9: two devices
+        )
+    )
+    rows.append(_roi_align_case(*roi, "report"))
+    # J6 (issue 39): a tiny gradient, where the per-call cost is all there is; the same shapes
+    # at both sizes
+    tiny = (2, 3, 8, 10)
+    label = "tiny upsample_bilinear2d, input (2, 3, 8, 10) -> (16, 20), against jax.image.resize's"
+
+    def tiny_ours(x):
+        return fj.upsample_bilinear2d(x, (16, 20))
+
+    def tiny_plain(x):
+        return jax.image.resize(x, x.shape[:2] + (16, 20), "linear")
+
+    rows.append(_grad_case("J6", label + ", fwd+bwd", tiny_ours, tiny_plain, (_randn(tiny, 27),), "report"))
+    rows.append(_backward_case("J6b", label + ", backward only", tiny_ours, tiny_plain, tiny, ">= 0.77x", 27))
+    return rows
+
+
+def _input(id, up, pool, pad):
+    return {"J1": up, "J1r": up, "J2": pool, "J3": pad}[id]
+
+
+def cases(quick=False):
+    """Every JAX row: J1-J6 and their backward-only rows, the libraries' models reached by
+    fastbwd.jax.reach (J7 Flax, J8 Equinox, issue 47) with J7's layers one by one (J7a-J7f), the
+    channels-last drop-ins against the calls they replace (J10, J11) and, with two devices, J9
+    (issue 47: J1 sharded over them); ``quick`` uses small shapes."""
+    from . import jax_model_cases
+
+    up = (4, 16, 64, 64) if quick else (8, 64, 64, 64)
+    sharded = [case for case in [_sharded_case(up, (2 * up[2], 2 * up[3]), ">= 1.6x")] if case is not None]
+    return _operator_cases(quick) + jax_model_cases.cases(quick) + sharded  # J9: two devices
 
 
 def transport_overhead(shape=(1024,), calls=11):

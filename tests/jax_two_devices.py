@@ -269,6 +269,29 @@ def test_roi_align_boxes_split_when_the_images_are_whole():
     assert collectives(f, *args) == []
 
 
+def test_roi_align_vmapped_with_the_images_split_on_their_batch():
+    """``jax.vmap`` over a whole axis of 2 while each element's 8 images split over the devices
+    (4 each): a device's images are counted on N, not on the vmapped axis, so it owns the boxes
+    of all four; every element is bitwise one call's, and so is its gradient."""
+    image = OPS["roi_align"].args[0]
+    x = np.stack([np.concatenate([image, -image[::-1]]), np.concatenate([image[::-1], image])])
+    boxes = BOXES.copy()
+    boxes[:, 0] += 2  # images 1.5 to 6: past the vmapped axis's size on both devices
+    sharded = put(x, P(None, "b"))
+
+    def f(x):
+        return fj.roi_align(x, boxes, (3, 4), 1.0, 2, True)
+
+    out = jax.jit(jax.vmap(f))(sharded)
+    dx = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(f(x) ** 2))))(sharded)
+    assert same_sharding(dx, P(None, "b"), x.ndim)
+    for element in range(2):
+        one = jax.device_put(x[element], ONE)
+        assert bitwise_equal(np.asarray(out[element]), np.asarray(jax.jit(f)(one))), element
+        expected = jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(one)
+        assert bitwise_equal(np.asarray(dx[element]), np.asarray(expected)), element
+
+
 # ---- shard_map and vmap -----------------------------------------------------------------------
 
 
@@ -346,6 +369,35 @@ def test_vmap_over_a_sharded_axis_stays_split(name):
         assert_equal_gradients(op, [r[element] for r in result], expected)
 
 
+# ---- forward mode and second derivatives --------------------------------------------------------
+
+LINEAR = {
+    "pool_kernel_forward": lambda x: fj.avg_pool2d(x, 3, 1, 1),  # its forward: fastbwd's FFI call
+    "roi_align": lambda x: fj.roi_align(x, jnp.asarray(BOXES[:4] % 4), 2),  # the same
+    "pad": lambda x: fj.replication_pad2d(x, (1, 2, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_forward_mode_and_second_derivatives_stay_split(name):
+    """A program whose only FFI calls sit in the tangent (jax.jvp's tangent alone: the
+    pooling's and RoIAlign's forward kernels evaluate it) and a Hessian-vector product
+    (jax.jvp of jax.grad: the backward's transpose is the forward) run sharded, with no
+    all-gather, equal to one device's."""
+    f = LINEAR[name]
+    x = random((4, 6, 8, 8), np.float32, 13)
+    t = random((4, 6, 8, 8), np.float32, 14)
+    tangent = jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))[1])
+    hvp = jax.jit(lambda x, t: jax.jvp(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)))), (x,), (t,))[1])
+    for program in tangent, hvp:
+        args = put(x, P("b")), put(t, P("b"))
+        result = program(*args)
+        expected = program(jax.device_put(x, ONE), jax.device_put(t, ONE))
+        np.testing.assert_allclose(np.asarray(result), np.asarray(expected), rtol=1e-6, atol=1e-6)
+        assert "all-gather" not in [op for op, _ in collectives(program, *args)]
+    assert same_sharding(result, P("b"), 4)
+
+
 # ---- the other partitioner and the other ways to shard -------------------------------------------
 
 
@@ -381,6 +433,22 @@ def test_explicit_axes_and_jit_shardings():
     grad = jax.jit(jax.grad(lambda x: jnp.sum(op.f(x) ** 2)), in_shardings=(sharding,), out_shardings=sharding)
     assert bitwise_equal(np.asarray(grad(op.args[0])), np.asarray(expected[0]))
     assert collectives(grad, op.args[0]) == []
+
+
+@pytest.mark.parametrize("name", ["group_norm_swish", "group_norm_swish_nhwc"])
+def test_group_norm_on_explicit_axes(name):
+    """GroupNorm on a batch split over explicit axes (``jax.make_mesh``'s default): the
+    gradient (its tangent's jax.numpy reshapes keep the batch's sharding) and forward mode,
+    equal to one device's, x's gradient split like x."""
+    op = OPS[name]
+    mesh = jax.make_mesh((2,), ("b",))
+    args = [jax.device_put(a, NamedSharding(mesh, P("b") if i == 0 else P())) for i, a in enumerate(op.args)]
+    result = gradient(op)(*args)
+    assert_equal_gradients(op, result, unsharded(op))
+    assert result[0].sharding.is_equivalent_to(NamedSharding(mesh, P("b")), op.args[0].ndim)
+    tangent = jax.jit(lambda *a: jax.jvp(op.f, a, a)[1])
+    expected = tangent(*[jax.device_put(a, ONE) for a in op.args])
+    np.testing.assert_allclose(np.asarray(tangent(*args)), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 def test_gradient_like_types_a_weight_gradient_as_its_weight():

@@ -95,6 +95,7 @@ def avg_pool_case(
     ceil_mode=True,
     count_include_pad=False,
     divisor_override=0,
+    layout="NCHW",
 ):
     shape = (2, 3, 9, 8) if batched else (3, 9, 8)
     x = random(shape, dtype, 2)
@@ -109,6 +110,13 @@ def avg_pool_case(
     else:
         divisor = np.outer(pad_h, pad_w) if count_include_pad else np.outer(in_h, in_w)
     args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    if layout == "NHWC":  # 4-D: the NumPy call reads a channels-last view and returns one
+        return Case(
+            (np.ascontiguousarray(np.moveaxis(x, 1, -1)),),
+            lambda x: fj.avg_pool2d(x, *args, layout="NHWC"),
+            lambda g, x: np.moveaxis(fastbwd.avg_pool2d_backward(np.moveaxis(g, -1, 1), shape, *args), 1, -1),
+            lambda x: jnp.einsum("oh,nhwc,pw->nopc", m_h, x, m_w) / divisor[:, :, None],
+        )
     return Case(
         (x,),
         lambda x: fj.avg_pool2d(x, *args),
@@ -117,13 +125,20 @@ def avg_pool_case(
     )
 
 
-def pad_case(dtype, batched=True, padding=(2, -1, 1, 3)):
+def pad_case(dtype, batched=True, padding=(2, -1, 1, 3), layout="NCHW"):
     shape = (2, 3, 5, 6) if batched else (3, 5, 6)
     x = random(shape, dtype, 3)
     left, right, top, bottom = padding
     h, w = shape[-2:]
     rows = np.clip(np.arange(h + top + bottom) - top, 0, h - 1)
     cols = np.clip(np.arange(w + left + right) - left, 0, w - 1)
+    if layout == "NHWC":  # 4-D: the NumPy call reads a channels-last view and returns one
+        return Case(
+            (np.ascontiguousarray(np.moveaxis(x, 1, -1)),),
+            lambda x: fj.replication_pad2d(x, padding, layout="NHWC"),
+            lambda g, x: np.moveaxis(fastbwd.replication_pad2d_backward(np.moveaxis(g, -1, 1), shape, padding), 1, -1),
+            lambda x: x[:, rows][:, :, cols],
+        )
     return Case(
         (x,),
         lambda x: fj.replication_pad2d(x, padding),
@@ -170,7 +185,7 @@ def roi_align_case(dtype, sampling_ratio=2, aligned=True, layout="NCHW"):
     )
 
 
-def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scale=1.0):
+def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scale=1.0, activate_swish=True):
     groups, eps = 3, 1e-5
     shape = (2, 4, 5, 6) if layout == "NHWC" else (2, 6, 4, 5)
     x = random(shape, dtype, 5)
@@ -180,7 +195,9 @@ def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scal
     def direct(g, x, weight, bias):
         # The mean and rstd the jitted forward saved, as the handler received them.
         mean, rstd = _RECORDED_STATISTICS[-1]
-        return fastbwd.group_norm_swish_backward(g, mean, rstd, x, weight, bias, groups, layout, swish_scale)
+        return fastbwd.group_norm_swish_backward(
+            g, mean, rstd, x, weight, bias, groups, layout, swish_scale, activate_swish=activate_swish
+        )
 
     def reference(x, weight, bias):
         channels_last = jnp.moveaxis(x, -1, 1) if layout == "NHWC" else x
@@ -189,12 +206,14 @@ def group_norm_swish_case(dtype, layout="NCHW", parameter_dtype=None, swish_scal
         var = ((grouped - mean) ** 2).mean(axis=2, keepdims=True)
         y = ((grouped - mean) / jnp.sqrt(var + eps)).reshape(channels_last.shape)
         y = y * weight[None, :, None, None] + bias[None, :, None, None]
-        out = y * jax.nn.sigmoid(swish_scale * y)
+        out = y * jax.nn.sigmoid(swish_scale * y) if activate_swish else y
         return jnp.moveaxis(out, 1, -1) if layout == "NHWC" else out
 
     return Case(
         (x, weight, bias),
-        lambda x, w, b: fj.group_norm_swish(x, groups, w, b, eps, swish_scale, layout=layout),
+        lambda x, w, b: fj.group_norm_swish(
+            x, groups, w, b, eps, swish_scale, layout=layout, activate_swish=activate_swish
+        ),
         direct,
         reference,
         rtol=1e-4,
@@ -207,13 +226,23 @@ CASES = {
     "avg_pool": avg_pool_case,
     "avg_pool-3d-divisor": lambda dtype: avg_pool_case(dtype, False, (2, 3), (1, 2), (1, 1), False, True, -3),
     "avg_pool-include-pad": lambda dtype: avg_pool_case(dtype, True, (3, 3), (2, 2), (1, 1), False, True, 0),
+    "avg_pool-nhwc": lambda dtype: avg_pool_case(dtype, layout="NHWC"),
+    # stride 1, kernel 2 * pad + 1: the forward is the backward kernel (self-adjoint), or its
+    # window sums divided by XLA (count_include_pad=False)
+    "avg_pool-same": lambda dtype: avg_pool_case(dtype, True, (3, 5), (1, 1), (1, 2), False, True, 0),
+    "avg_pool-same-nhwc": lambda dtype: avg_pool_case(dtype, True, (3, 3), (1, 1), (1, 1), False, True, 0, "NHWC"),
+    "avg_pool-same-exclude": lambda dtype: avg_pool_case(dtype, True, (3, 3), (1, 1), (1, 1), False, False, 0),
+    "avg_pool-same-divisor": lambda dtype: avg_pool_case(dtype, False, (3, 3), (1, 1), (1, 1), True, False, 7),
     "pad": pad_case,
     "pad-3d": lambda dtype: pad_case(dtype, False, (0, 4, -2, 1)),
+    "pad-nhwc": lambda dtype: pad_case(dtype, padding=(1, 2, -1, 3), layout="NHWC"),
     "roi_align": roi_align_case,
     "roi_align-adaptive": lambda dtype: roi_align_case(dtype, 0, False),
     "roi_align-nhwc": lambda dtype: roi_align_case(dtype, 0, True, "NHWC"),
     "group_norm_swish": group_norm_swish_case,
     "group_norm_swish-nhwc": lambda dtype: group_norm_swish_case(dtype, "NHWC", swish_scale=-0.7),
+    "group_norm": lambda dtype: group_norm_swish_case(dtype, activate_swish=False),
+    "group_norm-nhwc": lambda dtype: group_norm_swish_case(dtype, "NHWC", activate_swish=False),
 }
 
 
@@ -299,7 +328,9 @@ def test_matches_the_pure_jax_reference(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-@pytest.mark.parametrize("name", ["upsample", "avg_pool", "pad", "roi_align", "roi_align-nhwc"])
+@pytest.mark.parametrize(
+    "name", ["upsample", "avg_pool", "avg_pool-same-nhwc", "pad", "pad-nhwc", "roi_align", "roi_align-nhwc"]
+)
 def test_half_formats_are_rounded_once(name, dtype):
     """The linear operators in half formats: forward and gradient within 1 ulp of the float64
     reference on the same (upcast) values."""
@@ -404,11 +435,15 @@ def _per_element_and_vmapped(case, batch_axis):
         "upsample-nhwc-corners",
         "avg_pool",
         "avg_pool-3d-divisor",
+        "avg_pool-nhwc",
+        "avg_pool-same-nhwc",
         "pad",
         "pad-3d",
+        "pad-nhwc",
         "roi_align",
         "group_norm_swish",
         "group_norm_swish-nhwc",
+        "group_norm",
     ],
 )
 def test_vmap_equals_the_numpy_call_per_element(name, batch_axis):
@@ -477,6 +512,9 @@ ERRORS = [
     (lambda x: fj.avg_pool2d(x[0, 0], 2), r"^avg_pool2d: x must be 3-D or 4-D, but got 2-D"),
     (lambda x: fj.avg_pool2d(x.astype(jnp.int32), 2), r"^avg_pool2d: x.dtype must be one of"),
     (lambda x: fj.avg_pool2d(x[:, :0], 2), r"^avg_pool2d: x.shape\[1\] must be > 0"),
+    (lambda x: fj.avg_pool2d(x, 2, layout="HWC"), r"^avg_pool2d: layout must be one of 'NCHW', 'NHWC', but got 'HWC'"),
+    (lambda x: fj.avg_pool2d(x, (2, 9), layout="NHWC"), r"^avg_pool2d: kernel_size\[1\] must leave an output width"),
+    (lambda x: fj.avg_pool2d(x[:, :, :0], 2, layout="NHWC"), r"^avg_pool2d: x.shape\[2\] must be > 0"),
     (lambda x: fj.replication_pad2d(x, (1, 1, 1)), r"^replication_pad2d: padding must have length 4"),
     (lambda x: fj.replication_pad2d(x, (8, 0, 0, 0)), r"^replication_pad2d: padding\[0\] \(left\) must be less than"),
     (
@@ -486,6 +524,14 @@ ERRORS = [
     (lambda x: fj.replication_pad2d(x[0, 0], (1, 1, 1, 1)), r"^replication_pad2d: x must be 3-D or 4-D, but got 2-D"),
     (lambda x: fj.replication_pad2d(x.astype(jnp.int32), (1, 1, 1, 1)), r"^replication_pad2d: x.dtype must be one of"),
     (lambda x: fj.replication_pad2d(x[:, :0], (1, 1, 1, 1)), r"^replication_pad2d: x.shape\[1\] must be > 0"),
+    (
+        lambda x: fj.replication_pad2d(x, (1, 1, 1, 1), layout="nhwc"),
+        r"^replication_pad2d: layout must be one of 'NCHW', 'NHWC', but got 'nhwc'",
+    ),
+    (
+        lambda x: fj.replication_pad2d(x, (0, 0, 3, 0), layout="NHWC"),
+        r"^replication_pad2d: padding\[2\] \(top\) must be less than the input height 3",
+    ),
     (lambda x: fj.group_norm_swish(x, 2, jnp.ones(3), jnp.zeros(3)), r"^group_norm_swish: num_groups must divide"),
     (lambda x: fj.group_norm_swish(x, 3, jnp.ones(4), jnp.zeros(3)), r"^group_norm_swish: weight.shape must be"),
     (lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(4)), r"^group_norm_swish: bias.shape must be"),
@@ -505,6 +551,10 @@ ERRORS = [
     (
         lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), layout="NCL"),
         r"^group_norm_swish: layout must be one of",
+    ),
+    (
+        lambda x: fj.group_norm_swish(x, 3, jnp.ones(3), jnp.zeros(3), activate_swish=1),
+        r"^group_norm_swish: activate_swish must be a bool, but got 1",
     ),
     (lambda x: fj.roi_align(x, jnp.zeros((4, 4)), 7), r"^roi_align: boxes must have shape \(K, 5\)"),
     (

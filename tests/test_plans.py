@@ -10,6 +10,8 @@ from fastbwd.api import group_norm_swish as gn_api
 from fastbwd.api import roi_align as roi_api
 from fastbwd.api import upsample_bilinear2d as up_api
 
+from conftest import BF16
+
 
 @pytest.fixture
 def rng():
@@ -44,6 +46,11 @@ def test_key_tells_types_apart():
     misaligned = np.zeros(a.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(a.shape)
     assert not misaligned.flags.aligned and misaligned.strides == a.strides
     assert _plans.key(a) != _plans.key(misaligned)
+    # what the strides alone do not tell: the batch size (C-contiguous strides do not depend
+    # on it), a dtype of the same size, the strides' signs
+    assert _plans.key(a) != _plans.key(np.zeros((5, 3), np.float32))
+    assert _plans.key(a.astype(np.float16)) != _plans.key(a.astype(BF16))
+    assert _plans.key(a) != _plans.key(a[:, ::-1].copy()[:, ::-1])
     with pytest.raises(_plans.Unkeyable):
         _plans.key(object())
 
@@ -89,6 +96,47 @@ def test_repeated_call_reuses_the_plan(rng):
     other = fastbwd.group_norm_swish_backward(*args, swish_scale=-0.5)
     assert len(gn_api.OPERATION.plans) == 1
     assert not np.array_equal(other[0], first[0])
+
+
+def test_a_plan_is_not_taken_for_another_batch_dtype_or_direction(rng):
+    """Arrays whose strides are a stored plan's but not the rest of their metadata: another
+    batch size, bfloat16 after float16, a flipped array: each call gives a fresh call's result."""
+
+    def fresh(function, operation, *args):
+        operation.plans.clear()
+        return function(*args)
+
+    function = fastbwd.group_norm_swish_backward
+    small, big = _gn_args(rng), _gn_args(rng, shape=(4, 6, 3, 5))
+    function(*small)
+    for a, b in zip(function(*big), fresh(function, gn_api.OPERATION, *big)):
+        np.testing.assert_array_equal(a, b)
+    function = fastbwd.upsample_bilinear2d_backward
+    grad = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    size = ((6, 8), (1, 2, 3, 4), False)
+    for first, second in ((grad.astype(np.float16), grad.astype(BF16)), (grad, grad[..., ::-1])):
+        function(first, *size)
+        result = function(second, *size)
+        assert result.dtype == second.dtype
+        np.testing.assert_array_equal(result, fresh(function, up_api.OPERATION, second, *size))
+        np.testing.assert_array_equal(result, function(np.ascontiguousarray(second), *size))
+
+
+def test_the_last_plan_argument_is_in_the_key_too(rng):
+    """A call that differs from a stored plan's only in its last plan argument (GroupNorm+Swish's
+    activate_swish, upsampling's out=) gets a plan of its own."""
+    args = _gn_args(rng)
+    with_swish = fastbwd.group_norm_swish_backward(*args)
+    plain = fastbwd.group_norm_swish_backward(*args, activate_swish=False)
+    assert not np.array_equal(plain[0], with_swish[0])
+    gn_api.OPERATION.plans.clear()
+    for a, b in zip(plain, fastbwd.group_norm_swish_backward(*args, activate_swish=False)):
+        np.testing.assert_array_equal(a, b)
+    grad = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    size = ((6, 8), (1, 2, 3, 4), False)
+    fastbwd.upsample_bilinear2d_backward(grad, *size)
+    with pytest.raises(fastbwd.ParamError, match=r"out\.dtype must be float32"):
+        fastbwd.upsample_bilinear2d_backward(grad, *size, out=np.empty((1, 2, 3, 4), np.float64))
 
 
 def test_stored_plan_does_not_let_bad_arguments_through(rng):

@@ -203,3 +203,135 @@ def test_array_likes_are_arrays_in_prepare():
     prepared = function.prepare(x, gamma.tolist(), beta, 2)
     assert prepared.arrays == ("x", "gamma", "beta")
     assert _same(prepared(x, gamma, beta), function(x, gamma.tolist(), beta, 2))
+
+
+def _misaligned(array):
+    """A copy of ``array`` with its metadata (shape, strides, dtype) at an odd address."""
+    buffer = np.empty(array.nbytes + 1, np.uint8)
+    moved = buffer[1:].view(array.dtype).reshape(array.shape)
+    moved[...] = array
+    assert not moved.flags.aligned and moved.strides == array.strides
+    return moved
+
+
+def test_an_array_the_plan_was_not_made_for_is_refused_even_where_the_bytes_agree():
+    """Metadata the comparison could confuse: bfloat16 where float16 was prepared (same shape,
+    strides and item size), and the example's metadata at a misaligned address (the plan's
+    kernels were compiled for aligned arrays). The direct call takes both."""
+    function, arguments, arrays = _cases(np.float16)["upsample"]
+    prepared = function.prepare(*arguments)
+    (grad,) = arrays
+    other = grad.astype(BF16)
+    assert function(other, *arguments[1:]).dtype == BF16
+    with raises_param_error(r"grad_output must have the prepared shape .* and dtype float16", param="grad_output"):
+        prepared(other)
+    function, arguments, arrays = _cases(F32)["group_norm_swish_backward"]
+    prepared = function.prepare(*arguments)
+    for index in range(len(arrays)):
+        moved = list(arrays)
+        moved[index] = _misaligned(arrays[index])
+        assert _same(function(*moved, *arguments[6:]), function(*arguments))
+        with raises_param_error(rf"{function.__name__}: \w+ must be aligned as the prepared arrays"):
+            prepared(*moved)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepared_out_of_other_metadata_or_alignment(case):
+    """``out=`` of the result's shape but another dtype (of another or the same item size) or
+    other strides, or misaligned: refused with the direct call's message, or, misaligned,
+    because the plan's kernels were compiled for aligned arrays."""
+    function, arguments, arrays = _cases(F32)[case]
+    direct = function(*arguments)
+    results = direct if isinstance(direct, tuple) else (direct,)
+    first = results[0]
+    entry = (lambda a: (a,) + (None,) * (len(results) - 1)) if isinstance(direct, tuple) else (lambda a: a)
+    name = r"out\[0\]" if isinstance(direct, tuple) else "out"
+    prepared = function.prepare(*arguments)
+    for dtype in (np.float64, np.int32):
+        with raises_param_error(rf"{function.__name__}: {name}\.dtype must be float32"):
+            prepared(*arrays, out=entry(np.empty(first.shape, dtype)))
+    strided = np.empty(first.shape[:-1] + (2 * first.shape[-1],), F32)[..., ::2]
+    with raises_param_error(rf"{function.__name__}: {name} must be C-contiguous like the result"):
+        prepared(*arrays, out=entry(strided))
+    with raises_param_error(rf"{function.__name__}: {name} must be aligned for this prepared call"):
+        prepared(*arrays, out=entry(_misaligned(np.zeros_like(first))))
+
+
+@pytest.mark.parametrize("case", ["upsample", "avg_pool shape", "avg_pool array", "pad"])  # results of N = 1
+def test_prepared_out_with_a_size_one_axis_of_any_stride(case):
+    """A size-1 axis's stride is no part of C-contiguity: an ``out=`` the direct call takes with
+    another stride there, the prepared call takes too, and writes the same bits."""
+    function, arguments, arrays = _cases(F32)[case]
+    direct = function(*arguments)
+    axis = direct.shape.index(1)
+    taller = np.full(direct.shape[:axis] + (3,) + direct.shape[axis + 1 :], np.nan, F32)
+    out = taller[(slice(None),) * axis + (slice(None, None, 3),)]
+    assert out.shape == direct.shape and out.strides != direct.strides
+    assert function(*arguments, out=out) is out
+    out[...] = np.nan
+    prepared = function.prepare(*arguments)
+    assert prepared(*arrays, out=out) is out
+    assert bitwise_equal(out, direct)
+
+
+@pytest.mark.parametrize("case", ["avg_pool array", "roi_align", "roi_align_forward"])
+def test_prepared_out_over_any_array_is_refused(case):
+    """``out=`` over the memory of an array other than the first (avg-pool's input, RoIAlign's
+    boxes): refused as the direct call refuses it, on every call."""
+    function, arguments, arrays = _cases(F32)[case]
+    result = function(*arguments)
+    second = arrays[1]
+    memory = np.zeros(max(result.size, second.size), F32)
+    shared = memory[: second.size].reshape(second.shape)
+    shared[...] = second
+    out = memory[: result.size].reshape(result.shape)
+    moved = [shared if a is second else a for a in arguments]
+    name = "input" if case.startswith("avg_pool") else "boxes"
+    with raises_param_error(rf"{function.__name__}: out must not overlap {name}", param="out"):
+        function(*moved, out=out)
+    prepared = function.prepare(*moved)
+    with raises_param_error(rf"{function.__name__}: out must not overlap {name}", param="out"):
+        prepared(arrays[0], shared, out=out)
+
+
+def test_shape_dtype_examples_of_no_array_are_param_errors():
+    """A stand-in whose shape is not integers or whose dtype is no NumPy dtype: a ParamError
+    naming the argument (not NumPy's TypeError)."""
+    function, arguments, _ = _cases(F32)["upsample"]
+
+    class ShapeDtype:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, dtype
+
+    for example in (ShapeDtype((1, 2, 6.5, 8), F32), ShapeDtype((1, 2, 6, 8), "no such dtype")):
+        with raises_param_error(r"grad_output must be an array or have an integer shape", param="grad_output"):
+            function.prepare(example, *arguments[1:])
+
+
+@pytest.mark.parametrize("case", ["avg_pool shape", "pad"])
+def test_prepare_takes_a_list_as_the_input_shape(case):
+    """avg-pool's and pad's ``input`` as a list is a shape, as a tuple is: the prepared call
+    takes grad_output alone."""
+    function, arguments, arrays = _cases(F32)[case]
+    listed = (arguments[0], list(arguments[1]), *arguments[2:])
+    prepared = function.prepare(*listed)
+    assert prepared.arrays == ("grad_output",)
+    assert bitwise_equal(prepared(*arrays), function(*arguments))
+
+
+def test_group_norm_swish_prepared_calls_keep_their_bound_arguments():
+    """activate_swish=False and layout="NHWC" given to ``prepare`` are the prepared call's, in
+    both directions, as the direct call's."""
+    function, arguments, arrays = _cases(F32)["group_norm_swish_backward"]
+    plain = function.prepare(*arguments, activate_swish=False)
+    assert _same(plain(*arrays), function(*arguments, activate_swish=False))
+    assert not _same(plain(*arrays), function(*arguments))
+    dy, mean, rstd, x, gamma, beta = arrays
+    nhwc = [np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (dy, x)]
+    nhwc_arrays = (nhwc[0], mean, rstd, nhwc[1], gamma, beta)
+    by_layout = function.prepare(*nhwc_arrays, 2, swish_scale=0.75, layout="NHWC")
+    assert _same(by_layout(*nhwc_arrays), function(*nhwc_arrays, 2, "NHWC", 0.75))
+    forward, arguments, arrays = _cases(F32)["group_norm_swish"]
+    plain = forward.prepare(*arguments[:6], False, arguments[7])
+    assert _same(plain(*arrays), forward(*arguments[:6], False, arguments[7]))
+    assert not _same(plain(*arrays), forward(*arguments))

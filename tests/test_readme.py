@@ -106,7 +106,7 @@ def test_readme_counts_are_the_programs():
 def test_each_example_is_a_program_that_exits(page, index):
     """Each Python block, alone (its own imports), as a separate process with a time limit."""
     code = next(code for p, i, code in BLOCKS if (p, i) == (page, index))
-    for framework in ("torch", "jax"):
+    for framework in ("torch", "jax", "flax", "equinox"):
         if re.search(rf"^import .*\b{framework}\b", code, re.M):
             pytest.importorskip(framework)
     # torch.compile traces and loads its compiled code again in the child (Inductor's cache keeps

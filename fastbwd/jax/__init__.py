@@ -2,17 +2,32 @@
 
 Needs JAX: ``pip install jax`` (or ``pip install -e ".[jax]"`` in fastbwd's checkout). ``import fastbwd`` never imports jax; this module does.
 
-Each function's forward is written in ``jax.numpy``/``lax`` (XLA fuses it with the rest of the
-program; RoIAlign's forward is fastbwd's kernel) and its gradient is the fastbwd function, through
-``jax.custom_vjp`` and XLA's FFI: the kernels read and write XLA's buffers in place. They work
-under ``jax.jit``, ``jax.grad``/``jax.vjp`` and ``jax.vmap``, in float32, float64 (with x64
-enabled), bfloat16 and float16, on the CPU.
+Each function's forward is XLA's (``jax.numpy``/``lax``, fused with the rest of the program) or
+fastbwd's kernel where XLA's is slow on the CPU (GroupNorm + Swish, RoIAlign, a stride-1 "SAME"
+average pooling), and its gradient is the fastbwd backward, through XLA's FFI: the kernels read
+and write XLA's buffers in place. They work under ``jax.jit``, ``jax.grad``/``jax.vjp``,
+``jax.jvp`` (forward mode evaluates plain JAX) and ``jax.vmap``, in float32, float64 (with x64
+enabled), bfloat16 and float16, on the CPU (docs/jax.md).
+
+PyTorch-shaped, channels first or last (``layout="NHWC"``):
 
 * :func:`upsample_bilinear2d`: ``F.interpolate(mode="bilinear")``;
 * :func:`avg_pool2d`: ``F.avg_pool2d``;
-* :func:`replication_pad2d`: ``F.pad(mode="replicate")`` / ``jnp.pad(mode="edge")``;
+* :func:`replication_pad2d`: ``F.pad(mode="replicate")``;
 * :func:`roi_align`: ``torchvision.ops.roi_align``;
-* :func:`group_norm_swish`: GroupNorm followed by Swish/SiLU.
+* :func:`group_norm_swish`: GroupNorm followed by Swish/SiLU, or alone.
+
+Drop-ins with the signatures JAX users call (each runs the library's own code for a call it
+cannot serve):
+
+* :func:`resize`: ``jax.image.resize`` (linear);
+* :func:`avg_pool`: ``flax.linen.avg_pool``;
+* :func:`pad`: ``jnp.pad`` (``mode="edge"``);
+* ``fastbwd.jax.linen.GroupNorm``, ``fastbwd.jax.nnx.GroupNorm``, ``fastbwd.jax.equinox.GroupNorm``:
+  the libraries' GroupNorm modules, optionally fused with Swish.
+
+:func:`reach`: Flax (linen, NNX) and Equinox models get all of these by one call, without a
+change to their code.
 """
 
 try:
@@ -23,11 +38,12 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         '(or pip install -e ".[jax]" in fastbwd\'s checkout)'
     ) from error
 
-from ._avg_pool import avg_pool2d
+from ._avg_pool import avg_pool, avg_pool2d
 from ._group_norm_swish import group_norm_swish
-from ._pad import replication_pad2d
+from ._pad import pad, replication_pad2d
+from ._reach import reach
 from ._roi_align import roi_align
-from ._upsample import upsample_bilinear2d
+from ._upsample import resize, upsample_bilinear2d
 
 __all__ = [
     "upsample_bilinear2d",
@@ -35,4 +51,8 @@ __all__ = [
     "replication_pad2d",
     "roi_align",
     "group_norm_swish",
+    "resize",
+    "avg_pool",
+    "pad",
+    "reach",
 ]

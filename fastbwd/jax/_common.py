@@ -1,5 +1,7 @@
 """What the JAX functions share: placeholders for trace-time planning, static arguments."""
 
+import math
+
 import numpy as np
 
 
@@ -35,3 +37,48 @@ def ints(value, repeats=None):
         return (int(value),) * (repeats or 1)
     value = tuple(int(v) for v in value)
     return value * repeats if repeats and len(value) == 1 else value
+
+
+def vmap_axes(arrays, ranks):
+    """``(extra, batch)`` of the operands of an ``"expand"`` FFI target (``_ffi``): how many
+    leading axes ``jax.vmap`` added to each operand, and their sizes over all operands (an
+    operand that is not batched has size 1 there)."""
+    extra = arrays[0].ndim - ranks[0]
+    return extra, tuple(max(sizes) for sizes in zip(*(a.shape[:extra] for a in arrays))) if extra else ()
+
+
+def element(array, extra, index):
+    """The part of an operand of an ``"expand"`` target for one batch element ``index`` (its
+    size-1 leading axes, where it is not batched, read at 0)."""
+    return array[tuple(i if size > 1 else 0 for i, size in zip(index, array.shape[:extra]))]
+
+
+def run_batched(run, inputs, outputs, ranks, shared=()):
+    """``run(inputs, outputs)`` for the operands of an ``"expand"`` target: once when vmap added
+    no axis; once on the whole batch, its axes merged with the leading axis of each operand,
+    when the operands at the positions ``shared`` are not batched and every other one is
+    batched on every axis; otherwise once per batch element."""
+    extra, batch = vmap_axes(inputs, ranks)
+    if not extra:
+        return run(inputs, outputs)
+    if shared and all(
+        (math.prod(a.shape[:extra]) == 1) if i in shared else a.shape[:extra] == batch for i, a in enumerate(inputs)
+    ):
+
+        def merged(array):
+            return array.reshape((-1,) + array.shape[extra + 1 :])
+
+        inputs = [a[(0,) * extra] if i in shared else merged(a) for i, a in enumerate(inputs)]
+        return run(inputs, [merged(a) for a in outputs])
+    for index in np.ndindex(*batch):
+        run([element(a, extra, index) for a in inputs], [element(a, extra, index) for a in outputs])
+    return None
+
+
+def channels_last_subjects(ndim, names=("input", "grad_output")):
+    """For a function whose channels-last x (``(N, H, W, C)``, or ``(H, W, C)`` given a batch
+    of 1) an api reads as NCHW: each ``name.shape[i]`` of the api's messages as x's own axis."""
+    axes = (0, 3, 1, 2) if ndim == 4 else (None, 2, 0, 1)
+    return {
+        f"{name}.shape[{i}]": f"x.shape[{axis}]" for name in names for i, axis in enumerate(axes) if axis is not None
+    }

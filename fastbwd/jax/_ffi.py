@@ -13,8 +13,11 @@ refers to state of the process that traced it). Arguments are validated at trace
 functions that build the calls, so the handler only sees arguments fastbwd accepts.
 
 Batch axes added by ``jax.vmap``: the ``"fold"`` targets (every array's extra leading axes are
-folded into the batch axis N, one call for the whole batch) and the ``"loop"`` targets (XLA calls
-the handler once per batch element, ``vmap_method="sequential"``).
+folded into the batch axis N, one call for the whole batch), the ``"loop"`` targets (XLA calls
+the handler once per batch element, ``vmap_method="sequential"``) and the ``"expand"`` targets
+(``vmap_method="expand_dims"``: every operand gets one leading axis per vmap level, of size 1 where
+it is not batched, and the adapter gets them as they are, with each operand's own rank in
+``config["ranks"]``, to fold or loop as its operator allows).
 """
 
 import ctypes
@@ -264,7 +267,7 @@ def _make_handler(adapter, fold):
             config = dict(_config(frame))
             inputs = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
             outputs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
-            if fold:
+            if fold is True:
                 rank = config.pop("rank")
                 extra = inputs[0].ndim - rank
                 inputs = [_fold(a, rank, extra) for a in inputs]
@@ -286,7 +289,7 @@ def target(name, adapter, fold, split=None):
     """Register the FFI target ``fastbwd_<name>`` (once per process) and return its name.
 
     ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers; ``fold``
-    says how vmap batches it (see the module docstring).
+    (True, False or ``"expand"``) says how vmap batches it (see the module docstring).
 
     ``split(config, operands, results)`` returns the call's :class:`_sharding.Split`: how XLA
     may partition it over devices (without one XLA runs the whole call on every device).
@@ -307,13 +310,15 @@ def target(name, adapter, fold, split=None):
 def call(name, operands, results, config):
     """Emit the FFI call of the registered target ``name`` on ``operands`` (JAX arrays), returning
     arrays shaped like ``results`` (``jax.ShapeDtypeStruct`` list). ``config`` (a JSON-able dict of
-    keyword arguments) becomes the call's attribute; fold targets also get the per-example rank.
-    Returns a list of arrays, one per result."""
+    keyword arguments) becomes the call's attribute; fold targets also get the per-example rank,
+    expand targets every operand's. Returns a list of arrays, one per result."""
     fold = _targets[name]
-    if fold:
+    if fold == "expand":
+        config = dict(config, ranks=[operand.ndim for operand in operands])
+    elif fold:
         config = dict(config, rank=operands[0].ndim)
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    method = "broadcast_all" if fold else "sequential"
+    method = {True: "broadcast_all", False: "sequential", "expand": "expand_dims"}[fold]
     split = _splits[name]
     if split is not None:  # partitioned over devices (docs/design.md, "Sharding")
         return _sharding.call(name, text, method, split(config, operands, results), operands, results)

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .. import _validation as v
 from ..api import roi_align as api
 from . import _common as c
-from . import _ffi, _sharding
+from . import _ffi, _linear, _sharding
 
 FUNC = "roi_align"
 #: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
@@ -68,17 +69,7 @@ def _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, 
     return output
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout)
-
-
-def _roi_align_fwd(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
-    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout), (boxes, input)
-
-
-def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, residuals, grad_output):
-    boxes, input = residuals
+def _backward(grad_output, boxes, input, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
     # sharded like input (its rows are images, which the boxes spread over every device)
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype, sharding=jax.typeof(input).sharding)
     (grad_input,) = _ffi.call(
@@ -87,12 +78,31 @@ def _roi_align_bwd(pooled_size, spatial_scale, sampling_ratio, aligned, input_sh
         [result],
         _config(pooled_size, spatial_scale, sampling_ratio, aligned, layout),
     )
-    grad_input = _sharding.gradient_like(grad_input, input)
-    # The boxes get no gradient (torchvision's roi_align does not differentiate them either).
-    return grad_input, jnp.zeros_like(boxes)
+    return _sharding.gradient_like(grad_input, input)
 
 
-_roi_align.defvjp(_roi_align_fwd, _roi_align_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _roi_align(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout):
+    return _forward(input, boxes, pooled_size, spatial_scale, sampling_ratio, aligned, layout)
+
+
+@_roi_align.defjvp
+def _roi_align_jvp(pooled_size, spatial_scale, sampling_ratio, aligned, input_shape, layout, primals, tangents):
+    # Linear in the features; the boxes get no derivative (torchvision's roi_align does not
+    # differentiate them either), so their tangent is not used.
+    (input, boxes), (tangent, _) = primals, tangents
+    arguments = pooled_size, spatial_scale, sampling_ratio, aligned
+
+    def apply(residuals, linear):
+        return [_forward(linear[0], residuals[0], *arguments, layout)]
+
+    def transpose(residuals, cotangents):
+        return [_backward(cotangents[0], *residuals, *arguments, input_shape, layout)]
+
+    # the primal through the function itself (a second forward-mode derivative finds this rule)
+    output = _roi_align(input, boxes, *arguments, input_shape, layout)
+    # input, for its type only (the gradient is sharded like it): no derivative flows through it
+    return output, _linear.call(FUNC, apply, transpose, [boxes, lax.stop_gradient(input)], [tangent])[0]
 
 
 def _rois(boxes, dtype):

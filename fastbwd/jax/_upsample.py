@@ -1,16 +1,19 @@
-"""Bilinear upsampling for JAX: PyTorch's forward in jax.numpy, fastbwd's backward."""
+"""Bilinear upsampling for JAX: PyTorch's ``F.interpolate(mode="bilinear")`` and
+``jax.image.resize(method="linear")``, forward in jax.numpy, fastbwd's backward."""
 
-import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi, _sharding
+from . import _ffi, _linear, _sharding
 
 FUNC = "upsample_bilinear2d"
 
@@ -48,30 +51,31 @@ def _interpolate(x, axis, output_size, align_corners):
     )
 
 
-def _forward(x, output_size, align_corners, layout):
+def _forward(x, output_size, align_corners, layout, keep_unchanged=False):
+    """PyTorch's forward; ``keep_unchanged``: an axis whose size does not change is left as it is
+    (jax.image.resize's rule; PyTorch interpolates it with weights 1 and 0, the same values but
+    where x is infinite or NaN)."""
     h_axis, w_axis = _axes(layout)
     compute = x.astype(d.compute_dtype(x.dtype))
-    rows = _interpolate(compute, h_axis, output_size[0], align_corners)
-    return _interpolate(rows, w_axis, output_size[1], align_corners).astype(x.dtype)
+    for axis, size in zip((h_axis, w_axis), output_size):
+        if size != x.shape[axis] or not keep_unchanged:
+            compute = _interpolate(compute, axis, size, align_corners)
+    return compute.astype(x.dtype)
 
 
-# The static arguments (input_shape: x's shape, which the backward needs) are not differentiated.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _upsample(x, output_size, align_corners, layout, input_shape):
-    return _forward(x, output_size, align_corners, layout)
-
-
-def _upsample_fwd(x, output_size, align_corners, layout, input_shape):
-    return _forward(x, output_size, align_corners, layout), None
-
-
-def _upsample_bwd(output_size, align_corners, layout, input_shape, _, grad_output):
+def _backward(grad_output, output_size, align_corners, layout, input_shape, keep_unchanged=False):
     config = dict(output_size=list(output_size), align_corners=align_corners, layout=layout)
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
-    return tuple(_ffi.call(_TARGET, [grad_output], [result], config))
+    return _ffi.call(_TARGET, [grad_output], [result], config)[0]
 
 
-_upsample.defvjp(_upsample_fwd, _upsample_bwd)
+# static: (output_size, align_corners, layout, input_shape, keep_unchanged); input_shape, x's
+# shape, is what the backward needs
+def _static_forward(x, output_size, align_corners, layout, input_shape, keep_unchanged=False):
+    return _forward(x, output_size, align_corners, layout, keep_unchanged)
+
+
+_upsample = _linear.linear_function(FUNC, _static_forward, _backward)
 
 
 def upsample_bilinear2d(
@@ -135,4 +139,61 @@ def upsample_bilinear2d(
             layout,
             None,
         )
-    return _upsample(x, c.ints(output_size), bool(align_corners), layout, x.shape)
+    return _upsample(x, (c.ints(output_size), bool(align_corners), layout, x.shape, False))
+
+
+# ---- jax.image.resize ---------------------------------------------------------------------------
+
+#: jax.image.resize itself, whatever later replaces the module's attribute (fastbwd.jax.reach does).
+_jax_resize = jax.image.resize
+_LINEAR = jax.image.ResizeMethod.LINEAR
+
+
+def _resize_plan(image, shape, method, antialias):
+    """How fastbwd serves ``jax.image.resize(image, shape, method, antialias)``: the shape of the
+    channels-last 4-D view ``(B, H, W, R)`` (the resized axes H and W, a size-1 H when one
+    axis is resized) and its output size ``(OH, OW)``; None when it cannot (jax.image.resize
+    then runs)."""
+    if not isinstance(image, jax.Array | np.ndarray) or np.dtype(image.dtype) not in d.FLOATING:
+        return None
+    try:
+        if (jax.image.ResizeMethod.from_string(method) if isinstance(method, str) else method) != _LINEAR:
+            return None
+        shape = tuple(int(size) for size in shape)
+    except (TypeError, ValueError):
+        return None
+    if len(shape) != image.ndim or min(shape, default=0) < 1 or min(image.shape, default=0) < 1:
+        return None
+    resized = [axis for axis in range(image.ndim) if shape[axis] != image.shape[axis]]
+    if not resized or len(resized) > 2 or resized[-1] - resized[0] > 1:
+        return None
+    if antialias and any(shape[axis] < image.shape[axis] for axis in resized):
+        return None  # a shrink with antialias=True is a wider triangle filter, not bilinear
+    first, last = resized[0], resized[-1]
+    batch, rest = math.prod(image.shape[:first]), math.prod(image.shape[last + 1 :])
+    if first == last:
+        return (batch, 1, image.shape[first], rest), (1, shape[first])
+    return (batch,) + image.shape[first : last + 1] + (rest,), shape[first : last + 1]
+
+
+def resize(image, shape, method, antialias=True, precision=lax.Precision.HIGHEST):
+    """``jax.image.resize``: the same arguments and result; linear resizes on fastbwd's backward.
+
+    A ``"linear"`` (``"bilinear"``, ``ResizeMethod.LINEAR``, ...) resize of one axis or of two
+    adjacent axes (any others are batch or channel axes: NHWC, NCHW, HWC, ... alike), growing
+    them, or shrinking them with ``antialias=False``, in float32, float64, float16 or bfloat16,
+    is PyTorch's bilinear interpolation with ``align_corners=False``, which is the same map
+    (half-pixel centres, edge samples clamped): its gradient is
+    ``fastbwd.upsample_bilinear2d_backward``. The values agree with jax.image.resize's within a
+    few units in the last place (weights computed in float32, float64 for float64, where JAX
+    uses the image's dtype; ``precision`` does not change CPU arithmetic). Every other call
+    (other methods, a shrink with ``antialias=True``, which filters, three resized axes, other
+    dtypes) and its errors are ``jax.image.resize``'s own.
+    """
+    plan = _resize_plan(image, shape, method, antialias)
+    if plan is None:
+        return _jax_resize(image, shape, method, antialias, precision)
+    view, output_size = plan
+    images = jnp.asarray(image).reshape(view)
+    resized = _upsample(images, (output_size, False, "NHWC", view, True))
+    return resized.reshape(tuple(int(size) for size in shape))
