@@ -314,19 +314,20 @@ class FusedGroupNorm(nn.GroupNorm):
         # pairs its own graph pass can fuse
         if torch.compiler.is_compiling() or self.fusion_state == _SKIPPED:
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
-        geometry = self._geometry(input)
+        weight, bias = self.weight, self.bias  # read once (nn.Module.__getattr__ is Python)
+        geometry = self._geometry(input, weight, bias)
         if geometry is None:
             if self.fusion_state == _OBSERVING:
                 self._fusion_ineligible = self._ineligible(input)
-            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+            return F.group_norm(input, self.num_groups, weight, bias, self.eps)
         if self.fusion_state == _FUSED:
-            return _LazyGroupNorm(input, self, geometry, None)
+            return _LazyGroupNorm(input, self, weight, bias, geometry, None)
         if self._resolve():
             return self._fused_forward(input)
         self.fusion_state = _OBSERVING
         record = _Record()
         self._fusion_records.append(record)
-        lazy = _LazyGroupNorm(input, self, geometry, record)
+        lazy = _LazyGroupNorm(input, self, weight, bias, geometry, record)
         record.output = weakref.ref(lazy)
         return lazy
 
@@ -340,13 +341,13 @@ class FusedGroupNorm(nn.GroupNorm):
             self._settle(state, text)
         return state is not None
 
-    def _geometry(self, input):
+    def _geometry(self, input, weight, bias):
         """The call's GroupNorm+Swish geometry when fastbwd runs it exactly as nn.GroupNorm would
         (a plain eager CPU call fastbwd's kernels take, ``_ops.refusal``), else None (the call
         is nn.GroupNorm's)."""
         if not _ops.use_eager_path(input) or not input.is_cpu or not _private.lazy_outputs():
             return None
-        return _ops.geometry_of(input, self.weight, self.bias, self.num_groups, self.eps, 1.0)
+        return _ops.geometry_of(input, weight, bias, self.num_groups, self.eps, 1.0)
 
     def _ineligible(self, input):
         """Why a call is not one the fused path takes (for the report)."""
@@ -544,8 +545,7 @@ class _LazyGroupNorm(torch.Tensor):
     observing, the result is made at once and every use is recorded."""
 
     @staticmethod
-    def __new__(cls, input, norm, geometry, record):
-        weight, bias = norm.weight, norm.bias
+    def __new__(cls, input, norm, weight, bias, geometry, record):
         grad = torch.is_grad_enabled()
         if record is None:
             result, strides = None, geometry.output_strides
@@ -571,19 +571,20 @@ class _LazyGroupNorm(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA and type(args[0]) is cls:
-            lazy = args[0]
-            if lazy._fb_result is None:
-                return super().__torch_function__(func, types, args, kwargs)
-            return func(lazy._fb_result, *args[1:], **kwargs)
+        # the SiLU first: the use every armed output expects
         inplace = _ops.silu_functions().get(func)
         if inplace is not None and args and type(args[0]) is cls:
             lazy = args[0]
             inplace = inplace or bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
             if lazy._fb_record is None and lazy._fb_result is None and not lazy._fb_consumed:
-                if not _is_silu_subclass(_site()[0]):
+                if not _is_silu_subclass(_owner(_user_frame())):
                     return lazy._fused_silu(inplace)
             return _call(func, args, kwargs, inplace)
+        if func in _METADATA and type(args[0]) is cls:
+            lazy = args[0]
+            if lazy._fb_result is None:
+                return super().__torch_function__(func, types, args, kwargs)
+            return func(lazy._fb_result, *args[1:], **kwargs)
         return _call(func, args, kwargs)
 
     @classmethod
@@ -600,7 +601,7 @@ class _LazyGroupNorm(torch.Tensor):
         self._check_unmodified()
         input = self._fb_input
         with _grad_mode(self._fb_grad and torch.is_grad_enabled()):
-            if _ops._eager(input):
+            if _ops._eager():  # no mode entered since the GroupNorm's call (which checked its tensors)
                 y = _ops.EagerGroupNormSwish.apply(input, self._fb_weight, self._fb_bias, self._fb_geometry)
             else:  # a mode entered between the GroupNorm and its SiLU: through the operator
                 norm = self._fb_norm
@@ -690,20 +691,34 @@ def _use(func, is_silu, names):
 
 
 def _site():
-    """``(module or None, description)`` of the code that is using a lazy output: the first
-    frame outside fastbwd's and PyTorch's dispatch plumbing; its module when it is a
-    ``forward(self, ...)``."""
+    """``(module or None, description)`` of the code that is using a lazy output (see
+    :func:`_user_frame` and :func:`_owner`)."""
+    frame = _user_frame()
+    if frame is None:
+        return None, "?"
+    owner = _owner(frame)
+    if owner is not None:
+        return owner, f"{type(owner).__qualname__}.forward"
+    return None, getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+
+
+def _user_frame():
+    """The frame of the code that is using a lazy output: the first one outside fastbwd's and
+    PyTorch's dispatch plumbing (None if there is none)."""
     frame, plumbing = sys._getframe(1), _plumbing()
     while frame is not None and frame.f_code.co_filename in plumbing:
         frame = frame.f_back
-    if frame is None:
-        return None, "?"
-    code = frame.f_code
-    if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self":
+    return frame
+
+
+def _owner(frame):
+    """The module whose ``forward(self, ...)`` ``frame`` runs, or None."""
+    code = frame.f_code if frame is not None else None
+    if code is not None and code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self":
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module):
-            return owner, f"{type(owner).__qualname__}.forward"
-    return None, getattr(code, "co_qualname", code.co_name)
+            return owner
+    return None
 
 
 def _is_silu_subclass(owner):

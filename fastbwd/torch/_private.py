@@ -150,11 +150,18 @@ def wrapper_subclass(cls, *args, **kwargs):
     return _found[LAZY]["torch.Tensor._make_wrapper_subclass"][1](cls, *args, **kwargs)
 
 
-def versions(*tensors):
-    """The tensors' version counters (None for a missing or an inference tensor); None when
-    this PyTorch cannot give them."""
+def versions(input, weight, bias):
+    """The version counters of a GroupNorm call's tensors (None for a missing or an inference
+    tensor); None when this PyTorch cannot give them."""
     try:
-        return tuple(None if t is None or t.is_inference() else t._version for t in tensors)
+        # three attribute reads on the common path (each pair of a training step makes two calls)
+        return input._version, None if weight is None else weight._version, None if bias is None else bias._version
+    except RuntimeError:  # an inference tensor has no version counter
+        pass
+    except Exception as error:  # noqa: BLE001
+        return broken(LAZY, error)
+    try:
+        return tuple(None if t is None or t.is_inference() else t._version for t in (input, weight, bias))
     except Exception as error:  # noqa: BLE001
         return broken(LAZY, error)
 
