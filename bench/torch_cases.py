@@ -186,8 +186,8 @@ TINY_MODULE_SHAPE = ((2, 32, 4, 4), 8)
 
 def tiny_module_case():
     """T6t: GroupNormSwish forward + backward at :data:`TINY_MODULE_SHAPE` against nn.GroupNorm +
-    nn.SiLU (the same size in quick and full runs)."""
-    return dataclasses.replace(_module_case(None, *TINY_MODULE_SHAPE, False, ">= 0.6x"), id="T6t")
+    nn.SiLU (the same size in quick and full runs); issue 46's target."""
+    return dataclasses.replace(_module_case(None, *TINY_MODULE_SHAPE, False, ">= 0.9x"), id="T6t")
 
 
 def module_cases(quick=False, forward_only=False):

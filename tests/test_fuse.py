@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastbwd.torch as ft  # noqa: E402
-from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
+from fastbwd.kernels import group_norm_swish as gns_kernels  # noqa: E402
 from fastbwd.torch import _fuse  # noqa: E402
 
 from conftest import pytorch_deprecation  # noqa: E402
@@ -36,7 +36,7 @@ class Counter:
 
     def __init__(self, monkeypatch):
         self.group_norm = self.fused = 0
-        group_norm, run_forward = F.group_norm, gns_api.run_forward
+        group_norm, run_forward = F.group_norm, gns_kernels.ForwardPlan.run
 
         def counted_group_norm(*args, **kwargs):
             self.group_norm += 1
@@ -47,7 +47,7 @@ class Counter:
             return run_forward(*args, **kwargs)
 
         monkeypatch.setattr(F, "group_norm", counted_group_norm)
-        monkeypatch.setattr(gns_api, "run_forward", counted_run_forward)
+        monkeypatch.setattr(gns_kernels.ForwardPlan, "run", counted_run_forward)
 
     def __call__(self):
         return self.group_norm, self.fused

@@ -614,6 +614,54 @@ def test_input_buffers_are_read_in_place():
     assert addresses == [x.unsafe_buffer_pointer()]
 
 
+def test_the_handler_keeps_the_prepared_call_its_adapter_returns():
+    """An adapter that returns its call prepared runs once per config and buffers' shapes and
+    dtypes (in any program); the handler runs the prepared call when they repeat."""
+    made, ran = [], []
+
+    def adapter(inputs, outputs, config):
+        made.append((inputs[0].shape, config["factor"]))
+        factor = config["factor"]
+
+        def prepared(inputs, outputs):
+            ran.append(inputs[0].shape)
+            outputs[0][...] = inputs[0] * factor
+
+        prepared(inputs, outputs)
+        return prepared
+
+    name = _ffi.target("test_prepared_probe", adapter, fold=False)
+
+    def program(factor):
+        config = dict(factor=factor)
+        return jax.jit(lambda x: _ffi.call(name, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)], config)[0])
+
+    six, eight = jnp.arange(6, dtype=jnp.float32), jnp.arange(8, dtype=jnp.float32)
+    for function, x, factor in ((program(3), six, 3),) * 3 + ((program(3), eight, 3), (program(2), six, 2)):
+        assert bitwise_equal(np.asarray(function(x)), np.asarray(x) * factor)
+    assert made == [((6,), 3), ((8,), 3), ((6,), 2)]
+    assert ran == [(6,), (6,), (6,), (8,), (6,)]
+
+
+def test_a_jitted_gradient_prepares_its_call_once(monkeypatch):
+    """fastbwd.jax's handlers hold prepared calls: a training loop's repeated gradient prepares
+    (validates and plans) its backward once, and each call gives the NumPy function's bits."""
+    from fastbwd.api import _plans
+    from fastbwd.api import upsample_bilinear2d as upsample_api
+
+    backward = upsample_api.upsample_bilinear2d_backward
+    prepared = []
+    monkeypatch.setattr(backward, "prepare", lambda *a, _f=backward.prepare, **k: prepared.append(1) or _f(*a, **k))
+    _plans.forget_all()
+    step = jax.jit(jax.grad(lambda x, g: jnp.sum(fj.upsample_bilinear2d(x, (10, 12)) * g)))
+    x, g = random((2, 3, 5, 6), np.float32, 70), random((2, 3, 10, 12), np.float32, 71)
+    expected = fastbwd.upsample_bilinear2d_backward(g, (10, 12), x.shape)
+    assert prepared == []
+    for _ in range(3):
+        assert bitwise_equal(np.asarray(step(jnp.asarray(x), jnp.asarray(g))), expected)
+    assert prepared == [1]
+
+
 def test_a_failing_handler_raises_in_the_caller():
     def adapter(inputs, outputs, config):
         raise RuntimeError("deliberate failure 1234")

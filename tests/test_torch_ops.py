@@ -11,7 +11,6 @@ F = torch.nn.functional
 import fastbwd  # noqa: E402
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.api import group_norm_swish as gns_api  # noqa: E402
-from fastbwd.api import roi_align as roi_align_api  # noqa: E402
 
 from conftest import pytorch_deprecation  # noqa: E402
 
@@ -39,16 +38,19 @@ def _per_image(boxes):
 
 
 class _Counter:
-    """Wraps the api functions the operators call and counts the calls (each runs its api's
-    validated plans: ``run_forward`` and ``run``)."""
+    """Wraps the kernels' plans' ``run`` (what every path to fastbwd's kernels ends in: a direct
+    call, a prepared call or the api's ``run``) and counts the calls."""
 
     def __init__(self, monkeypatch):
+        from fastbwd.kernels import group_norm_swish as gns_kernels
+        from fastbwd.kernels import roi_align as roi_align_kernels
+
         self.calls = {}
         for owner, attribute, name in (
-            (roi_align_api, "run_forward", "roi_align_forward"),
-            (roi_align_api, "run", "roi_align_backward"),
-            (gns_api, "run_forward", "group_norm_swish"),
-            (gns_api, "run", "group_norm_swish_backward"),
+            (roi_align_kernels.ForwardPlan, "run", "roi_align_forward"),
+            (roi_align_kernels.BackwardPlan, "run", "roi_align_backward"),
+            (gns_kernels.ForwardPlan, "run", "group_norm_swish"),
+            (gns_kernels.BackwardPlan, "run", "group_norm_swish_backward"),
         ):
             monkeypatch.setattr(owner, attribute, self._counting(name, getattr(owner, attribute)))
 
@@ -389,18 +391,50 @@ def _numpy_group_norm_swish(x, weight, bias, groups, eps, swish_scale, dy):
     return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (y, *grads))
 
 
-def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
-    """Calls repeating a geometry (each tensor's shape, strides and dtype; num_groups, eps,
-    swish_scale) reuse what its first call worked out: no api validation runs again, and each
-    call gives the NumPy functions' bits. Another geometry gets its own, and a call fastbwd's
-    kernels do not take is PyTorch's, the refusal remembered like a geometry."""
+def test_group_norm_swish_backward_of_other_metadata():
+    """A geometry's prepared backward is made for its first call's arrays; a later call whose
+    arrays have other metadata runs the public function instead, with the same bits: the
+    operator given float32 statistics after float64 ones, and a gradient whose size-1 axes have
+    other strides than the first one's."""
     from fastbwd.torch import _ops
 
     _ops._GEOMETRIES.clear()
-    built = []  # the api's plan lookups (each validates, or computes its key, on every call)
-    for name in ("forward_plan", "plan"):
-        original = getattr(gns_api, name)
-        monkeypatch.setattr(gns_api, name, lambda *a, _f=original, _n=name: built.append(_n) or _f(*a))
+    x = _randn((2, 6, 5, 4), torch.float64, seed=60)
+    weight, bias = _randn((6,), torch.float64, seed=61), _randn((6,), torch.float64, seed=62)
+    dy = _randn(x.shape, torch.float64, seed=63)
+    _, mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0)
+    arrays = (x.numpy(), weight.numpy(), bias.numpy())
+    for statistics in ((mean, rstd), (mean.float(), rstd.float()), (mean, rstd)):
+        got = torch.ops.fastbwd.group_norm_swish_backward(dy, x, *statistics, weight, bias, 3, 1.0, [True, True, True])
+        expected = fastbwd.group_norm_swish_backward(dy.numpy(), *(s.numpy() for s in statistics), *arrays, 3)
+        for g, e in zip(got, expected):
+            assert torch.equal(g, torch.from_numpy(e))
+
+    x = _randn((2, 6, 1, 1), seed=64).requires_grad_()
+    contiguous = _randn(x.shape, seed=65)
+    odd = contiguous.as_strided(contiguous.shape, (6, 1, 7, 9))  # the same values, other size-1 strides
+    assert odd.is_contiguous() and odd.stride() != contiguous.stride()
+    expected = _numpy_group_norm_swish(x, None, None, 3, 1e-5, 1.0, contiguous)
+    for grad in (contiguous, odd, contiguous):
+        (dx,) = torch.autograd.grad(ft.group_norm_swish(x, 3), x, grad)
+        assert torch.equal(dx, expected[1])
+
+
+def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
+    """Calls repeating a geometry (each tensor's shape, strides and dtype; num_groups, eps,
+    swish_scale) reuse what its first call worked out, its prepared calls: nothing is prepared,
+    validated or looked up in the api's plan tables again, and each call gives the NumPy
+    functions' bits. Another geometry gets its own, and a call fastbwd's kernels do not take is
+    PyTorch's, the refusal remembered like a geometry."""
+    from fastbwd.torch import _ops
+
+    _ops._GEOMETRIES.clear()
+    built = []  # the prepared calls made, and every plan lookup of the api (a direct call's)
+    for function, name in ((gns_api.group_norm_swish, "forward"), (gns_api.group_norm_swish_backward, "backward")):
+        original = function.prepare
+        monkeypatch.setattr(function, "prepare", lambda *a, _f=original, _n=name, **k: built.append(_n) or _f(*a, **k))
+        operation = function.operation
+        monkeypatch.setattr(operation, "plan", lambda *a, _f=operation.plan: built.append("plan") or _f(*a))
     weight, bias = _randn((6,), seed=40).requires_grad_(), _randn((6,), seed=41).requires_grad_()
     geometries = [
         (_randn((2, 6, 5, 4), seed=42), weight, bias, 1e-5, 1.0),
@@ -420,7 +454,7 @@ def test_group_norm_swish_validates_each_geometry_once(monkeypatch):
             y = ft.group_norm_swish(x, 3, w, b, eps, scale)
             grads = torch.autograd.grad(y, params, dy)
             assert len(_ops._GEOMETRIES) == index + 1  # a geometry of its own, made once
-            assert built == ([] if call else ["forward_plan", "plan"]), (index, call, built)
+            assert built == ([] if call else ["forward", "plan", "backward", "plan"]), (index, call, built)
             assert torch.equal(y.contiguous(), expected[0])
             for got, want in zip(grads, (expected[1],) + (expected[2:] if w is not None else ())):
                 assert torch.equal(got.contiguous(), want)

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import api
+from ..api import _plans
 from . import _gate, _sharding
 
 # ---- the C structures read (x86-64 / aarch64 layout of c_api.h) ------------------------------
@@ -212,7 +213,8 @@ _configs_lock = threading.Lock()
 
 
 def _config(frame):
-    """The ``config`` attribute, decoded (memoised: a training loop sends the same few)."""
+    """The ``config`` attribute: ``(its text, the text decoded)`` (memoised: a training loop
+    sends the same few)."""
     for index in range(frame.attrs.size):
         name = frame.attrs.names[index].contents
         if ctypes.string_at(name.ptr, name.len) == b"config" and frame.attrs.types[index] == _ATTR_STRING:
@@ -223,7 +225,7 @@ def _config(frame):
                 config = json.loads(text)
                 with _configs_lock:
                     _configs[text] = config
-            return config
+            return text, config
     raise RuntimeError("fastbwd.jax: FFI call without its config attribute")
 
 
@@ -234,23 +236,27 @@ def _error(frame, message):
     return api.error_create(ctypes.byref(args))
 
 
-def _on_its_share(adapter, inputs, outputs, config):
-    """``adapter`` on the buffers. A call one of several devices of this process make at once
-    (``config["devices"]``, from _sharding) runs its kernels on its share of Numba's threads:
-    the devices share the cores, and each kernel on all of them would oversubscribe them
-    (docs/history.md, "Sharding")."""
+def _on_its_share(function, config, *args):
+    """``function(*args)`` (the adapter or its prepared call, on the buffers). A call one of
+    several devices of this process make at once (``config["devices"]``, from _sharding) runs its
+    kernels on its share of Numba's threads: the devices share the cores, and each kernel on all
+    of them would oversubscribe them (docs/history.md, "Sharding")."""
     devices = config.pop("devices", 1)
     threads = api.get_num_threads() if devices > 1 else 1
     if threads <= 1:
-        return adapter(inputs, outputs, config)
+        return function(*args)
     api.set_num_threads(max(1, threads // devices))  # for this thread (XLA's) only
     try:
-        return adapter(inputs, outputs, config)
+        return function(*args)
     finally:
         api.set_num_threads(threads)
 
 
 def _make_handler(adapter, fold):
+    # the prepared calls the adapter returned, by the call's config and its buffers' shapes and
+    # dtypes: a later call of the same (every step of a training loop) runs one directly
+    prepared_calls = _plans.Plans()
+
     def handler(frame_address):
         frame = _CallFrame.from_address(frame_address)
         extension = frame.extension_start
@@ -264,7 +270,8 @@ def _make_handler(adapter, fold):
         if frame.stage != _STAGE_EXECUTE:
             return None
         try:
-            config = dict(_config(frame))
+            text, config = _config(frame)
+            config = dict(config)
             inputs = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
             outputs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
             if fold is True:
@@ -272,7 +279,15 @@ def _make_handler(adapter, fold):
                 extra = inputs[0].ndim - rank
                 inputs = [_fold(a, rank, extra) for a in inputs]
                 outputs = [_fold(a, rank, extra) for a in outputs]
-            _on_its_share(adapter, inputs, outputs, config)
+            # the thread count too: a prepared call keeps the one it was made with (plans sized by it)
+            key = (text, api.get_num_threads(), *[(a.shape, a.dtype) for a in inputs + outputs])
+            prepared = prepared_calls.get(key)
+            if prepared is not None:
+                _on_its_share(prepared, config, inputs, outputs)
+            else:
+                prepared = _on_its_share(adapter, config, inputs, outputs, config)
+                if prepared is not None:
+                    prepared_calls.add(key, prepared)
             return None
         except BaseException:  # noqa: BLE001 - reported to XLA, which raises it in the caller
             return _error(frame, "fastbwd.jax: " + traceback.format_exc())
@@ -288,8 +303,11 @@ _register_lock = threading.Lock()
 def target(name, adapter, fold, split=None):
     """Register the FFI target ``fastbwd_<name>`` (once per process) and return its name.
 
-    ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers; ``fold``
-    (True, False or ``"expand"``) says how vmap batches it (see the module docstring).
+    ``adapter(inputs, outputs, config)`` calls the fastbwd function on the buffers, and may
+    return the call prepared (``function.prepare``, as ``prepared(inputs, outputs)``): the
+    handler then keeps it for the config and the buffers' shapes and dtypes, and calls it
+    instead of the adapter when they repeat. ``fold`` (True, False or ``"expand"``) says how
+    vmap batches it (see the module docstring).
 
     ``split(config, operands, results)`` returns the call's :class:`_sharding.Split`: how XLA
     may partition it over devices (without one XLA runs the whole call on every device).

@@ -19,20 +19,35 @@ _SUBJECTS = {"pooled_height": "output_size[0]", "pooled_width": "output_size[1]"
 
 
 def _forward_adapter(inputs, outputs, config):
+    """The forward on the buffers, prepared (the handler keeps it for their metadata)."""
     (input, boxes), (pooled,) = inputs, outputs
     scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
-    plan = api.forward_plan(input, boxes, *config["pooled_size"], *scalars, config["layout"], pooled)
-    api.run_forward(plan, input, boxes, pooled)
+    forward = api.roi_align_forward.prepare(
+        input, boxes, *config["pooled_size"], *scalars, layout=config["layout"], out=pooled
+    )
+    return _prepared(forward, inputs, outputs)
 
 
 def _backward_adapter(inputs, outputs, config):
+    """The backward on the buffers, prepared (the handler keeps it for their metadata)."""
     (grad_output, boxes), (grad_input,) = inputs, outputs
     scalars = config["spatial_scale"], config["sampling_ratio"], config["aligned"]
     layout = config["layout"]
-    plan = api.plan(
-        grad_output, boxes, _nchw(grad_input.shape, layout), *config["pooled_size"], *scalars, layout, grad_input
+    input_shape = _nchw(grad_input.shape, layout)
+    backward = api.roi_align_backward.prepare(
+        grad_output, boxes, input_shape, *config["pooled_size"], *scalars, layout=layout, out=grad_input
     )
-    api.run(plan, grad_output, boxes, grad_input)
+    return _prepared(backward, inputs, outputs)
+
+
+def _prepared(call, inputs, outputs):
+    """``call`` (of the two operands, one result) run on the buffers, as the handler keeps it."""
+
+    def prepared(inputs, outputs):
+        call(*inputs, out=outputs[0])
+
+    prepared(inputs, outputs)
+    return prepared
 
 
 def _nchw(shape, layout):

@@ -19,16 +19,23 @@ FUNC = "upsample_bilinear2d"
 
 
 def _backward_adapter(inputs, outputs, config):
+    """The backward on the buffers, prepared (the handler keeps it for their metadata)."""
     (grad_output,), (grad_input,) = inputs, outputs
     layout = config["layout"]
     if layout == "NHWC":
         n, h, w, ch = grad_input.shape
     else:
         n, ch, h, w = grad_input.shape
-    plan = api.plan(
-        grad_output, config["output_size"], (n, ch, h, w), config["align_corners"], None, None, layout, grad_input
+    output_size, align_corners = config["output_size"], config["align_corners"]
+    backward = api.upsample_bilinear2d_backward.prepare(
+        grad_output, output_size, (n, ch, h, w), align_corners, None, None, layout=layout, out=grad_input
     )
-    api.run(plan, grad_output, grad_input)
+
+    def prepared(inputs, outputs):
+        backward(inputs[0], out=outputs[0])
+
+    prepared(inputs, outputs)
+    return prepared
 
 
 _TARGET = _ffi.target("upsample_bilinear2d_backward", _backward_adapter, fold=True, split=_sharding.planes)

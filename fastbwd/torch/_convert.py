@@ -40,12 +40,14 @@ def can_view(tensor):
 
 def as_array(tensor):
     """A NumPy array sharing ``tensor``'s memory (detached from autograd: ``Tensor.numpy``
-    refuses a tensor that requires grad)."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
+    refuses a tensor that requires grad). Such a tensor (an input: an output never requires
+    grad) goes through ``numpy(force=True)``, one call instead of ``detach`` and ``numpy``: the
+    same memory, or for a lazy negative or conjugate bit a resolved copy of the values."""
     if tensor.dtype is _BFLOAT16:
+        if tensor.requires_grad:
+            tensor = tensor.detach()
         return tensor.view(torch.int16).numpy().view(ARRAY_DTYPES[_BFLOAT16])
-    return tensor.numpy()
+    return tensor.numpy(force=True) if tensor.requires_grad else tensor.numpy()
 
 
 _BFLOAT16 = torch.bfloat16  # torch dtypes are singletons

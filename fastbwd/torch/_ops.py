@@ -318,10 +318,11 @@ def stats_dtype(input, weight, bias):
 
 class _Geometry:
     """What the tensors' metadata and the other arguments decide about a GroupNorm+Swish call,
-    worked out and validated once (the memory format, the constant parameters of a call without
-    weight or bias, and per thread count the api's plans), so that every later call of the same
-    geometry (every step of a training loop) goes straight to the api's per-call work (its
-    ``run``)."""
+    worked out once: the memory format, the constant parameters of a call without weight or
+    bias, and fastbwd's prepared calls (``function.prepare``, docs/numpy.md): the forward's,
+    made here (it validates the call), and the backward's for each pair of parameter gradients
+    asked for, made by its first call. A later call of the same geometry (every step of a
+    training loop) runs a prepared call, which checks only the arrays' metadata."""
 
     def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
         self.memory_format = c.memory_format(input)
@@ -339,14 +340,14 @@ class _Geometry:
         channels, dtype = input.shape[1], stats_dtype(input, weight, bias)
         self.gamma = None if weight is not None else c.as_array(torch.ones(channels, dtype=dtype))
         self.beta = None if bias is not None else c.as_array(torch.zeros(channels, dtype=dtype))
-        gamma, beta = self.parameters(weight, bias)
-        self.swish_scale = swish_scale
-        self._forward = {}  # thread count -> the api's forward plan
-        self._backward = {}  # (thread count, flags, arrays' metadata) -> the api's backward plan
-        if eps is not None:  # the forward's scalars (validated here, ParamError)
-            self.eps, _ = gns_api.forward_scalars(eps, swish_scale)
-            # its plan too, so that a bad call fails before it is remembered
-            self._forward_plan(self.x_array(input), gamma, beta, c.match_torch_threads())
+        self.eps, self.swish_scale = eps, swish_scale
+        # the backward's prepared calls, by 2 * need_weight + need_bias (made by their first call)
+        self._backward = [None] * 4
+        if eps is not None:  # prepared with the thread count geometry_of set (a key of the geometry)
+            x, (gamma, beta) = self.x_array(input), self.parameters(weight, bias)
+            self._forward = gns_api.group_norm_swish.prepare(
+                x, gamma, beta, num_groups, self.data_format, eps, True, swish_scale
+            )
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
@@ -364,35 +365,33 @@ class _Geometry:
         ``dy``."""
         x = self.x_array(input)
         gamma, beta = self.parameters(weight, bias)
-        threads = c.match_torch_threads()
-        plan = self._forward.get(threads) or self._forward_plan(x, gamma, beta, threads)
-        y, mean, rstd = gns_api.run_forward(plan, x, gamma, beta, self.eps, self.swish_scale, None)
+        y, mean, rstd = self._forward(x, gamma, beta)
         return self.result(y), _KernelArrays(mean, rstd, x, gamma, beta)
 
     def parameters(self, weight, bias):
         """gamma and beta as the kernels take them (the geometry's own for a missing parameter)."""
         return self.gamma if weight is None else c.as_array(weight), self.beta if bias is None else c.as_array(bias)
 
-    def _forward_plan(self, x, gamma, beta, threads):
-        plan = gns_api.forward_plan(x, gamma, beta, self.num_groups, self.data_format, True, None)
-        self._forward[threads] = plan
-        return plan
-
-    def backward(self, grad_output, arrays, need_weight, need_bias, own_statistics):
+    def backward(self, grad_output, arrays, need_weight, need_bias):
         """``(dx, dgamma or None, dbeta or None)`` from ``grad_output`` and the other inputs as
-        arrays (:class:`_KernelArrays`); ``own_statistics``: mean and rstd are the forward's own
-        arrays (the eager path), whose metadata this geometry fixes (the custom op may be given
-        any). The results are new NumPy arrays wrapped without a copy (dx channels_last again
-        for channels_last input)."""
+        arrays (:class:`_KernelArrays`): the prepared backward call made by the first call asking
+        for these gradients, or the public function for arrays of other metadata (statistics the
+        operator was given in another dtype, a size-1 axis's stride). The results are new NumPy
+        arrays wrapped without a copy (dx channels_last again for channels_last input)."""
         dy = self.x_array(grad_output)
-        key = (c.match_torch_threads(), need_weight, need_bias, dy.shape, dy.strides, dy.dtype)
-        if not own_statistics:
-            key += tuple((a.shape, a.strides, a.dtype) for a in (arrays.mean, arrays.rstd))
-        plan = self._backward.get(key)
-        if plan is None:  # arrays are in the api's order
-            plan = gns_api.plan(dy, *arrays, self.num_groups, self.data_format, need_weight, need_bias, None)
-            self._backward[key] = plan
-        grad_input, grad_weight, grad_bias = gns_api.run(plan, dy, *arrays, self.swish_scale, None)
+        c.match_torch_threads()
+        index = 2 * need_weight + need_bias
+        prepared = self._backward[index]
+        if prepared is None:
+            prepared = self._backward[index] = gns_api.group_norm_swish_backward.prepare(
+                dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
+            )
+        try:
+            grad_input, grad_weight, grad_bias = prepared(dy, *arrays)
+        except fastbwd.ParamError:  # other metadata than the prepared call's (or a call it refuses)
+            grad_input, grad_weight, grad_bias = gns_api.group_norm_swish_backward(
+                dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
+            )
         return (
             self.result(grad_input),
             None if grad_weight is None else c.as_tensor(grad_weight),
@@ -421,8 +420,10 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
     """The :class:`_Geometry` of a call on CPU tensors (``eps`` None for the backward alone), made
     on its first call; None when :func:`refusal` (or the api's validation) refuses the call. The
     key holds everything both read: each tensor's metadata and the other arguments' values, with
-    their types (``True`` and ``1`` differ)."""
+    their types (``True`` and ``1`` differ), and the thread count, set here to PyTorch's (it sizes
+    the kernels' tasks: a geometry's prepared calls are made for it)."""
     key = (
+        c.match_torch_threads(),
         input.shape,
         input.stride(),
         input.dtype,
@@ -521,7 +522,7 @@ def _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_sc
         arrays = _KernelArrays(
             c.as_array(mean), c.as_array(rstd), geometry.x_array(input), *geometry.parameters(weight, bias)
         )
-        return geometry.backward(grad_output, arrays, need_weight, need_bias, False)
+        return geometry.backward(grad_output, arrays, need_weight, need_bias)
     y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
     grads = native_backward(grad_output, y, input, mean, rstd, weight, num_groups, [True, *needs], swish_scale)
     return grads[0].contiguous(memory_format=c.memory_format(input)), grads[1], grads[2]
@@ -640,13 +641,12 @@ def _group_norm_swish_grad(ctx, grad_output, grad_mean, grad_rstd):
     if grad_output is None:
         return (None,) * 7
     input, weight, bias, mean, rstd = ctx.saved_tensors
-    return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd), None) + (None,)
+    return _grad(ctx, grad_output, input, weight, bias, lambda: (mean, rstd)) + (None,)
 
 
-def _grad(ctx, grad_output, input, weight, bias, statistics, kept):
+def _grad(ctx, grad_output, input, weight, bias, statistics):
     """The operator's backward formula (for its first six inputs); ``statistics()`` gives the
-    forward's mean and rstd tensors; ``kept`` is ``(geometry, arrays)``, the :class:`_Geometry`
-    and :class:`_KernelArrays` the eager path's forward kept, or None."""
+    forward's mean and rstd tensors."""
     needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled() and input.numel() != 0:
         # A graph of the backward was asked for (create_graph=True): the fused kernel has no
@@ -655,16 +655,12 @@ def _grad(ctx, grad_output, input, weight, bias, statistics, kept):
         # reshape an empty input under dynamic shapes).
         return _composite_grad(grad_output, input, weight, bias, needs, ctx) + (None,) * 3
     need_weight, need_bias = needs[1] and weight is not None, needs[2] and bias is not None
-    if kept is not None and _eager(grad_output, input):
-        geometry, arrays = kept
-        grads = geometry.backward(grad_output, arrays, need_weight, need_bias, True)
+    arguments = (grad_output, input, *statistics(), weight, bias, ctx.num_groups, ctx.swish_scale)
+    if _eager(grad_output, input):
+        grads = _backward(*arguments, (need_weight, need_bias), ctx.eps, ctx.follows_switch)
     else:
-        arguments = (grad_output, input, *statistics(), weight, bias, ctx.num_groups, ctx.swish_scale)
-        if _eager(grad_output, input):
-            grads = _backward(*arguments, (need_weight, need_bias), ctx.eps, ctx.follows_switch)
-        else:
-            mask = [needs[0], need_weight, need_bias]
-            grads = group_norm_swish_backward(*arguments, mask, ctx.eps, ctx.follows_switch)
+        mask = [needs[0], need_weight, need_bias]
+        grads = group_norm_swish_backward(*arguments, mask, ctx.eps, ctx.follows_switch)
     wanted = (needs[0], need_weight, need_bias)
     return tuple(grad if want else None for grad, want in zip(grads, wanted)) + (None,) * 3
 
@@ -771,10 +767,16 @@ class EagerGroupNormSwish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        kept = ctx.kept
+        geometry, arrays = ctx.kept
+        input, weight, bias = ctx.saved_tensors  # raises, as PyTorch does, if one changed in place since
+        if not torch.is_grad_enabled() and _eager(grad_output):
+            # the kernel on the forward's own arrays, through the geometry's prepared call (a
+            # gradient is asked for only of a tensor given, so needs says all)
+            needs = ctx.needs_input_grad
+            grad_input, grad_weight, grad_bias = geometry.backward(grad_output, arrays, needs[1], needs[2])
+            return grad_input if needs[0] else None, grad_weight, grad_bias, None
 
         def statistics():
-            arrays = kept[1]
             return c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)
 
-        return _grad(ctx, grad_output, *ctx.saved_tensors, statistics, kept)[:4]
+        return _grad(ctx, grad_output, input, weight, bias, statistics)[:4]
