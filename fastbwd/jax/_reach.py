@@ -23,6 +23,7 @@ import contextlib
 import functools
 import sys
 import threading
+import types
 import weakref
 
 import jax
@@ -209,3 +210,20 @@ def reach(target=None):
             return target(*args, **kwargs)
 
     return reached
+
+
+@functools.cache
+def reached_class(cls):
+    """``cls`` with its ``__call__`` run under :func:`reach` (same name and fields): what an NNX or
+    Equinox model given to ``reach`` becomes."""
+
+    def __call__(self, *args, **kwargs):
+        with reach():
+            return cls.__call__(self, *args, **kwargs)
+
+    def body(namespace):
+        namespace.update(
+            __call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__, _fastbwd_reached=True
+        )
+
+    return types.new_class(cls.__name__, (cls,), {}, body)

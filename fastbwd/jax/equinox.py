@@ -2,8 +2,6 @@
 kernels, and the tree surgery of :func:`fastbwd.jax.reach` for Equinox models. Needs Equinox."""
 
 import dataclasses
-import functools
-import types
 
 import equinox as eqx
 import jax
@@ -98,22 +96,6 @@ def _rebuilt(cls, module, **extra):
     return new
 
 
-@functools.cache
-def _reached_class(cls):
-    """``cls`` with its ``__call__`` run under fastbwd.jax.reach (same name and fields)."""
-
-    def __call__(self, *args, **kwargs):
-        with _reach.reach():
-            return cls.__call__(self, *args, **kwargs)
-
-    def body(namespace):
-        namespace.update(
-            __call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__, _fastbwd_reached=True
-        )
-
-    return types.new_class(cls.__name__, (cls,), {}, body)
-
-
 def _replacement(node):
     if type(node) is eqx.nn.GroupNorm:
         return _rebuilt(GroupNorm, node, swish=False)
@@ -145,7 +127,7 @@ def reach_model(model):
         model = _replacement(model)
     if getattr(type(model), "_fastbwd_reached", False):
         return model
-    return _rebuilt(_reached_class(type(model)), model)
+    return _rebuilt(_reach.reached_class(type(model)), model)
 
 
 def _at(tree, path):

@@ -1,8 +1,6 @@
 """fastbwd.jax.nnx: Flax NNX's ``nnx.GroupNorm`` on fastbwd's kernels, and the module surgery of
 :func:`fastbwd.jax.reach` for NNX models. Needs Flax."""
 
-import functools
-import types
 from collections.abc import Iterable
 
 import jax
@@ -92,22 +90,6 @@ class GroupNorm(nnx.GroupNorm):
         return group_norm(self, x, mask, swish=getattr(self, "swish", False))
 
 
-@functools.cache
-def _reached_class(cls):
-    """``cls`` with its ``__call__`` run under fastbwd.jax.reach (same name and fields)."""
-
-    def __call__(self, *args, **kwargs):
-        with _reach.reach():
-            return cls.__call__(self, *args, **kwargs)
-
-    def body(namespace):
-        namespace.update(
-            __call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__, _fastbwd_reached=True
-        )
-
-    return types.new_class(cls.__name__, (cls,), {}, body)
-
-
 def reach_model(model):
     """fastbwd.jax.reach for an NNX model, in place: each ``nnx.GroupNorm`` becomes a
     :class:`GroupNorm` (the same object and parameters, its class changed), each swish of an
@@ -120,5 +102,5 @@ def reach_model(model):
                 if layer is _reach.silu:
                     node.layers[index] = _reach.swish
     if not getattr(type(model), "_fastbwd_reached", False):
-        object.__setattr__(model, "__class__", _reached_class(type(model)))
+        object.__setattr__(model, "__class__", _reach.reached_class(type(model)))
     return model
