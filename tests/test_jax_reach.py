@@ -190,6 +190,12 @@ def test_the_installed_functions_are_the_originals_outside_reach():
         programs = [cases.program(_loss_of(f, args[1:], kwargs), (x,)) for f in (wrapper, original)]
         assert programs[0][:4] == programs[1][:4], name  # jaxpr, lowered (with locations), compiled, bytes
         assert pickle.loads(pickle.dumps(wrapper)) is wrapper, name
+    originals = [_upsample._jax_resize]  # held from before the install: still pickled by name
+    if "flax.linen" in sys.modules:
+        from flax.linen import pooling
+
+        originals.append(pooling.avg_pool)
+    assert all(pickle.loads(pickle.dumps(original)) is original for original in originals)
 
 
 def test_a_users_own_assignment_survives_reach():
