@@ -387,6 +387,8 @@ def test_an_equinox_model_stays_the_users():
     params, static = eqx.partition(model, eqx.is_array)
     targets = _compiled_targets(lambda p, x: jax.grad(lambda p: loss(eqx.combine(p, static), x))(p), params, x)
     assert targets.count("group_norm_swish_forward") == 2 and "avg_pool2d_backward" in targets
+    lowered = jax.jit(lambda p, x: jax.grad(lambda p: loss(eqx.combine(p, static), x))(p)).lower(params, x).as_text()
+    assert re.findall(r"activate_swish[^a-z]*(true|false)", lowered) == ["true"] * 4  # both pairs fused
     assert type(model) is type(original) and type(model.norm) is eqx.nn.GroupNorm
     assert [type(n) for n in jax.tree_util.tree_leaves(model, is_leaf=lambda n: isinstance(n, eqx.Module))] == classes
     assert jax.tree_util.tree_structure(model) == jax.tree_util.tree_structure(original)
@@ -473,6 +475,8 @@ def test_a_swish_layer_holding_the_original_silu_is_fused():
 
         reached = fj.reach(step)
         assert _compiled_targets(reached, params, x) == ["group_norm_swish_forward", "group_norm_swish_backward"], name
+        lowered = jax.jit(reached).lower(params, x).as_text()
+        assert re.findall(r"activate_swish[^a-z]*(true|false)", lowered) == ["true", "true"], name  # fused
         assert _compiled_targets(step, params, x) == [], name
         _leaves_close(jax.jit(reached)(params, x), jax.jit(step)(params, x))
     assert list(norm.layers)[1] is silu and equinox.layers[1].fn is silu and linen.layers[1] is silu
