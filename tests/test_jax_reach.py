@@ -480,3 +480,32 @@ def test_a_swish_layer_holding_the_original_silu_is_fused():
         assert _compiled_targets(step, params, x) == [], name
         _leaves_close(jax.jit(reached)(params, x), jax.jit(step)(params, x))
     assert list(norm.layers)[1] is silu and equinox.layers[1].fn is silu and linen.layers[1] is silu
+
+
+def test_the_modules_calls_in_every_form_inside_reach():
+    """Inside reach a module's call keeps the library's signature: Equinox's ``state`` (positional
+    or keyword) comes back as given, its ``key`` is ignored, a call of another form raises
+    Equinox's own error; NNX's ``mask`` (not served) is NNX's own result, bit for bit."""
+    eqx = pytest.importorskip("equinox")
+    nnx = pytest.importorskip("flax.nnx")
+    norm = eqx.nn.GroupNorm(2, 8)
+    x, state = cases._randn((8, 5, 6), 8), object()
+    plain = norm(x)
+    with fj.reach():
+        np.testing.assert_allclose(norm(x), plain, rtol=1e-5, atol=1e-5)
+        for call in (lambda: norm(x, state), lambda: norm(x, state=state, key=jax.random.key(0))):
+            out, back = call()
+            assert back is state and out.shape == x.shape
+        assert _compiled_targets(lambda x: norm(x, state=state)[0], x) == ["group_norm_swish_forward"]
+        with pytest.raises(TypeError):
+            norm(x, state, state)
+        pool = eqx.nn.AvgPool2d(3, 1, 1)
+        np.testing.assert_allclose(pool(x, key=None), eqx.nn.AvgPool2d.__call__.__wrapped__(pool, x), atol=1e-6)
+    with pytest.raises(TypeError):
+        norm(x, state, state)
+    module = nnx.GroupNorm(8, num_groups=2, rngs=nnx.Rngs(0))
+    images, mask = cases._randn((2, 5, 6, 8), 9), cases._randn((2, 5, 6, 8), 10) > 0
+    expected = module(images, mask=mask)
+    with fj.reach():
+        assert np.asarray(module(images, mask=mask)).tobytes() == np.asarray(expected).tobytes()
+        assert "group_norm_swish_forward" in _compiled_targets(lambda x: module(x), images)

@@ -100,15 +100,22 @@ class AvgPool2d(eqx.nn.AvgPool2d):
         return avg_pool(self, x)
 
 
-def _group_norm_call(original, module, x, state=_NO_STATE, *, key=None):
-    """``eqx.nn.GroupNorm.__call__`` inside reach."""
-    out = group_norm(module, x, call=original)
+def _group_norm_call(original, module, *args, **kwargs):
+    """``eqx.nn.GroupNorm.__call__(x, state=..., *, key=None)`` inside reach: :func:`group_norm`,
+    or ``original`` for a call of another form (its errors are Equinox's)."""
+    if not 1 <= len(args) <= 2 or kwargs.keys() - {"state", "key"} or (len(args) == 2 and "state" in kwargs):
+        return original(module, *args, **kwargs)
+    state = args[1] if len(args) == 2 else kwargs.get("state", _NO_STATE)
+    out = group_norm(module, args[0], call=original)
     return out if state is _NO_STATE else (out, state)
 
 
-def _avg_pool_call(original, module, x, *, key=None):
-    """``eqx.nn.AvgPool2d.__call__`` inside reach."""
-    return avg_pool(module, x, call=original)
+def _avg_pool_call(original, module, *args, **kwargs):
+    """``eqx.nn.AvgPool2d.__call__(x, *, key=None)`` inside reach: :func:`avg_pool`, or
+    ``original`` for a call of another form."""
+    if len(args) != 1 or kwargs.keys() - {"key"}:
+        return original(module, *args, **kwargs)
+    return avg_pool(module, args[0], call=original)
 
 
 def _lambda_call(original, module, *args, **kwargs):
