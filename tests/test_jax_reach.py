@@ -81,6 +81,7 @@ def test_a_thread_outside_reach_traces_the_libraries_own_programs():
         release.set()
         a.join()
     assert outside == plain["fingerprints"]
+    assert set(inside) == set(outside)  # thread A traced every case
     for name, parts in inside.items():
         if name != "jax.nn.silu":  # a swish alone is jax.nn.silu's, inside reach too
             assert parts["targets"] and parts["compiled"] != outside[name]["compiled"], name
@@ -202,7 +203,7 @@ def test_a_users_own_assignment_survives_reach():
     """``jnp.pad = mine``, made inside reach or outside it, is the user's after reach exits, and
     inside reach too (reach never sets an attribute again)."""
     _entered_once()
-    installed = jnp.pad
+    installed, resize = jnp.pad, jax.image.resize
 
     def mine(*args, **kwargs):
         return installed(*args, **kwargs)
@@ -213,7 +214,7 @@ def test_a_users_own_assignment_survives_reach():
         assert jnp.pad is mine
         with fj.reach():
             assert jnp.pad is mine
-        jax.image.resize, resize = mine, jax.image.resize
+        jax.image.resize = mine
         with fj.reach():
             assert jax.image.resize is mine
         assert jax.image.resize is mine
@@ -378,7 +379,11 @@ def test_an_equinox_model_stays_the_users():
     optax = pytest.importorskip("optax")
     model = cases.equinox_model()
     original = pickle.loads(pickle.dumps(model))
-    classes = [type(node) for node in jax.tree_util.tree_leaves(model, is_leaf=lambda n: isinstance(n, eqx.Module))]
+
+    def modules(model):
+        return [model, model.norm, model.conv, model.pool, model.tail, *model.tail.layers]
+
+    classes, objects = [type(m) for m in modules(model)], modules(model)
     x = cases._randn((3, 8, 5, 5), 5)
     loss = fj.reach(cases.equinox_loss)
     grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
@@ -390,7 +395,7 @@ def test_an_equinox_model_stays_the_users():
     lowered = jax.jit(lambda p, x: jax.grad(lambda p: loss(eqx.combine(p, static), x))(p)).lower(params, x).as_text()
     assert re.findall(r"activate_swish[^a-z]*(true|false)", lowered) == ["true"] * 4  # both pairs fused
     assert type(model) is type(original) and type(model.norm) is eqx.nn.GroupNorm
-    assert [type(n) for n in jax.tree_util.tree_leaves(model, is_leaf=lambda n: isinstance(n, eqx.Module))] == classes
+    assert [type(m) for m in modules(model)] == classes and all(a is b for a, b in zip(modules(model), objects))
     assert jax.tree_util.tree_structure(model) == jax.tree_util.tree_structure(original)
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(expected)
     jax.tree_util.tree_map(lambda a, b: a, model, original)
