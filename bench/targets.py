@@ -170,7 +170,12 @@ BRIDGES = {
     ("fastbwd.torch", "compiled"): ("torch.compile", "torch.compile without fastbwd"),
     ("fastbwd.jax", "jit(grad)"): ("fastbwd.jax", "JAX's own gradient"),
     ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's own ops"),
+    ("fastbwd.torch sweep", "eager"): ("sweep: PyTorch eager", "PyTorch eager (issue 52's sizes)"),
+    ("fastbwd.torch sweep", "compiled"): ("sweep: torch.compile", "Inductor alone (issue 52's sizes)"),
 }
+
+#: The groups of the never-slower sweep (issue 52), whose worst ratio the summary states.
+SWEEPS = ("sweep: PyTorch eager", "sweep: torch.compile")
 
 
 def group_of(row):
@@ -257,3 +262,21 @@ def verdicts_text(group, judge=True):
         return "not judged (small shapes)"
     parts = [f"{group[key]} {key}" for key in (MET, MISSED, UNTRUSTED) if group[key]]
     return ", ".join(parts) or "-"
+
+
+def sweep_worst(rows, max_spread):
+    """Per sweep group (:data:`SWEEPS`) present in ``rows``: ``{"worst": (speed-up, case) or None,
+    "rows": n, "unsure": n}``, the worst over its trustworthy rows that have a target (RoIAlign's
+    rows, a report against a formulation in PyTorch ops, do not count)."""
+    result = {}
+    for row in rows:
+        name = group_of(row)
+        if name not in SWEEPS or threshold(row.get("target")) is None or row.get("speedup") is None:
+            continue
+        entry = result.setdefault(name, {"worst": None, "rows": 0, "unsure": 0})
+        entry["rows"] += 1
+        if noisy(row, max_spread) or stalled(row):
+            entry["unsure"] += 1
+        elif entry["worst"] is None or row["speedup"] < entry["worst"][0]:
+            entry["worst"] = (row["speedup"], row["case"])
+    return result

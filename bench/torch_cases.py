@@ -590,18 +590,19 @@ def measure_overhead(case, calls=2000):
     a noisy neighbour slows them alike: ``{"routed": ..., "direct": ..., "torch": ...}``, and
     under ``"rounds"`` each way's per-round medians (us; their spread is the measurement's
     noise). Checks first that the routed call is served and equals the direct one bitwise. The
-    routing is left as it was found."""
+    routed way is the aten kernels' of the policy ``"always"``; the routing and the policy are
+    left as they were found."""
     import time
 
     import numpy as np
 
     from fastbwd.torch import _routing
 
-    was_enabled = ft.is_enabled()
+    was_enabled, policy = ft.is_enabled(), ft.policy()
     timings = {"routed": [], "direct": [], "torch": []}
     rounds = {way: [] for way in timings}
     try:
-        ft.enable()
+        ft.enable(policy="always")  # the aten kernels' cost (the policy "auto" registers none)
         served = _routing.SERVED.copy()
         routed_result = case.aten().clone()
         assert _routing.SERVED - served, f"{case.id}: the routed call was not served by fastbwd"
@@ -620,6 +621,7 @@ def measure_overhead(case, calls=2000):
                     timings[way].append(time.perf_counter() - start)
                 rounds[way].append(float(np.median(timings[way][-100:])) * 1e6)
     finally:
+        ft.set_policy(policy)
         (ft.enable if was_enabled else ft.disable)()
     return {way: float(np.median(values)) * 1e6 for way, values in timings.items()} | {"rounds": rounds}
 

@@ -28,6 +28,7 @@ The decision depends on nothing measured at call time, so the same call on the s
 goes the same way in every run. This module imports neither torch nor jax.
 """
 
+import contextlib
 import json
 import os
 import platform
@@ -89,6 +90,8 @@ _lock = threading.Lock()
 _stored = None  # the stored table's thresholds, once read ({} when there is none or it is ignored)
 _status = None  # what reading the stored table found (status())
 _cache = {}  # (bridge, path, op, threads, dtype, layout) -> threshold: a few dozen entries at most
+#: (bridge, path, op) -> floor(): a bridge may read it directly (a missing key: call floor()).
+floors = {}
 #: Counts the readings of the stored table (forget()): a bridge that keeps decisions keys them by it.
 generation = 0
 
@@ -153,13 +156,13 @@ def floor(bridge, path, op):
     """The smallest threshold of ``op`` on ``path`` over every thread count, dtype and layout the
     tables hold: a call with fewer elements runs the framework's code under ``"auto"``, whatever
     else it is (a bridge may test this first, with one comparison)."""
-    memo = ("floor", bridge, path, op)
-    found = _cache.get(memo)
+    memo = (bridge, path, op)
+    found = floors.get(memo)
     if found is None:
         prefix = f"{bridge}/{path}/{op}/"
         table = stored()
         values = [value for name, value in {**DEFAULTS, **table}.items() if name.startswith(prefix)]
-        found = _cache[memo] = min(values) if values else 0
+        found = floors[memo] = min(values) if values else 0
     return found
 
 
@@ -219,7 +222,31 @@ def forget():
     with _lock:
         _stored, _status = None, None
         _cache.clear()
+        floors.clear()
         generation += 1
+
+
+@contextlib.contextmanager
+def using(thresholds):
+    """Decide with ``thresholds`` (``{"bridge/path/op/threads": elements}``, over the defaults) in
+    place of the stored table, for the block: a calibration measuring fastbwd's path at a size
+    the defaults give to the framework (threshold 0), and tests. Not for use while other threads
+    decide."""
+    global _stored, _status, generation
+    with _lock:
+        saved = _stored, _status
+        _stored, _status = dict(thresholds), "set by _dispatch.using()"
+        _cache.clear()
+        floors.clear()
+        generation += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _stored, _status = saved
+            _cache.clear()
+            floors.clear()
+            generation += 1
 
 
 def _read(path):
@@ -284,18 +311,16 @@ def framework_version(bridge):
         return None
 
 
-def store(thresholds, frameworks):
+def store(thresholds):
     """Write ``thresholds`` (``{"bridge/path/op/threads": elements}``) as this machine's table,
-    merged into the entries already stored for the other bridges, and read it from now on.
-    ``frameworks``: ``{bridge: version}`` of the bridges measured. Returns the path; raises
-    OSError when the folder cannot be written (calls never store anything: only a calibration)."""
+    over the entries already stored for other keys, and decide with it from now on. The
+    installed version of each bridge's framework is recorded: a table of another version is
+    stale. Returns the path; raises OSError when the folder cannot be written (only a
+    calibration writes: a call never does)."""
     path = table_path()
     _, kept = _read(path)
-    measured = {name.split("/", 1)[0] for name in thresholds}
-    merged = {name: value for name, value in kept.items() if name.split("/", 1)[0] not in measured}
-    merged.update(thresholds)
+    merged = {**kept, **thresholds}
     versions = {bridge: framework_version(bridge) for bridge in {name.split("/", 1)[0] for name in merged}}
-    versions.update(frameworks)
     table = {"format": FORMAT, "machine": machine(), "frameworks": versions, "thresholds": dict(sorted(merged.items()))}
     problem = _malformed(table)
     if problem:

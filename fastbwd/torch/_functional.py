@@ -173,24 +173,15 @@ _CALLS = {
 }
 
 
-def _route(name, function, args, kwargs):
-    """``function(*args, **kwargs)`` (``function`` what ``name`` held before), through
-    :class:`Routed` when fastbwd serves its backward (see the module's doc)."""
-    input = args[0] if args else kwargs.get("input")
+def _route(name, function, input, args, kwargs):
+    """``function(*args, **kwargs)`` (``function`` what ``name`` held before; ``input`` the call's
+    input, a CPU tensor that requires grad, at or above the size floor), through :class:`Routed`
+    when fastbwd serves its backward (see the module's doc)."""
     op = _NAMES[name]
-    if (
-        type(input) is not torch.Tensor
-        or not input.requires_grad
-        or not torch.is_grad_enabled()
-        or input.numel() < _dispatch.floor("torch", "routed", op)  # one comparison for small calls
-        or input.dim() != 4
-        or not input.is_cpu
-    ):
-        return function(*args, **kwargs)
     names, parse = _CALLS[name]
     bound = _bind(names, args, kwargs)
     try:
-        arguments = None if bound is None else parse(bound)
+        arguments = None if bound is None or input.dim() != 4 else parse(bound)
     except (TypeError, ValueError, KeyError):
         arguments = None  # an argument of another form: the function says what it makes of it
     if (
@@ -207,14 +198,23 @@ def _route(name, function, args, kwargs):
 
 def _function(name, replaced):
     """The function fastbwd puts in ``torch.nn.functional.<name>`` in place of ``replaced``."""
-    compiling, switch = torch.compiler.is_compiling, _switch
-    route = functools.partial(_route, name)
+    # every name it reads is its own (a closure): its globals are torch.nn.functional's (below)
+    compiling, switch, tensor, grad_enabled = torch.compiler.is_compiling, _switch, torch.Tensor, torch.is_grad_enabled
+    floors, floor, key, route = _dispatch.floors, _dispatch.floor, ("torch", "routed", _NAMES[name]), _route
 
     def function(*args, **kwargs):
-        # compiling first: torch.compile folds it and traces the replaced function alone
+        # compiling first: torch.compile folds it and traces the replaced function alone. Then
+        # what declines most calls, cheapest first (a declined call pays these few reads): a
+        # call below every threshold of its operator is PyTorch's by one comparison.
         if compiling() or not switch._active or switch._policy != "auto":
             return replaced(*args, **kwargs)
-        return route(replaced, args, kwargs)
+        input = args[0] if args else kwargs.get("input")
+        if type(input) is not tensor or not input.requires_grad or not grad_enabled():
+            return replaced(*args, **kwargs)
+        least = floors.get(key)
+        if input.numel() < (floor(*key) if least is None else least) or not input.is_cpu:
+            return replaced(*args, **kwargs)
+        return route(name, replaced, input, args, kwargs)
 
     # torch.nn.functional's globals: TorchScript resolves the replaced function's names in them
     made = types.FunctionType(function.__code__, vars(F), name, None, function.__closure__)
