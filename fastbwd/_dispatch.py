@@ -64,26 +64,26 @@ THREAD_CLASSES = (1, 2)
 #: slower per element than its float32 ones, so fastbwd's crossover there is not later).
 DEFAULTS = {
     # eager routing of F.interpolate (bilinear x2), F.avg_pool2d (k3 s2 p1), F.pad (replicate)
-    "torch/routed/upsample_bilinear2d/1": 8192,
-    "torch/routed/upsample_bilinear2d/2": 8192,
+    "torch/routed/upsample_bilinear2d/1": 16384,
+    "torch/routed/upsample_bilinear2d/2": 16384,
     "torch/routed/avg_pool2d/1": 65536,
-    "torch/routed/avg_pool2d/2": 65536,
-    "torch/routed/replication_pad2d/1": 65536,
-    "torch/routed/replication_pad2d/2": 65536,
-    # GroupNorm -> SiLU: fused by fuse_group_norm_swish, and the GroupNormSwish drop-ins
+    "torch/routed/avg_pool2d/2": 131072,
+    "torch/routed/replication_pad2d/1": 131072,
+    "torch/routed/replication_pad2d/2": 262144,
+    # GroupNorm -> SiLU fused by fuse_group_norm_swish, and the GroupNormSwish drop-ins
     "torch/fused/group_norm_swish/1": 262144,
-    "torch/fused/group_norm_swish/2": 262144,
-    "torch/dropin/group_norm_swish/1": 262144,
+    "torch/fused/group_norm_swish/2": 524288,
+    "torch/dropin/group_norm_swish/1": 131072,
     "torch/dropin/group_norm_swish/2": 262144,
     # torch.compile: fastbwd's graph nodes against Inductor's own code
-    "torch/compiled/upsample_bilinear2d/1": 8192,
-    "torch/compiled/upsample_bilinear2d/2": 8192,
-    "torch/compiled/avg_pool2d/1": 65536,
-    "torch/compiled/avg_pool2d/2": 65536,
-    "torch/compiled/replication_pad2d/1": 65536,
-    "torch/compiled/replication_pad2d/2": 65536,
+    "torch/compiled/upsample_bilinear2d/1": 16384,
+    "torch/compiled/upsample_bilinear2d/2": 16384,
+    "torch/compiled/avg_pool2d/1": 131072,
+    "torch/compiled/avg_pool2d/2": 262144,
+    "torch/compiled/replication_pad2d/1": 262144,
+    "torch/compiled/replication_pad2d/2": 524288,
     "torch/compiled/group_norm_swish/1": 262144,
-    "torch/compiled/group_norm_swish/2": 262144,
+    "torch/compiled/group_norm_swish/2": 524288,
 }
 
 _lock = threading.Lock()

@@ -187,7 +187,6 @@ def _route(name, function, input, args, kwargs):
     if (
         arguments is None
         or not c.decide("auto", "routed", op, input)
-        or torch.jit.is_tracing()
         or torch.is_autocast_enabled("cpu")
         or not _private.eager_tensors((input,))
         or _private.forward_ad_open()
@@ -200,6 +199,7 @@ def _function(name, replaced):
     """The function fastbwd puts in ``torch.nn.functional.<name>`` in place of ``replaced``."""
     # every name it reads is its own (a closure): its globals are torch.nn.functional's (below)
     compiling, switch, tensor, grad_enabled = torch.compiler.is_compiling, _switch, torch.Tensor, torch.is_grad_enabled
+    tracing = torch.jit.is_tracing  # (torch.jit.trace records a size read as a traced value)
     floors, floor, key, route = _dispatch.floors, _dispatch.floor, ("torch", "routed", _NAMES[name]), _route
 
     def function(*args, **kwargs):
@@ -209,7 +209,7 @@ def _function(name, replaced):
         if compiling() or not switch._active or switch._policy != "auto":
             return replaced(*args, **kwargs)
         input = args[0] if args else kwargs.get("input")
-        if type(input) is not tensor or not input.requires_grad or not grad_enabled():
+        if type(input) is not tensor or not input.requires_grad or not grad_enabled() or tracing():
             return replaced(*args, **kwargs)
         least = floors.get(key)
         if input.numel() < (floor(*key) if least is None else least) or not input.is_cpu:
