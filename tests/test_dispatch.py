@@ -14,6 +14,7 @@ import pytest
 from fastbwd import _dispatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POOL_1, POOL_2 = _dispatch.DEFAULTS["torch/routed/avg_pool2d/1"], _dispatch.DEFAULTS["torch/routed/avg_pool2d/2"]
 
 #: Calls described as a bridge describes them, around every default threshold.
 DESCRIPTIONS = [
@@ -72,7 +73,7 @@ def test_a_key_refined_by_dtype_and_layout_wins(table_folder):
         assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NCHW", 1) == 10
         assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NHWC", 1) == 1
         assert _dispatch.floor("torch", "routed", "avg_pool2d") == 1
-    assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NHWC", 1) == 65536
+    assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NHWC", 1) == POOL_1
 
 
 def test_floor_is_the_least_threshold_of_a_path(table_folder):
@@ -160,7 +161,7 @@ def test_a_stored_table_of_this_machine_is_used(table_folder):
     assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 7
     assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 7, threads=1)
     assert not _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 6, threads=1)
-    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=2) == 65536  # not stored: the default
+    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=2) == POOL_2  # not stored: the default
     assert _dispatch.threshold("jax", "traced", "avg_pool2d", threads=1) == 9
 
 
@@ -185,14 +186,15 @@ def test_a_malformed_or_stale_table_is_ignored(table_folder, table, why):
     path = _write(table_folder, table)
     assert _dispatch.status().startswith(f"ignored: {path}") and why in _dispatch.status(), _dispatch.status()
     assert _dispatch.stored() == {}
-    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 65536  # the defaults decide
-    assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 65536, threads=1)
+    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == POOL_1  # the defaults decide
+    assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", POOL_1, threads=1)
+    assert not _dispatch.decide("auto", "torch", "routed", "avg_pool2d", POOL_1 - 1, threads=1)
 
 
 def test_a_table_of_another_framework_version_keeps_only_the_other_bridges(table_folder):
     _write(table_folder, _table(frameworks={"torch": "0.1.0"}))
     assert _dispatch.status().startswith("used")
-    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 65536
+    assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == POOL_1
     assert _dispatch.threshold("jax", "traced", "avg_pool2d", threads=1) == 9
 
 
@@ -200,7 +202,7 @@ def test_an_unreadable_table_is_ignored(table_folder):
     (table_folder / "fastbwd-dispatch.json").mkdir()  # a folder where the file should be
     _dispatch.forget()
     assert _dispatch.status().startswith("ignored") and "cannot be read" in _dispatch.status()
-    assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 65536, threads=1)
+    assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", POOL_1, threads=1)
 
 
 def test_no_table_means_the_defaults(table_folder):
@@ -234,8 +236,9 @@ def test_a_read_only_folder_fails_only_the_calibration(monkeypatch):
         with pytest.raises(OSError):
             _dispatch.store({"torch/routed/replication_pad2d/2": 123})
         assert _dispatch.status() == "none"
-        assert _dispatch.decide("auto", "torch", "routed", "replication_pad2d", 65536, threads=2)
-        assert not _dispatch.decide("auto", "torch", "routed", "replication_pad2d", 65535, threads=2)
+        pad = _dispatch.DEFAULTS["torch/routed/replication_pad2d/2"]
+        assert _dispatch.decide("auto", "torch", "routed", "replication_pad2d", pad, threads=2)
+        assert not _dispatch.decide("auto", "torch", "routed", "replication_pad2d", pad - 1, threads=2)
     finally:
         monkeypatch.undo()
         _dispatch.forget()
