@@ -178,7 +178,7 @@ def _route(name, function, input, args, kwargs):
     input, a tensor that requires grad, at or above the size floor), through :class:`Routed` when
     fastbwd serves its backward (see the module's doc)."""
     op = _NAMES[name]
-    if not input.is_cpu or torch.jit.is_tracing():
+    if not input.is_cpu:
         return function(*args, **kwargs)
     names, parse = _CALLS[name]
     bound = _bind(names, args, kwargs)
@@ -201,20 +201,20 @@ def _function(name, replaced):
     """The function fastbwd puts in ``torch.nn.functional.<name>`` in place of ``replaced``."""
     # every name it reads is its own (a closure): its globals are torch.nn.functional's (below)
     compiling, switch, tensor, grad_enabled = torch.compiler.is_compiling, _switch, torch.Tensor, torch.is_grad_enabled
+    tracing = torch.jit.is_tracing  # first: torch.jit.trace would record reading a size
     floors, floor, key, route = _dispatch.floors, _dispatch.floor, ("torch", "routed", _NAMES[name]), _route
 
     def function(*args, **kwargs):
         # compiling first: torch.compile folds it and traces the replaced function alone. Then
         # what declines most calls, cheapest first (a declined call pays these few reads): a
-        # call below every threshold of its operator is PyTorch's by one comparison. (Under
-        # torch.jit.trace numel() is a traced tensor: declined too, nothing compared.)
+        # call below every threshold of its operator is PyTorch's by one comparison.
         if compiling() or not switch._active or switch._policy != "auto":
             return replaced(*args, **kwargs)
         input = args[0] if args else kwargs.get("input")
-        if type(input) is not tensor or not input.requires_grad:
+        if type(input) is not tensor or not input.requires_grad or tracing():
             return replaced(*args, **kwargs)
-        elements, least = input.numel(), floors.get(key)
-        if type(elements) is not int or elements < (floor(*key) if least is None else least) or not grad_enabled():
+        least = floors.get(key)
+        if input.numel() < (floor(*key) if least is None else least) or not grad_enabled():
             return replaced(*args, **kwargs)
         return route(name, replaced, input, args, kwargs)
 
