@@ -10,6 +10,7 @@ fastbwd, what fastbwd's path gains. Only imported where torch is installed.
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,7 +144,13 @@ def _enabled(count):
 
     @contextlib.contextmanager
     def context():
-        with _threads(count), ft.enabled(policy="auto"):
+        with warnings.catch_warnings():
+            # the plain side's graphs are compiled while fastbwd is disabled, on purpose
+            warnings.filterwarnings("ignore", "fastbwd.torch.enable", UserWarning)
+            stack = contextlib.ExitStack()
+            stack.enter_context(_threads(count))
+            stack.enter_context(ft.enabled(policy="auto"))
+        with stack:
             yield
 
     return context
