@@ -163,14 +163,14 @@ def _plain(count):
 def _case(op, index, shape, threads, compiled):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(index), requires_grad=True)
     ours, theirs, our_parameters, their_parameters = _forwards(op, x)
+    with torch.no_grad():  # (before compiling: a case compiles at its first timed call, not here)
+        g = torch.randn(theirs(x).shape, generator=torch.Generator().manual_seed(index + 100))
     if compiled:  # the same plain module both ways: the compiler hooks are what is measured
         from .torch_cases import _compiled
 
         where = f"SC_{op}_{index}_{threads}"
         our_parameters = their_parameters
         ours, theirs = _compiled(theirs, f"{where}_fastbwd"), _compiled(theirs, f"{where}_plain")
-    with torch.no_grad():
-        g = torch.randn(theirs(x).shape, generator=torch.Generator().manual_seed(index + 100))
     fastbwd_step, torch_step = _step(ours, x, our_parameters, g), _step(theirs, x, their_parameters, g)
     fastbwd_context, torch_context = _enabled(threads), _plain(threads)
     id = f"S{'C' if compiled else 'E'}.{op}.{index}.{threads}t"

@@ -39,7 +39,7 @@ from fastbwd import _dispatch
 from . import _convert as c
 from . import _private, _routing, _switch
 
-#: name in torch.nn.functional -> (the fastbwd operator, how a call becomes the aten backward's arguments)
+#: name in torch.nn.functional -> the operator fastbwd._dispatch decides for (its aten backward: _BACKWARD)
 _NAMES = {
     "interpolate": "upsample_bilinear2d",
     "avg_pool2d": "avg_pool2d",
