@@ -493,7 +493,14 @@ def below_floor(path, input):
     """True when the decision for a GroupNorm + Swish call on ``path`` is the framework's code
     by its size alone (under ``"auto"``, fewer elements than any threshold of the path): one
     comparison, before anything else is looked at. ``input`` a plain tensor."""
-    return _switch._policy == "auto" and input.numel() < _dispatch.floor("torch", path, "group_norm_swish")
+    if _switch._policy != "auto":
+        return False
+    key = _FLOOR_KEYS[path]
+    least = _dispatch.floors.get(key)
+    return input.numel() < (_dispatch.floor(*key) if least is None else least)
+
+
+_FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
 
 
 def _sizes(input):
