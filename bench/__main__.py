@@ -519,7 +519,7 @@ class Run:
         """The never-slower sweep (``bench/sweep.py``, issue 52): each operation at six sizes and
         one and two threads, fastbwd enabled (policy "auto") against plain PyTorch, eager or
         compiled; a row each, then the table of ratios."""
-        from .sweep import cases, table
+        from .sweep import cases
 
         what = "torch.compile (Inductor), with fastbwd against without" if compiled else "PyTorch eager"
         self.progress(f"fastbwd.torch sweep: {what}")
@@ -559,7 +559,6 @@ class Run:
                     sweep_op=case.op,
                     shape=list(case.shape),
                     threads=case.threads,
-                    max_spread=self.max_spread,
                 ),
                 timing.series(0, 1),
                 timing,
@@ -571,8 +570,8 @@ class Run:
                 f"{targets.speedup_text(row['speedup']):>8} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip()
             )
         if rows:
-            self.say("ratios (PyTorch's time / fastbwd's; ~: noisy or stalled), by size:")
-            for line in table(rows, compiled):
+            self.say("ratios (PyTorch's time / fastbwd's; ~: noisy or stalled), by size (N, C, H, W):")
+            for line in targets.sweep_table(rows, "compiled" if compiled else "eager", self.max_spread):
                 self.say(line)
 
     def jax_bridge(self):

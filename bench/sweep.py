@@ -22,6 +22,7 @@ import fastbwd.torch as ft
 
 from .inputs import roi_boxes
 from .roi_baselines import torch_roi_align
+from .targets import SWEEP_OPERATIONS
 
 #: The issue's six sizes (N, C, H, W), smallest first.
 SIZES = [(2, 8, 4, 4), (2, 16, 8, 8), (2, 32, 16, 16), (4, 32, 32, 32), (4, 64, 64, 64), (8, 64, 128, 128)]
@@ -69,15 +70,8 @@ def _roi_align(x):
     )
 
 
-#: key -> (label, what runs): each makes ``(fastbwd's forward, PyTorch's forward, their parameters)``
-#: for an input; both sides then take the gradient of the input and the parameters.
-OPERATIONS = {
-    "up": "bilinear x2",
-    "pool": "avg-pool k3 s2 p1",
-    "pad": "replicate pad (2,2,1,1)",
-    "gn": "GroupNorm(8) -> SiLU, fused",
-    "roi": "RoIAlign 7x7, 4 boxes per image, vs pure PyTorch",
-}
+#: The operations, by key (the tables' names: bench/targets.py, which needs no torch).
+OPERATIONS = SWEEP_OPERATIONS
 #: The operations compiled (RoIAlign has no code of its own in PyTorch for Inductor to compile).
 COMPILED = ("up", "pool", "pad", "gn")
 
@@ -209,30 +203,3 @@ def cases(compiled=False, sizes=None, threads=THREADS, ops=None):
         for index, shape in enumerate(sizes or SIZES, 1):
             for count in threads:
                 yield _case(op, index, shape, count, compiled)
-
-
-def table(rows, compiled):
-    """The sweep's printed table: one line per operation and thread count, one column per size,
-    each cell the ratio (plain / fastbwd; ``~`` after a noisy or stalled one)."""
-    from . import targets
-
-    shapes = []
-    for row in rows:
-        if row["shape"] not in shapes:
-            shapes.append(row["shape"])
-    header = f"  {'operation':<34} {'threads':>7} " + " ".join(f"{str(tuple(s)):>17}" for s in shapes)
-    lines = [header]
-    for op in COMPILED if compiled else OPERATIONS:
-        for count in THREADS:
-            cells = []
-            for shape in shapes:
-                found = [r for r in rows if r["sweep_op"] == op and r["threads"] == count and r["shape"] == shape]
-                if not found or found[0].get("speedup") is None:
-                    cells.append(f"{'-':>17}")
-                    continue
-                row = found[0]
-                unsure = "~" if targets.trust_text(row, row.get("max_spread", 0.1)) else " "
-                cells.append(f"{targets.speedup_text(row['speedup']) + unsure:>17}")
-            if any(cell.strip() != "-" for cell in cells):
-                lines.append(f"  {OPERATIONS[op]:<34} {count:>7} " + " ".join(cells))
-    return lines
