@@ -247,7 +247,8 @@ def test_torchscript_fx_and_tracing_see_pytorchs_functions():
 
         def calls(x: torch.Tensor) -> torch.Tensor:
             y = F.interpolate(x, scale_factor=2.0, mode="bilinear")
-            return F.pad(F.avg_pool2d(y, 3, 2, 1), (1, 1, 1, 1), mode="replicate")
+            z = F.avg_pool2d(y, 2) + F.avg_pool2d(y, [2, 2], [2, 2], divisor_override=3)
+            return F.pad(F.avg_pool2d(y, 3, 2, 1), (1, 1, 1, 1), mode="replicate") + z.sum()
 
         assert torch.equal(torch.jit.script(calls)(x), calls(x))
         traced = torch.jit.trace(calls, x.requires_grad_())

@@ -30,8 +30,10 @@ TorchScript reads: ``torch.jit.script`` compiles the replaced function, as befor
 
 import functools
 import types
+from typing import Optional
 
 import torch
+from torch.jit.annotations import BroadcastingList2
 from torch.nn import functional as F
 
 from fastbwd import _dispatch
@@ -221,10 +223,36 @@ def _function(name, replaced):
     # torch.nn.functional's globals: TorchScript resolves the replaced function's names in them
     made = types.FunctionType(function.__code__, vars(F), name, None, function.__closure__)
     functools.update_wrapper(made, replaced)
-    # torch.jit.script compiles the replaced function (TorchScript's own mark of such a wrapper)
+    # torch.jit.script compiles the replaced function (TorchScript's own mark of such a wrapper),
+    # or for a builtin (avg_pool2d) a function of its signature calling it
     setattr(made, "__script_if_tracing_wrapper", True)
-    setattr(made, "__original_fn", replaced)
+    scripted = replaced if type(replaced) is types.FunctionType else _SCRIPTED.get(name)
+    setattr(made, "__original_fn", scripted)
     return made
+
+
+_AVG_POOL2D = F.avg_pool2d  # PyTorch's builtin (this module is imported before any install)
+
+
+# named as the function it stands for: TorchScript compiles it under that function's name
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: BroadcastingList2[int],
+    stride: Optional[BroadcastingList2[int]] = None,  # noqa: UP045 - TorchScript reads typing's spelling
+    padding: BroadcastingList2[int] = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: Optional[int] = None,  # noqa: UP045
+) -> torch.Tensor:
+    """What TorchScript compiles for a call of fastbwd's ``avg_pool2d``: PyTorch's builtin, with
+    its default stride (the kernel size, which aten's empty stride means)."""
+    if stride is None:
+        return _AVG_POOL2D(input, kernel_size, kernel_size, padding, ceil_mode, count_include_pad, divisor_override)
+    return _AVG_POOL2D(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+#: The functions TorchScript compiles in place of the builtins replaced.
+_SCRIPTED = {"avg_pool2d": avg_pool2d}
 
 
 def install():
@@ -239,10 +267,9 @@ def install():
         replaced = getattr(F, name)
         made, original = _made.get(name, (None, None))
         if made is None or original is not replaced:
+            if type(replaced) is not types.FunctionType and (name not in _SCRIPTED or replaced is not _AVG_POOL2D):
+                continue  # a builtin TorchScript could not compile through fastbwd's: it stays as it is
             made = _function(name, replaced)
-            # a builtin (avg_pool2d): TorchScript takes the new function for the same builtin
-            if type(replaced) is not types.FunctionType and not _private.script_builtin(made, replaced):
-                continue  # this PyTorch would not compile it in TorchScript: that name stays PyTorch's
             _made[name] = made, replaced
         _installed[name] = made
         setattr(F, name, made)

@@ -17,10 +17,6 @@ COMPILER = "the torch.compile hooks (torch.compile keeps PyTorch's own kernels; 
 NOTICE = "enable()'s notice of frames torch.compile compiled while fastbwd was disabled"
 ALIASES = "torch._C._nn.silu and silu_ as SiLUs to the fusion (F.silu and nn.SiLU still are)"
 DESCRIPTIONS = "the fusion report's skipping of PyTorch's printing code"
-ROUTED = (
-    "the eager routing of F.avg_pool2d under the policy 'auto' (its calls run PyTorch's own code; "
-    "F.interpolate and F.pad still route)"
-)
 
 _OVERLOADS = "upsample_bilinear2d.vec upsample_bilinear2d.default avg_pool2d.default replication_pad2d.default"
 
@@ -52,8 +48,6 @@ INTERFACES = {
     "torch._C._nn.silu": ALIASES,
     "torch._C._nn.silu_": ALIASES,
     "torch._tensor_str.__file__": DESCRIPTIONS,
-    "torch.jit._builtins._find_builtin": ROUTED,
-    "torch.jit._builtins._register_builtin": ROUTED,
 }
 
 _found = {}  # feature -> {path: (owner, value)}, or None when the feature is off
@@ -266,22 +260,3 @@ def printing_files():
     """The source files of PyTorch's tensor printing."""
     found = _interfaces(DESCRIPTIONS)
     return {value for _, value in found.values()} if found else set()
-
-
-# ---- ROUTED ------------------------------------------------------------------------------------
-
-
-def script_builtin(function, builtin):
-    """Make TorchScript compile calls of ``function`` as the aten builtin ``builtin`` is compiled
-    (``function`` stands in for it); True when done."""
-    found = _interfaces(ROUTED)
-    if not found:
-        return False
-    try:
-        name = found["torch.jit._builtins._find_builtin"][1](builtin)
-        if name is None:
-            return False
-        found["torch.jit._builtins._register_builtin"][1](function, name)
-        return True
-    except Exception as error:  # noqa: BLE001
-        return broken(ROUTED, error) or False
