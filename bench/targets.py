@@ -312,9 +312,7 @@ def sweep_table(rows, variant, max_spread):
             cells = []
             for shape in shapes:
                 found = [
-                    r
-                    for r in rows
-                    if r["sweep_op"] == op and r["threads"] == threads and tuple(r["shape"]) == shape
+                    r for r in rows if r["sweep_op"] == op and r["threads"] == threads and tuple(r["shape"]) == shape
                 ]
                 row = found[0] if found else None
                 if row is None or row.get("speedup") is None:
