@@ -447,3 +447,61 @@ def test_a_compiled_drop_in_takes_the_decision_at_trace_time():
             assert any("fastbwd.group_norm_swish" in target for target in graphs[-1]) == fused, graphs[-1]
     finally:
         torch._dynamo.reset()
+
+
+# ---- the calibration ----------------------------------------------------------------------------
+
+
+def test_the_crossover_is_the_smallest_size_from_which_fastbwd_wins():
+    from fastbwd.torch._calibrate import crossover
+
+    assert crossover([(1, 0.5), (2, 0.8), (4, 1.1), (8, 1.5), (16, 2.0)]) == 4
+    # one disturbed point moves nothing: a high one does not pull the threshold down to it, a low
+    # one among wins does not push it up
+    assert crossover([(1, 0.5), (2, 0.6), (4, 0.7), (8, 3.0), (16, 0.8), (32, 1.5), (64, 2.0), (128, 1.8)]) == 16
+    assert crossover([(1, 0.5), (2, 0.6), (4, 1.2), (8, 0.4), (16, 1.5), (32, 1.6)]) == 8
+    assert crossover([(1, 0.5), (2, 0.6), (4, 0.7)]) == 8  # never: past the ladder
+    assert crossover([(1, 1.2), (2, 1.3), (4, 1.4)]) == 1
+
+
+def test_calibrate_measures_and_stores_this_machines_thresholds(tmp_path, monkeypatch, capsys):
+    from fastbwd import __main__ as cli
+    from fastbwd.torch import _calibrate
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_calibrate, "LADDER", [(1, 8, 2, 2), (2, 16, 64, 64)])
+    monkeypatch.setattr(_calibrate, "MEASURED", ("routed/replication_pad2d", "dropin/group_norm_swish"))
+    real = _calibrate.calibrate
+    monkeypatch.setattr(_calibrate, "calibrate", lambda say: real(threads=(1,), seconds=0.05, say=say))
+    _dispatch.forget()
+    try:
+        assert cli.main(["--calibrate"]) == 0
+        printed = capsys.readouterr().out
+        assert "torch/routed/replication_pad2d/1: fastbwd from" in printed and "stored in" in printed
+        assert _dispatch.status() == f"used: {tmp_path / 'fastbwd-dispatch.json'}"
+        stored = _dispatch.stored()
+        assert set(stored) == {"torch/routed/replication_pad2d/1", "torch/dropin/group_norm_swish/1"}
+        assert all(value in (32, 131072, 262144) for value in stored.values())  # a ladder size, or past it
+        assert (
+            _dispatch.threshold("torch", "routed", "replication_pad2d", threads=1)
+            == stored["torch/routed/replication_pad2d/1"]
+        )
+    finally:
+        monkeypatch.undo()
+        _dispatch.forget()
+
+
+def test_calibrate_into_a_read_only_folder_fails_and_changes_nothing(monkeypatch, capsys):
+    from fastbwd import __main__ as cli
+    from fastbwd.torch import _calibrate
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/proc/self")
+    monkeypatch.setattr(_calibrate, "calibrate", lambda say: {"torch/routed/replication_pad2d/1": 5})
+    _dispatch.forget()
+    try:
+        assert cli.main(["--calibrate"]) == 1
+        assert "could not be stored" in capsys.readouterr().out
+        assert _dispatch.status() == "none"
+    finally:
+        monkeypatch.undo()
+        _dispatch.forget()
