@@ -19,6 +19,7 @@ written for, or with one missing, ``enable()`` warns once and torch.compile stay
 """
 
 import functools
+import math
 import operator
 import pathlib
 import threading
@@ -27,10 +28,14 @@ import torch
 from torch.nn import functional as F
 
 import fastbwd
+from fastbwd import _dispatch
 
 from . import _convert as c
-from . import _ops, _private, _switch
+from . import _ops, _private, _routing, _switch
 from ._routing import GRAPH_CALLS, ROUTES
+
+#: aten backward operator -> the operator fastbwd._dispatch decides for
+ROUTED_OPS = {name: name.removesuffix("_backward") for name in ROUTES}
 
 aten = torch.ops.aten
 
@@ -78,6 +83,24 @@ def _result_shape(name, args):
     return args[2] if name == "upsample_bilinear2d_backward" else args[1].shape
 
 
+def _decide_at_run_time(name, args):
+    """The decision (path "compiled") for a graph operator's call, from its real arguments."""
+    if name == "upsample_bilinear2d_backward":  # the input's sizes; grad_output's dtype and layout
+        size, tensor = math.prod(args[2]), args[0]
+        dtype = c.ARRAY_DTYPES.get(tensor.dtype)
+        layout = "NHWC" if c.is_channels_last(tensor) else "NCHW"
+        op, threads = ROUTED_OPS[name], torch.get_num_threads()
+        return _dispatch.decide("auto", "torch", "compiled", op, size, dtype.name if dtype else "", layout, threads)
+    return c.decide("auto", "compiled", ROUTED_OPS[name], args[1])
+
+
+def decides_fastbwd(name, input):
+    """Whether a routed operator's gradient is fastbwd's in a graph being traced (path
+    "compiled", the policy now): its input's sizes known, the decision; some known only at run
+    time, True (the graph operator decides when it runs)."""
+    return input.device.type == "cpu" and c.decide(_switch._policy, "compiled", ROUTED_OPS[name], input)
+
+
 def _graph_operator(name):
     """``fastbwd::<name>``: calls ``aten::<name>``, whose CPU kernel is fastbwd's while enabled
     and PyTorch's own while disabled (so a compiled graph follows the switch at run time), and
@@ -89,6 +112,12 @@ def _graph_operator(name):
         memory_format = result_format(name, args[0], args[1])
         if args[0].numel() == 0:  # an empty output (which a compiled forward may make): no gradient
             return torch.empty(_result_shape(name, args), dtype=args[0].dtype, memory_format=memory_format).zero_()
+        # "always": the aten kernel serves it (fastbwd's while enabled). "auto": fastbwd's when the
+        # decision says so for the real sizes (a graph traced with known sizes decided already)
+        if _switch._active and _switch._policy == "auto" and _decide_at_run_time(name, args):
+            result = _routing.serve(name, args)
+            if result is not None:
+                return result.contiguous(memory_format=memory_format)
         return aten_operator(*args).contiguous(memory_format=memory_format)
 
     def fake(*args):
@@ -148,14 +177,15 @@ class _RoutedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, forward, backward_arguments, input, *arguments):
         ctx.name, ctx.backward_arguments = name, backward_arguments
-        ctx.on_cpu = input.device.type == "cpu"
+        # decided at trace time: fastbwd's graph operator, or aten's (what Inductor alone traces)
+        ctx.fastbwd = decides_fastbwd(name, input)
         if ROUTES[name].tensors == 2:
             ctx.save_for_backward(input)
         return forward(input, *arguments)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.on_cpu:
+        if ctx.fastbwd:
             backward = GRAPH_OPERATORS[ctx.name]
         else:
             backward = getattr(aten, ctx.name).default
@@ -181,7 +211,8 @@ def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scale
     previous = _installed.get((overload, "Autograd"))
     if previous is None:
         previous = functools.partial(_below_autograd, overload)
-    elif input.device.type != "cpu":  # other devices: PyTorch's own kernel, forward and backward
+    elif not decides_fastbwd("upsample_bilinear2d_backward", input):
+        # other devices, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
         return previous(*arguments)
     backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)
     return _RoutedForward.apply("upsample_bilinear2d_backward", previous, backward_arguments, *arguments)
@@ -247,13 +278,16 @@ def _group_norm_arguments(node):
 
 
 def _refused(key, input, num_groups, weight, bias, eps):
-    """Whether fastbwd's fused operator does not take this pair: ``_ops.refusal``, at trace time,
-    on the values the graph records for its nodes in ``meta[key]`` (a node without one: refused)."""
+    """Whether fastbwd's fused operator does not take this pair, or is not the faster: at trace
+    time, on the values the graph records for its nodes in ``meta[key]`` (a node without one:
+    refused), ``_ops.refusal`` and the decision (path "compiled")."""
     tensors = (input, weight, bias)
     values = [a.meta.get(key) if isinstance(a, torch.fx.Node) else a for a in tensors]
     if any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(tensors, values)):
         return True
-    return _ops.refusal(values[0], num_groups, values[1], values[2], eps) is not None
+    if _ops.refusal(values[0], num_groups, values[1], values[2], eps) is not None:
+        return True
+    return not c.decide(_switch._policy, "compiled", "group_norm_swish", values[0])
 
 
 def _fusable(node):
