@@ -11,7 +11,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import replication_pad2d as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "replication_pad2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -116,6 +116,8 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NC
     subjects = _SUBJECTS if layout == "NCHW" else dict(_SUBJECTS, **c.channels_last_subjects(x.ndim))
     with v.called_as(FUNC, subjects):
         api.plan(c.placeholder(shape, x.dtype), nchw_shape, padding, None)
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: the gathers, JAX's gradient
+        return _forward(x, c.ints(padding), layout)
     return _pad(x, (c.ints(padding), x.shape, layout))
 
 
@@ -173,7 +175,7 @@ def pad_or(fallback, array, pad_width, mode="constant", **kwargs):
     """:func:`pad`, or ``fallback`` (``jnp.pad``) with the same arguments for a call fastbwd
     cannot serve."""
     plan = _edge_plan(array, pad_width) if isinstance(mode, str) and mode == "edge" and not kwargs else None
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", FUNC, array, "NHWC"):
         return fallback(array, pad_width, mode, **kwargs)
     shape, padding = plan
     images = _pad(jnp.asarray(array).reshape(shape), (padding, shape, "NHWC"))

@@ -13,7 +13,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "upsample_bilinear2d"
 
@@ -146,6 +146,8 @@ def upsample_bilinear2d(
             layout,
             None,
         )
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: the forward, JAX's gradient
+        return _forward(x, c.ints(output_size), bool(align_corners), layout)
     return _upsample(x, (c.ints(output_size), bool(align_corners), layout, x.shape, False))
 
 
@@ -204,7 +206,7 @@ def resize_or(fallback, image, shape, method, antialias=True, precision=lax.Prec
     """:func:`resize`, or ``fallback`` (``jax.image.resize``) with the same arguments for a call
     fastbwd cannot serve."""
     plan = _resize_plan(image, shape, method, antialias)
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", FUNC, image, "NHWC"):
         return fallback(image, shape, method, antialias, precision)
     view, output_size = plan
     images = jnp.asarray(image).reshape(view)
