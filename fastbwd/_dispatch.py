@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import threading
 
 from . import _config
@@ -168,6 +169,25 @@ def floor(bridge, path, op):
 
 
 # ---- the stored table (python -m fastbwd --calibrate) -------------------------------------------
+
+#: The sizes a calibration measures, (N, C, H, W): 512 to a million elements, about x2 apart.
+LADDER = [(2, 16, size, size) for size in (4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181)]
+
+
+def crossover(points):
+    """The threshold from ``[(elements, ratio)]`` (ascending sizes; ratio: the framework's time
+    over fastbwd's path's): the smallest size from which every ratio is at least 1, each ratio
+    taken as the median of itself and its neighbours (one round disturbed by another process
+    moves no threshold); past the largest size (twice it) when the last one is below 1."""
+    values = [value for _, value in points]
+    smooth = [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+    threshold = 2 * points[-1][0]
+    for (elements, _), value in zip(reversed(points), reversed(smooth)):
+        if value < 1.0:
+            break
+        threshold = elements
+    return threshold
+
 
 #: The stored table's format; a table of another format is ignored.
 FORMAT = 1

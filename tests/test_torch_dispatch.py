@@ -475,7 +475,7 @@ def test_calibrate_measures_and_stores_this_machines_thresholds(tmp_path, monkey
     monkeypatch.setattr(_calibrate, "calibrate", lambda say: real(threads=(1,), seconds=0.05, say=say))
     _dispatch.forget()
     try:
-        assert cli.main(["--calibrate"]) == 0
+        assert cli.main(["--calibrate", "torch"]) == 0
         printed = capsys.readouterr().out
         assert "torch/routed/replication_pad2d/1: fastbwd from" in printed and "stored in" in printed
         assert _dispatch.status() == f"used: {tmp_path / 'fastbwd-dispatch.json'}"
@@ -499,7 +499,7 @@ def test_calibrate_into_a_read_only_folder_fails_and_changes_nothing(monkeypatch
     monkeypatch.setattr(_calibrate, "calibrate", lambda say: {"torch/routed/replication_pad2d/1": 5})
     _dispatch.forget()
     try:
-        assert cli.main(["--calibrate"]) == 1
+        assert cli.main(["--calibrate", "torch"]) == 1
         assert "could not be stored" in capsys.readouterr().out
         assert _dispatch.status() == "none"
     finally:
