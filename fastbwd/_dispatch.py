@@ -46,10 +46,12 @@ POLICIES = ("auto", "always")
 #: routed    an eager functional call (PyTorch: F.interpolate, F.avg_pool2d, F.pad and the modules
 #:           that call them), its backward on fastbwd;
 #: fused     an eager GroupNorm -> SiLU pair of fuse_group_norm_swish (its lazy output);
-#: dropin    a drop-in the user called (fastbwd.torch.group_norm_swish, GroupNormSwish);
+#: dropin    a drop-in (PyTorch: fastbwd.torch.group_norm_swish, GroupNormSwish; JAX: fastbwd.jax's
+#:           resize, avg_pool, pad and the libraries' GroupNorm, called by the user or by reach,
+#:           against the library's own function);
 #: compiled  a node of a torch.compile graph;
-#: traced    a JAX program's call (reach, the drop-ins and the explicit fastbwd.jax functions),
-#:           for the JAX bridge.
+#: traced    a call of fastbwd.jax's PyTorch-shaped functions (upsample_bilinear2d, ...) in a JAX
+#:           program, against plain JAX of the same semantics.
 PATHS = ("routed", "fused", "dropin", "compiled", "traced")
 
 #: The operators a bridge decides for (RoIAlign has no framework code of its own in PyTorch).
@@ -86,6 +88,28 @@ DEFAULTS = {
     "torch/compiled/replication_pad2d/2": 262144,
     "torch/compiled/group_norm_swish/1": 2097152,
     "torch/compiled/group_norm_swish/2": 2097152,
+    # fastbwd.jax's PyTorch-shaped functions (NCHW) against plain JAX of the same semantics; the
+    # thread count is Numba's pool per device (fastbwd/jax/_decide.py)
+    "jax/traced/upsample_bilinear2d/1": 65536,
+    "jax/traced/upsample_bilinear2d/2": 32768,
+    "jax/traced/avg_pool2d/1": 32768,
+    "jax/traced/avg_pool2d/2": 32768,
+    "jax/traced/replication_pad2d/1": 524288,
+    "jax/traced/replication_pad2d/2": 131072,
+    "jax/traced/group_norm_swish/1": 1048576,
+    "jax/traced/group_norm_swish/2": 262144,
+    "jax/traced/roi_align/1": 131072,
+    "jax/traced/roi_align/2": 131072,
+    # fastbwd.jax's drop-ins and reach (NHWC) against jax.image.resize, flax's avg_pool, jnp.pad,
+    # the libraries' GroupNorm + swish
+    "jax/dropin/upsample_bilinear2d/1": 32768,
+    "jax/dropin/upsample_bilinear2d/2": 32768,
+    "jax/dropin/avg_pool2d/1": 32768,
+    "jax/dropin/avg_pool2d/2": 32768,
+    "jax/dropin/replication_pad2d/1": 131072,
+    "jax/dropin/replication_pad2d/2": 65536,
+    "jax/dropin/group_norm_swish/1": 2097152,
+    "jax/dropin/group_norm_swish/2": 2097152,
 }
 
 _lock = threading.Lock()

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dispatch
+from . import _decide
 
 #: "path/op" measured: the PyTorch-shaped functions channels first, the drop-ins channels last.
 MEASURED = tuple(f"traced/{op}" for op in _dispatch.OPS) + tuple(
@@ -89,22 +90,30 @@ def call(path, op, shape):
     return norm.apply, (norm.init(jax.random.key(0), x), x), (0, 1)
 
 
-def compiled_steps(path, op, shape, threads):
-    """``(fastbwd's step, JAX's step)``: ``jax.jit(jax.grad(sum(f(*args) ** 2)))`` of
-    :func:`call`, compiled with the decision forced to each side, as zero-argument callables that
-    wait for their result; None where :func:`call` is."""
+def programs(path, op, shape, threads):
+    """``((fastbwd's program, JAX's program), args)``: ``jax.jit(jax.grad(sum(f(*args) ** 2)))``
+    of :func:`call`, compiled with the decision forced to each side; None where :func:`call` is."""
     made = call(path, op, shape)
     if made is None:
         return None
     f, args, argnums = made
     name = f"jax/{path}/{op}/{_dispatch.thread_class(threads)}"
-    steps = []
+    compiled = []
     for threshold in (0, NEVER):
         loss = jax.jit(jax.grad(lambda *args: jnp.sum(f(*args) ** 2), argnums=argnums))
-        with _dispatch.using({name: threshold}):
-            executable = loss.lower(*args).compile()
-        steps.append(lambda executable=executable: jax.block_until_ready(executable(*args)))
-    return tuple(steps)
+        with _decide.policy_block("auto"), _dispatch.using({name: threshold}):
+            compiled.append(loss.lower(*args).compile())
+    return tuple(compiled), args
+
+
+def compiled_steps(path, op, shape, threads):
+    """``(fastbwd's step, JAX's step)``: :func:`programs` as zero-argument callables that wait for
+    their result; None where :func:`call` is."""
+    made = programs(path, op, shape, threads)
+    if made is None:
+        return None
+    compiled, args = made
+    return tuple(lambda executable=executable: jax.block_until_ready(executable(*args)) for executable in compiled)
 
 
 def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
@@ -151,18 +160,26 @@ def points(threads, measured=MEASURED, ladder=None, seconds=1.0):
     return found
 
 
-def _cpus(count):
-    """The first ``count`` CPUs this process may run on (all of them when it has fewer)."""
+def cpus_option(count):
+    """The command-line option ``--cpus`` confining a child process to the first ``count`` CPUs
+    this process may run on (none when it has no more; see :func:`confine`)."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return set(allowed[:count]) if len(allowed) > count else None
+    return ["--cpus", json.dumps(allowed[:count])] if len(allowed) > count else []
+
+
+def confine(cpus):
+    """Run this process on ``cpus`` (a list, or None: as it is), before JAX and Numba start their
+    threads (which inherit it). The child does it itself: a ``preexec_fn`` would fork the
+    parent, which JAX warns against."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
 
 
 def measure_in_child(threads, seconds=1.0, measured=MEASURED, ladder=None, timeout=3600):
     """:func:`points` measured by a new process on ``threads`` Numba threads and as many CPUs."""
-    cpus = _cpus(threads)
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
     command = [sys.executable, "-m", "fastbwd.jax._calibrate", "--threads", str(threads), "--seconds", str(seconds)]
-    command += ["--measured", *measured]
+    command += ["--measured", *measured, *cpus_option(threads)]
     if ladder:
         command += ["--ladder", json.dumps([list(shape) for shape in ladder])]
     done = subprocess.run(
@@ -171,7 +188,6 @@ def measure_in_child(threads, seconds=1.0, measured=MEASURED, ladder=None, timeo
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
     )
     if done.returncode != 0:
         raise RuntimeError(f"the calibration on {threads} thread(s) failed:\n{done.stderr}")
@@ -201,7 +217,9 @@ def main(argv=None):
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--measured", nargs="+", default=list(MEASURED))
     parser.add_argument("--ladder", type=json.loads)
+    parser.add_argument("--cpus", type=json.loads)
     args = parser.parse_args(argv)
+    confine(args.cpus)
     ladder = [tuple(shape) for shape in args.ladder] if args.ladder else None
     print(json.dumps(points(args.threads, args.measured, ladder, args.seconds)), flush=True)
     return 0

@@ -27,6 +27,7 @@ import math
 import threading
 
 import jax
+import numba
 import numpy as np
 from jax.sharding import AxisType
 
@@ -81,14 +82,21 @@ def _make_policy():
 _POLICY = _make_policy()
 
 
-def policy():
-    """The policy in force in this thread: ``"auto"`` or ``"always"``."""
+def policy() -> str:
+    """Where fastbwd.jax sends the calls it can serve, in the calling thread: ``"auto"`` (to
+    fastbwd's kernels where their whole path is the faster, decided when JAX traces the call from
+    its shapes; smaller calls trace JAX's own code: docs/semantics.md §8) or ``"always"`` (every
+    call fastbwd can serve, as before issue 52). ``FASTBWD_POLICY`` (else ``"auto"``) until
+    :func:`set_policy` changes it; inside ``reach(policy=...)``, that one."""
     return _POLICY.value
 
 
-def set_policy(policy):
-    """Set the policy for the whole process (a thread inside ``reach(policy=...)`` keeps that
-    one until it exits)."""
+def set_policy(policy: str) -> None:
+    """Set the policy (``"auto"`` or ``"always"``) for the whole process; a thread inside
+    ``reach(policy=...)`` keeps that one until it exits. The policy is part of JAX's trace and
+    compile caches: a ``jax.jit`` function traced under one policy is traced again when called
+    under the other, and each program keeps the decisions it was traced with. Raises ValueError
+    for any other value."""
     _POLICY.set_global(_dispatch.check_policy(policy))
 
 
@@ -100,24 +108,30 @@ def policy_block(policy):
 def threads(devices=1):
     """The Numba threads the handler runs a call on when ``devices`` devices of this process run
     the program at once: the pool's size divided among them (at least 1)."""
-    total = 1 if _jit._serial_only else _jit.numba.config.NUMBA_NUM_THREADS
+    total = 1 if _jit._serial_only else numba.config.NUMBA_NUM_THREADS
     return max(1, total // max(1, devices))
 
 
 def _vmapped(x):
     """The product of the sizes of the ``jax.vmap`` axes over ``x`` (1 outside vmap): the FFI
-    call of a vmapped function serves the whole batch. Read from JAX's batching tracers (a
-    private interface: without it, the unbatched size, which is what the trace shows)."""
+    call of a vmapped function serves the whole batch. Read from JAX's tracers (a private
+    interface: without it, the unbatched size, which is what the trace shows): a batching
+    tracer's value has the vmapped axis, and a differentiating tracer's primal holds the
+    tracers of the transformations outside it (``jax.vmap`` of ``jax.grad``)."""
     factor = 1
     try:
         from jax._src.interpreters.batching import BatchTracer
     except ImportError:  # pragma: no cover - a JAX that moved it: the example's own size
         return factor
-    while isinstance(x, BatchTracer):
-        if isinstance(x.batch_dim, int):
-            factor *= x.val.shape[x.batch_dim]
-        x = x.val
-    return factor
+    while True:
+        if isinstance(x, BatchTracer):
+            if isinstance(x.batch_dim, int):
+                factor *= x.val.shape[x.batch_dim]
+            x = x.val
+        elif hasattr(x, "primal") and hasattr(x, "tangent"):  # jvp, linearize (grad)
+            x = x.primal
+        else:
+            return factor
 
 
 def placement(x):

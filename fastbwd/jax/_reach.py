@@ -80,6 +80,14 @@ def swish(x):
     return swish_or(silu, x)
 
 
+def group_norm_served(x, layout):
+    """Whether fastbwd serves a library's GroupNorm of ``x`` (the library's own input, in
+    ``layout``); False: the library's own call runs (the policy "auto", fastbwd/jax/_decide.py).
+    An adapter asks before it promotes ``x`` or adds an axis, so that a call left to the library
+    traces nothing of fastbwd's: the library's own jaxpr."""
+    return _decide.serves("dropin", gns.FUNC, x, layout)
+
+
 def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, with_swish=False):
     """A library's GroupNorm (``with_swish``: followed by Swish) on fastbwd, or its own code.
 
@@ -87,11 +95,9 @@ def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback
     axis added where the library has none); ``shape``: the library's result shape;
     ``parameters(create)``: ``(weight, bias)``, ``create`` telling a Flax linen module to
     create them (``False``: they exist, ``fallback`` made them); ``fallback()``: the library's
-    own call, which also runs where the library's is the faster (the policy "auto",
-    fastbwd/jax/_decide.py). A GroupNorm alone is remembered with its fused pair, for
+    own call, for what fastbwd's kernels cannot serve (the adapter has asked
+    :func:`group_norm_served` first). A GroupNorm alone is remembered with its fused pair, for
     :func:`swish`."""
-    if not _decide.serves("dropin", gns.FUNC, x, layout):
-        return swish(fallback()) if with_swish else fallback()
     fused = gns.servable(x, groups, eps, layout, True)
 
     def run(weight_and_bias, activate_swish):

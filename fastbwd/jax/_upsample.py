@@ -70,6 +70,31 @@ def _forward(x, output_size, align_corners, layout, keep_unchanged=False):
     return compute.astype(x.dtype)
 
 
+#: einsum subscripts contracting one axis of a 4-D image with an ``(output, input)`` matrix, by
+#: layout and axis (the H axis, then the W axis).
+_CONTRACTIONS = {
+    "NCHW": ("nchw,oh->ncow", "nchw,ow->ncho"),
+    "NHWC": ("nhwc,oh->nowc", "nhwc,ow->nhoc"),
+}
+
+
+def _plain(x, output_size, align_corners, layout):
+    """The forward in plain JAX, as ``jax.image.resize`` computes a resize: each axis a product
+    with its dense interpolation matrix (PyTorch's two taps per output row, their weights in the
+    compute type), whose gradient JAX makes by the transposed product (the gathers of
+    :func:`_forward` differentiate into scatter-adds, several times slower in XLA on the CPU)."""
+    compute = x.astype(d.compute_dtype(x.dtype))
+    for axis, size, subscripts in zip(_axes(layout), output_size, _CONTRACTIONS[layout]):
+        index0, index1, lambda0, lambda1 = api.compute_source_index_and_lambda(
+            x.shape[axis], size, align_corners, 0.0, compute.dtype
+        )
+        matrix = np.zeros((size, x.shape[axis]), compute.dtype)
+        np.add.at(matrix, (np.arange(size), index0), lambda0)
+        np.add.at(matrix, (np.arange(size), index1), lambda1)
+        compute = jnp.einsum(subscripts, compute, matrix)
+    return compute.astype(x.dtype)
+
+
 def _backward(grad_output, output_size, align_corners, layout, input_shape, keep_unchanged=False):
     config = dict(output_size=list(output_size), align_corners=align_corners, layout=layout)
     result = jax.ShapeDtypeStruct(input_shape, grad_output.dtype)
@@ -146,8 +171,8 @@ def upsample_bilinear2d(
             layout,
             None,
         )
-    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: the forward, JAX's gradient
-        return _forward(x, c.ints(output_size), bool(align_corners), layout)
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: matrix products, JAX's gradient
+        return _plain(x, c.ints(output_size), bool(align_corners), layout)
     return _upsample(x, (c.ints(output_size), bool(align_corners), layout, x.shape, False))
 
 
