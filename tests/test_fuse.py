@@ -424,7 +424,7 @@ def test_compiled_with_fastbwd_enabled_the_compilers_pass_fuses_the_pair(backend
     finally:
         ft.disable()
         torch._dynamo.reset()
-    assert calls == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+    assert calls == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
     for a, e in zip(actual, expected):
         if backend == "aot_eager":
             assert torch.equal(a, e)

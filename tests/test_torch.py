@@ -496,7 +496,7 @@ def test_numba_threads_follow_torch():
 # ---- GroupNormSwish -------------------------------------------------------------------------
 
 
-def _group_norm_silu(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
+def _group_norm_then_swish(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
     y = F.group_norm(x, num_groups, weight, bias, eps)
     return y * torch.sigmoid(swish_scale * y)
 
@@ -521,7 +521,7 @@ def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
     weight = _randn((8,), dtype, 15).requires_grad_()
     bias = _randn((8,), dtype, 16).requires_grad_()
     dy = _randn((2, 8, 6, 5), dtype, 17, memory_format)
-    expected_y = _group_norm_silu(x, 4, weight, bias, 1e-5, 0.8)
+    expected_y = _group_norm_then_swish(x, 4, weight, bias, 1e-5, 0.8)
     expected = torch.autograd.grad(expected_y, (x, weight, bias), dy)
     y = ft.group_norm_swish(x, 4, weight, bias, 1e-5, 0.8)
     _assert_close_to_torch(y, expected_y)
@@ -553,7 +553,7 @@ def test_group_norm_swish_half_input_with_float32_parameters(dtype):
     y = ft.group_norm_swish(x, 2, weight, bias)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
     assert [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
-    _assert_close_to_torch(y, _group_norm_silu(x, 2, weight, bias))
+    _assert_close_to_torch(y, _group_norm_then_swish(x, 2, weight, bias))
     # The float64 oracle of the same fused backward, from the same (rounded) inputs and the
     # forward kernel's mean and rstd (float32, as the parameters).
     mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)[1:]
@@ -575,7 +575,7 @@ def test_group_norm_swish_gradients_only_where_required():
     plain = ft.GroupNormSwish(2, 4, affine=False)
     x.grad = None
     plain(x).sum().backward()
-    torch.testing.assert_close(x.grad, torch.autograd.grad(_group_norm_silu(x, 2, None, None).sum(), x)[0])
+    torch.testing.assert_close(x.grad, torch.autograd.grad(_group_norm_then_swish(x, 2, None, None).sum(), x)[0])
     with torch.no_grad():
         assert not module(x).requires_grad
 

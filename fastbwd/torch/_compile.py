@@ -272,7 +272,7 @@ def _fusable(node):
     return arguments, silu
 
 
-def fuse_group_norm_silu(graph):
+def fuse_group_norm_swish_pre_grad(graph):
     """Rewrite every GroupNorm -> SiLU pair of a captured (pre-grad) graph into one
     ``fastbwd::group_norm_swish`` node; returns how many. The SiLU's ``inplace`` does not matter:
     the GroupNorm's output had no other user."""
@@ -349,7 +349,7 @@ def _single_user_of(node, target):
     return calls[0] if len(calls) == 1 else None
 
 
-def fuse_group_norm_silu_joint(graph):
+def fuse_group_norm_swish_joint(graph):
     """The GroupNorm -> SiLU pairs of an AOTAutograd joint graph (``aot_eager`` and other backends
     that keep ``native_group_norm``; Inductor has decomposed it by then, and its pre-grad pass
     fused the pairs already) as ``fastbwd::group_norm_swish`` and its backward: the forward
@@ -403,7 +403,7 @@ def _joint_pass(previous):
     def joint_pass(gm, inputs):
         if previous is not None:
             gm = previous(gm, inputs)
-        if fuse_group_norm_silu_joint(gm.graph):
+        if fuse_group_norm_swish_joint(gm.graph):
             gm.recompile()
         return gm
 
@@ -423,9 +423,9 @@ def _graph_pass():
     keys Inductor's caches, so a graph compiled with fastbwd and one without never share an entry."""
     custom_graph_pass, hash_for_files = _private.custom_graph_pass()
 
-    class GroupNormSiLUPass(custom_graph_pass):
+    class GroupNormSwishPass(custom_graph_pass):
         def __call__(self, graph):
-            fuse_group_norm_silu(graph)
+            fuse_group_norm_swish_pre_grad(graph)
 
         def uuid(self):
             return hash_for_files(_GRAPH_SOURCES, extra=f"fastbwd {fastbwd.__version__}")
@@ -433,7 +433,7 @@ def _graph_pass():
         def __repr__(self):
             return "fastbwd.torch GroupNorm -> SiLU pass"
 
-    return GroupNormSiLUPass()
+    return GroupNormSwishPass()
 
 
 # ---- install / uninstall (enable / disable) ------------------------------------------------------

@@ -565,7 +565,7 @@ def group_norm_swish(
     """``(y, mean, rstd)`` of GroupNorm then Swish; ``follows_switch``: PyTorch's own kernels
     while fastbwd is disabled (the fused pairs of compiled graphs)."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu"] += 1
+        GRAPH_CALLS["group_norm_swish"] += 1
     return _forward(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
 
 
@@ -597,7 +597,7 @@ def group_norm_swish_backward(
     (where PyTorch's own kernels compute the normalised output again), ``follows_switch`` as
     for the forward."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu_backward"] += 1
+        GRAPH_CALLS["group_norm_swish_backward"] += 1
     needs = _needs(output_mask, weight, bias)
     grads = _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps, follows_switch)
     return _with_unrequested(grads, input, weight, bias, needs)
