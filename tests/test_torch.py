@@ -1,9 +1,11 @@
 """fastbwd.torch (docs/semantics.md §7): routing PyTorch's own backward kernels, GroupNormSwish,
 the RoIAlign drop-in. Everything here skips cleanly without torch."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -18,7 +20,7 @@ from fastbwd.api import replication_pad2d as replication_pad2d_api  # noqa: E402
 from fastbwd.api import upsample_bilinear2d as upsample_api  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
-from fastbwd.torch import _convert, _routing  # noqa: E402
+from fastbwd.torch import _compile, _convert, _routing  # noqa: E402
 
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -398,6 +400,170 @@ def test_enable_disable_idempotent_and_thread_safe():
     served = _routing.SERVED.copy()
     op(*args)
     assert _routing.SERVED == served  # disabled: nothing reaches fastbwd
+
+
+# ---- the switch: one per process, blocks counted (issue 55) --------------------------------------
+
+
+def _served_backward(seed=90):
+    """Whether the backward of a bilinear upsample, run now on this thread (autograd's engine
+    runs it), was served by fastbwd (else PyTorch's own kernel answered)."""
+    x = _randn((1, 2, 4, 5), torch.float32, seed).requires_grad_()
+    before = _routing.SERVED["upsample_bilinear2d_backward"]
+    F.interpolate(x, scale_factor=2, mode="bilinear").sum().backward()
+    return _routing.SERVED["upsample_bilinear2d_backward"] > before
+
+
+def _run_in_threads(*steps, names=("A", "B")):
+    """Run ``steps`` in lockstep in two threads: step ``i`` of every thread runs after step
+    ``i - 1`` of both ended (a barrier between steps, none waits on time). Each step is
+    ``step(name, stack)``, ``stack`` the thread's ExitStack for its blocks; errors re-raised."""
+    barrier, errors = threading.Barrier(len(names), timeout=300), []
+
+    def run(name):
+        try:
+            with contextlib.ExitStack() as stack:
+                for step in steps:
+                    step(name, stack)
+                    barrier.wait()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("ends_first", ["A", "B"], ids=["first-entered-ends-first", "last-entered-ends-first"])
+def test_enabled_blocks_nest_across_threads(ends_first):
+    """Two threads, each in its own ``with enabled():`` block, the blocks overlapping: whichever
+    block ends first, fastbwd stays on for the other until it ends (a backward run there is
+    fastbwd's), and both threads see the one process-wide switch; after both ended it is off
+    (PyTorch's kernels again, the compiler hooks out)."""
+    other = "B" if ends_first == "A" else "A"
+    seen = {}
+
+    def enter(first):
+        return lambda name, stack: name == first and stack.enter_context(ft.enabled())
+
+    def first_ends(name, stack):
+        if name == ends_first:
+            stack.close()
+
+    def look(when):
+        def step(name, stack):
+            seen[name, when] = ft.is_enabled()
+            if name == other or when == "both ended":  # one thread at a time runs a backward
+                seen[name, when, "served"] = _served_backward()
+                seen[name, when, "hooks"] = _compile.is_installed()
+
+        return step
+
+    def other_ends(name, stack):
+        if name == other:
+            stack.close()
+
+    _run_in_threads(enter("A"), enter("B"), look("both running"), first_ends, look("one running"), other_ends)
+    look("both ended")("A", None)
+    assert seen == {
+        ("A", "both running"): True,
+        ("B", "both running"): True,
+        (other, "both running", "served"): True,
+        (other, "both running", "hooks"): True,
+        ("A", "one running"): True,  # one switch for the process: the thread whose block ended sees it on
+        ("B", "one running"): True,
+        (other, "one running", "served"): True,  # the block still running is fastbwd's
+        (other, "one running", "hooks"): True,
+        ("A", "both ended"): False,
+        ("A", "both ended", "served"): False,
+        ("A", "both ended", "hooks"): False,
+    }
+
+
+def test_enable_and_disable_beside_running_blocks():
+    """enable() turns fastbwd on until disable(); disable() ends that, never a block still running
+    (in this thread or another): fastbwd stays on until the last block ends. enable() inside a
+    block outlasts the block."""
+    with ft.enabled():
+        ft.disable()
+        assert ft.is_enabled() and _served_backward()  # the block still runs
+    assert not ft.is_enabled() and not _served_backward()
+    with ft.enabled():
+        ft.enable()
+    assert ft.is_enabled() and _served_backward()  # enable() lasts until disable()
+    with ft.enabled():
+        pass
+    assert ft.is_enabled()  # a block ending does not end enable()
+    ft.disable()
+    assert not ft.is_enabled() and not _served_backward()
+
+    seen = {}
+
+    def block(name, stack):
+        if name == "B":
+            stack.enter_context(ft.enabled())
+
+    def switch(name, stack):
+        if name == "A":  # while B's block runs: on, then off again
+            ft.enable()
+            ft.disable()
+
+    def look(name, stack):
+        seen[name] = ft.is_enabled()
+        if name == "B":
+            seen["served"] = _served_backward()
+
+    _run_in_threads(block, switch, look)
+    assert seen == {"A": True, "B": True, "served": True}  # A's disable() did not end B's block
+    assert not ft.is_enabled()
+
+
+def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
+    """In a child forked while another thread's block runs (that thread does not exist there)
+    fastbwd is off, and its own blocks and enable()/disable() work as in any process."""
+    program = textwrap.dedent(
+        """
+        import os, threading
+        import torch
+        import fastbwd.torch as ft
+
+        inside, leave = threading.Event(), threading.Event()
+
+        def block():
+            with ft.enabled():
+                inside.set()
+                leave.wait()
+
+        thread = threading.Thread(target=block)
+        thread.start()
+        inside.wait()
+        assert ft.is_enabled()
+        pid = os.fork()
+        if pid == 0:
+            views = [ft.is_enabled()]
+            with ft.enabled():
+                views.append(ft.is_enabled())
+            views.append(ft.is_enabled())
+            ft.enable()
+            views.append(ft.is_enabled())
+            ft.disable()
+            views.append(ft.is_enabled())
+            os._exit(0 if views == [False, True, False, True, False] else 1)
+        _, status = os.waitpid(pid, 0)
+        assert ft.is_enabled()  # the parent's thread is still in its block
+        leave.set()
+        thread.join()
+        print(os.waitstatus_to_exitcode(status), ft.is_enabled())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "False"]
 
 
 def _opinfo_samples(name, variant):

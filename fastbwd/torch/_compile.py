@@ -1,6 +1,7 @@
 """fastbwd inside ``torch.compile`` (docs/semantics.md §7): the graph operators compiled graphs
-call, and the compiler hooks ``enable()`` installs and ``disable()`` removes. The hooks are read
-only while a graph is captured or compiled, never by eager code:
+call, and the compiler hooks installed while the switch is on (``enable()``, ``enabled()``) and
+removed when it turns off. The hooks are read only while a graph is captured or compiled, never
+by eager code:
 
 * **Autograd kernels for the Python dispatcher.** AOTAutograd traces with PyTorch's Python
   dispatcher, where ``aten.upsample_bilinear2d`` has a Python autograd kernel that decomposes it
