@@ -247,14 +247,17 @@ def _group_norm_arguments(node):
     return tuple(values[name] for name in names)
 
 
-def _refused(key, input, num_groups, weight, bias, eps):
+def _refused(path, input, num_groups, weight, bias, eps):
     """Whether fastbwd's fused operator does not take this pair: ``_ops.refusal``, at trace time,
-    on the values the graph records for its nodes in ``meta[key]`` (a node without one: refused)."""
+    on the fake values the compiler records for the graph's nodes (``_private.graph_values`` of
+    ``path``; without them, every pair is refused)."""
     tensors = (input, weight, bias)
-    values = [a.meta.get(key) if isinstance(a, torch.fx.Node) else a for a in tensors]
-    if any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(tensors, values)):
+    values = _private.graph_values([a for a in tensors if isinstance(a, torch.fx.Node)], path)
+    if values is None:
         return True
-    return _ops.refusal(values[0], num_groups, values[1], values[2], eps) is not None
+    values = iter(values)
+    input, weight, bias = (next(values) if isinstance(a, torch.fx.Node) else a for a in tensors)
+    return _ops.refusal(input, num_groups, weight, bias, eps) is not None
 
 
 def _fusable(node):
@@ -268,7 +271,7 @@ def _fusable(node):
     if set(silu.kwargs) - {"inplace"}:
         return None
     arguments = _group_norm_arguments(node)
-    if arguments is None or _refused("example_value", *arguments):
+    if arguments is None or _refused(_private.EXAMPLE_VALUE, *arguments):
         return None
     return arguments, silu
 
@@ -314,14 +317,36 @@ def _through_detaches(node):
     return node
 
 
-def _call(graph, fake_mode, target, *arguments):
-    """A new ``call_function`` node with its ``meta["val"]`` (what AOTAutograd's partitioner reads),
-    computed by running ``target`` on the arguments' fake values."""
+def _call(graph, target, arguments, value):
+    """A new ``call_function`` node with its fake value (what AOTAutograd's partitioner reads)."""
     node = graph.call_function(target, arguments)
-    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in arguments]
-    with fake_mode:
-        node.meta["val"] = target(*values)
+    _private.set_graph_value(node, _private.VAL, value)
     return node
+
+
+def _fake_values(forward_arguments, backward_arguments):
+    """The fake values of the fused pair's forward and backward nodes, computed from their
+    arguments' in the graph's fake mode before the graph changes (the backward's mean and rstd are
+    the forward's outputs, given as None here); None (after one warning, the fusion off) when the
+    graph does not give what that needs."""
+    nodes = [a for a in (*forward_arguments, backward_arguments[0]) if isinstance(a, torch.fx.Node)]
+    values = _private.graph_values(nodes, _private.VAL)
+    mode = values and _private.fake_mode_of(values[0])
+    if not mode:
+        return None
+    value_of = dict(zip(nodes, values))
+
+    def fake(argument):
+        return value_of[argument] if isinstance(argument, torch.fx.Node) else argument
+
+    try:
+        with mode:
+            forward = torch.ops.fastbwd.group_norm_swish.default(*map(fake, forward_arguments))
+            grad, input, _, _, *rest = map(fake, backward_arguments)
+            backward = torch.ops.fastbwd.group_norm_swish_backward.default(grad, input, *forward[1:], *rest)
+    except Exception as error:  # noqa: BLE001 - the fake mode is not what it was: no fusion, one warning
+        return _private.broken(_private.JOINT, error)
+    return forward, backward
 
 
 def _silu_and_its_backward(normalised):
@@ -362,9 +387,9 @@ def fuse_group_norm_swish_joint(graph):
             continue
         input, weight, bias, _, _, _, num_groups, eps = norm.args
         items = _getitems(norm)
-        if items is None or 0 not in items or _refused("val", input, num_groups, weight, bias, eps):
+        if items is None or 0 not in items or _refused(_private.VAL, input, num_groups, weight, bias, eps):
             continue
-        eps, fake_mode = float(eps), input.meta["val"].fake_mode
+        eps = float(eps)
         silu, silu_backward = _silu_and_its_backward(items[0])
         if silu is None or len(silu_backward.users) != 1:
             continue
@@ -380,17 +405,26 @@ def fuse_group_norm_swish_joint(graph):
         if gradients is None:
             continue
         mask = [mask[0], mask[1] and weight is not None, mask[2] and bias is not None]
+        forward_arguments = (input, weight, bias, num_groups, eps, 1.0, True)
+        grad = silu_backward.args[0]
+        backward_arguments = (grad, input, None, None, weight, bias, num_groups, 1.0, mask, eps, True)
+        values = _fake_values(forward_arguments, backward_arguments)
+        if values is None:
+            return count
+        forward_value, backward_value = values
         with graph.inserting_before(silu):
-            forward_arguments = (input, weight, bias, num_groups, eps, 1.0, True)
-            fused = _call(graph, fake_mode, torch.ops.fastbwd.group_norm_swish.default, *forward_arguments)
-            outputs = [_call(graph, fake_mode, operator.getitem, fused, index) for index in range(3)]
+            fused = _call(graph, torch.ops.fastbwd.group_norm_swish.default, forward_arguments, forward_value)
+            outputs = [_call(graph, operator.getitem, (fused, i), forward_value[i]) for i in range(3)]
         silu.replace_all_uses_with(outputs[0])
         with graph.inserting_before(backward):
-            mean, rstd = outputs[1], outputs[2]
-            arguments = (silu_backward.args[0], input, mean, rstd, weight, bias, num_groups, 1.0, mask, eps, True)
-            fused_backward = _call(graph, fake_mode, torch.ops.fastbwd.group_norm_swish_backward.default, *arguments)
+            arguments = (grad, input, outputs[1], outputs[2], *backward_arguments[4:])
+            fused_backward = _call(
+                graph, torch.ops.fastbwd.group_norm_swish_backward.default, arguments, backward_value
+            )
             for index, item in gradients.items():
-                item.replace_all_uses_with(_call(graph, fake_mode, operator.getitem, fused_backward, index))
+                item.replace_all_uses_with(
+                    _call(graph, operator.getitem, (fused_backward, index), backward_value[index])
+                )
         for node in (*gradients.values(), backward, silu_backward, silu):
             graph.erase_node(node)
         graph.eliminate_dead_code()  # native_group_norm, its items and the detaches, now unused
