@@ -949,3 +949,175 @@ def test_roi_align_matches_pure_pytorch_formulation():
         torch.testing.assert_close(
             torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0], rtol=1e-10, atol=1e-12
         )
+
+
+# ---- what the user's objects do between calls (issue 55) ----------------------------------------
+
+
+class _NormBlock(torch.nn.Module):
+    """conv -> GroupNorm -> SiLU -> conv, the norm and the activation called in forward() as
+    diffusion blocks call them; ``fused_module``: a GroupNormSwish instead (its SiLU inside)."""
+
+    def __init__(self, fused_module=False):
+        super().__init__()
+        nn = torch.nn
+        self.conv_in, self.conv_out = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 3, 1)
+        self.norm = ft.GroupNormSwish(4, 8) if fused_module else nn.GroupNorm(4, 8)
+        self.act = nn.Identity() if fused_module else nn.SiLU()
+
+    def forward(self, x):
+        return self.conv_out(self.act(self.norm(self.conv_in(x))))
+
+
+class _Detector(torch.nn.Module):
+    """A detector's second stage: a backbone conv, RoIAlign of its features, a head."""
+
+    def __init__(self, roi_align):
+        super().__init__()
+        self.backbone, self.head = torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Linear(3 * 2 * 3, 4)
+        self.roi_align = roi_align
+
+    def forward(self, x, boxes):
+        return self.head(self.roi_align(self.backbone(x), boxes).flatten(1))
+
+
+class _PlainRoIAlign(torch.nn.Module):
+    """torchvision's roi_align written with PyTorch ops (bench/roi_baselines.py)."""
+
+    def forward(self, features, boxes):
+        from bench import roi_baselines
+
+        return roi_baselines.torch_roi_align(features, boxes, 2, 3, 0.5, 2, True)
+
+
+def _requires_grad_models(kind):
+    """``(ours, PyTorch's, the parameters to freeze and unfreeze, inputs)`` with equal parameters."""
+    torch.manual_seed(5)
+    if kind == "roi_align":
+        plain = _Detector(_PlainRoIAlign())
+        ours = _Detector(ft.RoIAlign((2, 3), 0.5, 2, aligned=True))
+        ours.load_state_dict(plain.state_dict())
+        boxes = torch.tensor([[0, 1.0, 2.0, 9.5, 7.0], [1, -3.0, 4.0, 14.0, 12.5], [1, 5.2, 5.1, 5.4, 5.3]])
+        return ours, plain, ("backbone.weight", "backbone.bias"), (_randn((2, 2, 11, 13), torch.float32, 6), boxes)
+    plain = _NormBlock()
+    with torch.no_grad():
+        plain.norm.weight.uniform_(0.5, 1.5)
+        plain.norm.bias.normal_()
+    x = _randn((2, 3, 6, 5), torch.float32, 7)
+    if kind == "GroupNormSwish":
+        ours = _NormBlock(fused_module=True)
+        ours.load_state_dict(plain.state_dict())
+    else:  # the pair fuse_group_norm_swish fuses in forward()
+        import copy
+
+        ours = copy.deepcopy(plain)
+        assert ft.fuse_group_norm_swish(ours, (x,)) == 1 and type(ours.norm) is ft.FusedGroupNorm
+    return ours, plain, ("norm.weight",), (x,)
+
+
+@pytest.mark.parametrize("kind", ["GroupNormSwish", "fused pair", "roi_align"])
+def test_a_parameter_frozen_then_unfrozen_then_frozen_gets_pytorchs_gradients(kind):
+    """A parameter's requires_grad flipped between two training steps of one geometry (fine-tuning
+    freezes and unfreezes layers): frozen, unfrozen, frozen again, every gradient of the model is
+    plain PyTorch's each time (the frozen parameter's None), as is the output."""
+    ours, plain, flipped, inputs = _requires_grad_models(kind)
+    target = None
+    for frozen in (True, False, True):
+        results = []
+        for model in (ours, plain):
+            for name, parameter in model.named_parameters():
+                parameter.grad = None
+                parameter.requires_grad_(not (frozen and name in flipped))
+            output = model(*inputs)
+            target = _randn(output.shape, torch.float32, 8) if target is None else target
+            F.mse_loss(output, target).backward()
+            results.append((output.detach(), {name: p.grad for name, p in model.named_parameters()}))
+        (output, grads), (expected_output, expected_grads) = results
+        torch.testing.assert_close(output, expected_output, rtol=1e-4, atol=1e-5)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            assert (grad is None) == (expected_grads[name] is None) == (frozen and name in flipped), (frozen, name)
+            if grad is not None:
+                torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=(frozen, name))
+
+
+class _Tracked(torch.Tensor):
+    """A tensor subclass as libraries write them (tagged or unit-carrying tensors): every result
+    keeps its type (torch.Tensor's own ``__torch_function__``), and it records what it sees."""
+
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_TRACKED_CASES = (
+    "GroupNormSwish, subclass input",
+    "GroupNormSwish, subclass parameters",
+    "group_norm_swish, subclass input",
+    "roi_align, subclass input",
+    "roi_align, subclass input, boxes per image",
+    "RoIAlign, subclass boxes",
+)
+
+
+def _tracked_case(case):
+    """``(our call, PyTorch's call, the operator the subclass must see, our leaves, PyTorch's
+    leaves)``: the same values, some of ours of the subclass."""
+    f64 = torch.float64
+    x, boxes = _randn((2, 4, 6, 5), f64, 9), _roi_boxes(f64)
+    weight, bias = _randn((4,), f64, 10) + 1, _randn((4,), f64, 11)
+
+    def leaf(tensor, subclass=False):
+        tensor = tensor.detach().clone()
+        return (tensor.as_subclass(_Tracked) if subclass else tensor).requires_grad_()
+
+    def swish(x, weight=None, bias=None, scale=1.0):
+        y = F.group_norm(x, 2, weight, bias)
+        return y * torch.sigmoid(scale * y)
+
+    subclass_input = "subclass input" in case
+    ours_x, plain_x = leaf(x, subclass_input), leaf(x)
+    if case.startswith("GroupNormSwish"):
+        norm = ft.GroupNormSwish(2, 4, dtype=f64)
+        norm.weight = torch.nn.Parameter(leaf(weight, not subclass_input))
+        norm.bias = torch.nn.Parameter(leaf(bias, not subclass_input))
+        plain_weight, plain_bias = leaf(weight), leaf(bias)
+        ours, plain = [ours_x, norm.weight, norm.bias], [plain_x, plain_weight, plain_bias]
+        return lambda: norm(ours_x), lambda: swish(plain_x, plain_weight, plain_bias), OPS_GNS, ours, plain
+    if case.startswith("group_norm_swish"):
+        ours = lambda: ft.group_norm_swish(ours_x, 2, swish_scale=0.7)  # noqa: E731
+        return ours, lambda: swish(plain_x, scale=0.7), OPS_GNS, [ours_x], [plain_x]
+    if "per image" in case:  # their rows in image order
+        boxes = torch.cat([boxes[boxes[:, 0] == i] for i in range(2)])
+    ours_boxes = boxes if subclass_input else boxes.as_subclass(_Tracked)
+    if "per image" in case:
+        ours_boxes = [ours_boxes[ours_boxes[:, 0] == i, 1:] for i in range(2)]
+    if case.startswith("RoIAlign"):
+        ours = lambda: ft.RoIAlign((2, 3), 0.5, 2, aligned=True)(ours_x, ours_boxes)  # noqa: E731
+    else:
+        ours = lambda: ft.roi_align(ours_x, ours_boxes, (2, 3), 0.5, 2, True)  # noqa: E731
+    return ours, lambda: _PlainRoIAlign()(plain_x, boxes), OPS_ROI, [ours_x], [plain_x]
+
+
+OPS_GNS, OPS_ROI = torch.ops.fastbwd.group_norm_swish, torch.ops.fastbwd.roi_align
+
+
+@pytest.mark.parametrize("case", _TRACKED_CASES)
+def test_a_tensor_subclass_keeps_its_type_and_sees_the_operator(case):
+    """A tensor subclass with ``__torch_function__`` through GroupNormSwish, group_norm_swish and
+    roi_align (as input, parameters or boxes): the result keeps its type, as nn.GroupNorm's and
+    torchvision's do, its ``__torch_function__`` sees fastbwd's operator (which it may handle
+    itself), and the values and gradients are plain PyTorch's."""
+    ours, pytorchs, operator, leaves, plain_leaves = _tracked_case(case)
+    _Tracked.seen.clear()
+    result = ours()
+    assert type(result) is _Tracked
+    assert {operator, operator.default} & set(_Tracked.seen), _Tracked.seen
+    expected = pytorchs()
+    torch.testing.assert_close(result.as_subclass(torch.Tensor), expected, rtol=1e-10, atol=1e-12)
+    grad = _randn(expected.shape, torch.float64, 12)
+    for got, want in zip(torch.autograd.grad(result, leaves, grad), torch.autograd.grad(expected, plain_leaves, grad)):
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=1e-10, atol=1e-12)

@@ -352,7 +352,7 @@ class FusedGroupNorm(nn.GroupNorm):
         """The call's GroupNorm+Swish geometry when fastbwd runs it exactly as nn.GroupNorm would
         (a plain eager CPU call fastbwd's kernels take, ``_ops.refusal``), else None (the call
         is nn.GroupNorm's)."""
-        if not _ops.use_eager_path(input) or not input.is_cpu or not _private.lazy_outputs():
+        if not _ops.use_eager_path(input, weight, bias) or not input.is_cpu or not _private.lazy_outputs():
             return None
         return _ops.geometry_of(input, weight, bias, self.num_groups, self.eps, 1.0)
 

@@ -138,11 +138,16 @@ def forget():
 # ---- EAGER -------------------------------------------------------------------------------------
 
 
+#: The tensor types whose calls fastbwd may run without the dispatcher: a tensor subclass (its
+#: own ``__torch_function__``) must see the operator, as it sees PyTorch's.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def eager_tensors(tensors):
-    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
-    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper, no
-    functional tensor), so an autograd formula may run a kernel directly instead of through its
-    operator's dispatcher entry. False when this PyTorch cannot tell."""
+    """True when ``tensors`` (None: not given) are plain tensors or parameters and nothing traces
+    or transforms the call (no dispatch or function mode: fake tensors, make_fx, AOTAutograd; no
+    functorch wrapper, no functional tensor), so an autograd formula may run a kernel directly
+    instead of through its operator's dispatcher entry. False when this PyTorch cannot tell."""
     found = _interfaces(EAGER)
     if not found:
         return False
@@ -151,7 +156,7 @@ def eager_tensors(tensors):
             return False
         wrapped = found["torch._C._functorch.is_functorch_wrapped_tensor"][1]
         functional = found["torch._is_functional_tensor"][1]
-        return all(type(t) is torch.Tensor and not wrapped(t) and not functional(t) for t in tensors)
+        return all(t is None or (type(t) in _PLAIN and not wrapped(t) and not functional(t)) for t in tensors)
     except Exception as error:  # noqa: BLE001
         return broken(EAGER, error) or False
 
