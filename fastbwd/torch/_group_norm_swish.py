@@ -32,7 +32,7 @@ def group_norm_swish(
     """
     if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
         return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
-    if _ops.use_eager_path(input) and input.is_cpu:
+    if _ops.use_eager_path(input, weight, bias) and input.is_cpu:
         geometry = _ops.geometry_of(input, weight, bias, num_groups, eps, swish_scale)  # once per geometry
         if geometry is not None:
             return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)
