@@ -28,7 +28,6 @@ import torch
 from torch.nn import functional as F
 
 import fastbwd
-from fastbwd import _dispatch
 
 from . import _convert as c
 from . import _ops, _private, _routing, _switch
@@ -85,12 +84,8 @@ def _result_shape(name, args):
 
 def _decide_at_run_time(name, args):
     """The decision (path "compiled") for a graph operator's call, from its real arguments."""
-    if name == "upsample_bilinear2d_backward":  # the input's sizes; grad_output's dtype and layout
-        size, tensor = math.prod(args[2]), args[0]
-        dtype = c.ARRAY_DTYPES.get(tensor.dtype)
-        layout = "NHWC" if c.is_channels_last(tensor) else "NCHW"
-        op, threads = ROUTED_OPS[name], torch.get_num_threads()
-        return _dispatch.decide("auto", "torch", "compiled", op, size, dtype.name if dtype else "", layout, threads)
+    if name == "upsample_bilinear2d_backward":  # the input's size; grad_output's dtype and layout
+        return c.decide("auto", "compiled", ROUTED_OPS[name], args[0], math.prod(args[2]))
     return c.decide("auto", "compiled", ROUTED_OPS[name], args[1])
 
 

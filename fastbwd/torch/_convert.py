@@ -132,20 +132,21 @@ def match_torch_threads():
     return wanted
 
 
-def decide(policy, path, op, tensor, threads=None):
+def decide(policy, path, op, tensor, elements=None):
     """``fastbwd._dispatch.decide`` for a call of ``op`` on ``path`` whose forward input is
-    ``tensor`` (real, or fake at trace time): True when fastbwd's path runs it. A size known only
-    at run time (symbolic) decides nothing: True, and the call decides again when it runs."""
+    ``tensor`` (real, or fake at trace time; ``elements`` its size when ``tensor`` is another of
+    the call's tensors, of the same dtype and layout), on PyTorch's thread count: True when
+    fastbwd's path runs it. A size known only at run time (symbolic) decides nothing: True, and
+    the call decides again when it runs."""
     if policy == "always":
         return True
-    elements = 1
-    for size in tensor.shape:
-        if not isinstance(size, int):
-            return True
-        elements *= size
+    if elements is None:
+        elements = 1
+        for size in tensor.shape:
+            if not isinstance(size, int):
+                return True
+            elements *= size
     dtype = ARRAY_DTYPES.get(tensor.dtype)
+    dtype = dtype.name if dtype is not None else str(tensor.dtype)
     layout = "NHWC" if is_channels_last(tensor) else "NCHW"
-    threads = torch.get_num_threads() if threads is None else threads
-    return _dispatch.decide(
-        policy, "torch", path, op, elements, dtype.name if dtype else str(tensor.dtype), layout, threads
-    )
+    return _dispatch.decide(policy, "torch", path, op, elements, dtype, layout, torch.get_num_threads())
