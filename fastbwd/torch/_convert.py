@@ -114,11 +114,16 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
     behaves like any other CPU tensor.
     """
     channels_last = memory_format != torch.contiguous_format and _CHANNELS_LAST_FORMAT.get(len(shape)) == memory_format
-    if not channels_last:
-        return as_tensor(d.empty(tuple(shape), ARRAY_DTYPES[dtype]))
-    to_physical, to_logical = channels_last_permutation(len(shape))
-    physical = tuple(shape[axis] for axis in to_physical)
-    return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+    try:
+        if not channels_last:
+            return as_tensor(d.empty(tuple(shape), ARRAY_DTYPES[dtype]))
+        to_physical, to_logical = channels_last_permutation(len(shape))
+        physical = tuple(shape[axis] for axis in to_physical)
+        return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+    except (ValueError, MemoryError):
+        # a negative size, or more memory than there is: PyTorch's allocator says so in its own
+        # words and exception type (RuntimeError), as for any tensor PyTorch would make here
+        return torch.empty(shape, dtype=dtype, memory_format=memory_format)
 
 
 def match_torch_threads():
