@@ -40,6 +40,7 @@ import numpy as np
 
 import fastbwd
 from fastbwd.__main__ import shadowing_note, small_check
+from fastbwd._dispatch import cpu_name
 from fastbwd._registry import OPERATORS, ops_help
 from fastbwd.kernels._jit import threading_layer
 
@@ -214,7 +215,7 @@ class Run:
             numba=numba.__version__,
             numpy=np.__version__,
             python=platform.python_version(),
-            cpu=_cpu_name(),
+            cpu=cpu_name(),
             cpus=os.cpu_count(),
             threads=numba.get_num_threads(),
             threading_layer=threading_layer(),
@@ -835,17 +836,6 @@ class Run:
                 "--full` runs the full-size cases and judges their targets."
             )
         return lines
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None):

@@ -17,9 +17,9 @@ one) or False (the framework's own code runs, giving the framework's bits). Unde
 ``"always"`` every call fastbwd can serve is fastbwd's, as before this module existed.
 
 The crossover is a threshold per (bridge, path, op, thread count), in input elements: fastbwd
-from ``elements >= threshold`` on. The defaults (:data:`DEFAULTS`) come from the sweep
-benchmark on the 2-core AMD EPYC machines fastbwd is developed on (docs/history.md, "Never
-slower"); ``python -m fastbwd --calibrate`` measures this machine's and stores them beside
+from ``elements >= threshold`` on. The defaults (:data:`DEFAULTS`) were measured on the 2-core
+AMD EPYC machines fastbwd is developed on (docs/history.md, "Never slower");
+``python -m fastbwd --calibrate`` measures this machine's and stores them beside
 Numba's cache (:func:`table_path`), where :func:`decide` finds them. A stored table that is
 unreadable, malformed or made for another machine, fastbwd or framework version is ignored
 (:func:`status` says why); a read-only folder only stops a calibration from storing its table.
@@ -56,9 +56,6 @@ PATHS = ("routed", "fused", "dropin", "compiled", "traced")
 
 #: The operators a bridge decides for (RoIAlign has no framework code of its own in PyTorch).
 OPS = ("upsample_bilinear2d", "avg_pool2d", "replication_pad2d", "group_norm_swish", "roi_align")
-
-#: The thread counts the thresholds are kept for: 1, and 2 standing for 2 and more.
-THREAD_CLASSES = (1, 2)
 
 #: The default thresholds, in elements of the forward's input, per "bridge/path/op/threads":
 #: fastbwd from this size on. From the sweep of `python3 -m bench --full` on 2-core AMD EPYC

@@ -419,7 +419,7 @@ def test_the_compiled_pairs_take_fastbwds_side_from_the_threshold_on():
     try:
         with auto("compiled", "group_norm_swish", GN_ELEMENTS):
             _, ours, calls, _ = _compiled_counts(block, x)
-            assert calls["group_norm_silu"] == 1 and calls["group_norm_silu_backward"] == 1
+            assert calls["group_norm_swish"] == 1 and calls["group_norm_swish_backward"] == 1
         with auto("compiled", "group_norm_swish", GN_ELEMENTS + 1):
             _, theirs, calls, _ = _compiled_counts(block, x)
             assert not calls

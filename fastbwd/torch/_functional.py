@@ -4,9 +4,9 @@ PyTorch's dispatcher.
 
 A Python kernel behind the dispatcher (``_routing``, the policy ``"always"``) costs every call of
 its operator a hop into Python, served or not: more than fastbwd saves on small calls. A
-decision made while the call is still Python costs a declined call a few attribute reads. So the
-first ``enable()`` under ``"auto"`` puts one function of fastbwd's in each of these three names of
-``torch.nn.functional`` (:func:`install`); ``nn.Upsample``, ``nn.AvgPool2d``,
+decision made while the call is still Python costs a declined call a few attribute reads. So
+while fastbwd is enabled under ``"auto"``, each of these three names of ``torch.nn.functional``
+holds a function of fastbwd's (:func:`install`); ``nn.Upsample``, ``nn.AvgPool2d``,
 ``nn.ReplicationPad2d`` and ``F.upsample_bilinear`` call them there. Each calls the function it
 replaced, unchanged, unless
 

@@ -249,21 +249,28 @@ def _fuse_sequentials(module, fused, undo):
     for prefix, sequential in module.named_modules():
         if not isinstance(sequential, nn.Sequential):
             continue
-        slots = list(sequential._modules)
-        for index, first in enumerate(slots[:-1]):
-            norm, following = sequential._modules[first], sequential._modules[slots[index + 1]]
+        slots = _slots(sequential)
+        for first, second in zip(slots, slots[1:]):
+            norm, following = getattr(sequential, first), getattr(sequential, second)
             if type(norm) in (nn.GroupNorm, FusedGroupNorm) and type(following) is nn.SiLU and not _refusal(norm):
                 _restore(norm)
-                second = slots[index + 1]
-                sequential._modules[first] = _group_norm_swish(norm)
-                sequential._modules[second] = nn.Identity()
+                # nn.Module.__setattr__ puts a module in its slot: the order of the modules stays
+                setattr(sequential, first, _group_norm_swish(norm))
+                setattr(sequential, second, nn.Identity())
                 name = f"{prefix}.{first}" if prefix else first
                 fused[name] = Fused(name, f"nn.Sequential {prefix or '(the model)'}: followed by nn.SiLU")
 
                 def put_back(sequential=sequential, first=first, second=second, norm=norm, silu=following):
-                    sequential._modules[first], sequential._modules[second] = norm, silu
+                    setattr(sequential, first, norm)
+                    setattr(sequential, second, silu)
 
                 undo.append(put_back)
+
+
+def _slots(sequential):
+    """The names of ``sequential``'s modules in the order it runs them, a module held twice under
+    each of its names (``named_children`` names it once)."""
+    return [name for name, _ in sequential.named_modules(remove_duplicate=False) if name and "." not in name]
 
 
 def _group_norm_swish(norm):
@@ -353,7 +360,7 @@ class FusedGroupNorm(nn.GroupNorm):
         """The call's GroupNorm+Swish geometry when fastbwd runs it exactly as nn.GroupNorm would
         (a plain eager CPU call fastbwd's kernels take, ``_ops.refusal``), else None (the call
         is nn.GroupNorm's)."""
-        if not _ops.use_eager_path(input) or not input.is_cpu or not _private.lazy_outputs():
+        if not _ops.use_eager_path(input, weight, bias) or not input.is_cpu or not _private.lazy_outputs():
             return None
         return _ops.geometry_of(input, weight, bias, self.num_groups, self.eps, 1.0)
 
@@ -486,8 +493,7 @@ def _observe(module, args, kwargs):
     saved = [
         (owner, name, buffer, buffer.detach().clone())
         for owner in module.modules()
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
+        for name, buffer in owner.named_buffers(recurse=False, remove_duplicate=False)
     ]
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -496,7 +502,7 @@ def _observe(module, args, kwargs):
     finally:
         with torch.no_grad():
             for owner, name, buffer, value in saved:
-                owner._buffers[name] = buffer
+                setattr(owner, name, buffer)  # the buffer itself again, if the forward assigned another
                 buffer.copy_(value)
 
 

@@ -35,7 +35,7 @@ def group_norm_swish(
         return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
     compiling = torch.compiler.is_compiling()
     if compiling or type(input) is not torch.Tensor or not _ops.below_floor("dropin", input):
-        if _ops.use_eager_path(input) and input.is_cpu:
+        if _ops.use_eager_path(input, weight, bias) and input.is_cpu:
             geometry = _ops.geometry_of(input, weight, bias, num_groups, eps, swish_scale)  # once per geometry
             if geometry is not None and geometry.serves("dropin"):
                 return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)

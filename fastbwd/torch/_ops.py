@@ -17,6 +17,7 @@ serves every fused use (the drop-ins, the eager fusion, compiled graphs), with o
 fastbwd's kernels take (:func:`refusal`).
 """
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -86,23 +87,60 @@ def _check_roi_align_dtype(tensor, name):
     if tensor.dtype not in _ROI_ALIGN_DTYPES:
         raise RuntimeError(
             f"roi_align: {name}.dtype must be one of float32, float64, float16, bfloat16, "
-            f"but got {str(tensor.dtype).removeprefix('torch.')}"
+            f"but got {_dtype_name(tensor.dtype)}"
         )
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_roi_align(tensor, rois, name):
+    """Refuse, before anything is allocated, what torchvision's roi_align kernels refuse, with
+    the exception type they raise (RuntimeError): ``tensor`` (the input, or the backward's
+    ``grad``) of a dtype the kernels take and 4-D, the boxes ``rois`` a ``(K, 5)`` tensor of its
+    dtype on its device. The real and the fake kernels both ask (a compiled call is refused when
+    it is traced)."""
+    _check_roi_align_dtype(tensor, name)
+    if tensor.dim() != 4:
+        raise RuntimeError(f"roi_align: {name} must be 4-D, but got {tensor.dim()}-D with shape {tuple(tensor.shape)}")
+    if rois.dim() != 2 or rois.shape[1] != 5:
+        raise RuntimeError(f"roi_align: boxes must have shape (K, 5), but got shape {tuple(rois.shape)}")
+    if rois.dtype != tensor.dtype:
+        raise RuntimeError(
+            f"roi_align: boxes.dtype must equal {name}.dtype ({_dtype_name(tensor.dtype)}), "
+            f"but got {_dtype_name(rois.dtype)}"
+        )
+    if rois.device != tensor.device:
+        raise RuntimeError(f"roi_align: boxes must be on {name}'s device ({tensor.device}), but got {rois.device}")
+
+
+@contextlib.contextmanager
+def _torch_errors():
+    """What fastbwd's api refuses in a RoIAlign call, as the exception type torchvision's kernels
+    raise for the calls they refuse (RuntimeError), in the api's words. (No PyTorch code computes
+    RoIAlign: torchvision's is not required.)"""
+    try:
+        yield
+    except fastbwd.ParamError as error:
+        raise RuntimeError(str(error)) from error
 
 
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     """The forward; a channels_last input runs the NHWC layout, in place, and gives a
     channels_last result."""
-    _check_roi_align_dtype(input, "input")
+    _check_roi_align(input, rois, "input")
     c.match_torch_threads()
     memory_format = c.memory_format(input)
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
+    if output.numel() == 0:
+        return output  # nothing to compute (no box, no channel, or a pooled size of 0), as torchvision
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
     if memory_format == torch.channels_last:
         layout, arrays, out = "NHWC", (_nhwc(input), c.as_array(rois)), _nhwc(output)
     else:
         layout, arrays, out = "NCHW", (c.as_array(input), c.as_array(rois)), c.as_array(output)
-    with v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
+    with _torch_errors(), v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
         plan = roi_align_api.forward_plan(*arrays, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run_forward(plan, *arrays, out)
     return output
@@ -123,9 +161,7 @@ roi_align = custom_op(
 
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    _check_roi_align_dtype(input, "input")
-    if rois.dim() != 2 or rois.shape[1] != 5:
-        raise RuntimeError("roi_align: rois must be (K, 5)")
+    _check_roi_align(input, rois, "input")
     return torch.empty(
         (rois.shape[0], input.shape[1], pooled_height, pooled_width),
         dtype=input.dtype,
@@ -150,7 +186,7 @@ def _roi_align_backward_kernel(
 ):
     """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
     gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
-    _check_roi_align_dtype(grad, "grad")
+    _check_roi_align(grad, rois, "grad")
     c.match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
@@ -160,7 +196,8 @@ def _roi_align_backward_kernel(
     else:
         grad_input = c.empty(input_shape, grad.dtype)
         layout, arrays, out = "NCHW", (c.as_array(grad.contiguous()), c.as_array(rois)), c.as_array(grad_input)
-    plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, layout, out)
+    with _torch_errors():
+        plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run(plan, *arrays, out)
     return grad_input
 
@@ -175,7 +212,7 @@ roi_align_backward = custom_op(
 
 @roi_align_backward.register_fake
 def _(grad, *arguments):  # rois, spatial_scale, pooled sizes, batch_size, channels, height, width, ..., channels_last
-    _check_roi_align_dtype(grad, "grad")
+    _check_roi_align(grad, arguments[0], "grad")
     memory_format = torch.channels_last if arguments[10:] == (True,) else torch.contiguous_format
     return torch.empty(arguments[4:8], dtype=grad.dtype, device=grad.device, memory_format=memory_format)
 
@@ -392,8 +429,9 @@ class _Geometry:
         """``(dx, dgamma or None, dbeta or None)`` from ``grad_output`` and the other inputs as
         arrays (:class:`_KernelArrays`): the prepared backward call made by the first call asking
         for these gradients, or the public function for arrays of other metadata (statistics the
-        operator was given in another dtype, a size-1 axis's stride). The results are new NumPy
-        arrays wrapped without a copy (dx channels_last again for channels_last input)."""
+        operator was given flat, a size-1 axis's stride). The results are new NumPy arrays wrapped
+        without a copy (dx channels_last again for channels_last input). None when the api
+        refuses the call: the caller then runs PyTorch's code."""
         dy = self.x_array(grad_output)
         c.match_torch_threads()
         index = 2 * need_weight + need_bias
@@ -405,9 +443,12 @@ class _Geometry:
         try:
             grad_input, grad_weight, grad_bias = prepared(dy, *arrays)
         except fastbwd.ParamError:  # other metadata than the prepared call's (or a call it refuses)
-            grad_input, grad_weight, grad_bias = gns_api.group_norm_swish_backward(
-                dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
-            )
+            try:
+                grad_input, grad_weight, grad_bias = gns_api.group_norm_swish_backward(
+                    dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
+                )
+            except fastbwd.ParamError:  # not a call fastbwd's kernel takes: never an error PyTorch would not raise
+                return None
         return (
             self.result(grad_input),
             None if grad_weight is None else c.as_tensor(grad_weight),
@@ -505,6 +546,8 @@ _FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "
 
 def _sizes(input):
     """``(N, C, HxW)`` of an ``(N, C, *)`` input, as PyTorch's GroupNorm kernels take them."""
+    if input.dim() < 2:  # no such sizes: F.group_norm's own error
+        torch.nn.functional.group_norm(input, 1)
     return input.shape[0], input.shape[1], math.prod(input.shape[2:])
 
 
@@ -559,8 +602,21 @@ def _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_sc
         arrays = _KernelArrays(
             c.as_array(mean), c.as_array(rstd), geometry.x_array(input), *geometry.parameters(weight, bias)
         )
-        return geometry.backward(grad_output, arrays, need_weight, need_bias)
-    y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
+        grads = geometry.backward(grad_output, arrays, need_weight, need_bias)
+        if grads is not None:
+            return grads
+    return _native_grads(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps)
+
+
+def _native_grads(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps):
+    """:func:`_backward` by PyTorch's own kernels."""
+    try:
+        y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
+    except Exception:
+        # arguments PyTorch's GroupNorm backward refuses (a weight of another size, no groups):
+        # its own error rather than that of the normalisation written here
+        _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, [True, *needs])
+        raise
     grads = native_backward(grad_output, y, input, mean, rstd, weight, num_groups, [True, *needs], swish_scale)
     return grads[0].contiguous(memory_format=c.memory_format(input)), grads[1], grads[2]
 
@@ -602,13 +658,15 @@ def group_norm_swish(
     """``(y, mean, rstd)`` of GroupNorm then Swish; ``follows_switch``: PyTorch's own kernels
     while fastbwd is disabled (the fused pairs of compiled graphs)."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu"] += 1
+        GRAPH_CALLS["group_norm_swish"] += 1
     return _forward(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
 
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale, follows_switch=False):
-    if input.numel() == 0:  # the real kernel runs PyTorch's own then: its refusal (2.14 on) is ours too
+    # The real kernel runs PyTorch's own for an empty input (its refusal, from 2.14 on, is ours
+    # too); tensors on several devices (a meta one among CPU ones dispatches here) are PyTorch's error.
+    if input.numel() == 0 or not _one_device(input, weight, bias):
         native_group_norm(input, weight, bias, num_groups, eps)
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
@@ -634,10 +692,57 @@ def group_norm_swish_backward(
     (where PyTorch's own kernels compute the normalised output again), ``follows_switch`` as
     for the forward."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu_backward"] += 1
-    needs = _needs(output_mask, weight, bias)
-    grads = _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps, follows_switch)
+        GRAPH_CALLS["group_norm_swish_backward"] += 1
+    arguments = (grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale)
+    if backward_refusal(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask) is None:
+        needs = _needs(output_mask, weight, bias)
+        grads = _backward(*arguments, needs, eps, follows_switch)
+    else:  # PyTorch's checks first (what they refuse raises PyTorch's own error), then its code
+        needs = _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask)
+        grads = _native_grads(*arguments, needs, eps)
     return _with_unrequested(grads, input, weight, bias, needs)
+
+
+def backward_refusal(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask):
+    """Why fastbwd's backward kernel does not take the arguments of a
+    ``fastbwd::group_norm_swish_backward`` call that :func:`refusal` does not read, or None: the
+    rule's part for the backward operator, whose arguments need not come from its forward.
+    ``grad_output`` a strided CPU tensor of the input's shape and dtype, ``mean`` and ``rstd``
+    strided CPU tensors of the statistics' dtype (:func:`stats_dtype`), both ``(N, num_groups)``
+    or both ``(N * num_groups,)``, ``output_mask`` three values. A call refused here runs
+    PyTorch's own checks and code (``native_group_norm_backward`` takes statistics of any shape
+    with N * num_groups values; it refuses another dtype, size or device)."""
+    if len(output_mask) != 3:
+        return f"output_mask has {len(output_mask)} values"
+    if not (_strided_cpu(grad_output) and grad_output.dtype == input.dtype and grad_output.shape == input.shape):
+        return "grad_output is not a CPU tensor of the input's shape and dtype"
+    statistics = stats_dtype(input, weight, bias)
+    shapes = ((input.shape[0], num_groups), (input.shape[0] * num_groups,))
+    for tensor in (mean, rstd):
+        if not (_strided_cpu(tensor) and tensor.dtype == statistics and tuple(tensor.shape) in shapes):
+            return f"mean or rstd is not a CPU tensor of {statistics} shaped (N, num_groups) or (N * num_groups,)"
+    if mean.shape != rstd.shape:
+        return "mean and rstd have different shapes"
+    return None
+
+
+def _one_device(*tensors):
+    """Whether the tensors given (None: not given) are all on one device."""
+    return len({t.device for t in tensors if t is not None}) <= 1
+
+
+def _strided_cpu(tensor):
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided
+
+
+def _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask):
+    """PyTorch's own checks of a GroupNorm backward's arguments: ``native_group_norm_backward``
+    runs on them (and raises its error for what it refuses); returns the (weight, bias) gradients
+    asked for."""
+    needs = _needs(output_mask, weight, bias) if len(output_mask) == 3 else None
+    mask = output_mask if needs is None else [output_mask[0], *needs]  # PyTorch's schema refuses another length
+    torch.ops.aten.native_group_norm_backward(grad_output, input, mean, rstd, weight, *_sizes(input), num_groups, mask)
+    return needs
 
 
 def _needs(output_mask, weight, bias):
@@ -659,6 +764,8 @@ def _with_unrequested(grads, input, weight, bias, needs):
 def _(
     grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask, eps=None, follows_switch=False
 ):
+    if len(output_mask) != 3 or not _one_device(grad_output, input, mean, rstd, weight, bias):
+        _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask)  # PyTorch's error
     needs = _needs(output_mask, weight, bias)
     grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     grads = (grad_input, needs[0] and torch.empty_like(weight), needs[1] and torch.empty_like(bias))
@@ -810,8 +917,9 @@ class EagerGroupNormSwish(torch.autograd.Function):
             # the kernel on the forward's own arrays, through the geometry's prepared call (a
             # gradient is asked for only of a tensor given, so needs says all)
             needs = ctx.needs_input_grad
-            grad_input, grad_weight, grad_bias = geometry.backward(grad_output, arrays, needs[1], needs[2])
-            return grad_input if needs[0] else None, grad_weight, grad_bias, None
+            grads = geometry.backward(grad_output, arrays, needs[1], needs[2])
+            if grads is not None:
+                return grads[0] if needs[0] else None, grads[1], grads[2], None
 
         def statistics():
             return c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)

@@ -107,12 +107,33 @@ ROUTES = {
 }
 OVERLOADS = ("", ".grad_input")
 
+
+class _GraphCalls(collections.Counter):
+    """A Counter whose keys of before the GroupNorm + Swish family got one name (``"group_norm_silu"``,
+    ``"group_norm_silu_backward"``) still read, with a DeprecationWarning, the counts of
+    ``"group_norm_swish"`` and ``"group_norm_swish_backward"`` (deprecated: kept for one release)."""
+
+    RENAMED = {"group_norm_silu": "group_norm_swish", "group_norm_silu_backward": "group_norm_swish_backward"}
+
+    def __missing__(self, key):
+        new = self.RENAMED.get(key)
+        if new is None:
+            return 0
+        warnings.warn(
+            f"fastbwd.torch: GRAPH_CALLS[{key!r}] is deprecated (kept for one release): read GRAPH_CALLS[{new!r}]",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self[new]
+
+
 #: Calls served by fastbwd and calls handed to PyTorch's own kernel, per aten operator, and calls
-#: of the graph operators (compiled graphs' fastbwd nodes: the routed backward operators and the
-#: fused GroupNorm + SiLU pairs): for tests and for users who want to see what the bridge does.
+#: of the graph operators (compiled graphs' fastbwd nodes: the routed backward operators, and the
+#: GroupNorm -> SiLU pairs fused as ``group_norm_swish`` and ``group_norm_swish_backward``): for
+#: tests and for users who want to see what the bridge does.
 SERVED = collections.Counter()
 FALLBACK = collections.Counter()
-GRAPH_CALLS = collections.Counter()
+GRAPH_CALLS = _GraphCalls()
 
 
 def _served(route, args, grad_input):
