@@ -251,8 +251,8 @@ def _read(path):
     """``(status, thresholds)`` of the table at ``path``: thresholds ``{}`` unless it is well
     formed and was made on this machine with this fastbwd (entries of a bridge whose framework
     version differs are left out)."""
-    try:
-        with open(path) as handle:
+    try:  # bytes: text that is not UTF-8 is a JSON error below, not a failed call
+        with open(path, "rb") as handle:
             text = handle.read()
     except FileNotFoundError:
         return "none", {}
