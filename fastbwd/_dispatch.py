@@ -253,13 +253,13 @@ def _read(path):
     version differs are left out)."""
     try:  # bytes: text that is not UTF-8 is a JSON error below, not a failed call
         with open(path, "rb") as handle:
-            text = handle.read()
+            data = handle.read()
     except FileNotFoundError:
         return "none", {}
     except OSError as error:
         return f"ignored: {path} cannot be read ({error})", {}
     try:
-        table = json.loads(text)
+        table = json.loads(data)
     except ValueError as error:
         return f"ignored: {path} is not JSON ({error})", {}
     problem = _malformed(table)
