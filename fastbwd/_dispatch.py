@@ -295,15 +295,15 @@ def _read(path):
     """``(status, thresholds)`` of the table at ``path``: thresholds ``{}`` unless it is well
     formed and was made on this machine with this fastbwd (entries of a bridge whose framework
     version differs are left out)."""
-    try:
-        with open(path) as handle:
-            text = handle.read()
+    try:  # bytes: text that is not UTF-8 is a JSON error below, not a failed call
+        with open(path, "rb") as handle:
+            data = handle.read()
     except FileNotFoundError:
         return "none", {}
     except OSError as error:
         return f"ignored: {path} cannot be read ({error})", {}
     try:
-        table = json.loads(text)
+        table = json.loads(data)
     except ValueError as error:
         return f"ignored: {path} is not JSON ({error})", {}
     problem = _malformed(table)
