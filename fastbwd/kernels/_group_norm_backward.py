@@ -10,16 +10,21 @@ from numba.extending import intrinsic, overload
 from ._group_norm_math import (
     BLOCK,
     PARTIAL_SUMS,
+    STAGE_CHUNK,
+    STAGE_ROWS,
+    SWISH_CLAMP32,
+    SWISH_CLAMP64,
     WHOLE_ROWS_MAX_CHANNELS,
     fma,
     lane_sums,
     swish_derivative,
+    swish_gradient_rows,
     task_groups,
 )
 from ._halfbits import load, store
-from ._jit import helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, splat
-from ._memory import copy_out, store_fence
+from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
+from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._memory import copy_out, stack_array, store_fence
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
@@ -116,6 +121,90 @@ def _fold_lanes(lanes, width, used):
         h //= 2
 
 
+@intrinsic
+def _swish_argument_lanes(typingctx, x, start, stop, z, z_start, mean, rstd, gamma, beta, swish_scale, fmt):
+    """``z[z_start + i - start] = clamp(s * fma((x[i] - mean) * rstd, gamma, beta))`` for ``i`` in
+    ``[start, stop)`` (``x`` decoded with ``fmt``, ``z`` in the compute type; both 1-D,
+    C-contiguous): the argument of the Swish derivative, as :func:`_gnew_xhat` and
+    ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32`` (``SWISH_CLAMP64`` in float64).
+    LANES elements per step and one masked step at the end (no loop remainder)."""
+    sig = types.void(x, types.intp, types.intp, z, types.intp, mean, mean, mean, mean, mean, fmt)
+    format_name = fmt.format_name
+    limit_value = float(SWISH_CLAMP64 if mean == types.float64 else SWISH_CLAMP32)
+
+    def codegen(context, builder, signature, args):
+        x_struct, z_struct = array_structs(context, builder, signature, args, 0, 3)
+        start, stop, z_start = args[1], args[2], args[4]
+        vector = ir.VectorType(context.get_data_type(signature.args[5]), LANES)
+        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[5:10])
+        limit = ir.Constant(vector, [limit_value] * LANES)
+        negative_limit = ir.Constant(vector, [-limit_value] * LANES)
+        offset = builder.sub(z_start, start)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+            argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
+            # as _clamp: a NaN fails both comparisons and stays
+            argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
+            argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
+            store_lanes(builder, builder.gep(z_struct.data, [builder.add(position, offset)]), argument, "native", used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@leaf_helper
+def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    """``gnew[i - first] = dy[i] * swish_derivative(s * y[i])`` for the flat positions ``[first,
+    stop)`` of one image's group (``dy``, ``x``: the image's flat ``(C*HxW,)`` rows; ``gnew``
+    compute-type): in chunks of whole rows (or of :data:`STAGE_CHUNK` elements of a longer
+    row), each row's argument ``z`` into a scratch row (:func:`_swish_argument_lanes`), then the
+    staged derivative over the whole chunk (:func:`swish_gradient_rows`)."""
+    wide_vectors()
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
+    step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
+    for chunk in range(first, stop, step):
+        chunk_stop = min(chunk + step, stop)
+        position = chunk
+        while position < chunk_stop:
+            c = position // hw
+            row_stop = min((c + 1) * hw, chunk_stop)
+            _swish_argument_lanes(
+                x, position, row_stop, scratch[0], position - chunk, mean, rstd, gamma[c], beta[c], swish_scale, fmt
+            )
+            position = row_stop
+        count = chunk_stop - chunk
+        swish_gradient_rows(scratch, dy[chunk:chunk_stop], gnew[chunk - first : chunk_stop - first], count, fmt)
+
+
+@leaf_helper
+def _gnew_plain(dy, gnew, first, stop, fmt):
+    """``gnew[i - first] = dy[i]`` (decoded): the plain GroupNorm backward's gnew."""
+    wide_vectors()
+    for i in range(stop - first):
+        gnew[i] = load(dy[first + i], fmt)
+
+
+def _gnew_run(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    """gnew of the flat positions ``[first, stop)``: :func:`_gnew_staged`, or :func:`_gnew_plain`
+    when ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit only)."""
+    raise NotImplementedError("_gnew_run() is only callable from @njit code")
+
+
+@overload(_gnew_run, inline="always")
+def _gnew_run_overload(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt: _gnew_plain(
+            dy, gnew, first, stop, fmt
+        )
+    return lambda dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt: _gnew_staged(
+        dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt
+    )
+
+
 # ---- where a task keeps gnew between its passes -------------------------------------------------
 
 
@@ -189,31 +278,28 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
         group_rstd = rstd[n, g]
         gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
         gnew_first = start if in_place else 0
+        _gnew_run(
+            dy[n].reshape(channels * hw),
+            x[n].reshape(channels * hw),
+            gnew_rows[gnew_first : gnew_first + group_size].reshape(group_size * hw),
+            hw,
+            start * hw,
+            (start + group_size) * hw,
+            group_mean,
+            group_rstd,
+            gamma,
+            beta,
+            swish_scale,
+            fmt,
+        )
         for k in range(group_size):
             c = start + k
-            dy_row = dy[n, c]
             x_row = x[n, c]
             gnew_row = gnew_rows[gnew_first + k]
-            channel_gamma = gamma[c]
-            channel_beta = beta[c]
             total_g = sum_g.dtype.type(0)
             total_gx = total_g
             for block_start in range(0, hw, BLOCK):
                 block_stop = min(block_start + BLOCK, hw)
-                # sliced so that the loop runs from 0 (a runtime start blocks vectorisation)
-                block_dy = dy_row[block_start:block_stop]
-                block_x = x_row[block_start:block_stop]
-                block_gnew = gnew_row[block_start:block_stop]
-                for i in range(block_stop - block_start):
-                    block_gnew[i] = _gnew_xhat(
-                        load(block_dy[i], fmt),
-                        load(block_x[i], fmt),
-                        group_mean,
-                        group_rstd,
-                        channel_gamma,
-                        channel_beta,
-                        swish_scale,
-                    )[0]
                 block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
                 total_g += block_g
                 total_gx += block_gx

@@ -16,10 +16,11 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ._group_norm_math import BLOCK, fma, lane_sums, swish, task_groups
-from ._halfbits import load, store
+from ._group_norm_math import BLOCK, STAGE_CHUNK, STAGE_ROWS, fma, lane_sums, swish, swish_rows, task_groups
+from ._halfbits import NATIVE, load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, splat
+from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._memory import stack_array
 
 
 @intrinsic
@@ -54,6 +55,34 @@ def _block_moments(typingctx, row, start, stop, offset, center, other_center, fm
     return sig, codegen
 
 
+@intrinsic
+def _affine_lanes(typingctx, x, start, stop, out, out_start, mean, scale, beta, fmt, out_fmt):
+    """``out[out_start + i - start] = fma(x[i] - mean, scale, beta)`` for ``i`` in
+    ``[start, stop)``: ``x`` decoded with ``fmt``, the result stored in ``out_fmt`` (both 1-D,
+    C-contiguous), LANES elements per step and one masked step at the end, so that a short
+    channel row costs a few vector operations and no loop remainder."""
+    sig = types.void(x, types.intp, types.intp, out, types.intp, mean, mean, mean, fmt, out_fmt)
+    format_name, out_format_name = fmt.format_name, out_fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        x_struct, out_struct = array_structs(context, builder, signature, args, 0, 3)
+        start, stop, out_start = args[1], args[2], args[4]
+        vector = ir.VectorType(context.get_data_type(signature.args[5]), LANES)
+        mean_lanes, scale_lanes, beta_lanes = (splat(builder, vector, value) for value in args[5:8])
+        offset = builder.sub(out_start, start)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            result = fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
+            pointer = builder.gep(out_struct.data, [builder.add(position, offset)])
+            store_lanes(builder, pointer, result, out_format_name, used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @helper
 def _shift_of(first, zero):
     """The shift a group's first pass sums from: its first element, or 0 when that is an
@@ -71,16 +100,38 @@ def _group_rstd(t1, t2, count, eps, zero, one):
 
 
 @leaf_helper
-def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
-    """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
-    Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
+def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta, activate_swish, swish_scale, fmt):
+    """``y = (x - mean) * (rstd*gamma) + beta`` (one rounding: fma), then Swish when
+    ``activate_swish``, for groups ``[first, last)`` of one image (``x``, ``y``: its flat
+    ``(C*HxW,)`` rows; ``mean``, ``rstd``: its ``(G,)`` statistics). Each group in chunks of
+    whole rows (or of :data:`STAGE_CHUNK` elements of a longer row), counted from the group's
+    start: each row's affine part into a scratch row, then the staged Swish over the whole chunk
+    (:func:`swish_rows`), so that short rows (4 x 4, 8 x 8) cost no loop of their own in the
+    Swish's stages. The chunks depend on the group alone, not on the task's groups: any NaN comes
+    out the same wherever the loops' vector and scalar code split (the task partition follows the
+    thread count)."""
     wide_vectors()
-    if activate_swish:
-        for i in range(x_row.shape[0]):
-            y_row[i] = store(swish(fma(load(x_row[i], fmt) - mean, scale, beta), swish_scale), fmt)
-    else:
-        for i in range(x_row.shape[0]):
-            y_row[i] = store(fma(load(x_row[i], fmt) - mean, scale, beta), fmt)
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, mean)
+    step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
+    size = group_size * hw
+    for group in range(first, last):
+        group_stop = (group + 1) * size
+        for chunk in range(group * size, group_stop, step):
+            chunk_stop = min(chunk + step, group_stop)
+            position = chunk
+            while position < chunk_stop:
+                c = position // hw
+                row_stop = min((c + 1) * hw, chunk_stop)
+                scale = rstd[group] * gamma[c]
+                if activate_swish:
+                    _affine_lanes(
+                        x, position, row_stop, scratch[0], position - chunk, mean[group], scale, beta[c], fmt, NATIVE
+                    )
+                else:
+                    _affine_lanes(x, position, row_stop, y, position, mean[group], scale, beta[c], fmt, fmt)
+                position = row_stop
+            if activate_swish:
+                swish_rows(scratch, swish_scale, y[chunk:chunk_stop], chunk_stop - chunk, fmt)
 
 
 @leaf_helper
@@ -163,11 +214,21 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
     if offset:
         mean[n, g + 1] = other_mean
         rstd[n, g + 1] = other_rstd
-    for c in range(g * group_size, last * group_size):
-        group = c // group_size
-        _normalise_row(
-            x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt
-        )
+    _normalise_groups(
+        x[n].reshape(channels * hw),
+        y[n].reshape(channels * hw),
+        hw,
+        g,
+        last,
+        group_size,
+        mean[n],
+        rstd[n],
+        gamma,
+        beta,
+        activate_swish,
+        swish_scale,
+        fmt,
+    )
 
 
 @parallel_kernel

@@ -199,6 +199,46 @@ def store_fence(typingctx):
     return types.void(), codegen
 
 
+#: Byte alignment of :func:`stack_array`'s memory (a cache line: vector loads never split one).
+STACK_ALIGN = 64
+
+
+@intrinsic(prefer_literal=True)
+def stack_array(typingctx, rows, columns, like):
+    """A C-contiguous ``(rows, columns)`` array of ``like``'s dtype in the calling function's
+    stack frame (``rows`` and ``columns`` integer constants): scratch rows a task fills and reads
+    back while they sit in L1, with no allocation (no reference count either: its meminfo is
+    null). It lives until the function that called this returns; its values start undefined."""
+    if not (
+        isinstance(rows, types.IntegerLiteral)
+        and isinstance(columns, types.IntegerLiteral)
+        and isinstance(like, types.Array)
+    ):
+        return None
+    shape = (rows.literal_value, columns.literal_value)
+    result = types.Array(like.dtype, 2, "C")
+
+    def codegen(context, builder, signature, args):
+        element = context.get_data_type(like.dtype)
+        itemsize = context.get_abi_sizeof(element)
+        with builder.goto_entry_block():
+            memory = builder.alloca(ir.ArrayType(element, shape[0] * shape[1]))
+            memory.align = STACK_ALIGN
+        array = context.make_array(result)(context, builder)
+        intp = context.get_value_type(types.intp)
+        context.populate_array(
+            array,
+            data=builder.bitcast(memory, element.as_pointer()),
+            shape=[intp(size) for size in shape],
+            strides=[intp(shape[1] * itemsize), intp(itemsize)],
+            itemsize=intp(itemsize),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return result(rows, columns, like), codegen
+
+
 @intrinsic
 def cells_per_line(typingctx, array):
     """Elements of ``array``'s type in one cache line (``LINE_BYTES // itemsize``), a constant
