@@ -11,12 +11,15 @@ from ._group_norm_math import (
     BLOCK,
     PARTIAL_SUMS,
     STAGE_CHUNK,
+    STAGE_OUT,
     STAGE_ROWS,
     SWISH_CLAMP32,
     SWISH_CLAMP64,
     WHOLE_ROWS_MAX_CHANNELS,
+    aligned,
     fma,
     lane_sums,
+    swish_argument,
     swish_derivative,
     swish_gradient_rows,
     task_groups,
@@ -122,21 +125,25 @@ def _fold_lanes(lanes, width, used):
 
 
 @intrinsic
-def _swish_argument_lanes(typingctx, x, start, stop, z, z_start, mean, rstd, gamma, beta, swish_scale, fmt):
-    """``z[z_start + i - start] = clamp(s * fma((x[i] - mean) * rstd, gamma, beta))`` for ``i`` in
-    ``[start, stop)`` (``x`` decoded with ``fmt``, ``z`` in the compute type; both 1-D,
-    C-contiguous): the argument of the Swish derivative, as :func:`_gnew_xhat` and
-    ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32`` (``SWISH_CLAMP64`` in float64).
-    LANES elements per step and one masked step at the end (no loop remainder)."""
-    sig = types.void(x, types.intp, types.intp, z, types.intp, mean, mean, mean, mean, mean, fmt)
+def _swish_argument_lanes(
+    typingctx, x, dy, start, stop, z, dy_values, z_start, mean, rstd, gamma, beta, swish_scale, fmt
+):
+    """For ``i`` in ``[start, stop)``: ``z[z_start + i - start] = clamp(s * fma((x[i] - mean) *
+    rstd, gamma, beta))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
+    ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32``, ``SWISH_CLAMP64`` in float64)
+    and ``dy_values[z_start + i - start] = dy[i]`` (decoded): ``x`` and ``dy`` in ``fmt``, ``z``
+    and ``dy_values`` in the compute type, all 1-D and C-contiguous. LANES elements per step
+    and one masked step at the end (no loop remainder): a short channel row costs a few vector
+    operations."""
+    sig = types.void(x, dy, types.intp, types.intp, z, dy_values, types.intp, mean, mean, mean, mean, mean, fmt)
     format_name = fmt.format_name
     limit_value = float(SWISH_CLAMP64 if mean == types.float64 else SWISH_CLAMP32)
 
     def codegen(context, builder, signature, args):
-        x_struct, z_struct = array_structs(context, builder, signature, args, 0, 3)
-        start, stop, z_start = args[1], args[2], args[4]
-        vector = ir.VectorType(context.get_data_type(signature.args[5]), LANES)
-        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[5:10])
+        x_struct, dy_struct, z_struct, dy_out = array_structs(context, builder, signature, args, 0, 1, 4, 5)
+        start, stop, z_start = args[2], args[3], args[6]
+        vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
+        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[7:12])
         limit = ir.Constant(vector, [limit_value] * LANES)
         negative_limit = ir.Constant(vector, [-limit_value] * LANES)
         offset = builder.sub(z_start, start)
@@ -148,7 +155,10 @@ def _swish_argument_lanes(typingctx, x, start, stop, z, z_start, mean, rstd, gam
             # as _clamp: a NaN fails both comparisons and stays
             argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
             argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
-            store_lanes(builder, builder.gep(z_struct.data, [builder.add(position, offset)]), argument, "native", used)
+            at = builder.add(position, offset)
+            store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
+            gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
+            store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
 
         for_each_vector(builder, start, stop, body)
         return context.get_dummy_value()
@@ -161,8 +171,9 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
     """``gnew[i - first] = dy[i] * swish_derivative(s * y[i])`` for the flat positions ``[first,
     stop)`` of one image's group (``dy``, ``x``: the image's flat ``(C*HxW,)`` rows; ``gnew``
     compute-type): in chunks of whole rows (or of :data:`STAGE_CHUNK` elements of a longer
-    row), each row's argument ``z`` into a scratch row (:func:`_swish_argument_lanes`), then the
-    staged derivative over the whole chunk (:func:`swish_gradient_rows`)."""
+    row) cut from the group's start, each row's argument ``z`` and its dy into scratch rows
+    (:func:`_swish_argument_lanes`), then the staged derivative over the whole chunk
+    (:func:`swish_gradient_rows`)."""
     wide_vectors()
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
     step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
@@ -173,11 +184,22 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
             c = position // hw
             row_stop = min((c + 1) * hw, chunk_stop)
             _swish_argument_lanes(
-                x, position, row_stop, scratch[0], position - chunk, mean, rstd, gamma[c], beta[c], swish_scale, fmt
+                x,
+                dy,
+                position,
+                row_stop,
+                scratch[0],
+                scratch[3],
+                position - chunk,
+                mean,
+                rstd,
+                gamma[c],
+                beta[c],
+                swish_scale,
+                fmt,
             )
             position = row_stop
-        count = chunk_stop - chunk
-        swish_gradient_rows(scratch, dy[chunk:chunk_stop], gnew[chunk - first : chunk_stop - first], count, fmt)
+        swish_gradient_rows(scratch, gnew[chunk - first : chunk_stop - first], chunk_stop - chunk)
 
 
 @leaf_helper
@@ -203,6 +225,105 @@ def _gnew_run_overload(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, sw
     return lambda dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt: _gnew_staged(
         dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt
     )
+
+
+@leaf_helper
+def _swish_argument_tiled(dy, x, z, dy_values, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """``z[j]`` = the clamped ``s*y`` of ``x[j]`` with the tiles' constants, and ``dy_values[j]`` =
+    ``dy[j]`` decoded, for ``j < count``."""
+    wide_vectors()
+    for j in range(count):
+        xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+        z[j] = swish_argument(fma(xhat, tile_gamma[j], tile_beta[j]), swish_scale)
+        dy_values[j] = load(dy[j], fmt)
+
+
+@leaf_helper
+def _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """``scratch[STAGE_OUT][j] = gnew`` of the piece's ``j < count`` elements (NHWC, with the
+    tiles' constants): the staged derivative over a whole number of STAGE_ALIGN elements (the
+    piece starts where the task's channel run does, which follows the thread count)."""
+    wide_vectors()
+    _swish_argument_tiled(
+        dy, x, scratch[0], scratch[3], tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt
+    )
+    swish_gradient_rows(scratch, scratch[STAGE_OUT], aligned(count))
+
+
+@leaf_helper
+def _piece_gnew_plain(dy, scratch, count, fmt):
+    wide_vectors()
+    values = scratch[STAGE_OUT]
+    for j in range(count):
+        values[j] = load(dy[j], fmt)
+
+
+def _piece_gnew(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """gnew of an NHWC piece into ``scratch[STAGE_OUT]``: :func:`_piece_gnew_staged`, or dy itself when
+    ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit only)."""
+    raise NotImplementedError("_piece_gnew() is only callable from @njit code")
+
+
+@overload(_piece_gnew, inline="always")
+def _piece_gnew_overload(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+            _piece_gnew_plain(dy, scratch, count, fmt)
+        )
+    return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+        _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt)
+    )
+
+
+@leaf_helper
+def _nhwc_step_first_pass(
+    dy, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, size, fmt
+):
+    """An NHWC step's first pass (all 1-D, from the step's first element; ``lanes_g``,
+    ``lanes_gx`` from the step's lane): in pieces of :data:`STAGE_CHUNK`, gnew into a scratch
+    row (:func:`_piece_gnew`), then per element gnew stored and added to its lanes
+    (``gnew`` and ``gnew * xhat``)."""
+    wide_vectors()
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
+    values = scratch[STAGE_OUT]
+    for piece in range(0, size, STAGE_CHUNK):
+        count = min(STAGE_CHUNK, size - piece)
+        _piece_gnew(
+            dy[piece:],
+            x[piece:],
+            scratch,
+            tile_mean[piece:],
+            tile_rstd[piece:],
+            tile_gamma[piece:],
+            tile_beta[piece:],
+            swish_scale,
+            count,
+            fmt,
+        )
+        _store_and_add_lanes(
+            values,
+            x[piece:],
+            gnew[piece:],
+            lanes_g[piece:],
+            lanes_gx[piece:],
+            tile_mean[piece:],
+            tile_rstd[piece:],
+            count,
+            fmt,
+        )
+
+
+@leaf_helper
+def _store_and_add_lanes(values, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rstd, count, fmt):
+    """``gnew[j] = values[j]``, ``lanes_g[j] += gnew``, ``lanes_gx[j] += gnew * xhat`` (``xhat``
+    as :func:`_gnew_xhat` forms it) for ``j < count``."""
+    wide_vectors()
+    for j in range(count):
+        g = values[j]
+        gnew[j] = g
+        xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+        lanes_g[j] += g
+        lanes_gx[j] += g * xhat
 
 
 # ---- where a task keeps gnew between its passes -------------------------------------------------
@@ -404,19 +525,20 @@ def _nhwc_task(
             step_dy = flat_dy[first : first + size]
             step_x = flat_x[first : first + size]
             step_gnew = gnew_all[gnew_first : gnew_first + size]
-            for j in range(size):
-                gnew, xhat = _gnew_xhat(
-                    load(step_dy[j], fmt),
-                    load(step_x[j], fmt),
-                    tile_mean[j],
-                    tile_rstd[j],
-                    tile_gamma[j],
-                    tile_beta[j],
-                    swish_scale,
-                )
-                step_gnew[j] = gnew
-                lanes_g[lane + j] += gnew
-                lanes_gx[lane + j] += gnew * xhat
+            _nhwc_step_first_pass(
+                step_dy,
+                step_x,
+                step_gnew,
+                lanes_g[lane:],
+                lanes_gx[lane:],
+                tile_mean,
+                tile_rstd,
+                tile_gamma,
+                tile_beta,
+                swish_scale,
+                size,
+                fmt,
+            )
         _fold_lanes(lanes_g, width, used)
         _fold_lanes(lanes_gx, width, used)
         total_g += lanes_g[:width]

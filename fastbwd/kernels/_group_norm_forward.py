@@ -16,7 +16,18 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ._group_norm_math import BLOCK, STAGE_CHUNK, STAGE_ROWS, fma, lane_sums, swish, swish_rows, task_groups
+from ._group_norm_math import (
+    BLOCK,
+    STAGE_CHUNK,
+    STAGE_OUT,
+    STAGE_ROWS,
+    aligned,
+    fma,
+    lane_sums,
+    store_rows,
+    swish_rows,
+    task_groups,
+)
 from ._halfbits import NATIVE, load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
@@ -313,15 +324,68 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
         rstd[n, g] = group_rstd
         for k in range(first, first + group_size):
             scale[k] = group_rstd * gamma[start + k]
-    channel_beta = beta[start : start + width]
-    for i in range(hw):
-        x_row = x[n, i, start : start + width]
-        y_row = y[n, i, start : start + width]
-        if activate_swish:
+    _nhwc_normalise(
+        x[n].reshape(hw * channels),
+        y[n].reshape(hw * channels),
+        channels,
+        start,
+        center,
+        scale,
+        beta[start : start + width],
+        activate_swish,
+        swish_scale,
+        fmt,
+    )
+
+
+@leaf_helper
+def _nhwc_affine(x, y, count, center, scale, beta, fmt):
+    """``y[k] = fma(x[k] - center[k], scale[k], beta[k])`` for ``k < count`` (``x`` decoded with
+    ``fmt``, ``y`` compute-type)."""
+    wide_vectors()
+    for k in range(count):
+        y[k] = fma(load(x[k], fmt) - center[k], scale[k], beta[k])
+
+
+@leaf_helper
+def _nhwc_normalise(x, y, channels, start, center, scale, beta, activate_swish, swish_scale, fmt):
+    """y for the channels ``[start, start + width)`` of every position of one image (``x``, ``y``:
+    its flat ``(HxW*C,)`` rows; ``center``, ``scale``, ``beta``: the run's per-channel mean,
+    rstd*gamma and beta, ``width`` long). Staged Swish (:func:`swish_rows`) over chunks of whole
+    positions when the run spans all channels (contiguous), else of one position's run."""
+    wide_vectors()
+    width = center.shape[0]
+    hw = x.shape[0] // channels
+    if not activate_swish:
+        for i in range(hw):
+            row = i * channels + start
             for k in range(width):
-                y_row[k] = store(
-                    swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), swish_scale), fmt
-                )
-        else:
-            for k in range(width):
-                y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)
+                y[row + k] = store(fma(load(x[row + k], fmt) - center[k], scale[k], beta[k]), fmt)
+        return
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, center)
+    values = scratch[0]
+    per_chunk = max(1, STAGE_CHUNK // width) if width == channels else 1
+    for first in range(0, hw, per_chunk):
+        last = min(first + per_chunk, hw)
+        if per_chunk > 1:
+            for i in range(first, last):
+                row = i * channels
+                _nhwc_affine(x[row : row + width], values[(i - first) * width :], width, center, scale, beta, fmt)
+            _swish_run(scratch, swish_scale, y[first * channels :], (last - first) * width, fmt)
+            continue
+        row = first * channels + start
+        for piece in range(0, width, STAGE_CHUNK):
+            count = min(STAGE_CHUNK, width - piece)
+            _nhwc_affine(x[row + piece :], values, count, center[piece:], scale[piece:], beta[piece:], fmt)
+            _swish_run(scratch, swish_scale, y[row + piece :], count, fmt)
+
+
+@leaf_helper
+def _swish_run(scratch, swish_scale, out, count, fmt):
+    """:func:`swish_rows` of ``scratch[0]``'s first ``count`` elements into ``out``, for an NHWC
+    run: over a whole number of STAGE_ALIGN elements into a scratch row (vector loop
+    bodies alone: the run starts where the task's channels do, which follows the thread count),
+    then copied out (:func:`store_rows`)."""
+    wide_vectors()
+    swish_rows(scratch, swish_scale, scratch[STAGE_OUT], aligned(count), NATIVE)
+    store_rows(scratch[STAGE_OUT], out, count, fmt)

@@ -16,7 +16,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._halfbits import float32_as_uint32, load, store, uint32_as_float32
+from ._halfbits import float32_as_uint32, store, uint32_as_float32
 from ._jit import helper, leaf_helper, wide_vectors
 from ._lanes import LANES, fold_lanes_by_halving, for_each_vector
 
@@ -157,6 +157,19 @@ def swish_derivative_float64(z):
     return _swish_derivative_from(z, math.exp(-abs(z)), _ONE64)
 
 
+def swish_argument(y, swish_scale):
+    """``s*y`` clamped as the Swish derivative clamps it (+-104 in float32, +-750 in float64),
+    in y's precision (njit only)."""
+    raise NotImplementedError("swish_argument() is only callable from @njit code")
+
+
+@overload(swish_argument, inline="always")
+def _swish_argument(y, swish_scale):
+    if y == types.float64:
+        return lambda y, swish_scale: _clamp(swish_scale * y, SWISH_CLAMP64)
+    return lambda y, swish_scale: _clamp(swish_scale * y, SWISH_CLAMP32)
+
+
 def swish_derivative(z):
     """The Swish derivative in z's precision (njit only): float32 or float64."""
     raise NotImplementedError("swish_derivative() is only callable from @njit code")
@@ -240,17 +253,38 @@ def _swish(y, swish_scale):
 # ---- the staged Swish loops -----------------------------------------------------------------
 # One loop evaluating Swish or its derivative per element is bound by the latency of that
 # element's chain of dependent operations (~95 cycles: the exp's reduction, five Horner fmas,
-# the division), of which the out-of-order window holds only a few vectors' worth. So the float32
-# rows go through short loops instead, one per stage of the chain, each over a chunk of up to
+# the division), of which the out-of-order window holds only a few vectors' worth. So float32
+# goes through short loops instead, one per stage of the chain, over chunks of up to
 # STAGE_CHUNK elements whose intermediates wait in L1 scratch rows: the same operations on each
 # element in the same order (float32 values stored exactly), the same bits, 1.3-1.5x faster
 # (docs/history.md, issue 53). float64 (math.exp: a libm call, no vector loop) stays one loop.
+#
+# A NaN's sign may differ between a vector loop's body and its scalar remainder (instruction
+# selection orders a commutative operation's operands as it likes, and Swish meets a NaN with
+# the exp of its absolute value). So which elements of a row take the remainder must depend on
+# the problem alone, never on the task partition (which follows the thread count): the NCHW
+# kernels cut chunks from each group's start; the NHWC ones, whose channel runs follow the
+# thread count, run the last stage over a whole number of STAGE_ALIGN elements (the scratch
+# rows' tails computed and ignored: vector bodies only) and copy the chunk out.
 
-#: Elements per chunk of the staged loops: their three scratch rows (6 KB in float32) stay in L1.
+#: Elements per chunk of the staged loops: their scratch rows (2 KB each in float32) stay in L1.
 STAGE_CHUNK = 512
-#: Scratch rows the staged loops take (``stack_array(STAGE_ROWS, STAGE_CHUNK, ...)``): row 0 the
-#: chunk's input (y or z, filled by the caller), rows 1 and 2 the exp's intermediates.
-STAGE_ROWS = 3
+#: A multiple of the elements of any target's vector loop iteration (16 float32 lanes,
+#: interleaved up to 4 times): a loop over a multiple of it runs its vector body alone.
+STAGE_ALIGN = 64
+#: Scratch rows the staged loops take (``stack_array(STAGE_ROWS, STAGE_CHUNK, ...)``): row 0
+#: the chunk's input (y or z), rows 1 and 2 the exp's intermediates, row 3 the derivative's dy
+#: (the caller fills rows 0 and 3), row 4 a result kept in scratch (:data:`STAGE_OUT`): a loop
+#: writing a row it reads fails LLVM's run-time overlap check and runs scalar.
+STAGE_ROWS = 5
+STAGE_OUT = 4
+
+
+@helper
+def aligned(count):
+    """``count`` rounded up to a multiple of :data:`STAGE_ALIGN` (at most STAGE_CHUNK when
+    ``count`` is)."""
+    return (count + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
 
 
 @leaf_helper
@@ -293,21 +327,31 @@ def _swish_finish_rows(y, swish_scale, shifted, exp_r, out, count, fmt):
 
 
 @leaf_helper
-def _swish_gradient_finish_rows(z, shifted, exp_r, dy, gnew, count, fmt):
-    """Stage 3 of the derivative: ``gnew[i] = dy[i] * swish_derivative_float32(z[i])`` (``z``
-    already clamped, ``dy`` decoded from ``fmt``)."""
+def _swish_gradient_finish_rows(z, shifted, exp_r, dy, out, count):
+    """Stage 3 of the derivative: ``out[i] = dy[i] * swish_derivative_float32(z[i])`` (``z``
+    already clamped, ``dy`` decoded)."""
     wide_vectors()
     for i in range(count):
         z_i = z[i]
         e = _exp_scaled(-abs(z_i), shifted[i], exp_r[i])
-        gnew[i] = load(dy[i], fmt) * _swish_derivative_from(z_i, e, _ONE32)
+        out[i] = dy[i] * _swish_derivative_from(z_i, e, _ONE32)
+
+
+@leaf_helper
+def store_rows(values, out, count, fmt):
+    """``out[i] = store(values[i], fmt)`` for ``i < count``: a copy, or the half formats'
+    rounding (exact operations: any loop shape gives the same bits)."""
+    wide_vectors()
+    for i in range(count):
+        out[i] = store(values[i], fmt)
 
 
 @leaf_helper
 def _swish_rows_float32(scratch, swish_scale, out, count, fmt):
     wide_vectors()
-    _swish_reduction_rows(scratch[0], swish_scale, scratch[1], scratch[2], count)
-    _exp_polynomial_rows(scratch[2], count)
+    whole = aligned(count)
+    _swish_reduction_rows(scratch[0], swish_scale, scratch[1], scratch[2], whole)
+    _exp_polynomial_rows(scratch[2], whole)
     _swish_finish_rows(scratch[0], swish_scale, scratch[1], scratch[2], out, count, fmt)
 
 
@@ -320,26 +364,28 @@ def _swish_rows_float64(scratch, swish_scale, out, count, fmt):
 
 
 @leaf_helper
-def _swish_gradient_rows_float32(scratch, dy, gnew, count, fmt):
+def _swish_gradient_rows_float32(scratch, out, count):
     wide_vectors()
-    _exp_reduction_rows(scratch[0], scratch[1], scratch[2], count)
-    _exp_polynomial_rows(scratch[2], count)
-    _swish_gradient_finish_rows(scratch[0], scratch[1], scratch[2], dy, gnew, count, fmt)
+    whole = aligned(count)
+    _exp_reduction_rows(scratch[0], scratch[1], scratch[2], whole)
+    _exp_polynomial_rows(scratch[2], whole)
+    _swish_gradient_finish_rows(scratch[0], scratch[1], scratch[2], scratch[3], out, count)
 
 
 @leaf_helper
-def _swish_gradient_rows_float64(scratch, dy, gnew, count, fmt):
+def _swish_gradient_rows_float64(scratch, out, count):
     wide_vectors()
     z = scratch[0]
+    dy = scratch[3]
     for i in range(count):
         z_i = z[i]
-        gnew[i] = load(dy[i], fmt) * _swish_derivative_from(z_i, math.exp(-abs(z_i)), _ONE64)
+        out[i] = dy[i] * _swish_derivative_from(z_i, math.exp(-abs(z_i)), _ONE64)
 
 
 def swish_rows(scratch, swish_scale, out, count, fmt):
     """``out[i] = store(swish(y[i]), fmt)`` for ``i < count <= STAGE_CHUNK``, ``y`` the
-    compute-type ``scratch[0]`` (``scratch``: :data:`STAGE_ROWS` rows, the others overwritten);
-    staged in float32 (njit only)."""
+    compute-type ``scratch[0]`` (``scratch``: :data:`STAGE_ROWS` rows of STAGE_CHUNK; rows 1
+    and 2 overwritten); staged in float32 (njit only). ``out`` may be ``scratch[STAGE_OUT]``."""
     raise NotImplementedError("swish_rows() is only callable from @njit code")
 
 
@@ -350,15 +396,16 @@ def _swish_rows(scratch, swish_scale, out, count, fmt):
     return lambda scratch, swish_scale, out, count, fmt: _swish_rows_float32(scratch, swish_scale, out, count, fmt)
 
 
-def swish_gradient_rows(scratch, dy, gnew, count, fmt):
-    """``gnew[i] = load(dy[i], fmt) * swish_derivative(z[i])`` for ``i < count <= STAGE_CHUNK``,
-    ``z`` (clamped, :func:`_clamp`) the compute-type ``scratch[0]`` (the other rows
-    overwritten); staged in float32 (njit only)."""
+def swish_gradient_rows(scratch, out, count):
+    """``out[i] = dy[i] * swish_derivative(z[i])`` for ``i < count <= STAGE_CHUNK``, ``z``
+    (clamped, :func:`swish_argument`) and ``dy`` the compute-type ``scratch[0]`` and
+    ``scratch[3]`` (rows 1 and 2 overwritten); staged in float32 (njit only). ``out`` may be
+    ``scratch[STAGE_OUT]``."""
     raise NotImplementedError("swish_gradient_rows() is only callable from @njit code")
 
 
 @overload(swish_gradient_rows, inline="always")
-def _swish_gradient_rows(scratch, dy, gnew, count, fmt):
+def _swish_gradient_rows(scratch, out, count):
     if scratch.dtype == types.float64:
-        return lambda scratch, dy, gnew, count, fmt: _swish_gradient_rows_float64(scratch, dy, gnew, count, fmt)
-    return lambda scratch, dy, gnew, count, fmt: _swish_gradient_rows_float32(scratch, dy, gnew, count, fmt)
+        return lambda scratch, out, count: _swish_gradient_rows_float64(scratch, out, count)
+    return lambda scratch, out, count: _swish_gradient_rows_float32(scratch, out, count)
