@@ -180,8 +180,8 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
     for chunk in range(first, stop, step):
         chunk_stop = min(chunk + step, stop)
         position = chunk
+        c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
         while position < chunk_stop:
-            c = position // hw
             row_stop = min((c + 1) * hw, chunk_stop)
             _swish_argument_lanes(
                 x,
@@ -199,6 +199,7 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
                 fmt,
             )
             position = row_stop
+            c += 1
         swish_gradient_rows(scratch, gnew[chunk - first : chunk_stop - first], chunk_stop - chunk)
 
 
@@ -388,54 +389,98 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
-    count = sum_g.dtype.type(group_size * hw)
     in_place = _gnew_in_dx(dx, sum_g)
     for task in prange(batch * groups):
         wide_vectors()
         n = task // groups
         g = task - n * groups
-        start = g * group_size
-        group_mean = mean[n, g]
-        group_rstd = rstd[n, g]
         gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
-        gnew_first = start if in_place else 0
-        _gnew_run(
-            dy[n].reshape(channels * hw),
-            x[n].reshape(channels * hw),
-            gnew_rows[gnew_first : gnew_first + group_size].reshape(group_size * hw),
-            hw,
-            start * hw,
-            (start + group_size) * hw,
-            group_mean,
-            group_rstd,
-            gamma,
-            beta,
-            swish_scale,
-            fmt,
+        _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt)
+
+
+@leaf_helper
+def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt):
+    """Task ``(n, g)`` of the NCHW kernel, its gnew in ``gnew_rows`` (``dx[n]``, from the group's
+    first channel, when ``in_place``; else a ``(D, HxW)`` scratch). A leaf helper (no reference
+    counting): a row view in the kernel's body costs two atomic operations, much of a short
+    row's time."""
+    wide_vectors()
+    _, channels, hw = x.shape
+    group_size = channels // mean.shape[1]
+    count = sum_g.dtype.type(group_size * hw)
+    start = g * group_size
+    group_mean = mean[n, g]
+    group_rstd = rstd[n, g]
+    gnew_first = start if in_place else 0
+    flat_x = x[n].reshape(channels * hw)
+    flat_gnew = gnew_rows[gnew_first : gnew_first + group_size].reshape(group_size * hw)
+    _gnew_run(
+        dy[n].reshape(channels * hw),
+        flat_x,
+        flat_gnew,
+        hw,
+        start * hw,
+        (start + group_size) * hw,
+        group_mean,
+        group_rstd,
+        gamma,
+        beta,
+        swish_scale,
+        fmt,
+    )
+    for k in range(group_size):
+        c = start + k
+        x_row = x[n, c]
+        gnew_row = gnew_rows[gnew_first + k]
+        total_g = sum_g.dtype.type(0)
+        total_gx = total_g
+        for block_start in range(0, hw, BLOCK):
+            block_stop = min(block_start + BLOCK, hw)
+            block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
+            total_g += block_g
+            total_gx += block_gx
+        sum_g[n, c] = total_g
+        sum_gx[n, c] = total_gx
+    c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
+    flat_dx = dx[n].reshape(channels * hw)
+    for k in range(group_size):
+        c = start + k
+        _dx_lanes(
+            flat_gnew, flat_x, flat_dx, c * hw, (c + 1) * hw, start * hw, group_mean, group_rstd, gamma[c], c1, c2, fmt
         )
-        for k in range(group_size):
-            c = start + k
-            x_row = x[n, c]
-            gnew_row = gnew_rows[gnew_first + k]
-            total_g = sum_g.dtype.type(0)
-            total_gx = total_g
-            for block_start in range(0, hw, BLOCK):
-                block_stop = min(block_start + BLOCK, hw)
-                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
-                total_g += block_g
-                total_gx += block_gx
-            sum_g[n, c] = total_g
-            sum_gx[n, c] = total_gx
-        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
-        for k in range(group_size):
-            c = start + k
-            x_row = x[n, c]
-            dx_row = dx[n, c]
-            gnew_row = gnew_rows[gnew_first + k]
-            channel_gamma = gamma[c]
-            for i in range(hw):
-                xhat = (load(x_row[i], fmt) - group_mean) * group_rstd
-                dx_row[i] = store(_dx(gnew_row[i], xhat, group_rstd, channel_gamma, c1, c2), fmt)
+
+
+@intrinsic
+def _dx_lanes(typingctx, gnew, x, dx, start, stop, gnew_first, mean, rstd, gamma, c1, c2, fmt):
+    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma, -fma(xhat, c2, c1))`` with ``xhat = (x[i] -
+    mean) * rstd`` (:func:`_dx`), for ``i`` in ``[start, stop)``: ``x`` and ``dx`` in ``fmt``,
+    ``gnew`` in the compute type, all 1-D and C-contiguous. LANES elements per step and one
+    masked step at the end: a short channel row costs a few vector operations."""
+    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, mean, mean, mean, mean, mean, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        gnew_struct, x_struct, dx_struct = array_structs(context, builder, signature, args, 0, 1, 2)
+        start, stop, gnew_first = args[3], args[4], args[5]
+        vector = ir.VectorType(context.get_data_type(signature.args[6]), LANES)
+        mean_lanes, rstd_lanes, gamma_lanes, c1_lanes, c2_lanes = (splat(builder, vector, v) for v in args[6:11])
+        negative_zero = ir.Constant(vector, [-0.0] * LANES)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            g = decode_lanes(
+                builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
+            )
+            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+            # -fma(...) as Numba negates a float: -0.0 - value
+            inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
+            result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
+            store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # ---- NHWC: x, dy, dx as (N, HxW, C) -----------------------------------------------------------
@@ -490,13 +535,18 @@ def _nhwc_task(
     tile_rstd = np.empty(tiled, sum_g.dtype)
     tile_gamma = np.empty(tiled, sum_g.dtype)
     tile_beta = np.empty(tiled, sum_g.dtype)
-    for j in range(tiled):
-        k = j % width
-        group = first_group + k // group_size
-        tile_mean[j] = mean[n, group]
-        tile_rstd[j] = rstd[n, group]
-        tile_gamma[j] = gamma[start + k]
-        tile_beta[j] = beta[start + k]
+    for k in range(width):
+        tile_gamma[k] = gamma[start + k]
+        tile_beta[k] = beta[start + k]
+    for group in range(first_group, last_group):
+        for k in range((group - first_group) * group_size, (group - first_group + 1) * group_size):
+            tile_mean[k] = mean[n, group]
+            tile_rstd[k] = rstd[n, group]
+    for j in range(width, tiled):  # the other positions of a step: copies of the first's
+        tile_mean[j] = tile_mean[j - width]
+        tile_rstd[j] = tile_rstd[j - width]
+        tile_gamma[j] = tile_gamma[j - width]
+        tile_beta[j] = tile_beta[j - width]
     flat_dy = dy[n].reshape(hw * channels)
     flat_x = x[n].reshape(hw * channels)
     flat_dx = dx[n].reshape(hw * channels)

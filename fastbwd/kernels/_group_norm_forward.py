@@ -130,8 +130,8 @@ def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta
         for chunk in range(group * size, group_stop, step):
             chunk_stop = min(chunk + step, group_stop)
             position = chunk
+            c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
             while position < chunk_stop:
-                c = position // hw
                 row_stop = min((c + 1) * hw, chunk_stop)
                 scale = rstd[group] * gamma[c]
                 if activate_swish:
@@ -141,6 +141,7 @@ def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta
                 else:
                     _affine_lanes(x, position, row_stop, y, position, mean[group], scale, beta[c], fmt, fmt)
                 position = row_stop
+                c += 1
             if activate_swish:
                 swish_rows(scratch, swish_scale, y[chunk:chunk_stop], chunk_stop - chunk, fmt)
 
