@@ -27,7 +27,7 @@ from ._group_norm_math import (
 from ._halfbits import load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
-from ._memory import copy_out, stack_array, store_fence
+from ._memory import copy_out, flat_rows, stack_array, store_fence
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
@@ -412,10 +412,10 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
     group_mean = mean[n, g]
     group_rstd = rstd[n, g]
     gnew_first = start if in_place else 0
-    flat_x = x[n].reshape(channels * hw)
-    flat_gnew = gnew_rows[gnew_first : gnew_first + group_size].reshape(group_size * hw)
+    flat_x = flat_rows(x, n, n + 1)
+    flat_gnew = flat_rows(gnew_rows, gnew_first, gnew_first + group_size)
     _gnew_run(
-        dy[n].reshape(channels * hw),
+        flat_rows(dy, n, n + 1),
         flat_x,
         flat_gnew,
         hw,
@@ -442,7 +442,7 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
         sum_g[n, c] = total_g
         sum_gx[n, c] = total_gx
     c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
-    flat_dx = dx[n].reshape(channels * hw)
+    flat_dx = flat_rows(dx, n, n + 1)
     for k in range(group_size):
         c = start + k
         _dx_lanes(
@@ -547,9 +547,9 @@ def _nhwc_task(
         tile_rstd[j] = tile_rstd[j - width]
         tile_gamma[j] = tile_gamma[j - width]
         tile_beta[j] = tile_beta[j - width]
-    flat_dy = dy[n].reshape(hw * channels)
-    flat_x = x[n].reshape(hw * channels)
-    flat_dx = dx[n].reshape(hw * channels)
+    flat_dy = flat_rows(dy, n, n + 1)
+    flat_x = flat_rows(x, n, n + 1)
+    flat_dx = flat_rows(dx, n, n + 1)
     # gnew of position i at gnew_all[i * gnew_stride + gnew_start:][:width]: in the task's own dx
     # elements when dx has the compute type (float32, float64), else in a scratch array
     in_place = _gnew_in_dx(dx, sum_g)

@@ -31,7 +31,7 @@ from ._group_norm_math import (
 from ._halfbits import NATIVE, load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
-from ._memory import stack_array
+from ._memory import flat_rows, stack_array
 
 
 @intrinsic
@@ -219,7 +219,7 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
     count = mean.dtype.type(size)
     offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
     group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
-        x[n].reshape(channels * hw), g * size, size, offset, count, eps, zero, one, fmt
+        flat_rows(x, n, n + 1), g * size, size, offset, count, eps, zero, one, fmt
     )
     mean[n, g] = group_mean
     rstd[n, g] = group_rstd
@@ -227,8 +227,8 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
         mean[n, g + 1] = other_mean
         rstd[n, g + 1] = other_rstd
     _normalise_groups(
-        x[n].reshape(channels * hw),
-        y[n].reshape(channels * hw),
+        flat_rows(x, n, n + 1),
+        flat_rows(y, n, n + 1),
         hw,
         g,
         last,
@@ -326,8 +326,8 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
         for k in range(first, first + group_size):
             scale[k] = group_rstd * gamma[start + k]
     _nhwc_normalise(
-        x[n].reshape(hw * channels),
-        y[n].reshape(hw * channels),
+        flat_rows(x, n, n + 1),
+        flat_rows(y, n, n + 1),
         channels,
         start,
         center,

@@ -10,6 +10,7 @@ cache first. The bytes are copied unchanged, so the choice never changes a resul
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ._jit import leaf_helper
@@ -197,6 +198,38 @@ def store_fence(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+@intrinsic
+def flat_rows(typingctx, array, first, stop):
+    """``array[first:stop]`` of a C-contiguous array of rank 2 or more as a 1-D view (``first <=
+    stop`` within the leading axis: no check). Where ``array[n].reshape(size)`` calls Numba's
+    run-time helper (a C call per view: on small groups a visible share of a task), this is a
+    few integer operations."""
+    if not (isinstance(array, types.Array) and array.layout == "C" and array.ndim >= 2):
+        return None
+    result = array.copy(ndim=1, layout="C")
+
+    def codegen(context, builder, signature, args):
+        (source,) = array_structs(context, builder, signature, args, 0)
+        row = cgutils.unpack_tuple(builder, source.shape)[1:]
+        row_size = row[0]
+        for size in row[1:]:
+            row_size = builder.mul(row_size, size)
+        start = builder.mul(args[1], row_size)
+        view = context.make_array(result)(context, builder)
+        context.populate_array(
+            view,
+            data=builder.gep(source.data, [start]),
+            shape=[builder.mul(builder.sub(args[2], args[1]), row_size)],
+            strides=[source.itemsize],
+            itemsize=source.itemsize,
+            meminfo=source.meminfo,
+            parent=source.parent,
+        )
+        return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+    return result(array, types.intp, types.intp), codegen
 
 
 #: Byte alignment of :func:`stack_array`'s memory (a cache line: vector loads never split one).
