@@ -19,7 +19,7 @@ from fastbwd.kernels import _group_norm_forward as forward
 from fastbwd.kernels import _group_norm_math as math_
 from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.kernels._halfbits import BFLOAT16, FLOAT16, NATIVE, load, store
-from fastbwd.kernels._memory import stack_array
+from fastbwd.kernels._memory import flat_rows, stack_array
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
@@ -211,6 +211,24 @@ def test_stack_array_is_a_c_contiguous_array_of_the_like_dtype(dtype):
     values = np.arange(64, dtype=dtype)
     total, rows, columns, stride = _stack_sum(values)
     assert (total, rows, columns, stride) == (2 * values.sum(), 3, 64, 64 * dtype.itemsize)
+
+
+@numba.njit
+def _flat_rows_view(array, first, stop):
+    view = flat_rows(array, first, stop)
+    view[0] = -1  # a view, not a copy
+    return view.copy(), view.strides[0]
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (2, 3, 4, 2), (4, 7)], ids=str)
+def test_flat_rows_is_the_flat_view_of_leading_rows(shape):
+    array = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for first, stop in ((0, 1), (1, shape[0]), (shape[0] - 1, shape[0])):
+        copy = array.copy()
+        values, stride = _flat_rows_view(copy, first, stop)
+        expected = array[first:stop].reshape(-1)
+        assert stride == 4 and np.array_equal(values[1:], expected[1:]) and values[0] == -1
+        assert copy[first:stop].reshape(-1)[0] == -1 and np.array_equal(copy[:first], array[:first])
 
 
 # ---- the kernels: every chunking, every partition, NaN and infinities ------------------------
