@@ -343,7 +343,7 @@ class Run:
                     baseline=baseline,
                     baseline_ms=None if base_seconds is None else base_seconds * 1e3,
                     speedup=None if base_seconds is None else base_seconds / seconds,
-                    target=case.targets.get(baseline) if baseline else None,
+                    target=case.targets.get(baseline),  # the key None: a row without a baseline (a %bw target)
                     setup_s=setup,
                 ),
                 timing.series(i, b),

@@ -1,4 +1,4 @@
-"""PyTorch-bridge benchmarks T1-T8 (fastbwd.torch against plain PyTorch, same thread count), and O4/O5
+"""PyTorch-bridge benchmarks T1-T9 (fastbwd.torch against plain PyTorch, same thread count), and O4/O5
 (fastbwd's GroupNorm+Swish called directly on a tiny input against PyTorch's own ops)."""
 
 import contextlib
@@ -20,7 +20,7 @@ from .torch_cases import (  # noqa: E402
     prepared_cases,
 )
 
-#: T1-T8's ids, the same at both sizes.
+#: T1-T9's ids of the quick run: the same at both sizes, but for T9 (the full run has more).
 CASE_IDS = [case.id for case in cases(quick=True)]
 
 

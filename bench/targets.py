@@ -15,6 +15,8 @@ import re
 _AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*(?:x|×)")
 #: ``overhead <= 1 us``: a prepared call's microseconds over its bare kernel call (issue 46).
 _OVERHEAD_AT_MOST = re.compile(r"overhead\s*(?:<=|≤)\s*(\d+(?:\.\d+)?)\s*(?:us|µs)")
+#: ``>= 75% of copy``: the row's share of the copy yardstick's bandwidth, its ``%bw`` (issue 53).
+_COPY_SHARE_AT_LEAST = re.compile(r"(?:>=|≥)\s*(\d+(?:\.\d+)?)\s*%\s*of\s*copy")
 
 MET, MISSED, UNTRUSTED = "met", "missed", "not trustworthy"
 
@@ -27,6 +29,12 @@ STALL_LIMIT = 2.0
 def threshold(target):
     """The speed-up ``target`` asks for, or None when it asks for none."""
     match = _AT_LEAST.search(target or "")
+    return float(match.group(1)) if match else None
+
+
+def copy_share(target):
+    """The percentage of the copy yardstick's bandwidth ``target`` asks for, or None."""
+    match = _COPY_SHARE_AT_LEAST.search(target or "")
     return float(match.group(1)) if match else None
 
 
@@ -54,13 +62,17 @@ def trust_text(row, max_spread):
 
 
 def verdict(row, max_spread):
-    """MET, MISSED or UNTRUSTED for a row with a target and a speed-up; None otherwise."""
+    """MET, MISSED or UNTRUSTED for a row with a target and what it asks about (a speed-up, or
+    a share of the copy's bandwidth); None otherwise."""
     limit = threshold(row.get("target"))
-    if limit is None or row.get("speedup") is None:
+    share = copy_share(row.get("target"))
+    if limit is None and share is None:
+        return None
+    if (limit is not None and row.get("speedup") is None) or (share is not None and row.get("pct_bandwidth") is None):
         return None
     if noisy(row, max_spread) or stalled(row):
         return UNTRUSTED
-    met = row["speedup"] >= limit
+    met = (limit is None or row["speedup"] >= limit) and (share is None or row["pct_bandwidth"] >= share)
     overhead = overhead_limit(row.get("target"))
     if overhead is not None and row.get("overhead_us") is not None:
         met = met and row["overhead_us"] <= overhead
@@ -78,6 +90,14 @@ def row_name(row):
 def speedup_text(speedup):
     """Two decimals below 10 (targets such as 0.8x and 1.5x), one above."""
     return f"{speedup:.2f}x" if speedup < 10 else f"{speedup:.1f}x"
+
+
+def judged_text(row):
+    """What a row's verdict judged: its speed-up (``1.52x``), or its share of the copy's
+    bandwidth (``71% of copy``) for a target that asks for one without a speed-up."""
+    if row.get("speedup") is None and row.get("pct_bandwidth") is not None:
+        return f"{percent_text(row['pct_bandwidth'])} of copy"
+    return speedup_text(row["speedup"])
 
 
 def percent_text(value):
@@ -105,10 +125,10 @@ def summarize(rows, max_spread, judge=True):
         if outcome == MET:
             result["met"].append(name)
         elif outcome == MISSED:
-            result["missed"].append(f"{name}: {speedup_text(row['speedup'])}, target {row['target']}")
+            result["missed"].append(f"{name}: {judged_text(row)}, target {row['target']}")
         elif outcome == UNTRUSTED:
             result["untrusted"].append(
-                f"{name}: {speedup_text(row['speedup'])} {spread_text(row['spread'])} {trust_text(row, max_spread)}"
+                f"{name}: {judged_text(row)} {spread_text(row['spread'])} {trust_text(row, max_spread)}"
             )
         if noisy(row, max_spread):
             result["noisy"].append(f"{name} {spread_text(row['spread'])}")

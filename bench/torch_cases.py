@@ -1,4 +1,4 @@
-"""The PyTorch-bridge benchmark cases T1-T8 (bench/bench_torch.py and ``python3 -m bench``).
+"""The PyTorch-bridge benchmark cases T1-T9 (bench/bench_torch.py and ``python3 -m bench``).
 
 Each case builds, at full size (or ``quick`` small size), a pair of zero-argument callables over
 the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plain PyTorch), plus
@@ -191,14 +191,154 @@ def tiny_module_case():
 
 
 def module_cases(quick=False, forward_only=False):
-    """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: small ones)."""
+    """T6 (or T6f with ``forward_only``) on each of issue 29's six shapes (``quick``: small ones);
+    issue 53 asks 1.5x of every forward + backward row (the real models' micro rows)."""
     shapes = MODULE_SHAPES_QUICK if quick else MODULE_SHAPES
     big = (8, 512, 32, 32)
     return [
-        _module_case(
-            index, shape, groups, forward_only, ">= 1.5x" if shape == big else ("report" if forward_only else ">= 1.0x")
-        )
+        _module_case(index, shape, groups, forward_only, ">= 1.5x" if shape == big or not forward_only else "report")
         for index, (shape, groups) in enumerate(shapes, 1)
+    ]
+
+
+#: Issue 53's table: UNet and VAE activations of batch 1-2, 32 groups, each in float32,
+#: channels_last and bfloat16 (T9.1-T9.6, suffixes c and b).
+ISSUE53_SHAPES = [
+    (2, 512, 4, 4),
+    (2, 512, 8, 8),
+    (2, 256, 16, 16),
+    (2, 128, 32, 32),
+    (2, 320, 32, 32),
+    (1, 128, 64, 64),
+]
+#: Its variants: (suffix, dtype, memory format, what the label says).
+ISSUE53_VARIANTS = (
+    ("", torch.float32, torch.contiguous_format, "float32"),
+    ("c", torch.float32, torch.channels_last, "float32 channels_last"),
+    ("b", torch.bfloat16, torch.contiguous_format, "bfloat16"),
+)
+
+
+def _issue53_target(shape, suffix):
+    """Issue 53's target of a T9 row: 2x (bfloat16 1.5x) from 16 x 16 on; the 4 x 4 and 8 x 8
+    shapes 1.0x through the bridge (their kernels alone: K9, 1.5x)."""
+    if shape[2] < 16:
+        return ">= 1.0x"
+    return ">= 1.5x" if suffix == "b" else ">= 2x"
+
+
+def _issue53_tensors(shape, dtype, memory_format, seed):
+    x = _randn(shape, seed).to(dtype).contiguous(memory_format=memory_format)
+    g = _randn(shape, seed + 1).to(dtype).contiguous(memory_format=memory_format)
+    return x, g
+
+
+def _issue53_module_case(index, shape, suffix, dtype, memory_format, what):
+    """T9: GroupNormSwish forward + backward against nn.GroupNorm + nn.SiLU (issue 53's table)."""
+    groups = 32
+    x, g = _issue53_tensors(shape, dtype, memory_format, 65)
+    x.requires_grad_(True)
+    fused = ft.GroupNormSwish(groups, shape[1]).to(dtype)
+    plain = nn.Sequential(nn.GroupNorm(groups, shape[1]), nn.SiLU()).to(dtype)
+    with torch.no_grad():
+        fused.weight.normal_(generator=torch.Generator().manual_seed(66))
+        fused.bias.normal_(generator=torch.Generator().manual_seed(67))
+        plain[0].load_state_dict(fused.state_dict())
+
+    def step(model, parameters):
+        def run():
+            y = model(x)
+            return (y,) + torch.autograd.grad(y, (x,) + parameters, g)
+
+        return run
+
+    fastbwd_step = step(fused, (fused.weight, fused.bias))
+    torch_step = step(plain, (plain[0].weight, plain[0].bias))
+    id = f"T9.{index}{suffix}"
+
+    def check():
+        tolerance = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-5)
+        ours = fastbwd_step()
+        assert ours[0].is_contiguous(memory_format=memory_format), f"{id}: y not in the input's memory format"
+        _assert_close([t.float() for t in ours], [t.float() for t in torch_step()], *tolerance, id)
+
+    return TorchCase(
+        id,
+        f"GroupNormSwish vs GroupNorm+SiLU forward + backward {shape}, 32 groups, {what}",
+        fastbwd_step,
+        torch_step,
+        check,
+        _issue53_target(shape, suffix),
+    )
+
+
+def issue53_module_cases(quick=False):
+    """T9 (issue 53): every shape and variant of its table; ``quick``: (2, 512, 4, 4) and
+    (2, 256, 16, 16) (a subset: the ids of the others exist only in the full run)."""
+    shapes = [ISSUE53_SHAPES[0], ISSUE53_SHAPES[2]] if quick else ISSUE53_SHAPES
+    return [
+        _issue53_module_case(ISSUE53_SHAPES.index(shape) + 1, shape, *variant)
+        for shape in shapes
+        for variant in ISSUE53_VARIANTS
+    ]
+
+
+def _issue53_kernel_case(index, shape, suffix, dtype, memory_format, what):
+    """K9: the kernels alone at the 4 x 4 and 8 x 8 shapes, with no bridge: fastbwd's prepared
+    NumPy forward and backward against PyTorch's four aten ops on the same values and layout
+    (``native_group_norm`` + ``silu``, ``silu_backward`` + ``native_group_norm_backward``)."""
+    from fastbwd.torch import _convert
+
+    A = torch.ops.aten
+    groups = 32
+    batch, channels = shape[:2]
+    positions = shape[2] * shape[3]
+    x, dy = _issue53_tensors(shape, dtype, memory_format, 95)
+    gamma, beta = _randn((channels,), 96).to(dtype), _randn((channels,), 97).to(dtype)
+    arrays = [_convert.as_array(t) for t in (x, dy, gamma, beta)]
+    x_a, dy_a, gamma_a, beta_a = arrays
+    forward = fastbwd.group_norm_swish.prepare(x_a, gamma_a, beta_a, groups)
+    _, mean_a, rstd_a = forward(x_a, gamma_a, beta_a)
+    backward = fastbwd.group_norm_swish_backward.prepare(dy_a, mean_a, rstd_a, x_a, gamma_a, beta_a, groups)
+
+    def fastbwd_call():
+        y, mean, rstd = forward(x_a, gamma_a, beta_a)
+        return (y,) + backward(dy_a, mean, rstd, x_a, gamma_a, beta_a)
+
+    def torch_call():
+        normalised, mean, rstd = A.native_group_norm(x, gamma, beta, batch, channels, positions, groups, 1e-5)
+        y = A.silu(normalised)
+        grad = A.silu_backward(dy, normalised)
+        return (y,) + tuple(
+            A.native_group_norm_backward(
+                grad, x, mean, rstd, gamma, batch, channels, positions, groups, [True, True, True]
+            )
+        )
+
+    id = f"K9.{index}{suffix}"
+
+    def check():
+        tolerance = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-5)
+        ours = [_convert.as_tensor(a).float().reshape(t.shape) for a, t in zip(fastbwd_call(), torch_call())]
+        _assert_close(ours, [t.float() for t in torch_call()], *tolerance, id)
+
+    return TorchCase(
+        id,
+        f"group_norm_swish + backward, prepared, {shape}, 32 groups, {what} vs the 4 aten ops",
+        fastbwd_call,
+        torch_call,
+        check,
+        ">= 1.5x",
+    )
+
+
+def issue53_kernel_cases(quick=False):
+    """K9 (issue 53): the kernels alone at the 4 x 4 and 8 x 8 shapes; ``quick``: 4 x 4."""
+    shapes = ISSUE53_SHAPES[:1] if quick else ISSUE53_SHAPES[:2]
+    return [
+        _issue53_kernel_case(index, shape, *variant)
+        for index, shape in enumerate(shapes, 1)
+        for variant in ISSUE53_VARIANTS
     ]
 
 
@@ -345,6 +485,7 @@ def cases(quick=False):
         _roi_align_channels_last_case(*roi, ">= 2.5x"),
         _training_step_case(*block, "report"),
         *module_cases(quick),
+        *issue53_module_cases(quick),
         tiny_module_case(),
         *module_cases(quick, forward_only=True),
         _unet_training_case(*((2, 32, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
@@ -431,24 +572,28 @@ def direct_cases():
         return fastbwd.group_norm_swish_backward(*backward_arrays, groups)
 
     where = f"{TINY_MODULE_SHAPE[0]}, {groups} groups"
-    return tiny_direct_cases() + [
-        TorchCase(
-            "O4",
-            f"group_norm_swish {where} vs native_group_norm + silu",
-            fastbwd_forward,
-            torch_forward,
-            _checked("O4", fastbwd_forward, torch_forward),
-            ">= 1.0x",
-        ),
-        TorchCase(
-            "O5",
-            f"group_norm_swish_backward {where} vs silu_backward + native_group_norm_backward",
-            fastbwd_backward,
-            torch_backward,
-            _checked("O5", fastbwd_backward, torch_backward),
-            ">= 1.0x",
-        ),
-    ]
+    return (
+        tiny_direct_cases()
+        + issue53_kernel_cases()
+        + [
+            TorchCase(
+                "O4",
+                f"group_norm_swish {where} vs native_group_norm + silu",
+                fastbwd_forward,
+                torch_forward,
+                _checked("O4", fastbwd_forward, torch_forward),
+                ">= 1.0x",
+            ),
+            TorchCase(
+                "O5",
+                f"group_norm_swish_backward {where} vs silu_backward + native_group_norm_backward",
+                fastbwd_backward,
+                torch_backward,
+                _checked("O5", fastbwd_backward, torch_backward),
+                ">= 1.0x",
+            ),
+        ]
+    )
 
 
 def _tiny_inputs():

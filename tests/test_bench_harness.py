@@ -63,6 +63,21 @@ def test_verdicts():
     assert targets.trust_text(_row(6.0, ">= 5x", stall=0.8), 0.1) == ""
 
 
+def test_a_share_of_the_copy_bandwidth_as_a_target():
+    """``>= 75% of copy`` (issue 53) judges a row's %bw column, with or without a speed-up."""
+    assert targets.copy_share(">= 75% of copy") == 75.0 and targets.threshold(">= 75% of copy") is None
+    assert targets.copy_share("≥ 72.5 % of copy") == 72.5 and targets.copy_share(">= 2x") is None
+    row = dict(_row(None, ">= 75% of copy"), pct_bandwidth=80.0)
+    assert targets.verdict(row, 0.1) == targets.MET
+    assert targets.verdict(row | {"pct_bandwidth": 74.9}, 0.1) == targets.MISSED
+    assert targets.verdict(row | {"pct_bandwidth": None}, 0.1) is None  # a small-shape run: not measured
+    assert targets.verdict(row | {"spread": 0.3}, 0.1) == targets.UNTRUSTED
+    both = dict(_row(1.2, ">= 1.5x; >= 75% of copy"), pct_bandwidth=90.0)
+    assert targets.verdict(both, 0.1) == targets.MISSED and targets.verdict(both | {"speedup": 1.6}, 0.1) == targets.MET
+    summary = targets.summarize([row | {"pct_bandwidth": 60.0, "case": "G1"}], 0.1)
+    assert summary["missed"] == ["G1: 60% of copy, target >= 75% of copy"]
+
+
 def test_summary_names_what_was_missed_and_what_cannot_be_trusted():
     kernel = dict(op="avg_pool2d_backward", case="A1", dtype="float32", variant="out=", baseline="torch out=")
     rows = [

@@ -10,16 +10,24 @@ from numba.extending import intrinsic, overload
 from ._group_norm_math import (
     BLOCK,
     PARTIAL_SUMS,
+    STAGE_CHUNK,
+    STAGE_OUT,
+    STAGE_ROWS,
+    SWISH_CLAMP32,
+    SWISH_CLAMP64,
     WHOLE_ROWS_MAX_CHANNELS,
+    aligned,
     fma,
     lane_sums,
+    swish_argument,
     swish_derivative,
+    swish_gradient_rows,
     task_groups,
 )
 from ._halfbits import load, store
-from ._jit import helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, splat
-from ._memory import copy_out, store_fence
+from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
+from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._memory import copy_out, flat_rows, stack_array, store_fence
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
@@ -116,6 +124,209 @@ def _fold_lanes(lanes, width, used):
         h //= 2
 
 
+@intrinsic
+def _swish_argument_lanes(
+    typingctx, x, dy, start, stop, z, dy_values, z_start, mean, rstd, gamma, beta, swish_scale, fmt
+):
+    """For ``i`` in ``[start, stop)``: ``z[z_start + i - start] = clamp(s * fma((x[i] - mean) *
+    rstd, gamma, beta))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
+    ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32``, ``SWISH_CLAMP64`` in float64)
+    and ``dy_values[z_start + i - start] = dy[i]`` (decoded): ``x`` and ``dy`` in ``fmt``, ``z``
+    and ``dy_values`` in the compute type, all 1-D and C-contiguous. LANES elements per step
+    and one masked step at the end (no loop remainder): a short channel row costs a few vector
+    operations."""
+    sig = types.void(x, dy, types.intp, types.intp, z, dy_values, types.intp, mean, mean, mean, mean, mean, fmt)
+    format_name = fmt.format_name
+    limit_value = float(SWISH_CLAMP64 if mean == types.float64 else SWISH_CLAMP32)
+
+    def codegen(context, builder, signature, args):
+        x_struct, dy_struct, z_struct, dy_out = array_structs(context, builder, signature, args, 0, 1, 4, 5)
+        start, stop, z_start = args[2], args[3], args[6]
+        vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
+        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[7:12])
+        limit = ir.Constant(vector, [limit_value] * LANES)
+        negative_limit = ir.Constant(vector, [-limit_value] * LANES)
+        offset = builder.sub(z_start, start)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+            argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
+            # as _clamp: a NaN fails both comparisons and stays
+            argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
+            argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
+            at = builder.add(position, offset)
+            store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
+            gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
+            store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@leaf_helper
+def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    """``gnew[i - first] = dy[i] * swish_derivative(s * y[i])`` for the flat positions ``[first,
+    stop)`` of one image's group (``dy``, ``x``: the image's flat ``(C*HxW,)`` rows; ``gnew``
+    compute-type): in chunks of whole rows (or of :data:`STAGE_CHUNK` elements of a longer
+    row) cut from the group's start, each row's argument ``z`` and its dy into scratch rows
+    (:func:`_swish_argument_lanes`), then the staged derivative over the whole chunk
+    (:func:`swish_gradient_rows`)."""
+    wide_vectors()
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
+    step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
+    for chunk in range(first, stop, step):
+        chunk_stop = min(chunk + step, stop)
+        position = chunk
+        c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
+        while position < chunk_stop:
+            row_stop = min((c + 1) * hw, chunk_stop)
+            _swish_argument_lanes(
+                x,
+                dy,
+                position,
+                row_stop,
+                scratch[0],
+                scratch[3],
+                position - chunk,
+                mean,
+                rstd,
+                gamma[c],
+                beta[c],
+                swish_scale,
+                fmt,
+            )
+            position = row_stop
+            c += 1
+        swish_gradient_rows(scratch, gnew[chunk - first : chunk_stop - first], chunk_stop - chunk)
+
+
+@leaf_helper
+def _gnew_plain(dy, gnew, first, stop, fmt):
+    """``gnew[i - first] = dy[i]`` (decoded): the plain GroupNorm backward's gnew."""
+    wide_vectors()
+    for i in range(stop - first):
+        gnew[i] = load(dy[first + i], fmt)
+
+
+def _gnew_run(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    """gnew of the flat positions ``[first, stop)``: :func:`_gnew_staged`, or :func:`_gnew_plain`
+    when ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit only)."""
+    raise NotImplementedError("_gnew_run() is only callable from @njit code")
+
+
+@overload(_gnew_run, inline="always")
+def _gnew_run_overload(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt: _gnew_plain(
+            dy, gnew, first, stop, fmt
+        )
+    return lambda dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt: _gnew_staged(
+        dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_scale, fmt
+    )
+
+
+@leaf_helper
+def _swish_argument_tiled(dy, x, z, dy_values, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """``z[j]`` = the clamped ``s*y`` of ``x[j]`` with the tiles' constants, and ``dy_values[j]`` =
+    ``dy[j]`` decoded, for ``j < count``."""
+    wide_vectors()
+    for j in range(count):
+        xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+        z[j] = swish_argument(fma(xhat, tile_gamma[j], tile_beta[j]), swish_scale)
+        dy_values[j] = load(dy[j], fmt)
+
+
+@leaf_helper
+def _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """``scratch[STAGE_OUT][j] = gnew`` of the piece's ``j < count`` elements (NHWC, with the
+    tiles' constants): the staged derivative over a whole number of STAGE_ALIGN elements (the
+    piece starts where the task's channel run does, which follows the thread count)."""
+    wide_vectors()
+    _swish_argument_tiled(
+        dy, x, scratch[0], scratch[3], tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt
+    )
+    swish_gradient_rows(scratch, scratch[STAGE_OUT], aligned(count))
+
+
+@leaf_helper
+def _piece_gnew_plain(dy, scratch, count, fmt):
+    wide_vectors()
+    values = scratch[STAGE_OUT]
+    for j in range(count):
+        values[j] = load(dy[j], fmt)
+
+
+def _piece_gnew(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """gnew of an NHWC piece into ``scratch[STAGE_OUT]``: :func:`_piece_gnew_staged`, or dy itself when
+    ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit only)."""
+    raise NotImplementedError("_piece_gnew() is only callable from @njit code")
+
+
+@overload(_piece_gnew, inline="always")
+def _piece_gnew_overload(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    if isinstance(swish_scale, types.NoneType):
+        return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+            _piece_gnew_plain(dy, scratch, count, fmt)
+        )
+    return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+        _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt)
+    )
+
+
+@leaf_helper
+def _nhwc_step_first_pass(
+    dy, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, size, fmt
+):
+    """An NHWC step's first pass (all 1-D, from the step's first element; ``lanes_g``,
+    ``lanes_gx`` from the step's lane): in pieces of :data:`STAGE_CHUNK`, gnew into a scratch
+    row (:func:`_piece_gnew`), then per element gnew stored and added to its lanes
+    (``gnew`` and ``gnew * xhat``)."""
+    wide_vectors()
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
+    values = scratch[STAGE_OUT]
+    for piece in range(0, size, STAGE_CHUNK):
+        count = min(STAGE_CHUNK, size - piece)
+        _piece_gnew(
+            dy[piece:],
+            x[piece:],
+            scratch,
+            tile_mean[piece:],
+            tile_rstd[piece:],
+            tile_gamma[piece:],
+            tile_beta[piece:],
+            swish_scale,
+            count,
+            fmt,
+        )
+        _store_and_add_lanes(
+            values,
+            x[piece:],
+            gnew[piece:],
+            lanes_g[piece:],
+            lanes_gx[piece:],
+            tile_mean[piece:],
+            tile_rstd[piece:],
+            count,
+            fmt,
+        )
+
+
+@leaf_helper
+def _store_and_add_lanes(values, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rstd, count, fmt):
+    """``gnew[j] = values[j]``, ``lanes_g[j] += gnew``, ``lanes_gx[j] += gnew * xhat`` (``xhat``
+    as :func:`_gnew_xhat` forms it) for ``j < count``."""
+    wide_vectors()
+    for j in range(count):
+        g = values[j]
+        gnew[j] = g
+        xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+        lanes_g[j] += g
+        lanes_gx[j] += g * xhat
+
+
 # ---- where a task keeps gnew between its passes -------------------------------------------------
 
 
@@ -178,57 +389,98 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
-    count = sum_g.dtype.type(group_size * hw)
     in_place = _gnew_in_dx(dx, sum_g)
     for task in prange(batch * groups):
         wide_vectors()
         n = task // groups
         g = task - n * groups
-        start = g * group_size
-        group_mean = mean[n, g]
-        group_rstd = rstd[n, g]
         gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
-        gnew_first = start if in_place else 0
-        for k in range(group_size):
-            c = start + k
-            dy_row = dy[n, c]
-            x_row = x[n, c]
-            gnew_row = gnew_rows[gnew_first + k]
-            channel_gamma = gamma[c]
-            channel_beta = beta[c]
-            total_g = sum_g.dtype.type(0)
-            total_gx = total_g
-            for block_start in range(0, hw, BLOCK):
-                block_stop = min(block_start + BLOCK, hw)
-                # sliced so that the loop runs from 0 (a runtime start blocks vectorisation)
-                block_dy = dy_row[block_start:block_stop]
-                block_x = x_row[block_start:block_stop]
-                block_gnew = gnew_row[block_start:block_stop]
-                for i in range(block_stop - block_start):
-                    block_gnew[i] = _gnew_xhat(
-                        load(block_dy[i], fmt),
-                        load(block_x[i], fmt),
-                        group_mean,
-                        group_rstd,
-                        channel_gamma,
-                        channel_beta,
-                        swish_scale,
-                    )[0]
-                block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
-                total_g += block_g
-                total_gx += block_gx
-            sum_g[n, c] = total_g
-            sum_gx[n, c] = total_gx
-        c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
-        for k in range(group_size):
-            c = start + k
-            x_row = x[n, c]
-            dx_row = dx[n, c]
-            gnew_row = gnew_rows[gnew_first + k]
-            channel_gamma = gamma[c]
-            for i in range(hw):
-                xhat = (load(x_row[i], fmt) - group_mean) * group_rstd
-                dx_row[i] = store(_dx(gnew_row[i], xhat, group_rstd, channel_gamma, c1, c2), fmt)
+        _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt)
+
+
+@leaf_helper
+def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt):
+    """Task ``(n, g)`` of the NCHW kernel, its gnew in ``gnew_rows`` (``dx[n]``, from the group's
+    first channel, when ``in_place``; else a ``(D, HxW)`` scratch). A leaf helper (no reference
+    counting): a row view in the kernel's body costs two atomic operations, much of a short
+    row's time."""
+    wide_vectors()
+    _, channels, hw = x.shape
+    group_size = channels // mean.shape[1]
+    count = sum_g.dtype.type(group_size * hw)
+    start = g * group_size
+    group_mean = mean[n, g]
+    group_rstd = rstd[n, g]
+    gnew_first = start if in_place else 0
+    flat_x = flat_rows(x, n, n + 1)
+    flat_gnew = flat_rows(gnew_rows, gnew_first, gnew_first + group_size)
+    _gnew_run(
+        flat_rows(dy, n, n + 1),
+        flat_x,
+        flat_gnew,
+        hw,
+        start * hw,
+        (start + group_size) * hw,
+        group_mean,
+        group_rstd,
+        gamma,
+        beta,
+        swish_scale,
+        fmt,
+    )
+    for k in range(group_size):
+        c = start + k
+        x_row = x[n, c]
+        gnew_row = gnew_rows[gnew_first + k]
+        total_g = sum_g.dtype.type(0)
+        total_gx = total_g
+        for block_start in range(0, hw, BLOCK):
+            block_stop = min(block_start + BLOCK, hw)
+            block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
+            total_g += block_g
+            total_gx += block_gx
+        sum_g[n, c] = total_g
+        sum_gx[n, c] = total_gx
+    c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
+    flat_dx = flat_rows(dx, n, n + 1)
+    for k in range(group_size):
+        c = start + k
+        _dx_lanes(
+            flat_gnew, flat_x, flat_dx, c * hw, (c + 1) * hw, start * hw, group_mean, group_rstd, gamma[c], c1, c2, fmt
+        )
+
+
+@intrinsic
+def _dx_lanes(typingctx, gnew, x, dx, start, stop, gnew_first, mean, rstd, gamma, c1, c2, fmt):
+    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma, -fma(xhat, c2, c1))`` with ``xhat = (x[i] -
+    mean) * rstd`` (:func:`_dx`), for ``i`` in ``[start, stop)``: ``x`` and ``dx`` in ``fmt``,
+    ``gnew`` in the compute type, all 1-D and C-contiguous. LANES elements per step and one
+    masked step at the end: a short channel row costs a few vector operations."""
+    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, mean, mean, mean, mean, mean, fmt)
+    format_name = fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        gnew_struct, x_struct, dx_struct = array_structs(context, builder, signature, args, 0, 1, 2)
+        start, stop, gnew_first = args[3], args[4], args[5]
+        vector = ir.VectorType(context.get_data_type(signature.args[6]), LANES)
+        mean_lanes, rstd_lanes, gamma_lanes, c1_lanes, c2_lanes = (splat(builder, vector, v) for v in args[6:11])
+        negative_zero = ir.Constant(vector, [-0.0] * LANES)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            g = decode_lanes(
+                builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
+            )
+            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+            # -fma(...) as Numba negates a float: -0.0 - value
+            inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
+            result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
+            store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # ---- NHWC: x, dy, dx as (N, HxW, C) -----------------------------------------------------------
@@ -283,16 +535,21 @@ def _nhwc_task(
     tile_rstd = np.empty(tiled, sum_g.dtype)
     tile_gamma = np.empty(tiled, sum_g.dtype)
     tile_beta = np.empty(tiled, sum_g.dtype)
-    for j in range(tiled):
-        k = j % width
-        group = first_group + k // group_size
-        tile_mean[j] = mean[n, group]
-        tile_rstd[j] = rstd[n, group]
-        tile_gamma[j] = gamma[start + k]
-        tile_beta[j] = beta[start + k]
-    flat_dy = dy[n].reshape(hw * channels)
-    flat_x = x[n].reshape(hw * channels)
-    flat_dx = dx[n].reshape(hw * channels)
+    for k in range(width):
+        tile_gamma[k] = gamma[start + k]
+        tile_beta[k] = beta[start + k]
+    for group in range(first_group, last_group):
+        for k in range((group - first_group) * group_size, (group - first_group + 1) * group_size):
+            tile_mean[k] = mean[n, group]
+            tile_rstd[k] = rstd[n, group]
+    for j in range(width, tiled):  # the other positions of a step: copies of the first's
+        tile_mean[j] = tile_mean[j - width]
+        tile_rstd[j] = tile_rstd[j - width]
+        tile_gamma[j] = tile_gamma[j - width]
+        tile_beta[j] = tile_beta[j - width]
+    flat_dy = flat_rows(dy, n, n + 1)
+    flat_x = flat_rows(x, n, n + 1)
+    flat_dx = flat_rows(dx, n, n + 1)
     # gnew of position i at gnew_all[i * gnew_stride + gnew_start:][:width]: in the task's own dx
     # elements when dx has the compute type (float32, float64), else in a scratch array
     in_place = _gnew_in_dx(dx, sum_g)
@@ -318,19 +575,20 @@ def _nhwc_task(
             step_dy = flat_dy[first : first + size]
             step_x = flat_x[first : first + size]
             step_gnew = gnew_all[gnew_first : gnew_first + size]
-            for j in range(size):
-                gnew, xhat = _gnew_xhat(
-                    load(step_dy[j], fmt),
-                    load(step_x[j], fmt),
-                    tile_mean[j],
-                    tile_rstd[j],
-                    tile_gamma[j],
-                    tile_beta[j],
-                    swish_scale,
-                )
-                step_gnew[j] = gnew
-                lanes_g[lane + j] += gnew
-                lanes_gx[lane + j] += gnew * xhat
+            _nhwc_step_first_pass(
+                step_dy,
+                step_x,
+                step_gnew,
+                lanes_g[lane:],
+                lanes_gx[lane:],
+                tile_mean,
+                tile_rstd,
+                tile_gamma,
+                tile_beta,
+                swish_scale,
+                size,
+                fmt,
+            )
         _fold_lanes(lanes_g, width, used)
         _fold_lanes(lanes_gx, width, used)
         total_g += lanes_g[:width]

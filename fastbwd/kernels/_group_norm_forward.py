@@ -16,10 +16,22 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ._group_norm_math import BLOCK, fma, lane_sums, swish, task_groups
-from ._halfbits import load, store
+from ._group_norm_math import (
+    BLOCK,
+    STAGE_CHUNK,
+    STAGE_OUT,
+    STAGE_ROWS,
+    aligned,
+    fma,
+    lane_sums,
+    store_rows,
+    swish_rows,
+    task_groups,
+)
+from ._halfbits import NATIVE, load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, splat
+from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._memory import flat_rows, stack_array
 
 
 @intrinsic
@@ -54,6 +66,34 @@ def _block_moments(typingctx, row, start, stop, offset, center, other_center, fm
     return sig, codegen
 
 
+@intrinsic
+def _affine_lanes(typingctx, x, start, stop, out, out_start, mean, scale, beta, fmt, out_fmt):
+    """``out[out_start + i - start] = fma(x[i] - mean, scale, beta)`` for ``i`` in
+    ``[start, stop)``: ``x`` decoded with ``fmt``, the result stored in ``out_fmt`` (both 1-D,
+    C-contiguous), LANES elements per step and one masked step at the end, so that a short
+    channel row costs a few vector operations and no loop remainder."""
+    sig = types.void(x, types.intp, types.intp, out, types.intp, mean, mean, mean, fmt, out_fmt)
+    format_name, out_format_name = fmt.format_name, out_fmt.format_name
+
+    def codegen(context, builder, signature, args):
+        x_struct, out_struct = array_structs(context, builder, signature, args, 0, 3)
+        start, stop, out_start = args[1], args[2], args[4]
+        vector = ir.VectorType(context.get_data_type(signature.args[5]), LANES)
+        mean_lanes, scale_lanes, beta_lanes = (splat(builder, vector, value) for value in args[5:8])
+        offset = builder.sub(out_start, start)
+
+        def body(position, used):
+            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+            result = fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
+            pointer = builder.gep(out_struct.data, [builder.add(position, offset)])
+            store_lanes(builder, pointer, result, out_format_name, used)
+
+        for_each_vector(builder, start, stop, body)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @helper
 def _shift_of(first, zero):
     """The shift a group's first pass sums from: its first element, or 0 when that is an
@@ -71,16 +111,39 @@ def _group_rstd(t1, t2, count, eps, zero, one):
 
 
 @leaf_helper
-def _normalise_row(x_row, y_row, mean, scale, beta, activate_swish, swish_scale, fmt):
-    """``y = (x - mean) * scale + beta`` (``scale = rstd * gamma``, one rounding: fma), then
-    Swish when ``activate_swish``; two loops so that each vectorises without a branch."""
+def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta, activate_swish, swish_scale, fmt):
+    """``y = (x - mean) * (rstd*gamma) + beta`` (one rounding: fma), then Swish when
+    ``activate_swish``, for groups ``[first, last)`` of one image (``x``, ``y``: its flat
+    ``(C*HxW,)`` rows; ``mean``, ``rstd``: its ``(G,)`` statistics). Each group in chunks of
+    whole rows (or of :data:`STAGE_CHUNK` elements of a longer row), counted from the group's
+    start: each row's affine part into a scratch row, then the staged Swish over the whole chunk
+    (:func:`swish_rows`), so that short rows (4 x 4, 8 x 8) cost no loop of their own in the
+    Swish's stages. The chunks depend on the group alone, not on the task's groups: any NaN comes
+    out the same wherever the loops' vector and scalar code split (the task partition follows the
+    thread count)."""
     wide_vectors()
-    if activate_swish:
-        for i in range(x_row.shape[0]):
-            y_row[i] = store(swish(fma(load(x_row[i], fmt) - mean, scale, beta), swish_scale), fmt)
-    else:
-        for i in range(x_row.shape[0]):
-            y_row[i] = store(fma(load(x_row[i], fmt) - mean, scale, beta), fmt)
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, mean)
+    step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
+    size = group_size * hw
+    for group in range(first, last):
+        group_stop = (group + 1) * size
+        for chunk in range(group * size, group_stop, step):
+            chunk_stop = min(chunk + step, group_stop)
+            position = chunk
+            c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
+            while position < chunk_stop:
+                row_stop = min((c + 1) * hw, chunk_stop)
+                scale = rstd[group] * gamma[c]
+                if activate_swish:
+                    _affine_lanes(
+                        x, position, row_stop, scratch[0], position - chunk, mean[group], scale, beta[c], fmt, NATIVE
+                    )
+                else:
+                    _affine_lanes(x, position, row_stop, y, position, mean[group], scale, beta[c], fmt, fmt)
+                position = row_stop
+                c += 1
+            if activate_swish:
+                swish_rows(scratch, swish_scale, y[chunk:chunk_stop], chunk_stop - chunk, fmt)
 
 
 @leaf_helper
@@ -156,18 +219,28 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
     count = mean.dtype.type(size)
     offset = size if last - g == 2 else 0  # a lone group is summed twice, side by side
     group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
-        x[n].reshape(channels * hw), g * size, size, offset, count, eps, zero, one, fmt
+        flat_rows(x, n, n + 1), g * size, size, offset, count, eps, zero, one, fmt
     )
     mean[n, g] = group_mean
     rstd[n, g] = group_rstd
     if offset:
         mean[n, g + 1] = other_mean
         rstd[n, g + 1] = other_rstd
-    for c in range(g * group_size, last * group_size):
-        group = c // group_size
-        _normalise_row(
-            x[n, c], y[n, c], mean[n, group], rstd[n, group] * gamma[c], beta[c], activate_swish, swish_scale, fmt
-        )
+    _normalise_groups(
+        flat_rows(x, n, n + 1),
+        flat_rows(y, n, n + 1),
+        hw,
+        g,
+        last,
+        group_size,
+        mean[n],
+        rstd[n],
+        gamma,
+        beta,
+        activate_swish,
+        swish_scale,
+        fmt,
+    )
 
 
 @parallel_kernel
@@ -252,15 +325,68 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
         rstd[n, g] = group_rstd
         for k in range(first, first + group_size):
             scale[k] = group_rstd * gamma[start + k]
-    channel_beta = beta[start : start + width]
-    for i in range(hw):
-        x_row = x[n, i, start : start + width]
-        y_row = y[n, i, start : start + width]
-        if activate_swish:
+    _nhwc_normalise(
+        flat_rows(x, n, n + 1),
+        flat_rows(y, n, n + 1),
+        channels,
+        start,
+        center,
+        scale,
+        beta[start : start + width],
+        activate_swish,
+        swish_scale,
+        fmt,
+    )
+
+
+@leaf_helper
+def _nhwc_affine(x, y, count, center, scale, beta, fmt):
+    """``y[k] = fma(x[k] - center[k], scale[k], beta[k])`` for ``k < count`` (``x`` decoded with
+    ``fmt``, ``y`` compute-type)."""
+    wide_vectors()
+    for k in range(count):
+        y[k] = fma(load(x[k], fmt) - center[k], scale[k], beta[k])
+
+
+@leaf_helper
+def _nhwc_normalise(x, y, channels, start, center, scale, beta, activate_swish, swish_scale, fmt):
+    """y for the channels ``[start, start + width)`` of every position of one image (``x``, ``y``:
+    its flat ``(HxW*C,)`` rows; ``center``, ``scale``, ``beta``: the run's per-channel mean,
+    rstd*gamma and beta, ``width`` long). Staged Swish (:func:`swish_rows`) over chunks of whole
+    positions when the run spans all channels (contiguous), else of one position's run."""
+    wide_vectors()
+    width = center.shape[0]
+    hw = x.shape[0] // channels
+    if not activate_swish:
+        for i in range(hw):
+            row = i * channels + start
             for k in range(width):
-                y_row[k] = store(
-                    swish(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), swish_scale), fmt
-                )
-        else:
-            for k in range(width):
-                y_row[k] = store(fma(load(x_row[k], fmt) - center[k], scale[k], channel_beta[k]), fmt)
+                y[row + k] = store(fma(load(x[row + k], fmt) - center[k], scale[k], beta[k]), fmt)
+        return
+    scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, center)
+    values = scratch[0]
+    per_chunk = max(1, STAGE_CHUNK // width) if width == channels else 1
+    for first in range(0, hw, per_chunk):
+        last = min(first + per_chunk, hw)
+        if per_chunk > 1:
+            for i in range(first, last):
+                row = i * channels
+                _nhwc_affine(x[row : row + width], values[(i - first) * width :], width, center, scale, beta, fmt)
+            _swish_run(scratch, swish_scale, y[first * channels :], (last - first) * width, fmt)
+            continue
+        row = first * channels + start
+        for piece in range(0, width, STAGE_CHUNK):
+            count = min(STAGE_CHUNK, width - piece)
+            _nhwc_affine(x[row + piece :], values, count, center[piece:], scale[piece:], beta[piece:], fmt)
+            _swish_run(scratch, swish_scale, y[row + piece :], count, fmt)
+
+
+@leaf_helper
+def _swish_run(scratch, swish_scale, out, count, fmt):
+    """:func:`swish_rows` of ``scratch[0]``'s first ``count`` elements into ``out``, for an NHWC
+    run: over a whole number of STAGE_ALIGN elements into a scratch row (vector loop
+    bodies alone: the run starts where the task's channels do, which follows the thread count),
+    then copied out (:func:`store_rows`)."""
+    wide_vectors()
+    swish_rows(scratch, swish_scale, scratch[STAGE_OUT], aligned(count), NATIVE)
+    store_rows(scratch[STAGE_OUT], out, count, fmt)

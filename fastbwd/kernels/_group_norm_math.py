@@ -16,9 +16,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._halfbits import float32_as_uint32, uint32_as_float32
-from ._jit import helper
-from ._lanes import LANES, fold_lanes_by_halving, splat
+from ._halfbits import float32_as_uint32, store, uint32_as_float32
+from ._jit import helper, leaf_helper, wide_vectors
+from ._lanes import LANES, fold_lanes_by_halving, for_each_vector
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
 BLOCK = 4096
@@ -76,6 +76,36 @@ def fma(typingctx, a, b, c):
     return sig, codegen
 
 
+# exp in three steps, so that the staged loops (below) can run each as a loop of its own; the
+# one-call exp_nonpositive_float32 chains them: the same operations, the same bits.
+
+
+@helper
+def _exp_reduction(a):
+    """``(shifted, r)``: ``a = k*ln2 + r`` with ``|r| <= ln2/2``, ``k`` held in ``shifted``'s low
+    mantissa bits (``shifted = a*log2(e) + 1.5*2^23 + 127``, rounded)."""
+    shifted = fma(a, _LOG2E, _ROUND_MAGIC)
+    k = shifted - _ROUND_MAGIC
+    return shifted, fma(k, -_LN2_LO, fma(k, -_LN2_HI, a))
+
+
+@helper
+def _exp_polynomial(r):
+    """``exp(r)`` for ``|r| <= ln2/2``: Cephes' degree-5 polynomial, ``1 + r + r^2 p(r)``."""
+    p = fma(fma(fma(fma(fma(_P0, r, _P1), r, _P2), r, _P3), r, _P4), r, _P5)
+    return fma(p, r * r, r) + _ONE32
+
+
+@helper
+def _exp_scaled(a, shifted, exp_r):
+    """``exp(a) = 2^k * exp(r)`` from :func:`_exp_reduction`'s ``shifted`` and
+    :func:`_exp_polynomial`'s ``exp(r)``; 0 where it would be subnormal (``a < -87.33``)."""
+    # biased exponent k + 127, in [1, 127] when a >= -87.33 (other lanes are discarded below)
+    biased = np.uint32(float32_as_uint32(shifted) - _ROUND_MAGIC_BITS)
+    result = exp_r * uint32_as_float32(np.uint32(biased << np.uint32(23)))
+    return _ZERO32 if a < _EXP_FLUSH else result
+
+
 @helper
 def exp_nonpositive_float32(a):
     """exp(a) for float32 ``a <= 0`` (NaN gives NaN); vectorises (no libm call).
@@ -83,15 +113,8 @@ def exp_nonpositive_float32(a):
     About 1e-7 relative error down to the smallest normal float32; results that would be
     subnormal (a < -87.33) are flushed to 0, an absolute error below 1.2e-38.
     """
-    shifted = fma(a, _LOG2E, _ROUND_MAGIC)
-    k = shifted - _ROUND_MAGIC
-    r = fma(k, -_LN2_LO, fma(k, -_LN2_HI, a))
-    p = fma(fma(fma(fma(fma(_P0, r, _P1), r, _P2), r, _P3), r, _P4), r, _P5)
-    p = fma(p, r * r, r) + _ONE32
-    # biased exponent k + 127, in [1, 127] when a >= -87.33 (other lanes are discarded below)
-    biased = np.uint32(float32_as_uint32(shifted) - _ROUND_MAGIC_BITS)
-    result = p * uint32_as_float32(np.uint32(biased << np.uint32(23)))
-    return _ZERO32 if a < _EXP_FLUSH else result
+    shifted, r = _exp_reduction(a)
+    return _exp_scaled(a, shifted, _exp_polynomial(r))
 
 
 @helper
@@ -134,6 +157,19 @@ def swish_derivative_float64(z):
     return _swish_derivative_from(z, math.exp(-abs(z)), _ONE64)
 
 
+def swish_argument(y, swish_scale):
+    """``s*y`` clamped as the Swish derivative clamps it (+-104 in float32, +-750 in float64),
+    in y's precision (njit only)."""
+    raise NotImplementedError("swish_argument() is only callable from @njit code")
+
+
+@overload(swish_argument, inline="always")
+def _swish_argument(y, swish_scale):
+    if y == types.float64:
+        return lambda y, swish_scale: _clamp(swish_scale * y, SWISH_CLAMP64)
+    return lambda y, swish_scale: _clamp(swish_scale * y, SWISH_CLAMP32)
+
+
 def swish_derivative(z):
     """The Swish derivative in z's precision (njit only): float32 or float64."""
     raise NotImplementedError("swish_derivative() is only callable from @njit code")
@@ -155,8 +191,6 @@ def lane_sums(builder, vector, start, stop, terms, count):
     add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
     None), each lane summed from +0.0 in order, then the lanes folded by halving. Returns the
     totals. The sums are independent chains of adds, so several of them run side by side."""
-    i64 = ir.IntType(64)
-    lane_numbers = ir.Constant(ir.VectorType(i64, LANES), list(range(LANES)))
     sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(count)]
     for total in sums:
         builder.store(ir.Constant(vector, None), total)
@@ -169,14 +203,7 @@ def lane_sums(builder, vector, start, stop, terms, count):
         for total, new in zip(sums, news):
             builder.store(new, total)
 
-    length = builder.sub(stop, start)
-    whole = builder.sdiv(length, i64(LANES))
-    with cgutils.for_range(builder, whole) as loop:
-        add(builder.add(start, builder.mul(loop.index, i64(LANES))), None)
-    tail = builder.add(start, builder.mul(whole, i64(LANES)))
-    remaining = builder.sub(stop, tail)
-    with builder.if_then(builder.icmp_signed(">", remaining, i64(0))):
-        add(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(i64, LANES), remaining)))
+    for_each_vector(builder, start, stop, add)
     return [fold_lanes_by_halving(builder, builder.load(total)) for total in sums]
 
 
@@ -221,3 +248,164 @@ def _swish(y, swish_scale):
     if y == types.float64:
         return lambda y, swish_scale: swish_float64(y, swish_scale)
     return lambda y, swish_scale: swish_float32(y, swish_scale)
+
+
+# ---- the staged Swish loops -----------------------------------------------------------------
+# One loop evaluating Swish or its derivative per element is bound by the latency of that
+# element's chain of dependent operations (~95 cycles: the exp's reduction, five Horner fmas,
+# the division), of which the out-of-order window holds only a few vectors' worth. So float32
+# goes through short loops instead, one per stage of the chain, over chunks of up to
+# STAGE_CHUNK elements whose intermediates wait in L1 scratch rows: the same operations on each
+# element in the same order (float32 values stored exactly), the same bits, 1.3-1.5x faster
+# (docs/history.md, issue 53). float64 (math.exp: a libm call, no vector loop) stays one loop.
+#
+# A NaN's sign may differ between a vector loop's body and its scalar remainder (instruction
+# selection orders a commutative operation's operands as it likes, and Swish meets a NaN with
+# the exp of its absolute value). So which elements of a row take the remainder must depend on
+# the problem alone, never on the task partition (which follows the thread count): the NCHW
+# kernels cut chunks from each group's start; the NHWC ones, whose channel runs follow the
+# thread count, run the last stage over a whole number of STAGE_ALIGN elements (the scratch
+# rows' tails computed and ignored: vector bodies only) and copy the chunk out.
+
+#: Elements per chunk of the staged loops: their scratch rows (2 KB each in float32) stay in L1.
+STAGE_CHUNK = 512
+#: A multiple of the elements of any target's vector loop iteration (16 float32 lanes,
+#: interleaved up to 4 times): a loop over a multiple of it runs its vector body alone.
+STAGE_ALIGN = 64
+#: Scratch rows the staged loops take (``stack_array(STAGE_ROWS, STAGE_CHUNK, ...)``): row 0
+#: the chunk's input (y or z), rows 1 and 2 the exp's intermediates, row 3 the derivative's dy
+#: (the caller fills rows 0 and 3), row 4 a result kept in scratch (:data:`STAGE_OUT`): a loop
+#: writing a row it reads fails LLVM's run-time overlap check and runs scalar.
+STAGE_ROWS = 5
+STAGE_OUT = 4
+
+
+@helper
+def aligned(count):
+    """``count`` rounded up to a multiple of :data:`STAGE_ALIGN` (at most STAGE_CHUNK when
+    ``count`` is)."""
+    return (count + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+
+
+@leaf_helper
+def _swish_reduction_rows(y, swish_scale, shifted, r, count):
+    """Stage 1 of Swish: :func:`_exp_reduction` of ``-|s*y|``."""
+    wide_vectors()
+    for i in range(count):
+        shifted_i, r_i = _exp_reduction(-abs(swish_scale * y[i]))
+        shifted[i] = shifted_i
+        r[i] = r_i
+
+
+@leaf_helper
+def _exp_reduction_rows(z, shifted, r, count):
+    """Stage 1 of the Swish derivative: :func:`_exp_reduction` of ``-|z|``."""
+    wide_vectors()
+    for i in range(count):
+        shifted_i, r_i = _exp_reduction(-abs(z[i]))
+        shifted[i] = shifted_i
+        r[i] = r_i
+
+
+@leaf_helper
+def _exp_polynomial_rows(r, count):
+    """Stage 2: ``r[i] = exp(r[i])`` by :func:`_exp_polynomial`, in place."""
+    wide_vectors()
+    for i in range(count):
+        r[i] = _exp_polynomial(r[i])
+
+
+@leaf_helper
+def _swish_finish_rows(y, swish_scale, shifted, exp_r, out, count, fmt):
+    """Stage 3 of Swish: ``out[i]`` = :func:`swish_float32` of ``y[i]``, stored in ``fmt``."""
+    wide_vectors()
+    for i in range(count):
+        value = y[i]
+        z = swish_scale * value
+        e = _exp_scaled(-abs(z), shifted[i], exp_r[i])
+        out[i] = store((value if z >= 0 else value * e) / (_ONE32 + e), fmt)
+
+
+@leaf_helper
+def _swish_gradient_finish_rows(z, shifted, exp_r, dy, out, count):
+    """Stage 3 of the derivative: ``out[i] = dy[i] * swish_derivative_float32(z[i])`` (``z``
+    already clamped, ``dy`` decoded)."""
+    wide_vectors()
+    for i in range(count):
+        z_i = z[i]
+        e = _exp_scaled(-abs(z_i), shifted[i], exp_r[i])
+        out[i] = dy[i] * _swish_derivative_from(z_i, e, _ONE32)
+
+
+@leaf_helper
+def store_rows(values, out, count, fmt):
+    """``out[i] = store(values[i], fmt)`` for ``i < count``: a copy, or the half formats'
+    rounding (exact operations: any loop shape gives the same bits)."""
+    wide_vectors()
+    for i in range(count):
+        out[i] = store(values[i], fmt)
+
+
+@leaf_helper
+def _swish_rows_float32(scratch, swish_scale, out, count, fmt):
+    wide_vectors()
+    whole = aligned(count)
+    _swish_reduction_rows(scratch[0], swish_scale, scratch[1], scratch[2], whole)
+    _exp_polynomial_rows(scratch[2], whole)
+    _swish_finish_rows(scratch[0], swish_scale, scratch[1], scratch[2], out, count, fmt)
+
+
+@leaf_helper
+def _swish_rows_float64(scratch, swish_scale, out, count, fmt):
+    wide_vectors()
+    y = scratch[0]
+    for i in range(count):
+        out[i] = store(swish_float64(y[i], swish_scale), fmt)
+
+
+@leaf_helper
+def _swish_gradient_rows_float32(scratch, out, count):
+    wide_vectors()
+    whole = aligned(count)
+    _exp_reduction_rows(scratch[0], scratch[1], scratch[2], whole)
+    _exp_polynomial_rows(scratch[2], whole)
+    _swish_gradient_finish_rows(scratch[0], scratch[1], scratch[2], scratch[3], out, count)
+
+
+@leaf_helper
+def _swish_gradient_rows_float64(scratch, out, count):
+    wide_vectors()
+    z = scratch[0]
+    dy = scratch[3]
+    for i in range(count):
+        z_i = z[i]
+        out[i] = dy[i] * _swish_derivative_from(z_i, math.exp(-abs(z_i)), _ONE64)
+
+
+def swish_rows(scratch, swish_scale, out, count, fmt):
+    """``out[i] = store(swish(y[i]), fmt)`` for ``i < count <= STAGE_CHUNK``, ``y`` the
+    compute-type ``scratch[0]`` (``scratch``: :data:`STAGE_ROWS` rows of STAGE_CHUNK; rows 1
+    and 2 overwritten); staged in float32 (njit only). ``out`` may be ``scratch[STAGE_OUT]``."""
+    raise NotImplementedError("swish_rows() is only callable from @njit code")
+
+
+@overload(swish_rows, inline="always")
+def _swish_rows(scratch, swish_scale, out, count, fmt):
+    if scratch.dtype == types.float64:
+        return lambda scratch, swish_scale, out, count, fmt: _swish_rows_float64(scratch, swish_scale, out, count, fmt)
+    return lambda scratch, swish_scale, out, count, fmt: _swish_rows_float32(scratch, swish_scale, out, count, fmt)
+
+
+def swish_gradient_rows(scratch, out, count):
+    """``out[i] = dy[i] * swish_derivative(z[i])`` for ``i < count <= STAGE_CHUNK``, ``z``
+    (clamped, :func:`swish_argument`) and ``dy`` the compute-type ``scratch[0]`` and
+    ``scratch[3]`` (rows 1 and 2 overwritten); staged in float32 (njit only). ``out`` may be
+    ``scratch[STAGE_OUT]``."""
+    raise NotImplementedError("swish_gradient_rows() is only callable from @njit code")
+
+
+@overload(swish_gradient_rows, inline="always")
+def _swish_gradient_rows(scratch, out, count):
+    if scratch.dtype == types.float64:
+        return lambda scratch, out, count: _swish_gradient_rows_float64(scratch, out, count)
+    return lambda scratch, out, count: _swish_gradient_rows_float32(scratch, out, count)

@@ -118,6 +118,54 @@ def encode_lanes(builder, vector, format_name):
     return builder.trunc(result, half_words)
 
 
+def fma_lanes(builder, a, b, c):
+    """``a * b + c`` rounded once, lane by lane (``llvm.fma`` of the vector type: what the
+    kernels' scalar ``fma`` vectorises to)."""
+    element = "f32" if isinstance(a.type.element, ir.FloatType) else "f64"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.v{a.type.count}{element}"
+    )
+    return builder.call(function, [a, b, c])
+
+
+def store_lanes(builder, pointer, vector, format_name, mask=None):
+    """Store ``vector`` (compute type) at element ``pointer`` on in its storage form
+    (:func:`encode_lanes`). With a ``mask`` (``<LANES x i1>``) only the lanes it selects are
+    written (``llvm.masked.store``: nothing else is touched); the inverse of :func:`decode_lanes`."""
+    stored = encode_lanes(builder, vector, format_name)
+    if format_name == "native":
+        single = isinstance(vector.type.element, ir.FloatType)
+        align, suffix = (4, "f32") if single else (8, "f64")
+    else:
+        align, suffix = 2, "i16"
+    pointer = builder.bitcast(pointer, stored.type.as_pointer())
+    if mask is None:
+        builder.store(stored, pointer, align=align)
+        return
+    function = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [stored.type, stored.type.as_pointer(), _I32, ir.VectorType(_I1, LANES)]),
+        f"llvm.masked.store.v{LANES}{suffix}.p0v{LANES}{suffix}",
+    )
+    builder.call(function, [stored, pointer, _I32(align), mask])
+
+
+def for_each_vector(builder, start, stop, body):
+    """Emit ``body(position, mask)`` for the vectors of LANES consecutive positions from
+    ``start`` to ``stop`` (i64 values), in order: whole vectors with ``mask`` None (a loop), then
+    a last partial one, if any, with a ``<LANES x i1>`` mask of its positions (so that a row of
+    any length takes one loop and at most one masked step, without a scalar remainder)."""
+    length = builder.sub(stop, start)
+    whole = builder.sdiv(length, _I64(LANES))
+    with cgutils.for_range(builder, whole) as loop:
+        body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
+    tail = builder.add(start, builder.mul(whole, _I64(LANES)))
+    remaining = builder.sub(stop, tail)
+    with builder.if_then(builder.icmp_signed(">", remaining, _I64(0))):
+        lane_numbers = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
+        body(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(_I64, LANES), remaining)))
+
+
 def fold_lanes_by_halving(builder, vector):
     """Lane 0 after adding lane ``j + h`` into lane ``j`` for h = LANES/2, ..., 2, 1."""
     half = LANES // 2

@@ -10,6 +10,7 @@ cache first. The bytes are copied unchanged, so the choice never changes a resul
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ._jit import leaf_helper
@@ -197,6 +198,78 @@ def store_fence(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+@intrinsic
+def flat_rows(typingctx, array, first, stop):
+    """``array[first:stop]`` of a C-contiguous array of rank 2 or more as a 1-D view (``first <=
+    stop`` within the leading axis: no check). Where ``array[n].reshape(size)`` calls Numba's
+    run-time helper (a C call per view: on small groups a visible share of a task), this is a
+    few integer operations."""
+    if not (isinstance(array, types.Array) and array.layout == "C" and array.ndim >= 2):
+        return None
+    result = array.copy(ndim=1, layout="C")
+
+    def codegen(context, builder, signature, args):
+        (source,) = array_structs(context, builder, signature, args, 0)
+        row = cgutils.unpack_tuple(builder, source.shape)[1:]
+        row_size = row[0]
+        for size in row[1:]:
+            row_size = builder.mul(row_size, size)
+        start = builder.mul(args[1], row_size)
+        view = context.make_array(result)(context, builder)
+        context.populate_array(
+            view,
+            data=builder.gep(source.data, [start]),
+            shape=[builder.mul(builder.sub(args[2], args[1]), row_size)],
+            strides=[source.itemsize],
+            itemsize=source.itemsize,
+            meminfo=source.meminfo,
+            parent=source.parent,
+        )
+        return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+    return result(array, types.intp, types.intp), codegen
+
+
+#: Byte alignment of :func:`stack_array`'s memory (a cache line: vector loads never split one).
+STACK_ALIGN = 64
+
+
+@intrinsic(prefer_literal=True)
+def stack_array(typingctx, rows, columns, like):
+    """A C-contiguous ``(rows, columns)`` array of ``like``'s dtype in the calling function's
+    stack frame (``rows`` and ``columns`` integer constants): scratch rows a task fills and reads
+    back while they sit in L1, with no allocation (no reference count either: its meminfo is
+    null). It lives until the function that called this returns; its values start undefined."""
+    if not (
+        isinstance(rows, types.IntegerLiteral)
+        and isinstance(columns, types.IntegerLiteral)
+        and isinstance(like, types.Array)
+    ):
+        return None
+    shape = (rows.literal_value, columns.literal_value)
+    result = types.Array(like.dtype, 2, "C")
+
+    def codegen(context, builder, signature, args):
+        element = context.get_data_type(like.dtype)
+        itemsize = context.get_abi_sizeof(element)
+        with builder.goto_entry_block():
+            memory = builder.alloca(ir.ArrayType(element, shape[0] * shape[1]))
+            memory.align = STACK_ALIGN
+        array = context.make_array(result)(context, builder)
+        intp = context.get_value_type(types.intp)
+        context.populate_array(
+            array,
+            data=builder.bitcast(memory, element.as_pointer()),
+            shape=[intp(size) for size in shape],
+            strides=[intp(shape[1] * itemsize), intp(itemsize)],
+            itemsize=intp(itemsize),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return result(rows, columns, like), codegen
 
 
 @intrinsic
