@@ -640,6 +640,14 @@ class Run:
 
         from .jax_sweep import THREADS, in_child, operations
 
+        prefixes = self.args.cases
+        ops = [
+            op
+            for op in operations()
+            if not prefixes or any(f"SJ.{op}.".startswith(p) or p.startswith(f"SJ.{op}.") for p in prefixes)
+        ]
+        if not ops:  # --cases names none of the sweep's rows
+            return
         self.say(
             "\nnever slower, JAX: jax.jit(jax.grad(loss)) of one call, fastbwd (policy auto: fastbwd.jax's functions; "
             "reach around the libraries' calls and models) against plain JAX, alternating rounds, each thread count in "
@@ -649,14 +657,8 @@ class Run:
         self.say(
             f"{'case':<18} {'what':<72} {'fastbwd ms':>10} {'jax ms':>10} {'speed-up':>8} {'spread':>7}  {heading}"
         )
-        prefixes = self.args.cases
-        ops = [
-            op
-            for op in operations()
-            if not prefixes or any(f"SJ.{op}.".startswith(p) or p.startswith(f"SJ.{op}.") for p in prefixes)
-        ]
         rows = []
-        for threads in THREADS if ops else ():
+        for threads in THREADS:
             self.progress(f"  sweep: JAX on {threads} thread(s), checking and timing its rows in a process of its own")
             for found in in_child(threads, self.settings, ops=ops):
                 if prefixes and not found["id"].startswith(tuple(prefixes)):
