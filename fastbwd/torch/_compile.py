@@ -20,6 +20,7 @@ written for, or with one missing, ``enable()`` warns once and torch.compile stay
 """
 
 import functools
+import math
 import operator
 import pathlib
 import threading
@@ -30,8 +31,11 @@ from torch.nn import functional as F
 import fastbwd
 
 from . import _convert as c
-from . import _ops, _private, _switch
+from . import _ops, _private, _routing, _switch
 from ._routing import GRAPH_CALLS, ROUTES
+
+#: aten backward operator -> the operator fastbwd._dispatch decides for
+ROUTED_OPS = {name: name.removesuffix("_backward") for name in ROUTES}
 
 aten = torch.ops.aten
 
@@ -79,6 +83,20 @@ def _result_shape(name, args):
     return args[2] if name == "upsample_bilinear2d_backward" else args[1].shape
 
 
+def _decide_at_run_time(name, args):
+    """The decision (path "compiled") for a graph operator's call, from its real arguments."""
+    if name == "upsample_bilinear2d_backward":  # the input's size; grad_output's dtype and layout
+        return c.decide("auto", "compiled", ROUTED_OPS[name], args[0], math.prod(args[2]))
+    return c.decide("auto", "compiled", ROUTED_OPS[name], args[1])
+
+
+def decides_fastbwd(name, input):
+    """Whether a routed operator's gradient is fastbwd's in a graph being traced (path
+    "compiled", the policy now): its input's sizes known, the decision; some known only at run
+    time, True (the graph operator decides when it runs)."""
+    return input.device.type == "cpu" and c.decide(_switch._policy, "compiled", ROUTED_OPS[name], input)
+
+
 def _graph_operator(name):
     """``fastbwd::<name>``: calls ``aten::<name>``, whose CPU kernel is fastbwd's while enabled
     and PyTorch's own while disabled (so a compiled graph follows the switch at run time), and
@@ -90,6 +108,12 @@ def _graph_operator(name):
         memory_format = result_format(name, args[0], args[1])
         if args[0].numel() == 0:  # an empty output (which a compiled forward may make): no gradient
             return torch.empty(_result_shape(name, args), dtype=args[0].dtype, memory_format=memory_format).zero_()
+        # "always": the aten kernel serves it (fastbwd's while enabled). "auto": fastbwd's when the
+        # decision says so for the real sizes (a graph traced with known sizes decided already)
+        if _switch._active and _switch._policy == "auto" and _decide_at_run_time(name, args):
+            result = _routing.serve(name, args)
+            if result is not None:
+                return result.contiguous(memory_format=memory_format)
         return aten_operator(*args).contiguous(memory_format=memory_format)
 
     def fake(*args):
@@ -149,14 +173,15 @@ class _RoutedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, forward, backward_arguments, input, *arguments):
         ctx.name, ctx.backward_arguments = name, backward_arguments
-        ctx.on_cpu = input.device.type == "cpu"
+        # decided at trace time: fastbwd's graph operator, or aten's (what Inductor alone traces)
+        ctx.fastbwd = decides_fastbwd(name, input)
         if ROUTES[name].tensors == 2:
             ctx.save_for_backward(input)
         return forward(input, *arguments)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.on_cpu:
+        if ctx.fastbwd:
             backward = GRAPH_OPERATORS[ctx.name]
         else:
             backward = getattr(aten, ctx.name).default
@@ -182,7 +207,8 @@ def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scale
     previous = _installed.get((overload, "Autograd"))
     if previous is None:
         previous = functools.partial(_below_autograd, overload)
-    elif input.device.type != "cpu":  # other devices: PyTorch's own kernel, forward and backward
+    elif not decides_fastbwd("upsample_bilinear2d_backward", input):
+        # other devices, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
         return previous(*arguments)
     backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)
     return _RoutedForward.apply("upsample_bilinear2d_backward", previous, backward_arguments, *arguments)
@@ -248,16 +274,19 @@ def _group_norm_arguments(node):
 
 
 def _refused(path, input, num_groups, weight, bias, eps):
-    """Whether fastbwd's fused operator does not take this pair: ``_ops.refusal``, at trace time,
-    on the fake values the compiler records for the graph's nodes (``_private.graph_values`` of
-    ``path``; without them, every pair is refused)."""
+    """Whether fastbwd's fused operator does not take this pair, or is not the faster:
+    ``_ops.refusal`` and the decision (path "compiled"), at trace time, on the fake values the
+    compiler records for the graph's nodes (``_private.graph_values`` of ``path``; without them,
+    every pair is refused)."""
     tensors = (input, weight, bias)
     values = _private.graph_values([a for a in tensors if isinstance(a, torch.fx.Node)], path)
     if values is None:
         return True
     values = iter(values)
     input, weight, bias = (next(values) if isinstance(a, torch.fx.Node) else a for a in tensors)
-    return _ops.refusal(input, num_groups, weight, bias, eps) is not None
+    if _ops.refusal(input, num_groups, weight, bias, eps) is not None:
+        return True
+    return not c.decide(_switch._policy, "compiled", "group_norm_swish", input)
 
 
 def _fusable(node):

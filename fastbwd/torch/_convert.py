@@ -12,8 +12,8 @@ import numba
 import numpy as np
 import torch
 
+from fastbwd import _dispatch, api
 from fastbwd import _dtypes as d
-from fastbwd import api
 
 #: The tensor dtypes the bridge can hand to fastbwd as arrays (complex for the pad only).
 ARRAY_DTYPES = {
@@ -135,3 +135,23 @@ def match_torch_threads():
     if api.get_num_threads() != wanted:
         api.set_num_threads(wanted)
     return wanted
+
+
+def decide(policy, path, op, tensor, elements=None):
+    """``fastbwd._dispatch.decide`` for a call of ``op`` on ``path`` whose forward input is
+    ``tensor`` (real, or fake at trace time; ``elements`` its size when ``tensor`` is another of
+    the call's tensors, of the same dtype and layout), on PyTorch's thread count: True when
+    fastbwd's path runs it. A size known only at run time (symbolic) decides nothing: True, and
+    the call decides again when it runs."""
+    if policy == "always":
+        return True
+    if elements is None:
+        elements = 1
+        for size in tensor.shape:
+            if not isinstance(size, int):
+                return True
+            elements *= size
+    dtype = ARRAY_DTYPES.get(tensor.dtype)
+    dtype = dtype.name if dtype is not None else str(tensor.dtype)
+    layout = "NHWC" if is_channels_last(tensor) else "NCHW"
+    return _dispatch.decide(policy, "torch", path, op, elements, dtype, layout, torch.get_num_threads())

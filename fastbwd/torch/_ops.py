@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 import fastbwd
+from fastbwd import _dispatch
 from fastbwd import _validation as v
 from fastbwd.api import _plans
 from fastbwd.api import group_norm_swish as gns_api
@@ -361,7 +362,7 @@ class _Geometry:
     asked for, made by its first call. A later call of the same geometry (every step of a
     training loop) runs a prepared call, which checks only the arrays' metadata."""
 
-    def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
+    def __init__(self, input, weight, bias, num_groups, eps, swish_scale, threads):
         self.memory_format = c.memory_format(input)
         self.channels_last = self.memory_format != torch.contiguous_format
         self.data_format = "NHWC" if self.channels_last else "NCHW"
@@ -378,6 +379,9 @@ class _Geometry:
         self.gamma = None if weight is not None else c.as_array(torch.ones(channels, dtype=dtype))
         self.beta = None if bias is not None else c.as_array(torch.zeros(channels, dtype=dtype))
         self.eps, self.swish_scale = eps, swish_scale
+        # the call's static description, for fastbwd._dispatch (serves), and its decisions
+        self.description = (math.prod(input.shape), c.ARRAY_DTYPES[input.dtype].name, self.data_format, threads)
+        self._decisions = {}
         # the backward's prepared calls, by 2 * need_weight + need_bias (made by their first call)
         self._backward = [None] * 4
         if eps is not None:  # prepared with the thread count geometry_of set (a key of the geometry)
@@ -385,6 +389,18 @@ class _Geometry:
             self._forward = gns_api.group_norm_swish.prepare(
                 x, gamma, beta, num_groups, self.data_format, eps, True, swish_scale
             )
+
+    def serves(self, path):
+        """Whether fastbwd's kernels run this geometry's calls on ``path`` ("dropin", "fused",
+        "compiled") under the bridge's policy: ``fastbwd._dispatch.decide``, once per path,
+        policy and reading of the stored table."""
+        memo = (path, _switch._policy, _dispatch.generation)
+        found = self._decisions.get(memo)
+        if found is None:
+            elements, dtype, layout, threads = self.description
+            found = _dispatch.decide(memo[1], "torch", path, "group_norm_swish", elements, dtype, layout, threads)
+            self._decisions[memo] = found
+        return found
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
@@ -463,8 +479,9 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
     key holds everything both read: each tensor's metadata and the other arguments' values, with
     their types (``True`` and ``1`` differ), and the thread count, set here to PyTorch's (it sizes
     the kernels' tasks: a geometry's prepared calls are made for it)."""
+    threads = c.match_torch_threads()
     key = (
-        c.match_torch_threads(),
+        threads,
         input.shape,
         input.stride(),
         input.dtype,
@@ -482,7 +499,7 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
         geometry = refusal(input, num_groups, weight, bias, eps, swish_scale)
         if geometry is None:
             try:
-                geometry = _Geometry(input, weight, bias, num_groups, eps, swish_scale)
+                geometry = _Geometry(input, weight, bias, num_groups, eps, swish_scale, threads)
             except fastbwd.ParamError as error:
                 geometry = str(error)
         geometry = _GEOMETRIES.add(key, geometry)  # a refusal is remembered as its reason
@@ -501,10 +518,30 @@ class _KernelArrays(NamedTuple):
 
 
 def _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch):
-    """The call's :class:`_Geometry` when fastbwd's kernels run it, else None (PyTorch's do)."""
-    if follows_switch and not _switch.is_enabled():
+    """The call's :class:`_Geometry` when fastbwd's kernels run it, else None (PyTorch's do). A
+    ``follows_switch`` call (a pair a graph pass fused) follows the switch and the decision of
+    the path "compiled" for its real sizes (the pass decided already for sizes known when it
+    ran); any other is a drop-in's, decided by its caller."""
+    if not follows_switch:
+        return geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    if not _switch.is_enabled():
         return None
-    return geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    return geometry if geometry is not None and geometry.serves("compiled") else None
+
+
+def below_floor(path, input):
+    """True when the decision for a GroupNorm + Swish call on ``path`` is the framework's code
+    by its size alone (under ``"auto"``, fewer elements than any threshold of the path): one
+    comparison, before anything else is looked at. ``input`` a plain tensor."""
+    if _switch._policy != "auto":
+        return False
+    key = _FLOOR_KEYS[path]
+    least = _dispatch.floors.get(key)
+    return input.numel() < (_dispatch.floor(*key) if least is None else least)
+
+
+_FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
 
 
 def _sizes(input):

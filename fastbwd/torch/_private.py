@@ -176,6 +176,18 @@ def lazy_outputs():
         return broken(LAZY, error) or False
 
 
+def forward_ad_open():
+    """True when a forward-AD level is open (dual tensors may flow: an autograd.Function without
+    a forward derivative must not run), or when this PyTorch cannot tell."""
+    found = _interfaces(LAZY)
+    if not found:
+        return True
+    try:
+        return found["torch.autograd.forward_ad._current_level"][0]._current_level >= 0
+    except Exception as error:  # noqa: BLE001
+        return broken(LAZY, error) or True
+
+
 def wrapper_subclass(cls, *args, **kwargs):
     """``torch.Tensor._make_wrapper_subclass(cls, ...)``: a tensor of ``cls`` with metadata and no
     storage (after :func:`lazy_outputs` said yes)."""

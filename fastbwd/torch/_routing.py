@@ -22,6 +22,12 @@ Only the CPU dispatch key is overridden: other devices, the autograd formulas (s
 backward) and every other operator are untouched. The kernels follow the switch (``_switch``):
 disabled, every call goes to PyTorch's own kernel (see "registration" for why the registration
 itself stays).
+
+This is the routing of the policy ``"always"``. A Python kernel behind PyTorch's dispatcher
+costs every call of the operator its hop into Python, served or not (docs/history.md, "Never
+slower: the mechanisms"), so under ``"auto"`` nothing is registered here: ``_functional``
+decides before the dispatcher, and a kernel registered by an earlier ``"always"`` hands every
+call to PyTorch's own. :func:`serve` is the one way a call becomes fastbwd's, for every path.
 """
 
 import collections
@@ -175,18 +181,23 @@ def _served(route, args, grad_input):
     return grad_input.copy_(result)
 
 
+def serve(name, args, grad_input=None):
+    """fastbwd's result of ``aten::name(*args, grad_input=grad_input)``, or None when PyTorch's
+    own kernel must answer (:func:`_served`); counted in :data:`SERVED` or :data:`FALLBACK`."""
+    result = _served(ROUTES[name], args, grad_input)
+    (SERVED if result is not None else FALLBACK)[name] += 1
+    return result
+
+
 def _kernel(name, overload):
     """fastbwd's CPU kernel for ``aten::name{overload}``, falling back to PyTorch's own."""
     original = torch.library.get_kernel(f"aten::{name}{overload}", "CPU")
-    route = ROUTES[name]
 
     def kernel(keyset, *args, grad_input=None):
-        if _switch._active:
-            result = _served(route, args, grad_input)
+        if _switch._active and _switch._policy == "always":
+            result = serve(name, args, grad_input)
             if result is not None:
-                SERVED[name] += 1
                 return result
-            FALLBACK[name] += 1
         if grad_input is None:
             return original.call_boxed(keyset, *args)
         return original.call_boxed(keyset, *args, grad_input=grad_input)
@@ -207,9 +218,12 @@ _registered = set()  # the aten operators (with overload) whose CPU kernel is fa
 
 
 def _register():
-    """Register the six kernels (at enable(), under the switch's lock; once each). An operator
-    this PyTorch lacks, or will not let us override, stays PyTorch's, with one warning."""
+    """Register the six kernels (at enable() under the policy "always", under the switch's lock;
+    once each). An operator this PyTorch lacks, or will not let us override, stays PyTorch's,
+    with one warning."""
     global _library
+    if _switch._policy != "always":
+        return  # "auto" decides before the dispatcher (_functional): no hop into Python here
     if _library is None:
         _library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
