@@ -3,6 +3,8 @@
 imports fastbwd.torch, routes eager calls and runs GroupNormSwish, roi_align, the fusion and
 torch.compile (the feature that needs it off, with one warning, never an error)."""
 
+import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,6 +17,9 @@ F, nn = torch.nn.functional, torch.nn
 
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.torch import _fuse, _ops, _private  # noqa: E402
+
+#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class _Gone:
@@ -264,7 +269,14 @@ def test_import_touches_no_private_interface(tmp_path):
         print(dict(ft._routing.SERVED))
         """
     )
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this checkout's fastbwd, not an installed one
+    )
     assert result.returncode == 0, result.stderr
     assert "upsample_bilinear2d_backward" in result.stdout.strip().splitlines()[-1]
 
