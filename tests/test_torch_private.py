@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 F, nn = torch.nn.functional, torch.nn
 
 import fastbwd.torch as ft  # noqa: E402
-from fastbwd.torch import _fuse, _ops, _private  # noqa: E402
+from fastbwd.torch import _compile, _fuse, _ops, _private  # noqa: E402
 
 #: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -195,6 +195,28 @@ def test_the_graph_passes_read_their_interfaces_through_the_list(monkeypatch, ex
     assert calls == {"upsample_bilinear2d_backward": 1, "avg_pool2d_backward": 1, "replication_pad2d_backward": 1}
     for a, e in zip(actual, expected["compiled"]):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_the_pre_grad_pass_fuses_no_pair_without_graph_values(monkeypatch):
+    """With Dynamo's graph values gone, Inductor's pre-grad pass fuses no pair (the rule never
+    saw one), after one warning."""
+    remove(monkeypatch, _private.EXAMPLE_VALUE)
+    _forget()
+    graphs, norm = [], nn.GroupNorm(2, 4)
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: F.silu(norm(x)), backend=capture, fullgraph=True)(_randn(2, 4, 3, 3, seed=2))
+    (gm,) = graphs
+    try:
+        with pytest.warns(RuntimeWarning, match=r"meta\['example_value'\] is missing"):
+            assert _compile.fuse_group_norm_swish_pre_grad(gm.graph) == 0
+    finally:
+        torch._dynamo.reset()
+        _forget()
 
 
 def test_every_private_interface_is_in_the_list():
