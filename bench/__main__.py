@@ -628,7 +628,76 @@ class Run:
             f"transport: {per_call * 1e6:.0f} us per FFI call (jitted programs of 1 and 11 chained calls on 4 KB "
             f"whose handler does nothing: {one * 1e6:.0f} and {many * 1e6:.0f} us), spread {self.spread_text(row)}"
         )
+        if self.full:
+            self.jax_sweep()
         return jax.__version__
+
+    def jax_sweep(self):
+        """The JAX bridge's never-slower sweep (``bench/jax_sweep.py``, issue 52): each thread
+        count's rows checked and timed by a process of its own (on that many Numba threads and
+        CPUs), a row each, then the table of ratios."""
+        import types
+
+        from .jax_sweep import THREADS, in_child, operations
+
+        self.say(
+            "\nnever slower, JAX: jax.jit(jax.grad(loss)) of one call, fastbwd (policy auto: fastbwd.jax's functions; "
+            "reach around the libraries' calls and models) against plain JAX, alternating rounds, each thread count in "
+            "a process of its own on that many CPUs; ratio = JAX's time / fastbwd's"
+        )
+        heading = "target" if self.full else "target (for the --full shapes)"
+        self.say(
+            f"{'case':<18} {'what':<72} {'fastbwd ms':>10} {'jax ms':>10} {'speed-up':>8} {'spread':>7}  {heading}"
+        )
+        prefixes = self.args.cases
+        ops = [
+            op
+            for op in operations()
+            if not prefixes or any(f"SJ.{op}.".startswith(p) or p.startswith(f"SJ.{op}.") for p in prefixes)
+        ]
+        rows = []
+        for threads in THREADS if ops else ():
+            self.progress(f"  sweep: JAX on {threads} thread(s), checking and timing its rows in a process of its own")
+            for found in in_child(threads, self.settings, ops=ops):
+                if prefixes and not found["id"].startswith(tuple(prefixes)):
+                    continue
+                self.bridge_checks += 1
+                seconds, base_seconds = found["seconds"], found["base_seconds"]
+                row = self.finish_row(
+                    dict(
+                        op="fastbwd.jax sweep",
+                        case=found["id"],
+                        label=found["label"],
+                        dtype="float32",
+                        variant="jit(grad)",
+                        ms=seconds * 1e3,
+                        gbps=None,
+                        pct_bandwidth=None,
+                        baseline="jax",
+                        baseline_ms=base_seconds * 1e3,
+                        speedup=base_seconds / seconds,
+                        target=found["target"],
+                        note=found["note"],
+                        sweep_op=found["op"],
+                        shape=found["shape"],
+                        threads=found["threads"],
+                    ),
+                    found["series"],
+                    types.SimpleNamespace(settled=found["settled"]),
+                    found["stall"],
+                )
+                rows.append(row)
+                self.say(
+                    f"{row['case']:<18} {row['label']:<72} {seconds * 1e3:10.3f} {base_seconds * 1e3:10.3f} "
+                    f"{targets.speedup_text(row['speedup']):>8} {self.spread_text(row):>7}  "
+                    f"{self.verdict_text(row)}  ({row['note']})".rstrip()
+                )
+        if rows:
+            self.say(
+                "ratios (JAX's time / fastbwd's; ~: noisy or stalled), by size (N, C, H, W; NHWC: the same numbers):"
+            )
+            for line in targets.sweep_table(rows, "jit(grad)", self.max_spread, op="fastbwd.jax sweep"):
+                self.say(line)
 
     # ---- the whole run ------------------------------------------------------------------
 

@@ -22,10 +22,10 @@ import fastbwd.torch as ft
 
 from .inputs import roi_boxes
 from .roi_baselines import torch_roi_align
-from .targets import SWEEP_OPERATIONS
+from .targets import SWEEP_OPERATIONS, SWEEP_SIZES
 
 #: The issue's six sizes (N, C, H, W), smallest first.
-SIZES = [(2, 8, 4, 4), (2, 16, 8, 8), (2, 32, 16, 16), (4, 32, 32, 32), (4, 64, 64, 64), (8, 64, 128, 128)]
+SIZES = SWEEP_SIZES
 #: The first size from which the routed operations' target is 0.97x (below it: 0.9x).
 ROUTED_FROM = (2, 32, 16, 16)
 THREADS = (1, 2)

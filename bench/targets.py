@@ -172,10 +172,11 @@ BRIDGES = {
     ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's own ops"),
     ("fastbwd.torch sweep", "eager"): ("sweep: PyTorch eager", "PyTorch eager (issue 52's sizes)"),
     ("fastbwd.torch sweep", "compiled"): ("sweep: torch.compile", "Inductor alone (issue 52's sizes)"),
+    ("fastbwd.jax sweep", "jit(grad)"): ("sweep: JAX", "plain JAX (issue 52's sizes)"),
 }
 
 #: The groups of the never-slower sweep (issue 52), whose worst ratio the summary states.
-SWEEPS = ("sweep: PyTorch eager", "sweep: torch.compile")
+SWEEPS = ("sweep: PyTorch eager", "sweep: torch.compile", "sweep: JAX")
 
 
 def group_of(row):
@@ -241,6 +242,13 @@ def standing(group):
     return "faster" if middle >= ON_PAR else "slower" if middle <= 1 / ON_PAR else "on par"
 
 
+def _elements(shape):
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
 def median(values):
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -282,6 +290,9 @@ def sweep_worst(rows, max_spread):
     return result
 
 
+#: The issue's six sizes (N, C, H, W), smallest first (channels last: the same numbers as (N, H, W, C)).
+SWEEP_SIZES = [(2, 8, 4, 4), (2, 16, 8, 8), (2, 32, 16, 16), (4, 32, 32, 32), (4, 64, 64, 64), (8, 64, 128, 128)]
+
 #: The sweep's operations (bench/sweep.py's keys) as its tables name them, in order.
 SWEEP_OPERATIONS = {
     "up": "bilinear x2",
@@ -292,27 +303,50 @@ SWEEP_OPERATIONS = {
 }
 
 
-def sweep_table(rows, variant, max_spread):
-    """The sweep's table of ``variant`` ("eager" or "compiled") as Markdown lines: a line per
-    operation and thread count, a column per size, each cell the ratio (PyTorch's time over
-    fastbwd's; ``~`` after a noisy or stalled one)."""
-    rows = [row for row in rows if row["op"] == "fastbwd.torch sweep" and row["variant"] == variant]
+#: The JAX sweep's operations (bench/jax_sweep.py's keys) as its table names them, in order.
+JAX_SWEEP_OPERATIONS = {
+    "up": "fastbwd.jax.upsample_bilinear2d x2",
+    "pool": "fastbwd.jax.avg_pool2d k3 s2 p1",
+    "pad": "fastbwd.jax.replication_pad2d (2,2,1,1)",
+    "gn": "fastbwd.jax.group_norm_swish, 8 groups",
+    "roi": "fastbwd.jax.roi_align 7x7, 4 boxes per image",
+    "reach-up": "reach: jax.image.resize x2, NHWC",
+    "reach-pool": "reach: nn.avg_pool 3x3 s2 pad 1, NHWC",
+    "reach-pad": "reach: jnp.pad edge (1,1),(2,2), NHWC",
+    "reach-gn": "reach: nn.GroupNorm(8) -> nn.swish, NHWC",
+    "flax": "reach: Flax decoder block (J7's), NHWC",
+    "eqx": "reach: Equinox ResNet block (J8's), vmap",
+}
+
+#: Each sweep's rows (their op) and variant -> the names of its operations.
+_SWEEP_TABLES = {"fastbwd.torch sweep": SWEEP_OPERATIONS, "fastbwd.jax sweep": JAX_SWEEP_OPERATIONS}
+
+
+def sweep_table(rows, variant, max_spread, op="fastbwd.torch sweep"):
+    """The table of the sweep whose rows have ``op`` ("fastbwd.torch sweep" or "fastbwd.jax
+    sweep") and ``variant`` ("eager" or "compiled"; the JAX one's "jit(grad)") as Markdown lines:
+    a line per operation and thread count, a column per size (smallest first), each cell the
+    ratio (the framework's time over fastbwd's; ``~`` after a noisy or stalled one)."""
+    rows = [row for row in rows if row["op"] == op and row["variant"] == variant]
     shapes = []
     for row in rows:
         if tuple(row["shape"]) not in shapes:
             shapes.append(tuple(row["shape"]))
+    shapes.sort(key=lambda shape: (_elements(shape), shape))
     if not rows:
         return []
     lines = [
         "| operation | threads | " + " | ".join(str(shape) for shape in shapes) + " |",
         "|---|---:|" + "---:|" * len(shapes),
     ]
-    for op, label in SWEEP_OPERATIONS.items():
+    for operation, label in _SWEEP_TABLES[op].items():
         for threads in sorted({row["threads"] for row in rows}):
             cells = []
             for shape in shapes:
                 found = [
-                    r for r in rows if r["sweep_op"] == op and r["threads"] == threads and tuple(r["shape"]) == shape
+                    r
+                    for r in rows
+                    if r["sweep_op"] == operation and r["threads"] == threads and tuple(r["shape"]) == shape
                 ]
                 row = found[0] if found else None
                 if row is None or row.get("speedup") is None:

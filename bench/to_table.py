@@ -199,16 +199,33 @@ def table(results):
                     f"programs of 1 and 11 chained calls whose handler does nothing; the 1-call program "
                     f"takes {row['baseline_ms'] * 1e3:.0f} us{spread}).",
                 ]
-    for variant, what in (
-        ("eager", "PyTorch eager, fastbwd enabled (policy auto) against plain PyTorch"),
-        ("compiled", "torch.compile (Inductor), fastbwd enabled (policy auto) against Inductor alone"),
+    for op, variant, what, framework in (
+        (
+            "fastbwd.torch sweep",
+            "eager",
+            "PyTorch eager, fastbwd enabled (policy auto) against plain PyTorch",
+            "PyTorch",
+        ),
+        (
+            "fastbwd.torch sweep",
+            "compiled",
+            "torch.compile (Inductor), fastbwd enabled (policy auto) against Inductor alone",
+            "PyTorch",
+        ),
+        (
+            "fastbwd.jax sweep",
+            "jit(grad)",
+            "JAX, fastbwd.jax (policy auto; reach around the libraries' calls and models) against plain JAX",
+            "JAX",
+        ),
     ):
-        sweep = targets.sweep_table(results["rows"], variant, max_spread)
+        sweep = targets.sweep_table(results["rows"], variant, max_spread, op=op)
         if sweep:
             lines += [
                 "",
-                f"Never slower (issue 52), {what}: forward + backward of one call, PyTorch's time over "
-                "fastbwd's, by size (N, C, H, W) and thread count (~: noisy or stalled):",
+                f"Never slower (issue 52), {what}: forward + backward of one call, {framework}'s time over "
+                "fastbwd's, by size (N, C, H, W; channels last: the same numbers) and thread count (~: noisy or "
+                "stalled):",
                 "",
                 *sweep,
             ]

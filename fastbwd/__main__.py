@@ -96,21 +96,45 @@ def self_check(ops=None):
     return 1 if failed else 0
 
 
-def calibrate():
-    """``--calibrate``: this machine's thresholds for fastbwd.torch, stored (fastbwd._dispatch)."""
+#: The bridges ``--calibrate`` measures: (name, its calibration module, what it measures).
+CALIBRATIONS = {
+    "torch": ("fastbwd.torch._calibrate", "fastbwd.torch's eager paths against PyTorch's"),
+    "jax": ("fastbwd.jax._calibrate", "fastbwd.jax's functions and drop-ins against JAX's own code"),
+}
+
+
+def calibrate(bridges=None):
+    """``--calibrate``: this machine's thresholds for the bridges (``bridges``: names of
+    :data:`CALIBRATIONS`, default every one whose framework is installed), stored
+    (fastbwd._dispatch)."""
+    import importlib
+
     from fastbwd import _dispatch
 
-    try:
-        from fastbwd.torch import _calibrate
-    except ImportError:
-        print("--calibrate measures fastbwd.torch's paths against PyTorch's: it needs torch, which is not installed")
+    modules = {}
+    for name in bridges or CALIBRATIONS:
+        try:
+            modules[name] = importlib.import_module(CALIBRATIONS[name][0])
+        except ImportError:
+            if bridges:
+                print(f"--calibrate {name}: fastbwd.{name} needs {name}, which is not installed")
+                return 1
+    if not modules:
+        print(
+            "--calibrate measures fastbwd.torch's and fastbwd.jax's paths: it needs torch or jax, neither is installed"
+        )
         return 1
     print(
-        f"calibrating fastbwd.torch's eager paths on this machine ({_dispatch.cpu_name()}); the stored table "
-        f"now: {_dispatch.status()}. A busy machine gives thresholds that are the load's: run it on a quiet one.",
+        f"calibrating on this machine ({_dispatch.cpu_name()}): "
+        + "; ".join(CALIBRATIONS[name][1] for name in modules)
+        + f". The stored table now: {_dispatch.status()}. A busy machine gives thresholds that are the load's: "
+        "run it on a quiet one.",
         flush=True,
     )
-    thresholds = _calibrate.calibrate(say=lambda line: print(line, flush=True))
+    thresholds = {}
+    for name, module in modules.items():
+        print(f"fastbwd.{name}:", flush=True)
+        thresholds.update(module.calibrate(say=lambda line: print(line, flush=True)))
     try:
         path = _dispatch.store(thresholds)
     except OSError as error:
@@ -142,13 +166,16 @@ def main(argv=None):
     group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
     parser.add_argument(
         "--calibrate",
-        action="store_true",
-        help="measure where fastbwd.torch's eager paths become faster than PyTorch's on this machine (minutes) and "
-        "store the thresholds beside the kernel cache, for the policy 'auto' (docs/semantics.md §7)",
+        nargs="*",
+        metavar="BRIDGE",
+        choices=list(CALIBRATIONS),
+        help="measure where fastbwd's paths become faster than the framework's own code on this machine (minutes), "
+        "for the bridges named (torch, jax; default: those installed), and store the thresholds beside the kernel "
+        "cache, for the policy 'auto' (docs/semantics.md §7 and §8)",
     )
     args = parser.parse_args(argv)
-    if args.calibrate:
-        return calibrate()
+    if args.calibrate is not None:
+        return calibrate(args.calibrate)
     if args.precompile:
         try:
             result = fastbwd.precompile(args.ops, args.dtypes, args.layouts, workers=args.workers)

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import threading
 
 from . import _config
@@ -45,10 +46,12 @@ POLICIES = ("auto", "always")
 #: routed    an eager functional call (PyTorch: F.interpolate, F.avg_pool2d, F.pad and the modules
 #:           that call them), its backward on fastbwd;
 #: fused     an eager GroupNorm -> SiLU pair of fuse_group_norm_swish (its lazy output);
-#: dropin    a drop-in the user called (fastbwd.torch.group_norm_swish, GroupNormSwish);
+#: dropin    a drop-in (PyTorch: fastbwd.torch.group_norm_swish, GroupNormSwish; JAX: fastbwd.jax's
+#:           resize, avg_pool, pad and the libraries' GroupNorm, called by the user or by reach,
+#:           against the library's own function);
 #: compiled  a node of a torch.compile graph;
-#: traced    a JAX program's call (reach, the drop-ins and the explicit fastbwd.jax functions),
-#:           for the JAX bridge.
+#: traced    a call of fastbwd.jax's PyTorch-shaped functions (upsample_bilinear2d, ...) in a JAX
+#:           program, against plain JAX of the same semantics.
 PATHS = ("routed", "fused", "dropin", "compiled", "traced")
 
 #: The operators a bridge decides for (RoIAlign has no framework code of its own in PyTorch).
@@ -82,6 +85,28 @@ DEFAULTS = {
     "torch/compiled/replication_pad2d/2": 262144,
     "torch/compiled/group_norm_swish/1": 2097152,
     "torch/compiled/group_norm_swish/2": 2097152,
+    # fastbwd.jax's PyTorch-shaped functions (NCHW) against plain JAX of the same semantics; the
+    # thread count is Numba's pool per device (fastbwd/jax/_decide.py)
+    "jax/traced/upsample_bilinear2d/1": 65536,
+    "jax/traced/upsample_bilinear2d/2": 32768,
+    "jax/traced/avg_pool2d/1": 32768,
+    "jax/traced/avg_pool2d/2": 32768,
+    "jax/traced/replication_pad2d/1": 524288,
+    "jax/traced/replication_pad2d/2": 131072,
+    "jax/traced/group_norm_swish/1": 1048576,
+    "jax/traced/group_norm_swish/2": 262144,
+    "jax/traced/roi_align/1": 131072,
+    "jax/traced/roi_align/2": 131072,
+    # fastbwd.jax's drop-ins and reach (NHWC) against jax.image.resize, flax's avg_pool, jnp.pad,
+    # the libraries' GroupNorm + swish
+    "jax/dropin/upsample_bilinear2d/1": 32768,
+    "jax/dropin/upsample_bilinear2d/2": 32768,
+    "jax/dropin/avg_pool2d/1": 32768,
+    "jax/dropin/avg_pool2d/2": 32768,
+    "jax/dropin/replication_pad2d/1": 131072,
+    "jax/dropin/replication_pad2d/2": 65536,
+    "jax/dropin/group_norm_swish/1": 2097152,
+    "jax/dropin/group_norm_swish/2": 2097152,
 }
 
 _lock = threading.Lock()
@@ -165,6 +190,25 @@ def floor(bridge, path, op):
 
 
 # ---- the stored table (python -m fastbwd --calibrate) -------------------------------------------
+
+#: The sizes a calibration measures, (N, C, H, W): 512 to a million elements, about x2 apart.
+LADDER = [(2, 16, size, size) for size in (4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181)]
+
+
+def crossover(points):
+    """The threshold from ``[(elements, ratio)]`` (ascending sizes; ratio: the framework's time
+    over fastbwd's path's): the smallest size from which every ratio is at least 1, each ratio
+    taken as the median of itself and its neighbours (one round disturbed by another process
+    moves no threshold); past the largest size (twice it) when the last one is below 1."""
+    values = [value for _, value in points]
+    smooth = [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+    threshold = 2 * points[-1][0]
+    for (elements, _), value in zip(reversed(points), reversed(smooth)):
+        if value < 1.0:
+            break
+        threshold = elements
+    return threshold
+
 
 #: The stored table's format; a table of another format is ignored.
 FORMAT = 1
@@ -251,15 +295,15 @@ def _read(path):
     """``(status, thresholds)`` of the table at ``path``: thresholds ``{}`` unless it is well
     formed and was made on this machine with this fastbwd (entries of a bridge whose framework
     version differs are left out)."""
-    try:
-        with open(path) as handle:
-            text = handle.read()
+    try:  # bytes: text that is not UTF-8 is a JSON error below, not a failed call
+        with open(path, "rb") as handle:
+            data = handle.read()
     except FileNotFoundError:
         return "none", {}
     except OSError as error:
         return f"ignored: {path} cannot be read ({error})", {}
     try:
-        table = json.loads(text)
+        table = json.loads(data)
     except ValueError as error:
         return f"ignored: {path} is not JSON ({error})", {}
     problem = _malformed(table)

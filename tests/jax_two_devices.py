@@ -540,3 +540,56 @@ def test_each_device_call_runs_on_its_share_of_the_threads(monkeypatch):
         jax.jit(jax.shard_map(grad, mesh=MESH, in_specs=P("b"), out_specs=P("b")))(*split_args(op, P("b")))
     )
     assert seen == [max(1, pool // 2)] * 2
+
+
+# ---- the decision (policy "auto") on sharded programs ----------------------------------------
+
+
+def test_the_decision_counts_each_devices_part_where_the_trace_knows_it():
+    """Inside ``shard_map`` (local shapes) and on explicit axes (x's shard) a call decides on one
+    device's part and on the devices' share of the threads (the one-thread thresholds when the
+    two devices split the pool); where XLA's propagation places the shards (Auto axes), on the
+    whole array and the process's threads. Below the threshold the sharded program holds no
+    fastbwd call, and its gradient equals fastbwd's within float tolerance."""
+    import numba
+
+    from fastbwd import _dispatch
+    from fastbwd.jax import _decide
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two Numba threads (each device gets one)")
+    op = OPS["upsample"]
+    x = op.args[0]
+    half = x.size // 2
+    grad = jax.grad(lambda x: jnp.sum(op.f(x) ** 2))
+    name = "jax/traced/upsample_bilinear2d"
+    # a device's half decides on the one-thread threshold, the whole array on the two-thread one
+    table = {f"{name}/1": half + 1, f"{name}/2": x.size}
+
+    def mapped():  # jitted afresh: JAX's caches do not see the thresholds _dispatch.using sets
+        return jax.jit(jax.shard_map(lambda x: grad(x), mesh=MESH, in_specs=P("b"), out_specs=P("b")))
+
+    def fresh():
+        return jax.jit(lambda x: grad(x))
+
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))  # explicit axes
+    explicit = jax.device_put(x, NamedSharding(mesh, P("b")))
+    with _decide.policy_block("auto"), _dispatch.using(table):
+        assert ffi_calls(mapped(), put(x, P("b"))) == []
+        plain = [mapped()(put(x, P("b")))]
+        with jax.set_mesh(mesh):
+            assert ffi_calls(fresh(), explicit) == []
+            plain.append(fresh()(explicit))
+        assert ffi_calls(fresh(), put(x, P("b")))  # Auto: the whole array, two threads
+    with _decide.policy_block("auto"), _dispatch.using({f"{name}/1": half, f"{name}/2": NEVER}):
+        assert ffi_calls(mapped(), put(x, P("b")))
+        with jax.set_mesh(mesh):
+            assert ffi_calls(fresh(), explicit)
+        assert ffi_calls(fresh(), put(x, P("b"))) == []
+    expected = np.asarray(unsharded(op)[0])
+    for result in plain:
+        assert result.sharding.is_equivalent_to(NamedSharding(result.sharding.mesh, P("b")), x.ndim)
+        np.testing.assert_allclose(np.asarray(result), expected, rtol=1e-5, atol=1e-6)
+
+
+NEVER = 1 << 62

@@ -223,7 +223,7 @@ def test_the_sweep_summary_names_its_worst_trustworthy_row_with_a_target():
     worst = targets.sweep_worst(rows, 0.1)
     assert worst["sweep: PyTorch eager"] == {"worst": (0.93, "SE.gn.8.1t"), "rows": 3, "unsure": 1}
     assert worst["sweep: torch.compile"] == {"worst": (0.99, "SC.up.8.1t"), "rows": 2, "unsure": 1}
-    assert {group["name"] for group in targets.group_summaries(rows, 0.1)} == set(targets.SWEEPS)
+    assert {group["name"] for group in targets.group_summaries(rows, 0.1)} == set(targets.SWEEPS) - {"sweep: JAX"}
 
 
 def test_the_sweep_table_has_a_line_per_operation_and_thread_count():
@@ -238,6 +238,36 @@ def test_the_sweep_table_has_a_line_per_operation_and_thread_count():
     assert "| GroupNorm(8) -> SiLU, fused | 2 | - | 2.25x |" in lines
     assert len(lines) == 4 and targets.sweep_table(rows, "compiled", 0.1) == []
     assert "Never slower (issue 52), PyTorch eager" in to_table.table(_results() | {"rows": _results()["rows"] + rows})
+
+
+def _jax_sweep_row(op, shape, threads, speedup, **extra):
+    case = f"SJ.{op}.{shape[1]}.{threads}t"
+    row = _sweep_row(op, shape, threads, speedup, **extra) | dict(op="fastbwd.jax sweep", case=case, label=case)
+    return row | dict(variant="jit(grad)", baseline="jax", target=">= 0.97x")
+
+
+def test_the_jax_sweep_has_its_table_and_worst_row():
+    """The JAX sweep's rows (bench/jax_sweep.py): their own table (sizes smallest first, the
+    models' sizes among the others), their worst trustworthy ratio in the summary, RoIAlign's
+    rows judged too (plain JAX is what the policy "auto" runs below the crossover)."""
+    rows = [
+        _jax_sweep_row("up", (2, 16, 8, 8), 2, 1.02),
+        _jax_sweep_row("up", (2, 8, 4, 4), 2, 0.99),
+        _jax_sweep_row("roi", (2, 8, 4, 4), 1, 0.96),
+        _jax_sweep_row("flax", (2, 32, 8, 8), 1, 0.5, spread=0.4),  # noisy: not the worst
+        _jax_sweep_row("reach-gn", (2, 16, 8, 8), 1, 3.5),
+        _sweep_row("pad", (2, 8, 4, 4), 1, 0.95),
+    ]
+    worst = targets.sweep_worst(rows, 0.1)
+    assert worst["sweep: JAX"] == {"worst": (0.96, "SJ.roi.8.1t"), "rows": 5, "unsure": 1}
+    assert worst["sweep: PyTorch eager"]["worst"] == (0.95, "SE.pad.8.1t")
+    lines = targets.sweep_table(rows, "jit(grad)", 0.1, op="fastbwd.jax sweep")
+    assert lines[0] == "| operation | threads | (2, 8, 4, 4) | (2, 16, 8, 8) | (2, 32, 8, 8) |"
+    assert "| fastbwd.jax.upsample_bilinear2d x2 | 2 | 0.99x | 1.02x | - |" in lines
+    assert "| reach: Flax decoder block (J7's), NHWC | 1 | - | - | 0.50x~ |" in lines
+    assert len(lines) == 6 and targets.sweep_table(rows, "eager", 0.1, op="fastbwd.jax sweep") == []
+    assert "Never slower (issue 52), JAX" in to_table.table(_results() | {"rows": _results()["rows"] + rows})
+    assert "sweep: JAX" in {group["name"] for group in targets.group_summaries(rows, 0.1)}
 
 
 def test_group_standing_uses_trustworthy_rows_that_are_not_tiny_calls():

@@ -149,7 +149,10 @@ def _table(**changes):
 
 def _write(folder, table):
     path = folder / "fastbwd-dispatch.json"
-    path.write_text(table if isinstance(table, str) else json.dumps(table))
+    if isinstance(table, bytes):
+        path.write_bytes(table)
+    else:
+        path.write_text(table if isinstance(table, str) else json.dumps(table))
     _dispatch.forget()
     return path
 
@@ -169,6 +172,7 @@ def test_a_stored_table_of_this_machine_is_used(table_folder):
     "table, why",
     [
         ("{not json", "is not JSON"),
+        (b'\xff{"format": 1}', "is not JSON"),  # not UTF-8 text: a damaged file
         ("[]", "lacks format"),
         (_table(thresholds=[1, 2]), "thresholds that are not an object"),
         (_table(thresholds={"torch/routed/avg_pool2d/1": -3}), "not a size"),

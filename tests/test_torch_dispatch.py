@@ -236,6 +236,75 @@ def test_disable_and_always_put_pytorchs_functions_back():
     assert not _functional.installed()
 
 
+def test_a_function_the_user_puts_in_torch_nn_functional_stays_theirs():
+    """fastbwd's function wraps whatever the name holds at enable() (a user's own patch included,
+    set after an earlier enable/disable), calls it for every call, and disable() leaves a function
+    the user set while fastbwd was enabled."""
+    original, calls = F.pad, []
+
+    def users_pad(*args, **kwargs):
+        calls.append(kwargs.get("mode", "constant"))
+        return original(*args, **kwargs)
+
+    def users_later(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    try:
+        with ft.enabled(policy="auto"):  # fastbwd makes its function for PyTorch's
+            assert F.pad is not original
+        assert F.pad is original
+        F.pad = users_pad
+        with ft.enabled(policy="auto"), _everything_served():
+            assert F.pad is not users_pad and F.pad.__wrapped__ is users_pad
+            x = _input()
+            y, _ = _gradient(lambda x: F.pad(x, (2, 2, 1, 1), mode="replicate"), x)  # served
+            assert type(y.grad_fn).__name__ == "RoutedBackward"
+            F.pad(x, (1, 1, 1, 1))  # declined (constant mode)
+            assert calls == ["replicate", "constant"]
+            F.pad = users_later  # the user's, set while enabled
+        assert F.pad is users_later
+        assert not _functional.installed()
+    finally:
+        F.pad = original
+
+
+@pytest.mark.parametrize("name", ["no grad required", "no_grad", "inference_mode"])
+def test_a_call_needing_no_gradient_is_declined_before_routing(name, monkeypatch):
+    """A declined call costs a few reads: one whose input needs no gradient (or under no_grad or
+    inference_mode) never reaches Routed, even where every size is fastbwd's."""
+    entered, real = [], _functional.Routed.apply
+    monkeypatch.setattr(_functional.Routed, "apply", lambda *args: entered.append(args) or real(*args))
+    forward = ROUTED["avg_pool2d"][0]
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(name, contextlib.nullcontext)
+    x = _input()
+    with ft.enabled(policy="auto"), _everything_served():
+        with context():
+            y = forward(x.detach() if name == "no grad required" else x)
+        assert not entered and y.grad_fn is None
+        forward(x)  # the same call needing a gradient: routed
+        assert len(entered) == 1
+
+
+@pytest.mark.parametrize("op", list(ROUTED))
+def test_cpu_autocast_takes_pytorchs_code(op):
+    """Under CPU autocast a routed function's call is PyTorch's (the cast autocast registers on
+    the operator runs): the same output and gradient as with fastbwd disabled."""
+    forward = ROUTED[op][0]
+    x = _input(dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _gradient(forward, x)
+
+    with ft.enabled(policy="auto"), _everything_served():
+        served = sum(_routing.SERVED.values())
+        y, ours = step()
+        assert type(y.grad_fn).__name__ != "RoutedBackward" and sum(_routing.SERVED.values()) == served
+    ft.disable()
+    z, plain = step()
+    assert torch.equal(y, z) and torch.equal(ours, plain) and ours.dtype == plain.dtype
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning", "ignore:`torch.jit:FutureWarning")
 def test_torchscript_fx_and_tracing_see_pytorchs_functions():
     x = torch.randn(2, 3, 8, 8)
@@ -372,6 +441,22 @@ def test_a_geometry_keeps_its_decision_per_path_and_policy():
             assert geometry.serves("dropin")
 
 
+def test_a_geometry_decides_again_under_a_new_table():
+    """A drop-in's geometry keeps its decision only while the table it was made from is the one
+    read: after a new one (a calibration's store(), or using()) the same call follows it."""
+    _, drop_in = _norm_modules()
+    x = _input(GN_SHAPE)
+    key = "torch/dropin/group_norm_swish"
+    with ft.enabled(policy="auto"):
+        with _dispatch.using({f"{key}/1": GN_ELEMENTS, f"{key}/2": GN_ELEMENTS}):
+            assert type(drop_in(x).grad_fn).__name__ == "EagerGroupNormSwishBackward"
+        # float32's threshold one above the call; bfloat16's keeps the floor at the call's size
+        later = {f"{key}/1": GN_ELEMENTS + 1, f"{key}/2": GN_ELEMENTS + 1, f"{key}/1/bfloat16": GN_ELEMENTS}
+        with _dispatch.using(later):
+            assert _dispatch.floor("torch", "dropin", "group_norm_swish") == GN_ELEMENTS
+            assert type(drop_in(x).grad_fn).__name__ == "SiluBackward0"
+
+
 # ---- compiled graphs ------------------------------------------------------------------------------
 
 
@@ -408,6 +493,24 @@ def test_a_compiled_graph_takes_fastbwds_side_from_the_threshold_on(op):
         with auto("compiled", op, ELEMENTS):
             _, _, calls, served = _compiled_counts(forward, x, dynamic=True)
             assert calls[name] == 1 and served[name] == 1
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_compiled_call_takes_the_compiled_decision_not_the_eager_one():
+    """torch.compile traces PyTorch's function, not fastbwd's eager route: with every eager
+    size fastbwd's and the compiled threshold above the call, the graph is PyTorch's alone."""
+    forward = ROUTED["upsample_bilinear2d"][0]
+    x = _input()
+    thresholds = {f"torch/routed/upsample_bilinear2d/{t}": 0 for t in (1, 2)}
+    thresholds |= {f"torch/compiled/upsample_bilinear2d/{t}": ELEMENTS + 1 for t in (1, 2)}
+    try:
+        with _dispatch.using(thresholds), ft.enabled(policy="auto"):
+            y, theirs, calls, served = _compiled_counts(forward, x)
+            assert not calls and not served and "Routed" not in type(y.grad_fn).__name__
+        ft.disable()
+        _, plain, _, _ = _compiled_counts(forward, x)
+        assert torch.equal(theirs, plain)
     finally:
         torch._dynamo.reset()
 
@@ -462,6 +565,8 @@ def test_the_crossover_is_the_smallest_size_from_which_fastbwd_wins():
     assert crossover([(1, 0.5), (2, 0.6), (4, 1.2), (8, 0.4), (16, 1.5), (32, 1.6)]) == 8
     assert crossover([(1, 0.5), (2, 0.6), (4, 0.7)]) == 8  # never: past the ladder
     assert crossover([(1, 1.2), (2, 1.3), (4, 1.4)]) == 1
+    # "at least as fast": a ratio of exactly 1 is fastbwd's
+    assert crossover([(1, 0.5), (2, 1.0), (4, 1.0), (8, 1.0)]) == 2
 
 
 def test_calibrate_measures_and_stores_this_machines_thresholds(tmp_path, monkeypatch, capsys):
@@ -475,7 +580,7 @@ def test_calibrate_measures_and_stores_this_machines_thresholds(tmp_path, monkey
     monkeypatch.setattr(_calibrate, "calibrate", lambda say: real(threads=(1,), seconds=0.05, say=say))
     _dispatch.forget()
     try:
-        assert cli.main(["--calibrate"]) == 0
+        assert cli.main(["--calibrate", "torch"]) == 0
         printed = capsys.readouterr().out
         assert "torch/routed/replication_pad2d/1: fastbwd from" in printed and "stored in" in printed
         assert _dispatch.status() == f"used: {tmp_path / 'fastbwd-dispatch.json'}"
@@ -499,7 +604,7 @@ def test_calibrate_into_a_read_only_folder_fails_and_changes_nothing(monkeypatch
     monkeypatch.setattr(_calibrate, "calibrate", lambda say: {"torch/routed/replication_pad2d/1": 5})
     _dispatch.forget()
     try:
-        assert cli.main(["--calibrate"]) == 1
+        assert cli.main(["--calibrate", "torch"]) == 1
         assert "could not be stored" in capsys.readouterr().out
         assert _dispatch.status() == "none"
     finally:

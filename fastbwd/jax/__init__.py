@@ -28,6 +28,12 @@ cannot serve):
 
 :func:`reach`: Flax (linen, NNX) and Equinox models get all of these by one call around the
 function that calls them, without a change to their code or to the models.
+
+Never slower: each call runs fastbwd's kernels only where they are the faster, decided when JAX
+traces it from its shapes (:func:`policy` ``"auto"``, the default); elsewhere JAX's own code
+(the library's function, or plain JAX of the same semantics) is traced, with no FFI call.
+:func:`set_policy`, ``reach(policy=...)`` or ``FASTBWD_POLICY`` choose ``"always"`` (every call
+fastbwd can serve, as before).
 """
 
 import sys
@@ -42,6 +48,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 
 from . import _reach
 from ._avg_pool import avg_pool, avg_pool2d
+from ._decide import policy, set_policy
 from ._group_norm_swish import group_norm_swish
 from ._pad import pad, replication_pad2d
 from ._reach import reach
@@ -72,4 +79,6 @@ __all__ = [
     "avg_pool",
     "pad",
     "reach",
+    "policy",
+    "set_policy",
 ]

@@ -18,7 +18,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import avg_pool2d as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "avg_pool2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -95,11 +95,12 @@ def _divisors(size, kernel, stride, pad, out_size, count_include_pad):
     return padded if count_include_pad else stop - start
 
 
-def _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout):
+def _forward(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, layout, kernels=True):
+    """The pooling; ``kernels=False``: in plain JAX alone (``lax.reduce_window``, no FFI call)."""
     axes = _spatial_axes(x.ndim, layout)
     sizes = [x.shape[axis] for axis in axes]
     out_sizes = _output_sizes(x.shape, kernel, stride, padding, ceil_mode, layout)
-    self_adjoint = stride == (1, 1) and all(k == 2 * p + 1 for k, p in zip(kernel, padding))
+    self_adjoint = kernels and stride == (1, 1) and all(k == 2 * p + 1 for k, p in zip(kernel, padding))
     compute = d.compute_dtype(x.dtype)
     if self_adjoint and (count_include_pad or divisor_override):
         # every window lies inside the padded input: one divisor for all, as the backward's
@@ -225,6 +226,8 @@ def avg_pool2d(
         FUNC, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, layout
     )
     static = (kernel, stride, padding, bool(ceil_mode), bool(count_include_pad), int(divisor_override or 0), layout)
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: reduce_window, JAX's gradient
+        return _forward(x, *static, kernels=False)
     return _avg_pool(x, static + (x.shape,))
 
 
@@ -248,7 +251,7 @@ def _flax_formula(inputs, window_shape, strides=None, padding="VALID", count_inc
         single = batch_dims == 0
         array = array[None] if single else array
         out = lax.reduce_window(array, 0.0, lax.add, window, steps, padding)
-        return out[0] if single else out
+        return jnp.squeeze(out, axis=0) if single else out
 
     y = pool(inputs)
     if count_include_pad:
@@ -388,7 +391,7 @@ def avg_pool_or(fallback, inputs, window_shape, strides=None, padding="VALID", c
     """:func:`avg_pool`, or ``fallback`` (``flax.linen.avg_pool`` or its formula) with the same
     arguments for a call fastbwd cannot serve."""
     plan = _flax_plan(inputs, window_shape, strides, padding)
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", FUNC, inputs, "NHWC"):
         return fallback(inputs, window_shape, strides, padding, count_include_pad)
     return _flax_pool(jnp.asarray(inputs), plan, bool(count_include_pad))
 

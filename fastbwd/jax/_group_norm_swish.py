@@ -15,7 +15,7 @@ from .. import _validation as v
 from .._errors import ParamError
 from ..api import group_norm_swish as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "group_norm_swish"
 #: The api's arguments in the user's words (the backward's dy, mean and rstd are shaped from x).
@@ -187,9 +187,10 @@ def group_norm_swish(
     _plan_at_trace_time(x, weight, bias, num_groups, layout, activate_swish)
     compute = d.compute_dtype(x.dtype)
     # The kernels take the parameters in the compute type, and so give the statistics in it.
-    return _group_norm_swish(
-        x, weight.astype(compute), bias.astype(compute), int(num_groups), eps, swish_scale, layout, activate_swish
-    )
+    weight, bias = weight.astype(compute), bias.astype(compute)
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: the reference, JAX's gradient
+        return reference(x, weight, bias, int(num_groups), eps, swish_scale, layout, activate_swish)
+    return _group_norm_swish(x, weight, bias, int(num_groups), eps, swish_scale, layout, activate_swish)
 
 
 def _plan_at_trace_time(x, weight, bias, num_groups, layout, activate_swish):

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import _dtypes as d
 from .. import _validation as v
 from ..api import replication_pad2d as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "replication_pad2d"
 #: The backward's arguments in the user's words: its grad_output is the result (x's dtype), its
@@ -56,6 +57,23 @@ def _forward(x, padding, layout):
             rows = np.clip(np.arange(size + low + high) - low, 0, size - 1)
             x = jnp.take(x, rows, axis=axis, mode="clip", indices_are_sorted=True)
     return x
+
+
+def _plain(x, padding, layout):
+    """The padding in plain JAX: ``jnp.pad(mode="edge")`` of the positive pads, then the crops of
+    the negative ones (``lax.slice``), whose gradient JAX makes by slices and sums (the gathers
+    of :func:`_forward` differentiate into scatter-adds, several times slower in XLA on the
+    CPU). Padding first keeps every crop valid: a crop may take all the rows the pad repeats."""
+    left, right, top, bottom = padding
+    h_axis, w_axis = (x.ndim - 3, x.ndim - 2) if layout == "NHWC" else (x.ndim - 2, x.ndim - 1)
+    widths = [(0, 0)] * x.ndim
+    widths[h_axis], widths[w_axis] = (max(top, 0), max(bottom, 0)), (max(left, 0), max(right, 0))
+    padded = _jnp_pad(x, widths, mode="edge")  # the original: never reach's wrapper
+    starts, limits = [0] * x.ndim, list(padded.shape)
+    for axis, low, high in ((h_axis, top, bottom), (w_axis, left, right)):
+        starts[axis] = max(-low, 0)
+        limits[axis] -= max(-high, 0)
+    return lax.slice(padded, starts, limits)
 
 
 def _backward(grad_output, padding, input_shape, layout):
@@ -116,6 +134,8 @@ def replication_pad2d(x: jax.Array, padding: Sequence[int], *, layout: str = "NC
     subjects = _SUBJECTS if layout == "NCHW" else dict(_SUBJECTS, **c.channels_last_subjects(x.ndim))
     with v.called_as(FUNC, subjects):
         api.plan(c.placeholder(shape, x.dtype), nchw_shape, padding, None)
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: jnp.pad's edge, JAX's gradient
+        return _plain(x, c.ints(padding), layout)
     return _pad(x, (c.ints(padding), x.shape, layout))
 
 
@@ -173,7 +193,7 @@ def pad_or(fallback, array, pad_width, mode="constant", **kwargs):
     """:func:`pad`, or ``fallback`` (``jnp.pad``) with the same arguments for a call fastbwd
     cannot serve."""
     plan = _edge_plan(array, pad_width) if isinstance(mode, str) and mode == "edge" and not kwargs else None
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", FUNC, array, "NHWC"):
         return fallback(array, pad_width, mode, **kwargs)
     shape, padding = plan
     images = _pad(jnp.asarray(array).reshape(shape), (padding, shape, "NHWC"))

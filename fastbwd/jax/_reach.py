@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import jax
 
+from .. import _dispatch
+from . import _decide, _pad, _seams, _upsample
 from . import _group_norm_swish as gns
-from . import _pad, _seams, _upsample
 
 # ---- a swish of a GroupNorm's output: the fused pair --------------------------------------------
 
@@ -79,6 +80,14 @@ def swish(x):
     return swish_or(silu, x)
 
 
+def group_norm_served(x, layout):
+    """Whether fastbwd serves a library's GroupNorm of ``x`` (the library's own input, in
+    ``layout``); False: the library's own call runs (the policy "auto", fastbwd/jax/_decide.py).
+    An adapter asks before it promotes ``x`` or adds an axis, so that a call left to the library
+    traces nothing of fastbwd's: the library's own jaxpr."""
+    return _decide.serves("dropin", gns.FUNC, x, layout)
+
+
 def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, with_swish=False):
     """A library's GroupNorm (``with_swish``: followed by Swish) on fastbwd, or its own code.
 
@@ -86,7 +95,9 @@ def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback
     axis added where the library has none); ``shape``: the library's result shape;
     ``parameters(create)``: ``(weight, bias)``, ``create`` telling a Flax linen module to
     create them (``False``: they exist, ``fallback`` made them); ``fallback()``: the library's
-    own call. A GroupNorm alone is remembered with its fused pair, for :func:`swish`."""
+    own call, for what fastbwd's kernels cannot serve (the adapter has asked
+    :func:`group_norm_served` first). A GroupNorm alone is remembered with its fused pair, for
+    :func:`swish`."""
     fused = gns.servable(x, groups, eps, layout, True)
 
     def run(weight_and_bias, activate_swish):
@@ -143,13 +154,17 @@ def _import_adapters():
 
 
 @contextlib.contextmanager
-def _reaching():
+def _reaching(policy=None):
     if _seams.active():
-        yield  # a reach inside reach: the outer one holds everything, nothing is entered twice
+        # a reach inside reach: the outer one holds everything, nothing is entered twice
+        with contextlib.nullcontext() if policy is None else _decide.policy_block(policy):
+            yield
         return
     adapters = _import_adapters()
     _seams.install()
     with contextlib.ExitStack() as stack:
+        if policy is not None:
+            stack.enter_context(_decide.policy_block(policy))
         stack.enter_context(_seams.entered())
         for adapter in adapters:
             if adapter.enter is not None:
@@ -157,7 +172,7 @@ def _reaching():
         yield
 
 
-def reach(target=None):
+def reach(target=None, *, policy=None):
     """Run Flax and Equinox models' GroupNorm, pooling, padding and resizing on fastbwd.
 
     * ``with fastbwd.jax.reach(): ...``: programs traced inside, in this thread (``jax.jit``,
@@ -171,12 +186,19 @@ def reach(target=None):
     its modules and its pytree structure stay the user's), and a model itself is refused
     (``TypeError``: give ``reach`` the function that calls it). Everything reached computes what
     the library computes (docs/jax.md says where it differs within float tolerance); a call
-    fastbwd cannot serve runs the library's own code. Code traced outside reach, in any thread,
-    runs the libraries' own functions and programs, bit for bit; what reach installs in the
-    libraries to make this possible is listed in docs/jax.md.
+    fastbwd cannot serve runs the library's own code, and so does a call where the library's
+    code is the faster (the policy ``"auto"``, decided when JAX traces the call). Code traced
+    outside reach, in any thread, runs the libraries' own functions and programs, bit for bit;
+    what reach installs in the libraries to make this possible is listed in docs/jax.md.
+
+    ``policy`` (``"auto"`` or ``"always"``; None: :func:`fastbwd.jax.policy`'s) is the policy of
+    everything the thread traces inside, the PyTorch-shaped functions too; like the context, it
+    is part of JAX's cache key.
     """
+    if policy is not None:
+        _dispatch.check_policy(policy)
     if target is None:
-        return _reaching()
+        return _reaching(policy)
     for adapter in _import_adapters():
         if adapter.is_model(target):
             raise TypeError(
@@ -189,7 +211,7 @@ def reach(target=None):
 
     @functools.wraps(target)
     def reached(*args, **kwargs):
-        with _reaching():
+        with _reaching(policy):
             return target(*args, **kwargs)
 
     return reached

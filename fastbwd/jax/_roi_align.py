@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _dtypes as d
 from .. import _validation as v
 from ..api import roi_align as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "roi_align"
 #: The api's arguments in the user's words (the backward's grad_output is shaped by the forward's).
@@ -120,6 +121,54 @@ def _roi_align_jvp(pooled_size, spatial_scale, sampling_ratio, aligned, input_sh
     return output, _linear.call(FUNC, apply, transpose, [boxes, lax.stop_gradient(input)], [tangent])[0]
 
 
+def _sample_taps(start, bin_size, pooled, samples, size, compute):
+    """One axis of a fixed sampling grid (§4): per box, bin and sample, the two pixels read,
+    their weights, and whether the sample lands in ``[-1, size]``; each ``(K, pooled, samples)``."""
+    bins = jnp.arange(pooled, dtype=compute)[None, :, None]
+    steps = jnp.arange(samples, dtype=compute)[None, None, :]
+    start, bin_size = start[:, None, None], bin_size[:, None, None]
+    position = start + bins * bin_size + (steps + 0.5) * bin_size / samples
+    valid = (position >= -1) & (position <= size)  # NaN: not valid
+    position = jnp.clip(jnp.where(valid, position, 0), 0, size)
+    low = jnp.floor(position).astype(jnp.int32)
+    edge = low >= size - 1
+    low = jnp.where(edge, size - 1, low)
+    high = jnp.where(edge, size - 1, low + 1)
+    fraction = jnp.where(edge, 0, position - low.astype(compute))
+    return low, high, jnp.where(valid, 1 - fraction, 0), jnp.where(valid, fraction, 0)
+
+
+def _plain(input, rois, pooled_size, spatial_scale, sampling_ratio, aligned, layout):
+    """RoIAlign of a fixed ``sampling_ratio`` (> 0) in plain JAX (gathers of each sample's four
+    pixels; JAX's own gradient): §4's forward, computed in the compute type and rounded once. The
+    boxes get no gradient, as in :func:`roi_align`."""
+    compute = d.compute_dtype(input.dtype)
+    images = (input if layout == "NHWC" else jnp.transpose(input, (0, 2, 3, 1))).astype(compute)
+    count, height, width, _ = images.shape
+    boxes = lax.stop_gradient(rois).astype(compute)
+    finite = jnp.all(jnp.isfinite(boxes), axis=1)
+    index = jnp.floor(jnp.where(finite, boxes[:, 0], -1))
+    keep = finite & (index >= 0) & (index < count)
+    batch = jnp.where(keep, index, 0).astype(jnp.int32)
+    offset = 0.5 if aligned else 0.0
+    x1, y1, x2, y2 = (jnp.where(finite, boxes[:, i], 0) * spatial_scale - offset for i in range(1, 5))
+    roi_w, roi_h = x2 - x1, y2 - y1
+    if not aligned:
+        roi_w, roi_h = jnp.maximum(roi_w, 1), jnp.maximum(roi_h, 1)
+    pooled_height, pooled_width = pooled_size
+    rows = _sample_taps(y1, roi_h / pooled_height, pooled_height, sampling_ratio, height, compute)
+    cols = _sample_taps(x1, roi_w / pooled_width, pooled_width, sampling_ratio, width, compute)
+    keep = keep.astype(compute)[:, None, None] / (sampling_ratio * sampling_ratio)
+    image = batch[:, None, None, None, None]
+    pooled = 0
+    for row, row_weight in ((rows[0], rows[2]), (rows[1], rows[3])):
+        for col, col_weight in ((cols[0], cols[2]), (cols[1], cols[3])):
+            pixels = images[image, row[:, :, :, None, None], col[:, None, None, :, :]]  # (K, PH, g, PW, g, C)
+            pooled = pooled + jnp.einsum("kpi,kqj,kpiqjc->kpqc", row_weight * keep, col_weight, pixels)
+    pooled = pooled.astype(input.dtype)
+    return pooled if layout == "NHWC" else jnp.transpose(pooled, (0, 3, 1, 2))
+
+
 def _rois(boxes, dtype):
     """torchvision's two forms of boxes as one ``(K, 5)`` array of ``(image, x1, y1, x2, y2)``."""
     if isinstance(boxes, (list, tuple)):
@@ -215,6 +264,10 @@ def roi_align(
             layout,
             None,
         )
+    # plain JAX where it is the faster; an adaptive sampling_ratio has a sample count that
+    # depends on the boxes' values, which plain JAX's static shapes cannot follow: fastbwd's
+    if sampling_ratio > 0 and not _decide.serves("traced", FUNC, input, layout):
+        return _plain(input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), layout)
     return _roi_align(
         input, rois, pooled_size, float(spatial_scale), sampling_ratio, bool(aligned), input.shape, layout
     )

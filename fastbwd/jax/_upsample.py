@@ -13,7 +13,7 @@ from .. import _dtypes as d
 from .. import _validation as v
 from ..api import upsample_bilinear2d as api
 from . import _common as c
-from . import _ffi, _linear, _sharding
+from . import _decide, _ffi, _linear, _sharding
 
 FUNC = "upsample_bilinear2d"
 
@@ -67,6 +67,31 @@ def _forward(x, output_size, align_corners, layout, keep_unchanged=False):
     for axis, size in zip((h_axis, w_axis), output_size):
         if size != x.shape[axis] or not keep_unchanged:
             compute = _interpolate(compute, axis, size, align_corners)
+    return compute.astype(x.dtype)
+
+
+#: einsum subscripts contracting one axis of a 4-D image with an ``(output, input)`` matrix, by
+#: layout and axis (the H axis, then the W axis).
+_CONTRACTIONS = {
+    "NCHW": ("nchw,oh->ncow", "nchw,ow->ncho"),
+    "NHWC": ("nhwc,oh->nowc", "nhwc,ow->nhoc"),
+}
+
+
+def _plain(x, output_size, align_corners, layout):
+    """The forward in plain JAX, as ``jax.image.resize`` computes a resize: each axis a product
+    with its dense interpolation matrix (PyTorch's two taps per output row, their weights in the
+    compute type), whose gradient JAX makes by the transposed product (the gathers of
+    :func:`_forward` differentiate into scatter-adds, several times slower in XLA on the CPU)."""
+    compute = x.astype(d.compute_dtype(x.dtype))
+    for axis, size, subscripts in zip(_axes(layout), output_size, _CONTRACTIONS[layout]):
+        index0, index1, lambda0, lambda1 = api.compute_source_index_and_lambda(
+            x.shape[axis], size, align_corners, 0.0, compute.dtype
+        )
+        matrix = np.zeros((size, x.shape[axis]), compute.dtype)
+        np.add.at(matrix, (np.arange(size), index0), lambda0)
+        np.add.at(matrix, (np.arange(size), index1), lambda1)
+        compute = jnp.einsum(subscripts, compute, matrix)
     return compute.astype(x.dtype)
 
 
@@ -146,6 +171,8 @@ def upsample_bilinear2d(
             layout,
             None,
         )
+    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: matrix products, JAX's gradient
+        return _plain(x, c.ints(output_size), bool(align_corners), layout)
     return _upsample(x, (c.ints(output_size), bool(align_corners), layout, x.shape, False))
 
 
@@ -204,7 +231,7 @@ def resize_or(fallback, image, shape, method, antialias=True, precision=lax.Prec
     """:func:`resize`, or ``fallback`` (``jax.image.resize``) with the same arguments for a call
     fastbwd cannot serve."""
     plan = _resize_plan(image, shape, method, antialias)
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", FUNC, image, "NHWC"):
         return fallback(image, shape, method, antialias, precision)
     view, output_size = plan
     images = jnp.asarray(image).reshape(view)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dtypes as d
-from . import _avg_pool, _reach, _seams
+from . import _avg_pool, _decide, _reach, _seams
 
 _NO_STATE = object()
 
@@ -35,6 +35,8 @@ def group_norm(module, x, swish=False, call=_GROUP_NORM_CALL):
         return call(module, x)
 
     if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or np.dtype(x.dtype) not in d.FLOATING:
+        return _reach.swish(fallback()) if swish else fallback()
+    if not _reach.group_norm_served(x, "NCHW"):
         return _reach.swish(fallback()) if swish else fallback()
     channels = x.shape[0]
     if module.channelwise_affine:
@@ -83,7 +85,7 @@ def avg_pool(module, x, call=_AVG_POOL_CALL):
     padding = module._update_padding_for_ceil(x.shape) if module.use_ceil else module.padding
     module._check_is_padding_valid(padding)
     plan = _avg_pool.window_plan(x.shape[1:], x.shape[0], x.dtype, module.kernel_size, module.stride, padding)
-    if plan is None:
+    if plan is None or not _decide.serves("dropin", _avg_pool.FUNC, x, "NCHW"):
         return call(module, x)
     return _avg_pool.window_sums_mean(jnp.asarray(x)[None], plan, True, "NCHW")[0]
 

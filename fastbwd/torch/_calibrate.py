@@ -19,11 +19,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastbwd import _dispatch
+from fastbwd._dispatch import crossover
 
 from . import _fuse, _group_norm_swish, _switch
 
-#: The sizes measured, (N, C, H, W): 512 to a million elements, about x2 apart.
-LADDER = [(2, 16, size, size) for size in (4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181)]
+__all__ = ["LADDER", "MEASURED", "calibrate", "crossover", "ratio"]
+
+#: The sizes measured (the JAX bridge's calibration measures the same ones).
+LADDER = _dispatch.LADDER
 
 #: (path, op) -> the forward of one call at an input, (fastbwd's side, PyTorch's side) and parameters.
 MEASURED = ("routed/upsample_bilinear2d", "routed/avg_pool2d", "routed/replication_pad2d")
@@ -105,21 +108,6 @@ def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
         return statistics.median(ratios)
     finally:
         torch.set_num_threads(previous)
-
-
-def crossover(points):
-    """The threshold from ``[(elements, ratio)]`` (ascending sizes): the smallest size from which
-    every ratio is at least 1, each ratio taken as the median of itself and its neighbours (one
-    round disturbed by another process moves no threshold); past the largest size (twice it)
-    when the last one is below 1."""
-    values = [value for _, value in points]
-    smooth = [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
-    threshold = 2 * points[-1][0]
-    for (elements, _), value in zip(reversed(points), reversed(smooth)):
-        if value < 1.0:
-            break
-        threshold = elements
-    return threshold
 
 
 def calibrate(threads=(1, 2), seconds=1.0, say=print):
