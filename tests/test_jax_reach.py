@@ -195,13 +195,42 @@ def test_the_installed_functions_are_the_originals_outside_reach():
     if "flax.linen" in sys.modules:
         from flax.linen import pooling
 
-        originals.append(pooling.avg_pool)
+        original = sys.modules["flax.linen"].avg_pool.__wrapped__  # Flax's own, as held before the install
+        assert pooling.avg_pool is original  # its own module keeps it: pickled by that name
+        originals.append(original)
     assert all(pickle.loads(pickle.dumps(original)) is original for original in originals)
+
+
+def test_reach_installs_exactly_what_docs_jax_md_lists():
+    """The attributes reach has set are docs/jax.md's table ("What reach installs") for the
+    libraries this process imported, no more: a library's own modules (``flax.linen.pooling``)
+    keep their functions."""
+    _entered_once()
+    expected = [(jnp, "pad"), (jax.image, "resize"), (jax.nn, "silu"), (jax.nn, "swish")]
+    if "flax.linen" in sys.modules:
+        from flax import linen
+        from flax.linen import activation
+
+        expected += [(owner, name) for owner in (linen, activation) for name in ("swish", "silu")]
+        expected += [(linen, "avg_pool")]
+    if "flax.nnx" in sys.modules:
+        from flax import nnx
+        from flax.nnx.nn import activations
+
+        expected += [(owner, name) for owner in (nnx, activations) for name in ("swish", "silu")]
+        expected += [(nnx, "avg_pool"), (nnx.GroupNorm, "__call__"), (nnx.Sequential, "__call__")]
+    if "equinox" in sys.modules:
+        import equinox as eqx
+
+        expected += [(owner, "__call__") for owner in (eqx.nn.GroupNorm, eqx.nn.AvgPool2d, eqx.nn.Lambda)]
+    installed = _seams.installed()
+    assert sorted((id(owner), name) for owner, name in installed) == sorted((id(o), n) for o, n in expected), installed
 
 
 def test_a_users_own_assignment_survives_reach():
     """``jnp.pad = mine``, made inside reach or outside it, is the user's after reach exits, and
-    inside reach too (reach never sets an attribute again)."""
+    inside reach too (reach never sets an attribute again); so is the library's own function put
+    back after the install."""
     _entered_once()
     installed, resize = jnp.pad, jax.image.resize
 
@@ -218,6 +247,10 @@ def test_a_users_own_assignment_survives_reach():
         with fj.reach():
             assert jax.image.resize is mine
         assert jax.image.resize is mine
+        jnp.pad = _pad._jnp_pad  # the library's own function put back (a saved original restored)
+        with fj.reach():
+            assert jnp.pad is _pad._jnp_pad  # not installed again
+        assert jnp.pad is _pad._jnp_pad
     finally:
         jnp.pad = installed
         jax.image.resize = resize
@@ -309,6 +342,22 @@ print(targets(late))
 """
     lines = _run(code).splitlines()
     assert lines == ["[] ['replication_pad2d_backward']", "[]"]
+
+
+def test_install_never_sets_an_attribute_again(fresh_registry, monkeypatch):
+    """An attribute reach installed, then set back to the library's own function by the user
+    (``monkeypatch`` undone, a saved original restored), keeps it: each attribute is set once
+    for the process, never again."""
+    module = _fake_module(monkeypatch, "fake_restored")
+    module.f = _original
+    _seams.register("fake_restored", ("f",), _original, _negate)
+    _seams.install()
+    assert module.f.__wrapped__ is _original
+    module.f = _original
+    _seams.install()
+    assert module.f is _original
+    with _seams.entered():
+        assert module.f(1) == 2  # the user's choice: not reached
 
 
 def test_reach_without_jax_user_contexts_is_still_per_thread():
@@ -485,6 +534,23 @@ def test_a_swish_layer_holding_the_original_silu_is_fused():
         assert _compiled_targets(step, params, x) == [], name
         _leaves_close(jax.jit(reached)(params, x), jax.jit(step)(params, x))
     assert list(norm.layers)[1] is silu and equinox.layers[1].fn is silu and linen.layers[1] is silu
+
+
+def test_an_equinox_lambda_of_another_function_is_that_function():
+    """Inside reach an ``eqx.nn.Lambda`` is fastbwd's swish only when it holds ``jax.nn.silu``:
+    holding another function (relu, tanh, the user's own) it runs that function, alone and after
+    a GroupNorm, bit for bit as outside reach."""
+    eqx = pytest.importorskip("equinox")
+    x = cases._randn((8, 5, 6), 11)
+    for function in (jax.nn.relu, jnp.tanh, lambda h: 2 * h):
+        layer = eqx.nn.Lambda(function)
+        block = eqx.nn.Sequential([eqx.nn.GroupNorm(2, 8), eqx.nn.Lambda(function)])
+        expected = [np.asarray(layer(x)), np.asarray(block(x))]
+        with fj.reach():
+            assert np.asarray(layer(x)).tobytes() == expected[0].tobytes(), function
+            np.testing.assert_allclose(block(x), expected[1], rtol=1e-5, atol=1e-5)
+            lowered = jax.jit(lambda x, block=block: block(x)).lower(x).as_text()
+            assert re.findall(r"activate_swish[^a-z]*(true|false)", lowered) == ["false"], function  # not fused
 
 
 def test_the_modules_calls_in_every_form_inside_reach():

@@ -3,6 +3,7 @@ the RoIAlign drop-in. Everything here skips cleanly without torch."""
 
 import contextlib
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -20,13 +21,26 @@ from fastbwd.api import replication_pad2d as replication_pad2d_api  # noqa: E402
 from fastbwd.api import upsample_bilinear2d as upsample_api  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
-from fastbwd.torch import _compile, _convert, _routing  # noqa: E402
+from fastbwd.torch import _compile, _convert, _routing, _switch  # noqa: E402
 
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 FORMATS = [torch.contiguous_format, torch.channels_last]
 #: Tolerance against PyTorch's own kernel per dtype (different summation orders).
 TORCH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run_program(program, folder):
+    """``program`` in a new Python process in ``folder``, importing this checkout's fastbwd (not
+    an installed one: the mutation check runs copies of the tree without PYTHONPATH)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=folder, env=env
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -561,7 +575,96 @@ def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
         print(os.waitstatus_to_exitcode(status), ft.is_enabled())
         """
     )
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = _run_program(program, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "False"]
+
+
+def test_enabled_blocks_nest_in_one_thread():
+    """A block inside a block of the same thread: the inner one's end leaves fastbwd on until
+    the outer one ends."""
+    with ft.enabled():
+        with ft.enabled():
+            assert ft.is_enabled()
+        assert ft.is_enabled() and _served_backward()  # the outer block still runs
+    assert not ft.is_enabled() and not _served_backward()
+
+
+def test_a_block_ended_in_another_thread_ends_itself():
+    """A block entered in one thread and ended in another (a generator's, closed there) is its
+    own thread's: after it fastbwd is off, and the ending thread's own block is untouched."""
+
+    def steps():
+        with ft.enabled():
+            yield
+
+    generator = steps()
+    next(generator)
+    seen = []
+
+    def close_it():
+        with ft.enabled():
+            generator.close()
+            seen.append(ft.is_enabled())
+        seen.append(ft.is_enabled())
+
+    thread = threading.Thread(target=close_it)
+    thread.start()
+    thread.join()
+    assert seen == [True, False] and not ft.is_enabled() and not _served_backward()
+
+
+def test_a_block_starting_while_another_ends(monkeypatch):
+    """A block starting in one thread while another thread's block is ending (turning the parts
+    off) waits for that end to finish: fastbwd is on inside it, served."""
+    ending, entered, ended, seen = threading.Event(), threading.Event(), threading.Event(), {}
+    armed = [True]
+
+    def off():  # the last part turned off by the first block's end
+        if armed:
+            armed.clear()
+            ending.set()
+            entered.wait(1)  # a block starting now (not held by the switch's lock) enters here
+
+    def other():
+        ending.wait(300)
+        with ft.enabled():
+            entered.set()
+            ended.wait(300)
+            seen["on"], seen["served"] = ft.is_enabled(), _served_backward()
+
+    monkeypatch.setattr(_switch, "_parts", [*_switch._parts, (lambda: None, off)])
+    thread = threading.Thread(target=other)
+    with ft.enabled():
+        thread.start()
+    ended.set()
+    thread.join()
+    assert seen == {"on": True, "served": True} and not ft.is_enabled()
+
+
+def test_a_child_forked_inside_a_block_is_inside_it(tmp_path):
+    """A child forked inside the forking thread's own block is inside that block: fastbwd on
+    there until the block ends in the child (and its nested blocks end)."""
+    program = textwrap.dedent(
+        """
+        import os
+        import fastbwd.torch as ft
+
+        with ft.enabled():
+            pid = os.fork()
+            if pid == 0:
+                views = [ft.is_enabled()]
+                with ft.enabled():
+                    pass
+                views.append(ft.is_enabled())
+        if pid == 0:
+            views.append(ft.is_enabled())
+            os._exit(0 if views == [True, True, False] else 1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), ft.is_enabled())
+        """
+    )
+    result = _run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "False"]
 
@@ -1103,6 +1206,16 @@ def _tracked_case(case):
 
 
 OPS_GNS, OPS_ROI = torch.ops.fastbwd.group_norm_swish, torch.ops.fastbwd.roi_align
+
+
+def test_a_models_parameters_take_the_eager_path():
+    """A GroupNormSwish's weight and bias are nn.Parameters, plain tensors to the eager shortcut:
+    the module's call runs the operator's code without the dispatcher (as a call with plain
+    tensors does; a subclass with ``__torch_function__`` does not, as the test below checks)."""
+    norm = ft.GroupNormSwish(2, 6)
+    x = _randn((2, 6, 5, 4), torch.float32, 13).requires_grad_()
+    assert type(norm.weight) is torch.nn.Parameter
+    assert type(norm(x).grad_fn).__name__ == "EagerGroupNormSwishBackward"
 
 
 @pytest.mark.parametrize("case", _TRACKED_CASES)

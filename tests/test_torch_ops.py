@@ -641,6 +641,22 @@ def test_group_norm_swish_backward_operator_refuses_what_pytorch_refuses(case):
     )
 
 
+@pytest.mark.parametrize("width, dtype", [(3, torch.float64), (7, torch.bfloat16)], ids=["float64", "bfloat16"])
+def test_group_norm_swish_backward_first_call_with_statistics_of_another_dtype(width, dtype):
+    """The first backward call of a geometry (nothing prepared for it yet: a shape no other test
+    uses) with statistics of another dtype than the input's: PyTorch's RuntimeError, as the
+    test above for a geometry prepared already."""
+    x, weight, bias = _randn((3, 6, 4, width), seed=86), _W, _B
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, *_sizes(x), 3, 1e-5)
+    dy, mask = _randn(x.shape, seed=87), [True, True, True]
+    mean, rstd = mean.to(dtype), rstd.to(dtype)
+    _assert_as_pytorch(
+        lambda: OPS.group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, 1.0, mask),
+        lambda: _pytorch_group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, mask),
+        str(dtype),
+    )
+
+
 def _roi_align_cases():
     """name -> (call of a registered operator, None (it runs) or the message it must raise as a
     RuntimeError): what torchvision's kernels refuse (their exception type is RuntimeError) and

@@ -3,6 +3,8 @@
 imports fastbwd.torch, routes eager calls and runs GroupNormSwish, roi_align, the fusion and
 torch.compile (the feature that needs it off, with one warning, never an error)."""
 
+import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,10 @@ torch = pytest.importorskip("torch")
 F, nn = torch.nn.functional, torch.nn
 
 import fastbwd.torch as ft  # noqa: E402
-from fastbwd.torch import _fuse, _ops, _private  # noqa: E402
+from fastbwd.torch import _compile, _fuse, _ops, _private  # noqa: E402
+
+#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class _Gone:
@@ -192,6 +197,28 @@ def test_the_graph_passes_read_their_interfaces_through_the_list(monkeypatch, ex
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
+def test_the_pre_grad_pass_fuses_no_pair_without_graph_values(monkeypatch):
+    """With Dynamo's graph values gone, Inductor's pre-grad pass fuses no pair (the rule never
+    saw one), after one warning."""
+    remove(monkeypatch, _private.EXAMPLE_VALUE)
+    _forget()
+    graphs, norm = [], nn.GroupNorm(2, 4)
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: F.silu(norm(x)), backend=capture, fullgraph=True)(_randn(2, 4, 3, 3, seed=2))
+    (gm,) = graphs
+    try:
+        with pytest.warns(RuntimeWarning, match=r"meta\['example_value'\] is missing"):
+            assert _compile.fuse_group_norm_swish_pre_grad(gm.graph) == 0
+    finally:
+        torch._dynamo.reset()
+        _forget()
+
+
 def test_every_private_interface_is_in_the_list():
     """The list the test above walks is the bridge's: no private name of PyTorch's is used
     elsewhere in fastbwd/torch/ (the tests' names aside)."""
@@ -264,7 +291,14 @@ def test_import_touches_no_private_interface(tmp_path):
         print(dict(ft._routing.SERVED))
         """
     )
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this checkout's fastbwd, not an installed one
+    )
     assert result.returncode == 0, result.stderr
     assert "upsample_bilinear2d_backward" in result.stdout.strip().splitlines()[-1]
 
