@@ -22,7 +22,6 @@ from fastbwd._registry import OPERATORS, Operator
 
 from .inputs import channels_last, group_norm_swish_inputs, roi_boxes
 
-
 #: The target of RoIAlign's NHWC rows against fastbwd's own NCHW call on the same values: the
 #: layout must keep its gain (issue 54 retired issue 40's 3x and 4x, out of reach: docs/benchmarks.md).
 LAYOUT_GAIN = ">= 1.3x"
