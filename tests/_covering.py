@@ -1,0 +1,81 @@
+"""The quick set's cases, chosen by a covering design (docs/testing.md, "The quick set and the
+slow set").
+
+A parametrised test's full list of cases runs in CI (the quick set and the slow set together);
+the quick set runs a subset of it in which **every pair of values of any two parameters that
+occur together in some case also occur together in a quick case** (pairwise coverage: most
+failures need one value, or two values meeting, to show). The other cases are marked ``slow``.
+The choice is greedy and deterministic: the same cases every run, in the full list's order.
+
+``interactions`` narrows which pairs of parameters must meet. A check whose cost is a compiled
+kernel per (kernel path, dtype), for instance, covers (path, layout) and (operator, dtype)
+without every (path, dtype): what can break together stays in the quick set, which compiles a
+fraction of the kernels; the slow set still runs every case.
+"""
+
+import itertools
+
+import pytest
+
+
+def cover(cases, interactions=None):
+    """The indices (ascending) of a subset of ``cases`` (tuples of hashable values, all of one
+    length) in which every pair of values occurring together in ``cases`` at the positions of a
+    pair of ``interactions`` (default: every pair of positions) occurs together in a chosen case;
+    with one position, every value once. Greedy: the case covering the most pairs not covered yet,
+    the first such case on a tie."""
+    cases = [tuple(case) for case in cases]
+    if not cases:
+        return []
+    width = len(cases[0])
+    if any(len(case) != width for case in cases):
+        raise ValueError("cover: every case needs the same number of values")
+    if interactions is None:
+        interactions = list(itertools.combinations(range(width), 2)) or [(0, 0)]
+    pairs = [{(i, j, case[i], case[j]) for i, j in interactions} for case in cases]
+    uncovered = set().union(*pairs)
+    chosen = []
+    while uncovered:
+        best = max(range(len(cases)), key=lambda index: (len(pairs[index] & uncovered), -index))
+        chosen.append(best)
+        uncovered -= pairs[best]
+    return sorted(chosen)
+
+
+_PARAM = type(pytest.param())
+
+
+def _values(param, one_argument):
+    """A parametrize entry's values, as a tuple."""
+    if isinstance(param, _PARAM):
+        return param.values
+    return (param,) if one_argument else tuple(param)
+
+
+def quick_and_slow(params, key=None, interactions=None, one_argument=False):
+    """``params`` (a parametrize list: tuples of values, or ``pytest.param``s; single values with
+    ``one_argument``, for a test of one argument) with the ``slow`` mark on each one outside a
+    pairwise cover of them (:func:`cover`); ``key(*values)`` gives the tuple to cover for an
+    entry's values (default: the values themselves). Entries marked slow already stay slow and
+    count for nothing in the cover."""
+    params = list(params)
+    slow = [any(mark.name == "slow" for mark in getattr(param, "marks", ())) for param in params]
+    candidates = [index for index, already in enumerate(slow) if not already]
+    values = [_values(params[index], one_argument) for index in candidates]
+    keys = [tuple(key(*v)) if key else v for v in values]
+    quick = {candidates[index] for index in cover(keys, interactions)}
+    marked = []
+    for index, param in enumerate(params):
+        if index in quick or slow[index]:
+            marked.append(param)
+        elif isinstance(param, _PARAM):
+            marked.append(pytest.param(*param.values, id=param.id, marks=[*param.marks, pytest.mark.slow]))
+        else:
+            marked.append(pytest.param(*_values(param, one_argument), marks=pytest.mark.slow))
+    return marked
+
+
+def pairwise(*axes, interactions=None):
+    """The product of ``axes`` (lists of values) as parametrize params, the slow mark on each case
+    outside a pairwise cover: for a test parametrised by several independent lists."""
+    return quick_and_slow(list(itertools.product(*axes)), interactions=interactions)
