@@ -79,3 +79,51 @@ def pairwise(*axes, interactions=None):
     """The product of ``axes`` (lists of values) as parametrize params, the slow mark on each case
     outside a pairwise cover: for a test parametrised by several independent lists."""
     return quick_and_slow(list(itertools.product(*axes)), interactions=interactions)
+
+
+# ---- the covering marker: a parametrised test's own cases, covered ------------------------
+
+
+def _hashable(value):
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def mark_outside_the_cover(items):
+    """For each test marked ``@pytest.mark.covering`` (its cases from ``parametrize``), the
+    ``slow`` mark on each case outside a cover of its parameters' values: with ``strength=2``
+    (the default) every pair of values of two parameters that meet in some case meet in a quick
+    case; with ``strength=1`` every value of each parameter appears in a quick case (for a check
+    whose every case compiles a program of its own: an XLA or Inductor graph). The marker's
+    arguments name the parameters to cover (default: all of them; a parameter left out, such as
+    a list of library options, takes whatever values the cover's cases have), or ``key`` maps a
+    case's parameters (by name) to the features to cover instead (an operator and a layout read
+    from a case's name, say). Cases marked slow already stay slow and count for nothing. For pytest's ``pytest_collection_modifyitems``,
+    before ``-m`` deselects."""
+    tests = {}
+    for item in items:
+        marker = item.get_closest_marker("covering")
+        if marker is not None and hasattr(item, "callspec"):
+            tests.setdefault((item.module.__name__, item.originalname), (marker, []))[1].append(item)
+    for marker, cases in tests.values():
+        candidates = [item for item in cases if item.get_closest_marker("slow") is None]
+        if not candidates:
+            continue
+        names = list(marker.args) or list(candidates[0].callspec.params)
+        key = marker.kwargs.get("key")
+        if key is not None:  # the features of a case, from its parameters
+            keys = [tuple(map(_hashable, key(**item.callspec.params))) for item in candidates]
+        else:
+            keys = [tuple(_hashable(item.callspec.params[name]) for name in names) for item in candidates]
+        strength = marker.kwargs.get("strength", 2)
+        if strength not in (1, 2):
+            raise ValueError(f"covering: strength must be 1 or 2, but got {strength!r}")
+        positions = range(len(keys[0]))
+        interactions = itertools.combinations(positions, 2) if strength == 2 and len(names) > 1 else None
+        quick = set(cover(keys, list(interactions) if interactions else [(i, i) for i in positions]))
+        for index, item in enumerate(candidates):
+            if index not in quick:
+                item.add_marker(pytest.mark.slow)
