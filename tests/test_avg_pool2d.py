@@ -122,6 +122,7 @@ def test_divisor_override_x_count_include_pad_x_ceil_mode(ceil_mode, count_inclu
         assert bitwise_equal(result, other)
 
 
+@pytest.mark.slow
 def test_output_shape_agreement_grid():
     """Every (size, k, s, p, ceil_mode): accepted exactly when the pooled size is >= 1 and
     grad_output has it (PyTorch's shape when torch is installed, else the reference's formula)."""

@@ -423,19 +423,19 @@ def run(kind, examples, strategy, check, derandomize=True):
 
 
 def test_eager_paths_give_pytorchs_results_and_errors():
-    run("eager", 200, calls(), check_eager)
+    run("eager", 60, calls(), check_eager)
 
 
 @pytest.mark.slow
 def test_eager_paths_more_examples():
-    run("eager", 1800, calls(), check_eager, derandomize=False)
+    run("eager", 1940, calls(), check_eager, derandomize=False)
 
 
 def test_compiled_with_fastbwd_gives_pytorchs_results_and_errors():
-    run("aot_eager", 20, compiled_calls(), lambda drawn: check_compiled(*drawn, "aot_eager"))
+    run("aot_eager", 5, compiled_calls(), lambda drawn: check_compiled(*drawn, "aot_eager"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, examples", [("aot_eager", 150), ("inductor", 30)])
+@pytest.mark.parametrize("backend, examples", [("aot_eager", 165), ("inductor", 30)])
 def test_compiled_more_examples(backend, examples):
     run(backend, examples, compiled_calls(), lambda drawn: check_compiled(*drawn, backend), derandomize=False)
