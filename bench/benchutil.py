@@ -12,8 +12,13 @@ def case_id(case):
 
 
 def op_cases(name):
-    """pytest parameters for every canonical case of the operator ``name``."""
-    return [pytest.param(case, id=case_id(case)) for case in OPS[name].cases]
+    """pytest parameters for every canonical case of the operator ``name``; as a smoke run, the
+    float32 cases in the quick set and the others (each dtype compiles the kernels again) in the
+    slow set (docs/testing.md)."""
+    return [
+        pytest.param(case, id=case_id(case), marks=() if case.dtype == "float32" else pytest.mark.slow)
+        for case in OPS[name].cases
+    ]
 
 
 _PREPARED = {}

@@ -15,6 +15,7 @@ fraction of the kernels; the slow set still runs every case.
 
 import itertools
 
+import numpy as np
 import pytest
 
 
@@ -127,3 +128,14 @@ def mark_outside_the_cover(items):
         for index, item in enumerate(candidates):
             if index not in quick:
                 item.add_marker(pytest.mark.slow)
+
+
+def float32_quick(dtypes):
+    """``dtypes`` as parametrize values: float32 in the quick set, the others in the slow set. For
+    an operator's own tests, whose dtypes the contract matrix's quick cover already meets each
+    operator in (tests/test_contract.py): every other dtype there compiles kernels of its own,
+    which is most of a cold quick run's time."""
+    return [
+        dtype if np.dtype(dtype) == np.float32 else pytest.param(dtype, marks=pytest.mark.slow, id=str(np.dtype(dtype)))
+        for dtype in dtypes
+    ]

@@ -202,6 +202,7 @@ def test_matches_torch_autograd(scale):
 _WITHOUT_SWISH_SHAPES = [((3, 12, 7, 5), 4), ((2, 6, 300), 3), ((1, 6, 70, 65), 2), ((2, 64, 9, 5), 32)]
 
 
+@pytest.mark.covering("dtype", "data_format", strength=1)
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize(
     "data_format, shape, groups",
@@ -276,6 +277,7 @@ def test_without_swish_is_thread_invariant(data_format):
     assert all(bitwise_equal(a, b) for a, b in zip(serial, call()))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 @pytest.mark.parametrize("scale", [80.0, -80.0, 1e4, -1e4])
 def test_huge_swish_arguments_stay_finite(dtype, scale):
@@ -310,6 +312,7 @@ def test_float64_saturation(scale, data_format):
     assert_all_match(results, expected(args, groups, scale))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
 @pytest.mark.parametrize("scale", [1e300, -1e300, np.inf, -np.inf, 1e39])
 def test_huge_scale_is_a_step_without_warnings(dtype, scale):
@@ -349,6 +352,7 @@ def test_nan_scale_gives_nan(dtype):
         assert_all_match(results, expected(args, groups, np.nan))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
 def test_uses_the_statistics_it_is_given(dtype, data_format):
@@ -414,6 +418,7 @@ def test_nan_propagates():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize(
     "shape, groups", [((2, 12, 70, 65), 3), ((3, 20, 9, 7, 2), 5), ((2, 64, 9, 37), 32), ((2, 160, 5, 7), 32)]
@@ -429,6 +434,7 @@ def test_nhwc_equals_nchw_bitwise(dtype, shape, groups):
     assert_all_match(nchw, expected((dy, mean, rstd, x, gamma, beta), groups, 0.5))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((1, 400, 5, 3), 40)])
 def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch, replan):
@@ -443,6 +449,7 @@ def test_nhwc_streaming_stores_change_no_bits(dtype, shape, groups, monkeypatch,
     assert bitwise_equal(nhwc[1], nchw[1]) and bitwise_equal(nhwc[2], nchw[2])
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("shape, groups", [((2, 12, 70, 65), 3), ((2, 336, 3, 7), 42)])
 def test_nhwc_gnew_held_in_dx_every_run_width(dtype, shape, groups, monkeypatch, replan):

@@ -64,6 +64,7 @@ CASES = [
 ]
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", [F64, F32], ids=str)
 @pytest.mark.parametrize("shape, groups, scale, activate", CASES)
@@ -99,6 +100,7 @@ def test_float64_uses_scale_and_eps_as_given():
     assert_all_match(results, ref.group_norm_swish_forward(x, gamma, beta, 3, 0.3, -0.7), rtol=1e-13)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", [F64, F32, BF16], ids=str)
 def test_constant_group_at_eps_zero_gives_inf_rstd(dtype, data_format):
@@ -190,6 +192,7 @@ def test_non_finite_in_the_second_group_of_a_paired_task(value, where):
     assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, groups), results[1]))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
 @pytest.mark.parametrize("scale", [1e4, -1e4, np.inf, -np.inf])
 def test_huge_scale_is_relu_like_without_warnings(dtype, scale):
