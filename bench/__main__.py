@@ -44,6 +44,7 @@ import numpy as np
 
 import fastbwd
 from fastbwd.__main__ import shadowing_note, small_check
+from fastbwd._dispatch import cpu_name
 from fastbwd._registry import OPERATORS, ops_help
 from fastbwd.api import _plans
 from fastbwd.kernels._jit import threading_layer
@@ -272,7 +273,7 @@ class Run:
             numba=numba.__version__,
             numpy=np.__version__,
             python=platform.python_version(),
-            cpu=_cpu_name(),
+            cpu=cpu_name(),
             cpus=os.cpu_count(),
             threads=numba.get_num_threads(),
             threading_layer=threading_layer(),
@@ -598,6 +599,68 @@ class Run:
                 f"{case.id:<6} {case.label:<62} {us['routed']:7.1f} {us['direct']:7.1f} "
                 f"{us['routed'] - us['direct']:6.1f} {us['torch']:8.1f} {self.spread_text(row):>7}"
             )
+        if self.full:
+            self.sweep(compiled=False)
+            self.sweep(compiled=True)
+
+    def sweep(self, compiled):
+        """The never-slower sweep (``bench/sweep.py``, issue 52): each operation at six sizes and
+        one and two threads, fastbwd enabled (policy "auto") against plain PyTorch, eager or
+        compiled; a row each, then the table of ratios."""
+        from .sweep import cases
+
+        what = "torch.compile (Inductor), with fastbwd against without" if compiled else "PyTorch eager"
+        self.progress(f"fastbwd.torch sweep: {what}")
+        self.say(
+            f"\nnever slower, {what}: forward + backward of one call, fastbwd enabled (policy auto, around each "
+            "round's steps) against plain PyTorch, alternating rounds; ratio = PyTorch's time / fastbwd's"
+        )
+        heading = "target" if self.full else "target (for the --full shapes)"
+        self.say(
+            f"{'case':<16} {'what':<64} {'fastbwd ms':>10} {'torch ms':>10} {'speed-up':>8} {'spread':>7}  {heading}"
+        )
+        rows = []
+        for case in self.wanted(list(cases(compiled=compiled))):
+            self.progress(f"  sweep: checking and timing {case.id}")
+            case.check()
+            self.bridge_checks += 1
+            stall = parallel_stall()
+            timing = alternating_rounds(
+                [case.fastbwd, case.torch], [(0, 1)], self.settings, [case.fastbwd_context, case.torch_context]
+            )
+            seconds, base_seconds = timing.median(0), timing.median(1)
+            row = self.finish_row(
+                dict(
+                    op="fastbwd.torch sweep",
+                    case=case.id,
+                    label=case.label,
+                    dtype="float32",
+                    variant="compiled" if compiled else "eager",
+                    ms=seconds * 1e3,
+                    gbps=None,
+                    pct_bandwidth=None,
+                    baseline="compiled" if compiled else "torch",
+                    baseline_ms=base_seconds * 1e3,
+                    speedup=base_seconds / seconds,
+                    target=case.target,
+                    note=case.note,
+                    sweep_op=case.op,
+                    shape=list(case.shape),
+                    threads=case.threads,
+                ),
+                timing.series(0, 1),
+                timing,
+                stall,
+            )
+            rows.append(row)
+            self.say(
+                f"{case.id:<16} {case.label:<64} {seconds * 1e3:10.3f} {base_seconds * 1e3:10.3f} "
+                f"{targets.speedup_text(row['speedup']):>8} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip()
+            )
+        if rows:
+            self.say("ratios (PyTorch's time / fastbwd's; ~: noisy or stalled), by size (N, C, H, W):")
+            for line in targets.sweep_table(rows, "compiled" if compiled else "eager", self.max_spread):
+                self.say(line)
 
     def jax_bridge(self):
         """The JAX bridge's cases (``bench/jax_cases.py``) and its per-call transport cost.
@@ -791,6 +854,16 @@ class Run:
                 f"{targets.speedups_text(group['tiny']):<20} {group['rows']:>4} {group['unsure']:>13} "
                 f"{targets.threads_text(group['threads']):>4}  {targets.standing(group)}{verdicts}"
             )
+        for name, worst in targets.sweep_worst(self.rows, self.max_spread).items():
+            ratio = (
+                "no trustworthy row"
+                if worst["worst"] is None
+                else "worst {} ({})".format(targets.speedup_text(worst["worst"][0]), worst["worst"][1])
+            )
+            lines.append(
+                f"  never slower, {name}: {ratio} over {worst['rows'] - worst['unsure']} trustworthy rows"
+                f" ({worst['unsure']} untrustworthy)"
+            )
         mismatches = [f"{name}: {verdict}" for name, verdict in self.checks if verdict.startswith("MISMATCH")]
         checks = (
             f"Checks: {len(self.checks) - len(mismatches)} of {len(self.checks)} operators match the float64 "
@@ -818,17 +891,6 @@ class Run:
                 "--full` runs the full-size cases and judges their targets."
             )
         return lines
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None):

@@ -64,8 +64,8 @@ def bench_torch_bridge(case_id, variant, benchmark, smoke):
     benchmark.pedantic(function, rounds=10, warmup_rounds=1, iterations=1)
 
 
-#: C1-C8's ids: models under torch.compile (Inductor compiles each twice: slow even when small).
-COMPILE_IDS = ["C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"]
+#: C1-C9's ids: models under torch.compile (Inductor compiles each twice: slow even when small).
+COMPILE_IDS = ["C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8", "C9"]
 
 
 @pytest.mark.slow

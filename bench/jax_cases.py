@@ -84,13 +84,11 @@ def _backward_case(id, label, ours, plain, x_shape, target, seed, rtol=2e-5, ato
     return JaxCase(id, label, _ready(ours_grad, x, *extra, g), _ready(plain_grad, x, *extra, g), check, target)
 
 
-def _grad_case(id, label, ours, plain, args, target, rtol=2e-5, atol=2e-6, plain_args=None):
+def _grad_case(id, label, ours, plain, args, target, rtol=2e-5, atol=2e-6):
     """Forward + backward: ``jax.grad`` of ``sum(f(*args) ** 2)`` with respect to every argument,
-    for ``ours`` (fastbwd.jax) and ``plain`` (JAX or the library alone; on ``plain_args`` when
-    they differ: an Equinox model's parameters have the reached model's class). ``args`` may
-    hold pytrees (a model's parameters)."""
+    for ``ours`` (fastbwd.jax) and ``plain`` (JAX or the library alone), on the same ``args``,
+    which may hold pytrees (a model's parameters)."""
     argnums = tuple(range(len(args)))
-    plain_args = args if plain_args is None else plain_args
 
     def step(f):
         return jax.jit(jax.grad(lambda *args: jnp.sum(f(*args) ** 2), argnums=argnums))
@@ -98,9 +96,9 @@ def _grad_case(id, label, ours, plain, args, target, rtol=2e-5, atol=2e-6, plain
     ours_grad, plain_grad = step(ours), step(plain)
 
     def check():
-        _assert_close(ours_grad(*args), plain_grad(*plain_args), rtol, atol, id)
+        _assert_close(ours_grad(*args), plain_grad(*args), rtol, atol, id)
 
-    return JaxCase(id, label, _ready(ours_grad, *args), _ready(plain_grad, *plain_args), check, target)
+    return JaxCase(id, label, _ready(ours_grad, *args), _ready(plain_grad, *args), check, target)
 
 
 def _roi_align_case(input_shape, num_boxes, target):

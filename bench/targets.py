@@ -186,7 +186,12 @@ BRIDGES = {
     ("fastbwd.torch", "compiled"): ("torch.compile", "torch.compile without fastbwd"),
     ("fastbwd.jax", "jit(grad)"): ("fastbwd.jax", "JAX's own gradient"),
     ("fastbwd", "direct"): ("tiny direct calls", "PyTorch's own ops"),
+    ("fastbwd.torch sweep", "eager"): ("sweep: PyTorch eager", "PyTorch eager (issue 52's sizes)"),
+    ("fastbwd.torch sweep", "compiled"): ("sweep: torch.compile", "Inductor alone (issue 52's sizes)"),
 }
+
+#: The groups of the never-slower sweep (issue 52), whose worst ratio the summary states.
+SWEEPS = ("sweep: PyTorch eager", "sweep: torch.compile")
 
 
 def group_of(row):
@@ -276,3 +281,63 @@ def verdicts_text(group, judge=True):
         return "not judged (small shapes)"
     parts = [f"{group[key]} {key}" for key in (MET, MISSED, UNTRUSTED) if group[key]]
     return ", ".join(parts) or "-"
+
+
+def sweep_worst(rows, max_spread):
+    """Per sweep group (:data:`SWEEPS`) present in ``rows``: ``{"worst": (speed-up, case) or None,
+    "rows": n, "unsure": n}``, the worst over its trustworthy rows that have a target (RoIAlign's
+    rows, a report against a formulation in PyTorch ops, do not count)."""
+    result = {}
+    for row in rows:
+        name = group_of(row)
+        if name not in SWEEPS or threshold(row.get("target")) is None or row.get("speedup") is None:
+            continue
+        entry = result.setdefault(name, {"worst": None, "rows": 0, "unsure": 0})
+        entry["rows"] += 1
+        if noisy(row, max_spread) or stalled(row):
+            entry["unsure"] += 1
+        elif entry["worst"] is None or row["speedup"] < entry["worst"][0]:
+            entry["worst"] = (row["speedup"], row["case"])
+    return result
+
+
+#: The sweep's operations (bench/sweep.py's keys) as its tables name them, in order.
+SWEEP_OPERATIONS = {
+    "up": "bilinear x2",
+    "pool": "avg-pool k3 s2 p1",
+    "pad": "replicate pad (2,2,1,1)",
+    "gn": "GroupNorm(8) -> SiLU, fused",
+    "roi": "RoIAlign 7x7, 4 boxes per image, vs pure PyTorch",
+}
+
+
+def sweep_table(rows, variant, max_spread):
+    """The sweep's table of ``variant`` ("eager" or "compiled") as Markdown lines: a line per
+    operation and thread count, a column per size, each cell the ratio (PyTorch's time over
+    fastbwd's; ``~`` after a noisy or stalled one)."""
+    rows = [row for row in rows if row["op"] == "fastbwd.torch sweep" and row["variant"] == variant]
+    shapes = []
+    for row in rows:
+        if tuple(row["shape"]) not in shapes:
+            shapes.append(tuple(row["shape"]))
+    if not rows:
+        return []
+    lines = [
+        "| operation | threads | " + " | ".join(str(shape) for shape in shapes) + " |",
+        "|---|---:|" + "---:|" * len(shapes),
+    ]
+    for op, label in SWEEP_OPERATIONS.items():
+        for threads in sorted({row["threads"] for row in rows}):
+            cells = []
+            for shape in shapes:
+                found = [
+                    r for r in rows if r["sweep_op"] == op and r["threads"] == threads and tuple(r["shape"]) == shape
+                ]
+                row = found[0] if found else None
+                if row is None or row.get("speedup") is None:
+                    cells.append("-")
+                else:
+                    cells.append(speedup_text(row["speedup"]) + ("~" if trust_text(row, max_spread) else ""))
+            if any(cell != "-" for cell in cells):
+                lines.append(f"| {label} | {threads} | " + " | ".join(cells) + " |")
+    return lines

@@ -19,6 +19,7 @@ a few percent; a busy one (another process on the cores, a descheduled worker th
 parallel region waits for) widens it, which is how the main job knows which rows it cannot trust.
 """
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -159,22 +160,30 @@ def _calls_per_round(function, settings):
     return max(1, min(settings.max_calls_per_round, int(settings.round_seconds / max(seconds, 1e-7))))
 
 
-def alternating_rounds(functions, series, settings):
+def alternating_rounds(functions, series, settings, contexts=None):
     """Time ``functions`` (zero-argument callables) in alternating rounds until the medians of
     ``series`` settle or the budget runs out. ``series`` lists ``(index, baseline index or None)``:
-    the rows whose per-round values (:meth:`Timing.series`) must settle. Returns a :class:`Timing`."""
-    calls = [_calls_per_round(function, settings) for function in functions]
+    the rows whose per-round values (:meth:`Timing.series`) must settle. ``contexts``: per
+    function, a context manager factory (or None) entered around each of its rounds, not timed
+    (``fastbwd.torch.enabled`` around a loop of steps, as a user enables it). Returns a
+    :class:`Timing`."""
+    contexts = contexts or [None] * len(functions)
+    calls = []
+    for function, context in zip(functions, contexts):
+        with context() if context else _nothing():
+            calls.append(_calls_per_round(function, settings))
     samples = [[] for _ in functions]
     rounds = [[] for _ in functions]
     start = time.perf_counter()
     settled = False
     while True:
-        for function, count, times, medians in zip(functions, calls, samples, rounds):
+        for function, count, times, medians, context in zip(functions, calls, samples, rounds, contexts):
             these = []
-            for _ in range(count):
-                t0 = time.perf_counter()
-                function()
-                these.append(time.perf_counter() - t0)
+            with context() if context else _nothing():
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    function()
+                    these.append(time.perf_counter() - t0)
             times.extend(these)
             medians.append(float(np.median(these)))
         timing = Timing(samples, rounds, time.perf_counter() - start, False)
@@ -187,3 +196,7 @@ def alternating_rounds(functions, series, settings):
         if done >= settings.max_rounds or (done >= 3 and timing.seconds * (done + 1) / done > settings.budget):
             break
     return Timing(samples, rounds, time.perf_counter() - start, settled)
+
+
+def _nothing():
+    return contextlib.nullcontext()

@@ -200,6 +200,19 @@ def table(results):
                     f"programs of 1 and 11 chained calls whose handler does nothing; the 1-call program "
                     f"takes {row['baseline_ms'] * 1e3:.0f} us{spread}).",
                 ]
+    for variant, what in (
+        ("eager", "PyTorch eager, fastbwd enabled (policy auto) against plain PyTorch"),
+        ("compiled", "torch.compile (Inductor), fastbwd enabled (policy auto) against Inductor alone"),
+    ):
+        sweep = targets.sweep_table(results["rows"], variant, max_spread)
+        if sweep:
+            lines += [
+                "",
+                f"Never slower (issue 52), {what}: forward + backward of one call, PyTorch's time over "
+                "fastbwd's, by size (N, C, H, W) and thread count (~: noisy or stalled):",
+                "",
+                *sweep,
+            ]
     summary = targets.summarize(results["rows"], max_spread, judge=not results.get("quick"))
     lines += ["", targets.summary_text(summary, max_spread)]
     return "\n".join(lines)

@@ -96,6 +96,30 @@ def self_check(ops=None):
     return 1 if failed else 0
 
 
+def calibrate():
+    """``--calibrate``: this machine's thresholds for fastbwd.torch, stored (fastbwd._dispatch)."""
+    from fastbwd import _dispatch
+
+    try:
+        from fastbwd.torch import _calibrate
+    except ImportError:
+        print("--calibrate measures fastbwd.torch's paths against PyTorch's: it needs torch, which is not installed")
+        return 1
+    print(
+        f"calibrating fastbwd.torch's eager paths on this machine ({_dispatch.cpu_name()}); the stored table "
+        f"now: {_dispatch.status()}. A busy machine gives thresholds that are the load's: run it on a quiet one.",
+        flush=True,
+    )
+    thresholds = _calibrate.calibrate(say=lambda line: print(line, flush=True))
+    try:
+        path = _dispatch.store(thresholds)
+    except OSError as error:
+        print(f"the thresholds could not be stored ({error}): calls keep the defaults")
+        return 1
+    print(f"stored in {path}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m fastbwd",
@@ -116,7 +140,15 @@ def main(argv=None):
         "--layouts", nargs="+", metavar="LAYOUT", choices=["NCHW", "NHWC"], help="only these layouts: NCHW, NHWC"
     )
     group.add_argument("--workers", type=int, help="worker processes (default: one per core)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure where fastbwd.torch's eager paths become faster than PyTorch's on this machine (minutes) and "
+        "store the thresholds beside the kernel cache, for the policy 'auto' (docs/semantics.md §7)",
+    )
     args = parser.parse_args(argv)
+    if args.calibrate:
+        return calibrate()
     if args.precompile:
         try:
             result = fastbwd.precompile(args.ops, args.dtypes, args.layouts, workers=args.workers)

@@ -275,6 +275,58 @@ def test_headline_has_a_row_per_operator_and_bridge():
     assert "not judged (small shapes)" in quick and "small shapes, not `--full`" in quick
 
 
+def _sweep_row(op, shape, threads, speedup, variant="eager", **extra):
+    case = f"S{'C' if variant == 'compiled' else 'E'}.{op}.{shape[1]}.{threads}t"
+    target = "report" if op == "roi" else ">= 0.97x"
+    return (
+        dict(
+            op="fastbwd.torch sweep",
+            case=case,
+            label=case,
+            variant=variant,
+            speedup=speedup,
+            ms=0.5,
+            target=target,
+            sweep_op=op,
+            shape=list(shape),
+            threads=threads,
+            baseline="torch",
+            spread=0.01,
+            stall=1.0,
+        )
+        | extra
+    )
+
+
+def test_the_sweep_summary_names_its_worst_trustworthy_row_with_a_target():
+    rows = [
+        _sweep_row("pad", (2, 8, 4, 4), 1, 0.95),
+        _sweep_row("pad", (2, 8, 4, 4), 2, 0.80, stall=9.0),  # stalled: not the worst
+        _sweep_row("gn", (2, 8, 4, 4), 1, 0.93),
+        _sweep_row("roi", (2, 8, 4, 4), 1, 0.5),  # a report: no target
+        _sweep_row("up", (2, 8, 4, 4), 1, 0.99, variant="compiled"),
+        _sweep_row("pool", (2, 16, 8, 8), 2, 0.40, variant="compiled", spread=0.5),  # noisy
+    ]
+    worst = targets.sweep_worst(rows, 0.1)
+    assert worst["sweep: PyTorch eager"] == {"worst": (0.93, "SE.gn.8.1t"), "rows": 3, "unsure": 1}
+    assert worst["sweep: torch.compile"] == {"worst": (0.99, "SC.up.8.1t"), "rows": 2, "unsure": 1}
+    assert {group["name"] for group in targets.group_summaries(rows, 0.1)} == set(targets.SWEEPS)
+
+
+def test_the_sweep_table_has_a_line_per_operation_and_thread_count():
+    rows = [
+        _sweep_row("pad", (2, 8, 4, 4), 1, 0.95),
+        _sweep_row("pad", (2, 16, 8, 8), 1, 1.5, spread=0.5),  # noisy (one thread cannot stall)
+        _sweep_row("gn", (2, 16, 8, 8), 2, 2.25),
+    ]
+    lines = targets.sweep_table(rows, "eager", 0.1)
+    assert lines[0] == "| operation | threads | (2, 8, 4, 4) | (2, 16, 8, 8) |"
+    assert "| replicate pad (2,2,1,1) | 1 | 0.95x | 1.50x~ |" in lines
+    assert "| GroupNorm(8) -> SiLU, fused | 2 | - | 2.25x |" in lines
+    assert len(lines) == 4 and targets.sweep_table(rows, "compiled", 0.1) == []
+    assert "Never slower (issue 52), PyTorch eager" in to_table.table(_results() | {"rows": _results()["rows"] + rows})
+
+
 def test_group_standing_uses_trustworthy_rows_that_are_not_tiny_calls():
     rows = _results()["rows"]
     groups = {group["name"]: group for group in targets.group_summaries(rows, 0.1)}
@@ -343,9 +395,11 @@ def test_a_reduced_run_regenerates_copies_of_the_published_tables(tmp_path):
     # compile hint once, the targets' paragraph at the end
     lines = done.stdout.splitlines()
     machine = next(i for i, line in enumerate(lines) if line.startswith("Machine: "))  # after a shadowing note
-    assert lines[0].startswith("fastbwd ") and machine <= 2 and lines[machine + 2].startswith("Summary (")
-    assert lines[machine + 4].split()[:2] == ["replication_pad2d_backward", "PyTorch"]
-    assert lines[machine + 5].startswith("Checks: 1 of 1 operators match the float64 reference")
+    # on a busy machine, a line under the machine's says the run timed one thread on both sides
+    summary = machine + 2 + lines[machine + 1].startswith("Parallel calls stalled")
+    assert lines[0].startswith("fastbwd ") and machine <= 2 and lines[summary].startswith("Summary (")
+    assert lines[summary + 2].split()[:2] == ["replication_pad2d_backward", "PyTorch"]
+    assert lines[summary + 3].startswith("Checks: 1 of 1 operators match the float64 reference")
     assert done.stdout.index("Summary (") < done.stdout.index("P1q float32: (4,32,64,64) pad 3")
     assert "WARNING" not in done.stdout
     assert done.stdout.count("--precompile") == 1

@@ -222,7 +222,7 @@ def test_graph_operators_double_backward():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
-def test_group_norm_silu_operators_are_differentiable_twice(enabled):
+def test_fused_pair_operators_are_differentiable_twice(enabled):
     """A graph of the fused pair's backward (create_graph=True) is exact: its derivative is
     PyTorch's composite, and the backward operator's own derivative is §5's formula."""
     (ft.enable if enabled else ft.disable)()
@@ -314,7 +314,7 @@ class _Block(nn.Module):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_group_norm_silu_pairs_fuse_in_a_compiled_block(backend):
+def test_group_norm_swish_pairs_fuse_in_a_compiled_block(backend):
     torch.manual_seed(1)
     block = _Block(8)
     with torch.no_grad():
@@ -329,11 +329,27 @@ def test_group_norm_silu_pairs_fuse_in_a_compiled_block(backend):
         before = _routing.GRAPH_CALLS.copy()
         output = compiled(x.requires_grad_(), *arguments)
         actual = (output, *torch.autograd.grad(output, (x, *parameters), grad_output))
-        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": pairs, "group_norm_silu_backward": pairs}
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": pairs, "group_norm_swish_backward": pairs}
         output = block(x, *arguments)
         expected = (output, *torch.autograd.grad(output, (x, *parameters), grad_output))
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_the_counters_old_keys_read_the_new_ones_with_a_deprecation_warning():
+    """The fused pairs' counters are named after the operators (``group_norm_swish``); the keys
+    they had before issue 55 read the same counts, with a DeprecationWarning, for one release."""
+    calls = _routing.GRAPH_CALLS.copy()
+    calls["group_norm_swish"] += 3
+    calls["group_norm_swish_backward"] += 2
+    for old, new in (
+        ("group_norm_silu", "group_norm_swish"),
+        ("group_norm_silu_backward", "group_norm_swish_backward"),
+    ):
+        with pytest.warns(DeprecationWarning, match=rf"GRAPH_CALLS\['{old}'\] is deprecated .* GRAPH_CALLS\['{new}'\]"):
+            assert calls[old] == calls[new] > 0
+        assert old not in calls  # a read, never a key of its own
+    assert calls["anything else"] == 0
 
 
 def _pair_programs():
@@ -362,7 +378,7 @@ def _pair_programs():
 
 
 @pytest.mark.slow
-def test_group_norm_silu_pre_grad_pass_fuses_only_pairs():
+def test_pre_grad_pass_fuses_only_pairs():
     """Inductor's pass, on the graphs Dynamo captures."""
     for name, (program, pairs) in _pair_programs().items():
         graphs = []
@@ -375,14 +391,14 @@ def test_group_norm_silu_pre_grad_pass_fuses_only_pairs():
         x = _randn((2, 4, 3, 3), 14)
         torch.compile(program, backend=capture, fullgraph=True)(x)
         ((gm, example_inputs),) = graphs
-        assert _compile.fuse_group_norm_silu(gm.graph) == pairs, name
+        assert _compile.fuse_group_norm_swish_pre_grad(gm.graph) == pairs, name
         gm.recompile()
         torch.testing.assert_close(gm(*example_inputs)[0], program(x), rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_group_norm_silu_compiled_fuses_only_pairs(backend):
+def test_compiled_graphs_fuse_only_pairs(backend):
     """Compiled with fastbwd: pairs run fused (the joint-graph pass under aot_eager, the pre-grad
     pass under Inductor), everything else as PyTorch; outputs and gradients as eager PyTorch's."""
     ft.enable()
@@ -391,7 +407,7 @@ def test_group_norm_silu_compiled_fuses_only_pairs(backend):
         x, grad_output = _randn((2, 4, 3, 3), 24), _randn((2, 4, 3, 3), 25)
         before = _routing.GRAPH_CALLS.copy()
         actual = _gradients(torch.compile(program, backend=backend, fullgraph=True), [x], grad_output)
-        expected = {"group_norm_silu": pairs, "group_norm_silu_backward": pairs} if pairs else {}
+        expected = {"group_norm_swish": pairs, "group_norm_swish_backward": pairs} if pairs else {}
         assert _counts(_routing.GRAPH_CALLS, before) == expected, name
         for a, e in zip(actual, _gradients(program, [x], grad_output)):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
@@ -399,7 +415,7 @@ def test_group_norm_silu_compiled_fuses_only_pairs(backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
+def test_fused_pair_dtypes_layouts_and_parameters(backend):
     ft.enable()
     for dtype, parameters in (
         (torch.float32, torch.float32),
@@ -415,7 +431,7 @@ def test_group_norm_silu_dtypes_layouts_and_parameters(backend):
             before = _routing.GRAPH_CALLS.copy()
             compiled = torch.compile(lambda x, norm=norm: F.silu(norm(x)), backend=backend, fullgraph=True)
             actual = _gradients(compiled, [x], grad_output)
-            assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+            assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
             expected = _gradients(lambda x, n=norm: ft.group_norm_swish(x, 3, n.weight, n.bias), [x], grad_output)
             for a, e in zip(actual, expected):
                 assert a.dtype == e.dtype and a.stride() == e.stride()
@@ -437,7 +453,7 @@ def test_dynamic_shapes_decide_at_run_time_what_fastbwd_takes(backend):
         x, grad_output = _randn(shape, 70 + index), _randn(shape, 80 + index)
         before = _routing.GRAPH_CALLS.copy()
         actual = _gradients(compiled, [x], grad_output)
-        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
         for a, e in zip(actual, _gradients(lambda x: F.silu(F.group_norm(x, 1)), [x], grad_output)):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
     assert frames.frame_count == 1
@@ -446,7 +462,7 @@ def test_dynamic_shapes_decide_at_run_time_what_fastbwd_takes(backend):
     for index, shape in enumerate([(2, 6, 3, 5), (3, 6, 4, 2)]):
         x, before = _randn(shape, 90 + index), _routing.GRAPH_CALLS.copy()
         torch.testing.assert_close(compiled(x), F.silu(norm(x)), rtol=1e-4, atol=1e-5)
-        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1}
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": 1}
 
 
 # ---- the switch: graphs compiled while enabled follow it at run time -----------------------------
@@ -477,7 +493,7 @@ def test_graph_compiled_while_enabled_runs_pytorchs_kernels_after_disable(backen
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise(backend):
+def test_fused_pair_disabled_runs_pytorchs_kernels_bitwise(backend):
     norm = nn.GroupNorm(2, 4)
     x, grad_output = _randn((2, 4, 5, 5), 20), _randn((2, 4, 5, 5), 21)
 
@@ -492,7 +508,7 @@ def test_group_norm_silu_disabled_runs_pytorchs_kernels_bitwise(backend):
     ft.disable()
     before = _routing.GRAPH_CALLS.copy()
     actual = gradients(compiled)
-    assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+    assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
     expected = gradients(lambda x: F.silu(norm(x)))  # PyTorch's native_group_norm and silu, eagerly
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
@@ -576,7 +592,7 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         before = _routing.GRAPH_CALLS.copy()
         torch.compile(lambda x: F.silu(norm(x)), backend="aot_eager")(_randn((2, 4, 3, 3), 26)).sum().backward()
         assert calls == ["joint"]  # the user's pass ran, and then fastbwd's
-        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+        assert _counts(_routing.GRAPH_CALLS, before) == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
         ft.disable()
         assert not _compile.is_installed()
         assert inductor_config.pre_grad_custom_pass is users_pass
@@ -625,7 +641,7 @@ def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     calls = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own program's output
-    assert set(calls) == set(_routing.ROUTES) | {"group_norm_silu", "group_norm_silu_backward"}
+    assert set(calls) == set(_routing.ROUTES) | {"group_norm_swish", "group_norm_swish_backward"}
 
 
 @pytest.mark.slow
@@ -652,8 +668,8 @@ def test_a_unet_compiled_with_fastbwd_has_eagers_gradients(backend):
     actual = gradients(torch.compile(model, backend=backend, fullgraph=True))
     pairs = sum(isinstance(m, nn.GroupNorm) for m in model.modules())
     assert _counts(_routing.GRAPH_CALLS, before) == {
-        "group_norm_silu": pairs,
-        "group_norm_silu_backward": pairs,
+        "group_norm_swish": pairs,
+        "group_norm_swish_backward": pairs,
         "avg_pool2d_backward": 2,
         "upsample_bilinear2d_backward": 2,
     }

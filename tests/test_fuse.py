@@ -111,6 +111,28 @@ def test_sequential_pairs_become_group_norm_swish_with_the_same_parameters():
     torch.testing.assert_close(model(x), reference(x))
 
 
+def test_a_silu_module_shared_in_a_sequential_fuses_at_each_of_its_places():
+    """One nn.SiLU object after two GroupNorms of a Sequential (named, as an OrderedDict builds
+    it): both pairs fuse, the module order and names stay, and a failing example forward puts
+    every slot back."""
+    import collections
+
+    act = nn.SiLU()
+    layers = [("norm_in", nn.GroupNorm(2, 4)), ("act_in", act), ("conv", nn.Conv2d(4, 4, 1))]
+    model = nn.Sequential(collections.OrderedDict(layers + [("norm_out", nn.GroupNorm(2, 4)), ("act_out", act)]))
+    reference, x = copy.deepcopy(model), _randn(2, 4, 3, 3)
+    report = ft.fuse_group_norm_swish(model, (x,))
+    assert [f.name for f in report.fused] == ["norm_in", "norm_out"]
+    assert [name for name, _ in model.named_children()] == ["norm_in", "act_in", "conv", "norm_out", "act_out"]
+    assert [type(m) for m in model] == [ft.GroupNormSwish, nn.Identity, nn.Conv2d, ft.GroupNormSwish, nn.Identity]
+    torch.testing.assert_close(model(x), reference(x))
+
+    model = nn.Sequential(collections.OrderedDict(layers + [("norm_out", nn.GroupNorm(2, 4)), ("act_out", act)]))
+    with pytest.raises(RuntimeError):
+        ft.fuse_group_norm_swish(model, (_randn(2, 3, 3, 3),))  # 3 channels: the first GroupNorm refuses them
+    assert [m for m in model] == [layers[0][1], act, layers[2][1], model.norm_out, act]
+
+
 # ---- the lazy output -------------------------------------------------------------------------
 
 
@@ -424,7 +446,7 @@ def test_compiled_with_fastbwd_enabled_the_compilers_pass_fuses_the_pair(backend
     finally:
         ft.disable()
         torch._dynamo.reset()
-    assert calls == {"group_norm_silu": 1, "group_norm_silu_backward": 1}
+    assert calls == {"group_norm_swish": 1, "group_norm_swish_backward": 1}
     for a, e in zip(actual, expected):
         if backend == "aot_eager":
             assert torch.equal(a, e)

@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-import fastbwd  # noqa: E402
 import fastbwd.torch as ft  # noqa: E402
 
 OPS = torch.ops.fastbwd
@@ -576,18 +575,32 @@ def test_double_backward_with_another_eps_is_pytorchs(eps):
 @pytest.mark.parametrize(
     "mean_shape", [(2, 4), (7,), (3, 3), (2, 3, 1)], ids=lambda s: "x".join(map(str, s)) or "scalar"
 )
-def test_bad_statistics_after_a_good_call_of_the_same_geometry_are_refused(mean_shape):
+def test_other_statistics_after_a_good_call_of_the_same_geometry_are_pytorchs(mean_shape):
+    """The prepared backward of a geometry never takes statistics of another shape for its own:
+    those of another number of values raise PyTorch's own error (native_group_norm_backward's),
+    those of N * G values in another shape give PyTorch's result, as PyTorch's operator does."""
     x = _randn((2, 6, 4, 4), seed=71)
     weight, bias = _randn((6,), seed=72), _randn((6,), seed=73)
     dy = _randn(x.shape, seed=74)
     _, mean, rstd = OPS.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0)
-    OPS.group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, 1.0, [True, True, True])
-    OPS.group_norm_swish_backward(dy, x, mean.flatten(), rstd.flatten(), weight, bias, 3, 1.0, [True, True, True])
-    bad = torch.zeros(mean_shape)
-    with pytest.raises(fastbwd.ParamError, match="mean"):
-        OPS.group_norm_swish_backward(dy, x, bad, bad, weight, bias, 3, 1.0, [True, True, True])
-    with pytest.raises(fastbwd.ParamError, match="rstd"):
-        OPS.group_norm_swish_backward(dy, x, mean, bad, weight, bias, 3, 1.0, [True, True, True])
+    mask = [True, True, True]
+    good = OPS.group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, 1.0, mask)
+    OPS.group_norm_swish_backward(dy, x, mean.flatten(), rstd.flatten(), weight, bias, 3, 1.0, mask)
+    y = F.group_norm(x, 3, weight, bias)
+    fits = math.prod(mean_shape) == mean.numel()
+    other = (lambda s: s.reshape(mean_shape)) if fits else (lambda s: torch.zeros(mean_shape))
+    for name, statistics in (("mean", (other(mean), rstd)), ("rstd", (mean, other(rstd)))):
+        if not fits:
+            with pytest.raises(RuntimeError, match=rf"^Expected {name}.numel\(\) == N \* group"):
+                OPS.group_norm_swish_backward(dy, x, *statistics, weight, bias, 3, 1.0, mask)
+            continue
+        got = OPS.group_norm_swish_backward(dy, x, *statistics, weight, bias, 3, 1.0, mask)
+        pytorchs = torch.ops.aten.native_group_norm_backward(
+            torch.ops.aten.silu_backward(dy, y), x, *statistics, weight, 2, 6, 16, 3, mask
+        )
+        for g, p, first in zip(got, pytorchs, good):
+            torch.testing.assert_close(g, p)  # PyTorch's kernels, on the output normalised with the statistics given
+            torch.testing.assert_close(g, first)
 
 
 # ---- errors, as nn.GroupNorm's ---------------------------------------------------------------------

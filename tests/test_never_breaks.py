@@ -11,10 +11,16 @@ same inputs as plain PyTorch: where PyTorch gives a result, the path gives it wi
 tolerance (same shape, dtype and layout, NaNs where PyTorch has them); where PyTorch raises, the
 path raises the same exception type.
 
+Every check runs under each policy (:data:`POLICIES`): ``"always"`` (fastbwd wherever it can
+serve), ``"auto"`` with this machine's thresholds (these small calls then take PyTorch's code,
+through fastbwd's functions that decide), and ``"auto"`` with every threshold 0 (fastbwd's side
+of every decision: the functional routing's path, where ``"always"`` takes the aten kernels').
+
 ``FASTBWD_NEVER_BREAKS_SCALE=k`` multiplies every example count (docs/testing.md).
 """
 
 import collections
+import contextlib
 import math
 import os
 import warnings
@@ -28,6 +34,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fastbwd.torch as ft  # noqa: E402
+from fastbwd import _dispatch  # noqa: E402
 
 F, nn = torch.nn.functional, torch.nn
 SCALE = float(os.environ.get("FASTBWD_NEVER_BREAKS_SCALE", "1"))
@@ -339,6 +346,34 @@ def programs(call):
     return {"routed": (routed, routed)}
 
 
+# ---- the policies ---------------------------------------------------------------------------------
+
+#: name -> (policy, thresholds over the defaults): each check runs under one of them.
+POLICIES = {
+    "always": ("always", {}),
+    "auto": ("auto", {}),
+    "auto, fastbwd at every size": ("auto", {key: 0 for key in _dispatch.DEFAULTS if key.startswith("torch/")}),
+}
+
+
+def enabled_under(policy):
+    """``ft.enable()`` under ``policy`` (a :data:`POLICIES` name) until :func:`disabled`."""
+    name, thresholds = POLICIES[policy]
+    stack = contextlib.ExitStack()
+    stack.enter_context(_dispatch.using(thresholds))
+    ft.enable(policy=name)
+    _ACTIVE.append(stack)
+
+
+def disabled():
+    ft.disable()
+    while _ACTIVE:
+        _ACTIVE.pop().close()
+
+
+_ACTIVE = []
+
+
 # ---- eager ------------------------------------------------------------------------------------------
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -346,36 +381,37 @@ HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 COMPILED = ("routed", "F.group_norm + F.silu", "nn.GroupNorm + nn.SiLU", "GroupNormSwish")
 
 
-def check_eager(call):
-    """Every eager program with fastbwd enabled against plain PyTorch's (fastbwd disabled)."""
+def check_eager(call, policy="always"):
+    """Every eager program with fastbwd enabled under ``policy`` against plain PyTorch's
+    (fastbwd disabled)."""
     tolerance = TOLERANCE[call.dtype]
     try:
         for name, (program, plain) in programs(call).items():
-            ft.disable()
+            disabled()
             expected = outcome(call, plain)
-            ft.enable()
+            enabled_under(policy)
             found = difference(outcome(call, program), expected, tolerance)
-            assert found is None, f"{name}: {found}\n{call}"
+            assert found is None, f"{policy}, {name}: {found}\n{call}"
     finally:
-        ft.disable()
-    CHECKED["eager"] += 1
+        disabled()
+    CHECKED[f"eager, {policy}"] += 1
 
 
-def check_compiled(call, name, backend):
-    """fastbwd enabled before the first compiled call, against plain PyTorch, eager and compiled
-    (the compiler may raise a type of its own, or, decomposing an operator, run a call eager
-    PyTorch refuses)."""
+def check_compiled(call, name, backend, policy="always"):
+    """fastbwd enabled under ``policy`` before the first compiled call, against plain PyTorch,
+    eager and compiled (the compiler may raise a type of its own, or, decomposing an operator,
+    run a call eager PyTorch refuses)."""
     program, plain = programs(call)[name]
     try:
-        ft.disable()
+        disabled()
         eager = outcome(call, plain)
         torch._dynamo.reset()
         compiled_plain = outcome(call, plain, backend)
         torch._dynamo.reset()
-        ft.enable()
+        enabled_under(policy)
         actual = outcome(call, program, backend)
     finally:
-        ft.disable()
+        disabled()
         torch._dynamo.reset()
     refused = [outcome.type for outcome in (eager, compiled_plain) if isinstance(outcome, Raised)]
     if isinstance(actual, Raised) and actual.type in refused:
@@ -390,8 +426,8 @@ def check_compiled(call, name, backend):
             candidates = [coerced] + ([compiled_plain] if isinstance(compiled_plain, Gave) else [])
             if any(difference(actual, other, TOLERANCE[call.dtype]) is None for other in candidates):
                 found = None
-    assert found is None, f"{backend}, {name}: {found}\n{call}"
-    CHECKED[backend] += 1
+    assert found is None, f"{backend}, {policy}, {name}: {found}\n{call}"
+    CHECKED[f"{backend}, {policy}"] += 1
 
 
 @st.composite
@@ -422,20 +458,39 @@ def run(kind, examples, strategy, check, derandomize=True):
     assert checked >= int(examples * SCALE)
 
 
-def test_eager_paths_give_pytorchs_results_and_errors():
-    run("eager", 60, calls(), check_eager)
+# The quick set's examples per policy; the slow set draws the rest of each policy's total afresh.
+EAGER_EXAMPLES = {"always": (60, 2000), "auto": (30, 1900), "auto, fastbwd at every size": (60, 2000)}
+COMPILED_EXAMPLES = {"always": (5, 170), "auto": (0, 150), "auto, fastbwd at every size": (5, 170)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_eager_paths_give_pytorchs_results_and_errors(policy):
+    run(f"eager, {policy}", EAGER_EXAMPLES[policy][0], calls(), lambda call: check_eager(call, policy))
 
 
 @pytest.mark.slow
-def test_eager_paths_more_examples():
-    run("eager", 1940, calls(), check_eager, derandomize=False)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_eager_paths_more_examples(policy):
+    quick, total = EAGER_EXAMPLES[policy]
+    run(f"eager, {policy}", total - quick, calls(), lambda call: check_eager(call, policy), derandomize=False)
 
 
-def test_compiled_with_fastbwd_gives_pytorchs_results_and_errors():
-    run("aot_eager", 5, compiled_calls(), lambda drawn: check_compiled(*drawn, "aot_eager"))
+@pytest.mark.parametrize("policy", ["always", "auto, fastbwd at every size"])
+def test_compiled_with_fastbwd_gives_pytorchs_results_and_errors(policy):
+    examples = COMPILED_EXAMPLES[policy][0]
+    run(f"aot_eager, {policy}", examples, compiled_calls(), lambda drawn: check_compiled(*drawn, "aot_eager", policy))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, examples", [("aot_eager", 165), ("inductor", 30)])
-def test_compiled_more_examples(backend, examples):
-    run(backend, examples, compiled_calls(), lambda drawn: check_compiled(*drawn, backend), derandomize=False)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_compiled_more_examples(backend, policy):
+    quick, total = COMPILED_EXAMPLES[policy]
+    examples = total - quick if backend == "aot_eager" else 30
+    run(
+        f"{backend}, {policy}",
+        examples,
+        compiled_calls(),
+        lambda drawn: check_compiled(*drawn, backend, policy),
+        derandomize=False,
+    )

@@ -1,9 +1,11 @@
 """fastbwd.torch (docs/semantics.md §7): routing PyTorch's own backward kernels, GroupNormSwish,
 the RoIAlign drop-in. Everything here skips cleanly without torch."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -18,7 +20,7 @@ from fastbwd.api import replication_pad2d as replication_pad2d_api  # noqa: E402
 from fastbwd.api import upsample_bilinear2d as upsample_api  # noqa: E402
 from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
-from fastbwd.torch import _convert, _routing  # noqa: E402
+from fastbwd.torch import _compile, _convert, _routing  # noqa: E402
 
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -401,6 +403,170 @@ def test_enable_disable_idempotent_and_thread_safe():
     assert _routing.SERVED == served  # disabled: nothing reaches fastbwd
 
 
+# ---- the switch: one per process, blocks counted (issue 55) --------------------------------------
+
+
+def _served_backward(seed=90):
+    """Whether the backward of a bilinear upsample, run now on this thread (autograd's engine
+    runs it), was served by fastbwd (else PyTorch's own kernel answered)."""
+    x = _randn((1, 2, 4, 5), torch.float32, seed).requires_grad_()
+    before = _routing.SERVED["upsample_bilinear2d_backward"]
+    F.interpolate(x, scale_factor=2, mode="bilinear").sum().backward()
+    return _routing.SERVED["upsample_bilinear2d_backward"] > before
+
+
+def _run_in_threads(*steps, names=("A", "B")):
+    """Run ``steps`` in lockstep in two threads: step ``i`` of every thread runs after step
+    ``i - 1`` of both ended (a barrier between steps, none waits on time). Each step is
+    ``step(name, stack)``, ``stack`` the thread's ExitStack for its blocks; errors re-raised."""
+    barrier, errors = threading.Barrier(len(names), timeout=300), []
+
+    def run(name):
+        try:
+            with contextlib.ExitStack() as stack:
+                for step in steps:
+                    step(name, stack)
+                    barrier.wait()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("ends_first", ["A", "B"], ids=["first-entered-ends-first", "last-entered-ends-first"])
+def test_enabled_blocks_nest_across_threads(ends_first):
+    """Two threads, each in its own ``with enabled():`` block, the blocks overlapping: whichever
+    block ends first, fastbwd stays on for the other until it ends (a backward run there is
+    fastbwd's), and both threads see the one process-wide switch; after both ended it is off
+    (PyTorch's kernels again, the compiler hooks out)."""
+    other = "B" if ends_first == "A" else "A"
+    seen = {}
+
+    def enter(first):
+        return lambda name, stack: name == first and stack.enter_context(ft.enabled())
+
+    def first_ends(name, stack):
+        if name == ends_first:
+            stack.close()
+
+    def look(when):
+        def step(name, stack):
+            seen[name, when] = ft.is_enabled()
+            if name == other or when == "both ended":  # one thread at a time runs a backward
+                seen[name, when, "served"] = _served_backward()
+                seen[name, when, "hooks"] = _compile.is_installed()
+
+        return step
+
+    def other_ends(name, stack):
+        if name == other:
+            stack.close()
+
+    _run_in_threads(enter("A"), enter("B"), look("both running"), first_ends, look("one running"), other_ends)
+    look("both ended")("A", None)
+    assert seen == {
+        ("A", "both running"): True,
+        ("B", "both running"): True,
+        (other, "both running", "served"): True,
+        (other, "both running", "hooks"): True,
+        ("A", "one running"): True,  # one switch for the process: the thread whose block ended sees it on
+        ("B", "one running"): True,
+        (other, "one running", "served"): True,  # the block still running is fastbwd's
+        (other, "one running", "hooks"): True,
+        ("A", "both ended"): False,
+        ("A", "both ended", "served"): False,
+        ("A", "both ended", "hooks"): False,
+    }
+
+
+def test_enable_and_disable_beside_running_blocks():
+    """enable() turns fastbwd on until disable(); disable() ends that, never a block still running
+    (in this thread or another): fastbwd stays on until the last block ends. enable() inside a
+    block outlasts the block."""
+    with ft.enabled():
+        ft.disable()
+        assert ft.is_enabled() and _served_backward()  # the block still runs
+    assert not ft.is_enabled() and not _served_backward()
+    with ft.enabled():
+        ft.enable()
+    assert ft.is_enabled() and _served_backward()  # enable() lasts until disable()
+    with ft.enabled():
+        pass
+    assert ft.is_enabled()  # a block ending does not end enable()
+    ft.disable()
+    assert not ft.is_enabled() and not _served_backward()
+
+    seen = {}
+
+    def block(name, stack):
+        if name == "B":
+            stack.enter_context(ft.enabled())
+
+    def switch(name, stack):
+        if name == "A":  # while B's block runs: on, then off again
+            ft.enable()
+            ft.disable()
+
+    def look(name, stack):
+        seen[name] = ft.is_enabled()
+        if name == "B":
+            seen["served"] = _served_backward()
+
+    _run_in_threads(block, switch, look)
+    assert seen == {"A": True, "B": True, "served": True}  # A's disable() did not end B's block
+    assert not ft.is_enabled()
+
+
+def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
+    """In a child forked while another thread's block runs (that thread does not exist there)
+    fastbwd is off, and its own blocks and enable()/disable() work as in any process."""
+    program = textwrap.dedent(
+        """
+        import os, threading
+        import torch
+        import fastbwd.torch as ft
+
+        inside, leave = threading.Event(), threading.Event()
+
+        def block():
+            with ft.enabled():
+                inside.set()
+                leave.wait()
+
+        thread = threading.Thread(target=block)
+        thread.start()
+        inside.wait()
+        assert ft.is_enabled()
+        pid = os.fork()
+        if pid == 0:
+            views = [ft.is_enabled()]
+            with ft.enabled():
+                views.append(ft.is_enabled())
+            views.append(ft.is_enabled())
+            ft.enable()
+            views.append(ft.is_enabled())
+            ft.disable()
+            views.append(ft.is_enabled())
+            os._exit(0 if views == [False, True, False, True, False] else 1)
+        _, status = os.waitpid(pid, 0)
+        assert ft.is_enabled()  # the parent's thread is still in its block
+        leave.set()
+        thread.join()
+        print(os.waitstatus_to_exitcode(status), ft.is_enabled())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "False"]
+
+
 def _opinfo_samples(name, variant):
     pytest.importorskip("expecttest")
     from torch.testing._internal.common_methods_invocations import op_db
@@ -499,7 +665,7 @@ def test_numba_threads_follow_torch():
 # ---- GroupNormSwish -------------------------------------------------------------------------
 
 
-def _group_norm_silu(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
+def _group_norm_then_swish(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.0):
     y = F.group_norm(x, num_groups, weight, bias, eps)
     return y * torch.sigmoid(swish_scale * y)
 
@@ -525,7 +691,7 @@ def test_group_norm_swish_matches_group_norm_then_silu(dtype, memory_format):
     weight = _randn((8,), dtype, 15).requires_grad_()
     bias = _randn((8,), dtype, 16).requires_grad_()
     dy = _randn((2, 8, 6, 5), dtype, 17, memory_format)
-    expected_y = _group_norm_silu(x, 4, weight, bias, 1e-5, 0.8)
+    expected_y = _group_norm_then_swish(x, 4, weight, bias, 1e-5, 0.8)
     expected = torch.autograd.grad(expected_y, (x, weight, bias), dy)
     y = ft.group_norm_swish(x, 4, weight, bias, 1e-5, 0.8)
     _assert_close_to_torch(y, expected_y)
@@ -557,7 +723,7 @@ def test_group_norm_swish_half_input_with_float32_parameters(dtype):
     y = ft.group_norm_swish(x, 2, weight, bias)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
     assert [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
-    _assert_close_to_torch(y, _group_norm_silu(x, 2, weight, bias))
+    _assert_close_to_torch(y, _group_norm_then_swish(x, 2, weight, bias))
     # The float64 oracle of the same fused backward, from the same (rounded) inputs and the
     # forward kernel's mean and rstd (float32, as the parameters).
     mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 2, 1e-5, 1.0)[1:]
@@ -579,7 +745,7 @@ def test_group_norm_swish_gradients_only_where_required():
     plain = ft.GroupNormSwish(2, 4, affine=False)
     x.grad = None
     plain(x).sum().backward()
-    torch.testing.assert_close(x.grad, torch.autograd.grad(_group_norm_silu(x, 2, None, None).sum(), x)[0])
+    torch.testing.assert_close(x.grad, torch.autograd.grad(_group_norm_then_swish(x, 2, None, None).sum(), x)[0])
     with torch.no_grad():
         assert not module(x).requires_grad
 
@@ -732,10 +898,12 @@ def test_roi_align_gradcheck_boxes_forms_and_module():
         ft.roi_align(x, [torch.zeros(2, 5, dtype=torch.float64)], 2)
     with pytest.raises(fastbwd.ParamError, match="Tensor\\[K, 5\\]"):
         ft.roi_align(x, torch.zeros(2, 4, dtype=torch.float64), 2)
-    # the kernels' errors name the function called and its arguments (not roi_align_forward's)
-    with pytest.raises(fastbwd.ParamError, match=r"^roi_align: output_size\[1\] must be > 0, but got 0$"):
-        ft.roi_align(x, rows, (2, 0))
-    with pytest.raises(fastbwd.ParamError, match=r"^roi_align: boxes.dtype must equal input.dtype \(float64\)"):
+    # a pooled size of 0 has nothing to compute: empty results, as torchvision's
+    empty = ft.roi_align(x, rows, (2, 0))
+    assert empty.shape == (len(rows), 2, 2, 0)
+    assert torch.equal(torch.autograd.grad(empty.sum(), x)[0], torch.zeros_like(x))
+    # what torchvision's kernels refuse raises its exception type, RuntimeError, naming the call's arguments
+    with pytest.raises(RuntimeError, match=r"^roi_align: boxes.dtype must equal input.dtype \(float64\)"):
         ft.roi_align(x, rows.float(), 2)
 
 
@@ -786,3 +954,175 @@ def test_roi_align_matches_pure_pytorch_formulation():
         torch.testing.assert_close(
             torch.autograd.grad(y, x, g)[0], torch.autograd.grad(expected, x, g)[0], rtol=1e-10, atol=1e-12
         )
+
+
+# ---- what the user's objects do between calls (issue 55) ----------------------------------------
+
+
+class _NormBlock(torch.nn.Module):
+    """conv -> GroupNorm -> SiLU -> conv, the norm and the activation called in forward() as
+    diffusion blocks call them; ``fused_module``: a GroupNormSwish instead (its SiLU inside)."""
+
+    def __init__(self, fused_module=False):
+        super().__init__()
+        nn = torch.nn
+        self.conv_in, self.conv_out = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 3, 1)
+        self.norm = ft.GroupNormSwish(4, 8) if fused_module else nn.GroupNorm(4, 8)
+        self.act = nn.Identity() if fused_module else nn.SiLU()
+
+    def forward(self, x):
+        return self.conv_out(self.act(self.norm(self.conv_in(x))))
+
+
+class _Detector(torch.nn.Module):
+    """A detector's second stage: a backbone conv, RoIAlign of its features, a head."""
+
+    def __init__(self, roi_align):
+        super().__init__()
+        self.backbone, self.head = torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Linear(3 * 2 * 3, 4)
+        self.roi_align = roi_align
+
+    def forward(self, x, boxes):
+        return self.head(self.roi_align(self.backbone(x), boxes).flatten(1))
+
+
+class _PlainRoIAlign(torch.nn.Module):
+    """torchvision's roi_align written with PyTorch ops (bench/roi_baselines.py)."""
+
+    def forward(self, features, boxes):
+        from bench import roi_baselines
+
+        return roi_baselines.torch_roi_align(features, boxes, 2, 3, 0.5, 2, True)
+
+
+def _requires_grad_models(kind):
+    """``(ours, PyTorch's, the parameters to freeze and unfreeze, inputs)`` with equal parameters."""
+    torch.manual_seed(5)
+    if kind == "roi_align":
+        plain = _Detector(_PlainRoIAlign())
+        ours = _Detector(ft.RoIAlign((2, 3), 0.5, 2, aligned=True))
+        ours.load_state_dict(plain.state_dict())
+        boxes = torch.tensor([[0, 1.0, 2.0, 9.5, 7.0], [1, -3.0, 4.0, 14.0, 12.5], [1, 5.2, 5.1, 5.4, 5.3]])
+        return ours, plain, ("backbone.weight", "backbone.bias"), (_randn((2, 2, 11, 13), torch.float32, 6), boxes)
+    plain = _NormBlock()
+    with torch.no_grad():
+        plain.norm.weight.uniform_(0.5, 1.5)
+        plain.norm.bias.normal_()
+    x = _randn((2, 3, 6, 5), torch.float32, 7)
+    if kind == "GroupNormSwish":
+        ours = _NormBlock(fused_module=True)
+        ours.load_state_dict(plain.state_dict())
+    else:  # the pair fuse_group_norm_swish fuses in forward()
+        import copy
+
+        ours = copy.deepcopy(plain)
+        assert ft.fuse_group_norm_swish(ours, (x,)) == 1 and type(ours.norm) is ft.FusedGroupNorm
+    return ours, plain, ("norm.weight",), (x,)
+
+
+@pytest.mark.parametrize("kind", ["GroupNormSwish", "fused pair", "roi_align"])
+def test_a_parameter_frozen_then_unfrozen_then_frozen_gets_pytorchs_gradients(kind):
+    """A parameter's requires_grad flipped between two training steps of one geometry (fine-tuning
+    freezes and unfreezes layers): frozen, unfrozen, frozen again, every gradient of the model is
+    plain PyTorch's each time (the frozen parameter's None), as is the output."""
+    ours, plain, flipped, inputs = _requires_grad_models(kind)
+    target = None
+    for frozen in (True, False, True):
+        results = []
+        for model in (ours, plain):
+            for name, parameter in model.named_parameters():
+                parameter.grad = None
+                parameter.requires_grad_(not (frozen and name in flipped))
+            output = model(*inputs)
+            target = _randn(output.shape, torch.float32, 8) if target is None else target
+            F.mse_loss(output, target).backward()
+            results.append((output.detach(), {name: p.grad for name, p in model.named_parameters()}))
+        (output, grads), (expected_output, expected_grads) = results
+        torch.testing.assert_close(output, expected_output, rtol=1e-4, atol=1e-5)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            assert (grad is None) == (expected_grads[name] is None) == (frozen and name in flipped), (frozen, name)
+            if grad is not None:
+                torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=(frozen, name))
+
+
+class _Tracked(torch.Tensor):
+    """A tensor subclass as libraries write them (tagged or unit-carrying tensors): every result
+    keeps its type (torch.Tensor's own ``__torch_function__``), and it records what it sees."""
+
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_TRACKED_CASES = (
+    "GroupNormSwish, subclass input",
+    "GroupNormSwish, subclass parameters",
+    "group_norm_swish, subclass input",
+    "roi_align, subclass input",
+    "roi_align, subclass input, boxes per image",
+    "RoIAlign, subclass boxes",
+)
+
+
+def _tracked_case(case):
+    """``(our call, PyTorch's call, the operator the subclass must see, our leaves, PyTorch's
+    leaves)``: the same values, some of ours of the subclass."""
+    f64 = torch.float64
+    x, boxes = _randn((2, 4, 6, 5), f64, 9), _roi_boxes(f64)
+    weight, bias = _randn((4,), f64, 10) + 1, _randn((4,), f64, 11)
+
+    def leaf(tensor, subclass=False):
+        tensor = tensor.detach().clone()
+        return (tensor.as_subclass(_Tracked) if subclass else tensor).requires_grad_()
+
+    def swish(x, weight=None, bias=None, scale=1.0):
+        y = F.group_norm(x, 2, weight, bias)
+        return y * torch.sigmoid(scale * y)
+
+    subclass_input = "subclass input" in case
+    ours_x, plain_x = leaf(x, subclass_input), leaf(x)
+    if case.startswith("GroupNormSwish"):
+        norm = ft.GroupNormSwish(2, 4, dtype=f64)
+        norm.weight = torch.nn.Parameter(leaf(weight, not subclass_input))
+        norm.bias = torch.nn.Parameter(leaf(bias, not subclass_input))
+        plain_weight, plain_bias = leaf(weight), leaf(bias)
+        ours, plain = [ours_x, norm.weight, norm.bias], [plain_x, plain_weight, plain_bias]
+        return lambda: norm(ours_x), lambda: swish(plain_x, plain_weight, plain_bias), OPS_GNS, ours, plain
+    if case.startswith("group_norm_swish"):
+        ours = lambda: ft.group_norm_swish(ours_x, 2, swish_scale=0.7)  # noqa: E731
+        return ours, lambda: swish(plain_x, scale=0.7), OPS_GNS, [ours_x], [plain_x]
+    if "per image" in case:  # their rows in image order
+        boxes = torch.cat([boxes[boxes[:, 0] == i] for i in range(2)])
+    ours_boxes = boxes if subclass_input else boxes.as_subclass(_Tracked)
+    if "per image" in case:
+        ours_boxes = [ours_boxes[ours_boxes[:, 0] == i, 1:] for i in range(2)]
+    if case.startswith("RoIAlign"):
+        ours = lambda: ft.RoIAlign((2, 3), 0.5, 2, aligned=True)(ours_x, ours_boxes)  # noqa: E731
+    else:
+        ours = lambda: ft.roi_align(ours_x, ours_boxes, (2, 3), 0.5, 2, True)  # noqa: E731
+    return ours, lambda: _PlainRoIAlign()(plain_x, boxes), OPS_ROI, [ours_x], [plain_x]
+
+
+OPS_GNS, OPS_ROI = torch.ops.fastbwd.group_norm_swish, torch.ops.fastbwd.roi_align
+
+
+@pytest.mark.parametrize("case", _TRACKED_CASES)
+def test_a_tensor_subclass_keeps_its_type_and_sees_the_operator(case):
+    """A tensor subclass with ``__torch_function__`` through GroupNormSwish, group_norm_swish and
+    roi_align (as input, parameters or boxes): the result keeps its type, as nn.GroupNorm's and
+    torchvision's do, its ``__torch_function__`` sees fastbwd's operator (which it may handle
+    itself), and the values and gradients are plain PyTorch's."""
+    ours, pytorchs, operator, leaves, plain_leaves = _tracked_case(case)
+    _Tracked.seen.clear()
+    result = ours()
+    assert type(result) is _Tracked
+    assert {operator, operator.default} & set(_Tracked.seen), _Tracked.seen
+    expected = pytorchs()
+    torch.testing.assert_close(result.as_subclass(torch.Tensor), expected, rtol=1e-10, atol=1e-12)
+    grad = _randn(expected.shape, torch.float64, 12)
+    for got, want in zip(torch.autograd.grad(result, leaves, grad), torch.autograd.grad(expected, plain_leaves, grad)):
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=1e-10, atol=1e-12)

@@ -281,7 +281,7 @@ def test_roi_align_autocast_computes_in_float32_returns_input_dtype():
         torch.testing.assert_close(y_list, expected_list, rtol=0, atol=0)
         (grad,) = torch.autograd.grad(y.sum(), x)
         assert grad.dtype == x.dtype
-    with pytest.raises(fastbwd.ParamError, match="dtype"):  # outside autocast: one dtype, as torchvision
+    with pytest.raises(RuntimeError, match="dtype"):  # outside autocast: one dtype, as torchvision
         ft.roi_align(x32, boxes.bfloat16(), 3)
 
 
@@ -394,8 +394,8 @@ def _numpy_group_norm_swish(x, weight, bias, groups, eps, swish_scale, dy):
 def test_group_norm_swish_backward_of_other_metadata():
     """A geometry's prepared backward is made for its first call's arrays; a later call whose
     arrays have other metadata runs the public function instead, with the same bits: the
-    operator given float32 statistics after float64 ones, and a gradient whose size-1 axes have
-    other strides than the first one's."""
+    operator given flat or strided statistics after (N, G) contiguous ones, and a gradient whose
+    size-1 axes have other strides than the first one's."""
     from fastbwd.torch import _ops
 
     _ops._GEOMETRIES.clear()
@@ -404,7 +404,9 @@ def test_group_norm_swish_backward_of_other_metadata():
     dy = _randn(x.shape, torch.float64, seed=63)
     _, mean, rstd = torch.ops.fastbwd.group_norm_swish(x, weight, bias, 3, 1e-5, 1.0)
     arrays = (x.numpy(), weight.numpy(), bias.numpy())
-    for statistics in ((mean, rstd), (mean.float(), rstd.float()), (mean, rstd)):
+    strided = tuple(s.t().contiguous().t() for s in (mean, rstd))
+    assert strided[0].stride() != mean.stride()
+    for statistics in ((mean, rstd), (mean.flatten(), rstd.flatten()), strided, (mean, rstd)):
         got = torch.ops.fastbwd.group_norm_swish_backward(dy, x, *statistics, weight, bias, 3, 1.0, [True, True, True])
         expected = fastbwd.group_norm_swish_backward(dy.numpy(), *(s.numpy() for s in statistics), *arrays, 3)
         for g, e in zip(got, expected):
@@ -510,3 +512,183 @@ def test_eager_calls_run_the_operators_code_bitwise():
         assert torch.equal(a, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's rule lives on the operator
         assert "Eager" not in type(ft.roi_align(x, boxes, 3).grad_fn).__name__
+
+
+# ---- what PyTorch refuses, the registered operators refuse with PyTorch's exception (issue 55) ------
+# The operators' own validation is part of the one rule: each argument that refusal() does not
+# read is tried too. A call PyTorch refuses raises PyTorch's exception type (its own error: the
+# operator runs PyTorch's code on it); a call fastbwd's kernels do not take but PyTorch does runs
+# PyTorch's code and gives its result.
+
+
+def _outcome(call):
+    """``(None, result)``, or ``(exception type, first line of its message)``."""
+    try:
+        return None, call()
+    except Exception as error:  # noqa: BLE001 - compared below
+        return type(error), str(error).splitlines()[0]
+
+
+def _sizes(x):
+    return x.shape[0], x.shape[1], x[0, 0].numel()
+
+
+def _pytorch_group_norm_swish(x, weight, bias, groups, eps):
+    """PyTorch's forward of the same call: its GroupNorm operator (F.group_norm refuses fewer than
+    two dimensions first), then SiLU."""
+    if x.dim() < 2:
+        F.group_norm(x, groups, weight, bias, eps)
+    y, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, *_sizes(x), groups, eps)
+    return F.silu(y), mean, rstd
+
+
+def _pytorch_group_norm_swish_backward(dy, x, mean, rstd, weight, bias, groups, mask):
+    """PyTorch's backward of the same call: its GroupNorm backward operator's checks of the
+    arguments as given, then SiLU's backward and GroupNorm's from the forward's output."""
+    if len(mask) == 3:
+        mask = [mask[0], mask[1] and weight is not None, mask[2] and bias is not None]
+    torch.ops.aten.native_group_norm_backward(dy, x, mean, rstd, weight, *_sizes(x), groups, mask)
+    y = F.group_norm(x, groups, weight, bias)
+    # (contiguous statistics: PyTorch's CPU kernel reads strided ones as if they were contiguous)
+    return torch.ops.aten.native_group_norm_backward(
+        torch.ops.aten.silu_backward(dy, y), x, mean.contiguous(), rstd.contiguous(), weight, *_sizes(x), groups, mask
+    )
+
+
+def _assert_as_pytorch(ours, pytorchs, case):
+    (error, ours), (expected_error, pytorchs) = _outcome(ours), _outcome(pytorchs)
+    if expected_error is not None:
+        assert (error, ours) == (expected_error, pytorchs), case  # PyTorch's own error
+        return
+    assert error is None, f"{case}: {error.__name__}: {ours}"
+    for a, e in zip(ours, pytorchs):
+        if e is not None and e.numel():  # (a gradient not asked for: None there, empty here)
+            tolerance = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
+            torch.testing.assert_close(a, e, rtol=tolerance, atol=tolerance, equal_nan=True, msg=case)
+
+
+_X, _W, _B = _randn((2, 6, 5, 4), seed=80), _randn((6,), seed=81), _randn((6,), seed=82)
+_FORWARD_CASES = {
+    "int input": (_X.int(), _W, _B, 3, 1e-5),
+    "bool input": (_X > 0, None, None, 3, 1e-5),
+    "complex input": (_X.to(torch.complex64), None, None, 3, 1e-5),
+    "1-D input": (_X[0, 0, 0], None, None, 1, 1e-5),
+    "weight of another size": (_X, _W[:3], _B, 3, 1e-5),
+    "2-D bias": (_X, _W, _B[None], 3, 1e-5),
+    "float64 weight, float32 input": (_X, _W.double(), _B, 3, 1e-5),
+    "bfloat16 weight, float32 input": (_X, _W.bfloat16(), _B, 3, 1e-5),
+    "int weight": (_X, _W.int(), _B, 3, 1e-5),
+    "weight on another device": (_X, _W.to("meta"), _B, 3, 1e-5),
+    "input on another device": (_X.to("meta"), _W, _B, 3, 1e-5),
+    "no groups": (_X, _W, _B, 0, 1e-5),
+    "-1 groups": (_X, _W, _B, -1, 1e-5),
+    "groups not dividing the channels": (_X, _W, _B, 4, 1e-5),
+    "negative eps": (_X, _W, _B, 3, -1.0),
+    "one value per group": (_X[:1, :, :1, :1], _W, _B, 6, 1e-5),
+    "float16 input, float32 parameters": (_X.half(), _W, _B, 3, 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(_FORWARD_CASES))
+def test_group_norm_swish_operator_refuses_what_pytorch_refuses(case):
+    x, weight, bias, groups, eps = _FORWARD_CASES[case]
+    _assert_as_pytorch(
+        lambda: OPS.group_norm_swish(x, weight, bias, groups, eps, 1.0),
+        lambda: _pytorch_group_norm_swish(x, weight, bias, groups, eps),
+        case,
+    )
+
+
+def _backward_cases():
+    x, weight, bias = _X, _W, _B
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, *_sizes(x), 3, 1e-5)
+    dy, mask = _randn(x.shape, seed=83), [True, True, True]
+    return {
+        "the forward's statistics": (dy, x, mean, rstd, weight, bias, mask),
+        "float64 statistics, float32 input": (dy, x, mean.double(), rstd.double(), weight, bias, mask),
+        "bfloat16 statistics, float32 input": (dy, x, mean.bfloat16(), rstd.bfloat16(), weight, bias, mask),
+        "int statistics": (dy, x, mean.int(), rstd.int(), weight, bias, mask),
+        "float64 rstd only": (dy, x, mean, rstd.double(), weight, bias, mask),
+        "statistics of another size": (dy, x, mean[:, :2], rstd[:, :2], weight, bias, mask),
+        "rstd of another size": (dy, x, mean, torch.zeros(3, 3), weight, bias, mask),
+        "statistics (N, G, 1)": (dy, x, mean[..., None], rstd[..., None], weight, bias, mask),
+        "flat rstd, (N, G) mean": (dy, x, mean, rstd.flatten(), weight, bias, mask),
+        "transposed statistics": (dy, x, mean.t().contiguous().t(), rstd.t().contiguous().t(), weight, bias, mask),
+        "statistics on another device": (dy, x, mean.to("meta"), rstd, weight, bias, mask),
+        "float64 grad_output": (dy.double(), x, mean, rstd, weight, bias, mask),
+        "bfloat16 grad_output": (dy.bfloat16(), x, mean, rstd, weight, bias, mask),
+        "grad_output of fewer values": (dy[..., :1], x, mean, rstd, weight, bias, mask),
+        "grad_output of another shape": (dy.reshape(2, 6, 20), x, mean, rstd, weight, bias, mask),
+        "grad_output on another device": (dy.to("meta"), x, mean, rstd, weight, bias, mask),
+        "int input": (dy, x.int(), mean, rstd, weight, bias, mask),
+        "weight of another size": (dy, x, mean, rstd, weight[:3], bias, mask),
+        "output_mask of 2": (dy, x, mean, rstd, weight, bias, [True, True]),
+        "output_mask of 4": (dy, x, mean, rstd, weight, bias, [True] * 4),
+        "no parameter gradients": (dy, x, mean, rstd, weight, bias, [True, False, False]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_backward_cases()))
+def test_group_norm_swish_backward_operator_refuses_what_pytorch_refuses(case):
+    """Every argument, the forward's statistics (which the operator takes from anyone) included:
+    fastbwd::group_norm_swish_backward with float64 statistics for a float32 input raised
+    fastbwd.ParamError before issue 55, where PyTorch's GroupNorm backward raises RuntimeError."""
+    dy, x, mean, rstd, weight, bias, mask = _backward_cases()[case]
+    _assert_as_pytorch(
+        lambda: OPS.group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, 1.0, mask),
+        lambda: _pytorch_group_norm_swish_backward(dy, x, mean, rstd, weight, bias, 3, mask),
+        case,
+    )
+
+
+def _roi_align_cases():
+    """name -> (call of a registered operator, None (it runs) or the message it must raise as a
+    RuntimeError): what torchvision's kernels refuse (their exception type is RuntimeError) and
+    what they take (empty results), and fastbwd's one limit torchvision does not have."""
+    x, rois = _randn((2, 3, 9, 11), seed=84), _boxes()
+    grad = _randn((4, 3, 2, 3), seed=85)
+
+    def forward(input=x, boxes=rois, scale=0.8, height=2, width=3):
+        return lambda: OPS.roi_align(input, boxes, scale, height, width, 2, True)
+
+    def backward(gradient=grad, boxes=rois, scale=0.8, sizes=(2, 3, 9, 11)):
+        return lambda: OPS.roi_align_backward(gradient, boxes, scale, 2, 3, *sizes, 2, True)
+
+    return {
+        "float64 boxes": (forward(boxes=rois.double()), r"boxes.dtype must equal input.dtype \(float32\)"),
+        "int boxes": (forward(boxes=rois.int()), r"boxes.dtype must equal input.dtype"),
+        "(K, 4) boxes": (forward(boxes=rois[:, 1:]), r"boxes must have shape \(K, 5\)"),
+        "1-D boxes": (forward(boxes=rois[0]), r"boxes must have shape \(K, 5\)"),
+        "boxes on another device": (forward(boxes=rois.to("meta")), "boxes must be on input's device"),
+        "3-D input": (forward(input=x[0]), "input must be 4-D"),
+        "5-D input": (forward(input=x[None]), "input must be 4-D"),
+        "negative pooled height": (forward(height=-1), "negative dimension"),
+        "spatial_scale 0 (fastbwd's limit)": (forward(scale=0.0), "spatial_scale must be greater than FLT_MIN"),
+        "spatial_scale NaN (fastbwd's limit)": (forward(scale=float("nan")), "spatial_scale must be greater"),
+        "pooled height 0": (forward(height=0), None),
+        "no boxes": (forward(boxes=rois[:0]), None),
+        "backward, float64 boxes": (backward(boxes=rois.double()), r"boxes.dtype must equal grad.dtype"),
+        "backward, (K, 4) boxes": (backward(boxes=rois[:, 1:]), r"boxes must have shape \(K, 5\)"),
+        "backward, 3-D grad": (backward(gradient=grad[0]), "grad must be 4-D"),
+        "backward, grad of another pooled size": (backward(gradient=grad[..., :2]), "pooled_width"),
+        "backward, grad of other channels": (backward(sizes=(2, 4, 9, 11)), "input_shape"),
+        "backward, grad of other boxes": (backward(gradient=grad[:3]), "boxes.shape"),
+        "backward, negative input size": (backward(sizes=(2, 3, -9, 11)), "negative dimension"),
+        "backward, spatial_scale NaN": (backward(scale=float("nan")), "spatial_scale must be greater"),
+        "backward, no boxes": (backward(gradient=grad[:0], boxes=rois[:0]), None),
+    }
+
+
+@pytest.mark.parametrize("case", list(_roi_align_cases()))
+def test_roi_align_operators_refuse_with_torchvisions_exception_type(case):
+    """torchvision's roi_align kernels raise RuntimeError for what they refuse (the operators
+    raised fastbwd.ParamError before issue 55) and compute what they take: a pooled size of 0 or
+    no boxes gives an empty output, and no gradient."""
+    call, message = _roi_align_cases()[case]
+    if message is None:
+        result = call()
+        assert result.numel() == 0 or not result.any()
+        return
+    with pytest.raises(RuntimeError, match=message) as raised:
+        call()
+    assert not isinstance(raised.value, fastbwd.ParamError)

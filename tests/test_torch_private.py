@@ -30,7 +30,13 @@ class _Gone:
 
 def remove(monkeypatch, path):
     """Take the interface at ``path`` away for the test: deleted where PyTorch allows, else
-    shadowed by :class:`_Gone`."""
+    shadowed by :class:`_Gone`. An interface read from PyTorch's objects while a graph compiles
+    (a node's meta key, a fake tensor's attribute: ``_private.READS``) cannot be taken from
+    PyTorch, which needs it itself: the bridge reads a name PyTorch does not set instead, as it
+    would if PyTorch renamed it."""
+    if path in _private.READS:
+        monkeypatch.setitem(_private.READS, path, "removed " + _private.READS[path])
+        return
     owner, _ = _private._resolve(path)
     name = path.rsplit(".", 1)[1]
     if isinstance(owner, type) and name not in vars(owner):
@@ -68,6 +74,17 @@ def _gradients(function, *inputs):
     return (output.detach(), *torch.autograd.grad(output, inputs, _randn(*output.shape, seed=9)))
 
 
+def _pre_grad_then_aot_eager(gm, example_inputs):
+    """A torch.compile backend: Inductor's pre-grad custom passes on the graph Dynamo captured,
+    called as Inductor calls them, then ``aot_eager``; so the pre-grad pass runs on a real
+    captured graph (its ``example_value``s) without Inductor's minutes of C++ compiling."""
+    passes = getattr(torch._inductor.config, "pre_grad_custom_pass", None)  # (the removal test may take it)
+    for graph_pass in passes if isinstance(passes, list) else [passes] if passes else []:
+        graph_pass(gm.graph)
+    gm.recompile()
+    return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+
 def workload(compiled):
     """``{what: tensors}``: what fastbwd.torch does with it enabled (fresh modules each time)."""
     ft.enable()
@@ -82,8 +99,9 @@ def workload(compiled):
     ft.fuse_group_norm_swish(block, (x,))
     results["fused"] = _gradients(block, x)
     if compiled:
-        torch._dynamo.reset()
-        results["compiled"] = _gradients(torch.compile(_Block(), backend="aot_eager"), x)
+        for name, backend in (("compiled", "aot_eager"), ("compiled, pre-grad pass", _pre_grad_then_aot_eager)):
+            torch._dynamo.reset()
+            results[name] = _gradients(torch.compile(_Block(), backend=backend), x)
         torch._dynamo.reset()
     return results
 
@@ -156,6 +174,32 @@ def test_each_private_interface_can_be_missing(path, monkeypatch, expected):
             assert torch.equal(a, again)
     ours = [str(w.message) for w in caught if "fastbwd.torch: this PyTorch" in str(w.message)]
     assert len(ours) <= 1 and all(path in message for message in ours), ours
+    if path in _private.READS:  # read at each compile: its absence is seen and said
+        assert len(ours) == 1 and compiled, ours
+
+
+def test_the_graph_passes_read_their_interfaces_through_the_list(monkeypatch, expected):
+    """With the compiler's graph values gone, torch.compile runs PyTorch's code for the pairs (no
+    fused node, PyTorch's results), the routed operators still fastbwd's, after one warning."""
+    from fastbwd.torch import _routing
+
+    remove(monkeypatch, _private.VAL)
+    _forget()
+    before = _routing.GRAPH_CALLS.copy()
+    with pytest.warns(RuntimeWarning, match=r"meta\['val'\] is missing .* Off from now on: .* AOTAutograd's joint"):
+        try:
+            ft.enable()
+            torch._dynamo.reset()
+            x = _randn(2, 4, 6, 5, seed=1)
+            actual = _gradients(torch.compile(_Block(), backend="aot_eager"), x)
+        finally:
+            ft.disable()
+            torch._dynamo.reset()
+            _forget()
+    calls = {name: count for name, count in (_routing.GRAPH_CALLS - before).items() if count}
+    assert calls == {"upsample_bilinear2d_backward": 1, "avg_pool2d_backward": 1, "replication_pad2d_backward": 1}
+    for a, e in zip(actual, expected["compiled"]):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
 def test_every_private_interface_is_in_the_list():
@@ -171,7 +215,14 @@ def test_every_private_interface_is_in_the_list():
         code = source.read_text()
         uses = re.findall(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*", code)
         uses += re.findall(r"from torch[\w.]* import .*\b_[a-z]\w*", code)
-        uses += re.findall(r"\.(py_kernels|_dispatch_cache|_make_wrapper_subclass|_version|_destroy)\b", code)
+        uses += re.findall(
+            r"\.(py_kernels|_dispatch_cache|_make_wrapper_subclass|_version|_destroy|_modules|_buffers|_parameters"
+            r"|fake_mode)\b",
+            code,
+        )
+        uses += re.findall(
+            r"\.meta\s*\[|\.meta\.get\b|[\"'](?:example_value|val)[\"']", code
+        )  # the compiler's graph values
         assert not uses, f"{source.name} uses PyTorch's private {uses}"
 
 
@@ -191,6 +242,8 @@ def test_import_touches_no_private_interface(tmp_path):
 
         owners = []
         for path in paths:  # every owner first: importing one may need what is taken away below
+            if path in {sorted(_private.READS)!r}:
+                continue  # read from PyTorch's objects while a graph compiles: nothing to take away here
             parts = path.split(".")
             owner = torch
             for index, name in enumerate(parts[1:-1], 2):

@@ -26,9 +26,11 @@ cannot serve):
 * ``fastbwd.jax.linen.GroupNorm``, ``fastbwd.jax.nnx.GroupNorm``, ``fastbwd.jax.equinox.GroupNorm``:
   the libraries' GroupNorm modules, optionally fused with Swish.
 
-:func:`reach`: Flax (linen, NNX) and Equinox models get all of these by one call, without a
-change to their code.
+:func:`reach`: Flax (linen, NNX) and Equinox models get all of these by one call around the
+function that calls them, without a change to their code or to the models.
 """
+
+import sys
 
 try:
     import jax  # noqa: F401
@@ -38,12 +40,27 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         '(or pip install -e ".[jax]" in fastbwd\'s checkout)'
     ) from error
 
+from . import _reach
 from ._avg_pool import avg_pool, avg_pool2d
 from ._group_norm_swish import group_norm_swish
 from ._pad import pad, replication_pad2d
 from ._reach import reach
 from ._roi_align import roi_align
 from ._upsample import resize, upsample_bilinear2d
+
+
+def _import_adapters():
+    """Import fastbwd's adapter of each library reach serves that is already imported (each
+    registers with reach on import; fastbwd.jax never imports Flax or Equinox itself)."""
+    if "flax.linen" in sys.modules:
+        from . import linen  # noqa: F401
+    if "flax.nnx" in sys.modules:
+        from . import nnx  # noqa: F401
+    if "equinox" in sys.modules:
+        from . import equinox  # noqa: F401
+
+
+_reach.ADAPTER_IMPORTS.append(_import_adapters)
 
 __all__ = [
     "upsample_bilinear2d",

@@ -18,7 +18,7 @@ FUNC = "replication_pad2d"
 #: input x.
 _SUBJECTS = {"grad_output": "x", "input": "x"}
 LAYOUTS = ("NCHW", "NHWC")
-#: jnp.pad itself, whatever later replaces the module's attribute (fastbwd.jax.reach does).
+#: jnp.pad itself, whatever later replaces the module's attribute (fastbwd.jax.reach installs its wrapper).
 _jnp_pad = jnp.pad
 
 
@@ -166,9 +166,15 @@ def pad(array: jax.Array, pad_width, mode="constant", **kwargs) -> jax.Array:
     ``fastbwd.replication_pad2d_backward`` as its gradient (the same values: a gradient is a sum of copies). Every other call, any
     other mode, and its errors, are ``jnp.pad``'s own.
     """
+    return pad_or(_jnp_pad, array, pad_width, mode, **kwargs)
+
+
+def pad_or(fallback, array, pad_width, mode="constant", **kwargs):
+    """:func:`pad`, or ``fallback`` (``jnp.pad``) with the same arguments for a call fastbwd
+    cannot serve."""
     plan = _edge_plan(array, pad_width) if isinstance(mode, str) and mode == "edge" and not kwargs else None
     if plan is None:
-        return _jnp_pad(array, pad_width, mode, **kwargs)
+        return fallback(array, pad_width, mode, **kwargs)
     shape, padding = plan
     images = _pad(jnp.asarray(array).reshape(shape), (padding, shape, "NHWC"))
     return images.reshape(tuple(s + lo + hi for s, (lo, hi) in zip(array.shape, _pairs(pad_width, array.ndim))))

@@ -1,35 +1,36 @@
 """fastbwd.jax.reach: models written for Flax (linen, NNX) and Equinox reach fastbwd's kernels
-without a change to their code (docs/jax.md).
+without a change to their code, and without a change to the models (docs/jax.md).
 
-While a program is traced under :func:`reach`:
+``reach`` is a context of the calling thread (fastbwd/jax/_seams.py): a program traced inside it,
+in this thread, reaches fastbwd; a program traced outside it, in any thread, is the libraries'
+own. Inside it:
 
-* the library functions fastbwd serves are fastbwd's drop-ins, which equal them and run the
-  library's own code for any call they cannot serve: ``jax.image.resize``, ``jnp.pad``,
-  ``flax.linen.avg_pool`` (also ``flax.nnx.avg_pool``), and the swish/SiLU functions
-  (``jax.nn.silu``/``swish`` and their Flax aliases), by setting the modules' attributes for
-  the duration (so a model that calls ``jnp.pad(...)`` or ``nn.avg_pool(...)`` reaches them;
-  a name imported before, ``from jax.numpy import pad``, is not reached);
-* a Flax linen ``nn.GroupNorm`` runs on fastbwd (``nn.intercept_methods``), and so does an
-  ``nn.Sequential``'s swish;
+* the library functions fastbwd serves run fastbwd's drop-ins, through the wrappers _seams
+  installs once: ``jax.image.resize``, ``jnp.pad`` and the swish/SiLU functions (registered
+  here), Flax's ``avg_pool`` and the NNX and Equinox modules' calls (registered by
+  fastbwd.jax.linen, .nnx and .equinox);
+* a Flax linen ``nn.GroupNorm`` runs on fastbwd (``nn.intercept_methods``, entered by the
+  thread's outermost reach);
 * a swish applied to the output of a GroupNorm fastbwd computed becomes one fused GroupNorm +
   Swish (the GroupNorm's own result, then unused, is dropped by XLA).
 
-An NNX or Equinox model given to :func:`reach` has its GroupNorm modules (Equinox: and its
-``AvgPool2d`` modules; and an ``nnx.Sequential``'s or ``eqx.nn.Sequential``'s swish) replaced by
-fastbwd's, and its own ``__call__`` runs under :func:`reach`.
+The libraries' adapters (linen.py, nnx.py, equinox.py) register with this module (their seams
+with _seams, an :class:`Adapter` here) when they are imported; this module never imports them:
+fastbwd.jax gives it the function that imports those of the libraries already imported
+(``ADAPTER_IMPORTS``).
 """
 
 import contextlib
+import dataclasses
 import functools
-import sys
 import threading
-import types
 import weakref
+from collections.abc import Callable
 
 import jax
 
-from . import _avg_pool, _pad, _upsample
 from . import _group_norm_swish as gns
+from . import _pad, _seams, _upsample
 
 # ---- a swish of a GroupNorm's output: the fused pair --------------------------------------------
 
@@ -58,15 +59,24 @@ def _fused(x):
     return None
 
 
-silu = jax.nn.silu  # the original, whatever reach later sets as jax.nn.silu
+silu = jax.nn.silu  # the original, whatever reach later installs as jax.nn.silu
+
+
+def swish_or(fallback, *args, **kwargs):
+    """The swish/SiLU drop-in: of the output of a GroupNorm fastbwd computed, the fused GroupNorm
+    + Swish; any other call, ``fallback(*args, **kwargs)`` (``jax.nn.silu``)."""
+    if len(args) == 1 and not kwargs:
+        fused = _fused(args[0])
+        if fused is not None:
+            return fused()
+    return fallback(*args, **kwargs)
 
 
 @functools.wraps(silu)
 def swish(x):
     """``jax.nn.silu`` (``swish``): ``x * sigmoid(x)``; of the output of a GroupNorm fastbwd
-    computed, the fused GroupNorm + Swish."""
-    fused = _fused(x)
-    return silu(x) if fused is None else fused()
+    computed, the fused GroupNorm + Swish (what a swish layer a model holds becomes in reach)."""
+    return swish_or(silu, x)
 
 
 def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, with_swish=False):
@@ -92,117 +102,90 @@ def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback
     return out
 
 
-# ---- what reach sets while a program is traced ---------------------------------------------------
+# ---- what reach serves, and the adapters of the libraries ---------------------------------------
+
+_seams.register("jax.image", ("resize",), _upsample._jax_resize, _upsample.resize_or)
+_seams.register("jax.numpy", ("pad",), _pad._jnp_pad, _pad.pad_or)
+_seams.register("jax.nn", ("silu", "swish"), silu, swish_or)
 
 
-def _substitutes():
-    """``{original function: fastbwd's}`` for every function reach swaps in."""
-    table = {
-        jax.image.resize: _upsample.resize,
-        _pad._jnp_pad: _pad.pad,
-        silu: swish,
-        jax.nn.swish: swish,
-    }
-    pooling = sys.modules.get("flax.linen.pooling")
-    if pooling is not None:
-        table[pooling.avg_pool] = functools.partial(_avg_pool.avg_pool_or, pooling.avg_pool)
-    return table
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """What a library's adapter brings to reach besides its seams: ``enter()``, a context manager
+    entered by a thread's outermost reach (Flax linen's interceptor), or None; and
+    ``is_model(target)``, true for the library's models, which reach refuses (it reaches the
+    function that calls a model, and never changes the model)."""
+
+    library: str
+    enter: Callable | None = None
+    is_model: Callable = lambda target: False
 
 
-#: The modules whose attributes reach sets (those imported; a library not imported is not used).
-_MODULES = (
-    "jax.image",
-    "jax.numpy",
-    "jax.nn",
-    "flax.linen",
-    "flax.linen.pooling",
-    "flax.linen.activation",
-    "flax.nnx",
-    "flax.nnx.nn.activations",
-)
+_adapters: dict[str, Adapter] = {}
+_adapters_lock = threading.Lock()
 
-_lock = threading.Lock()
-_depth = 0
-_swapped = []  # (module, name, original) while _depth > 0
+#: Functions importing the adapters of the libraries already imported (fastbwd.jax sets one):
+#: run by each outermost reach, before the install.
+ADAPTER_IMPORTS: list[Callable[[], None]] = []
 
 
-def _install():
-    substitutes = _substitutes()
-    for module_name in _MODULES:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        for name, value in list(vars(module).items()):
-            substitute = substitutes.get(value) if callable(value) else None
-            if substitute is not None:
-                _swapped.append((module, name, value))
-                setattr(module, name, substitute)
+def register_adapter(adapter):
+    """Called by a library's adapter when it is imported."""
+    with _adapters_lock:
+        _adapters[adapter.library] = adapter
 
 
-def _uninstall():
-    while _swapped:
-        module, name, original = _swapped.pop()
-        setattr(module, name, original)
+def _import_adapters():
+    for importer in ADAPTER_IMPORTS:
+        importer()
+    with _adapters_lock:
+        return list(_adapters.values())
 
 
 @contextlib.contextmanager
 def _reaching():
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _install()
-        _depth += 1
-    try:
-        with contextlib.ExitStack() as stack:
-            linen = sys.modules.get("flax.linen")
-            if linen is not None:
-                from . import linen as fastbwd_linen
-
-                stack.enter_context(linen.intercept_methods(fastbwd_linen.interceptor))
-            yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _uninstall()
+    if _seams.active():
+        yield  # a reach inside reach: the outer one holds everything, nothing is entered twice
+        return
+    adapters = _import_adapters()
+    _seams.install()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_seams.entered())
+        for adapter in adapters:
+            if adapter.enter is not None:
+                stack.enter_context(adapter.enter())
+        yield
 
 
 def reach(target=None):
     """Run Flax and Equinox models' GroupNorm, pooling, padding and resizing on fastbwd.
 
-    * ``with fastbwd.jax.reach(): ...``: programs traced inside (``jax.jit``, ``jax.grad``,
-      eager calls) reach fastbwd; a ``jax.jit`` function traced before keeps its program.
-    * ``fastbwd.jax.reach(function)``: ``function`` (a linen ``model.apply``, a loss, a training
-      step) running under ``reach()`` whenever it runs, so whenever JAX traces it.
-    * ``fastbwd.jax.reach(model)`` for an NNX module: the same module, its GroupNorm modules
-      replaced by fastbwd's and its ``__call__`` run under ``reach()``.
-    * ``fastbwd.jax.reach(model)`` for an Equinox module: a new model with the same fields, its
-      GroupNorm and AvgPool2d modules replaced by fastbwd's (``eqx.tree_at``) and its
-      ``__call__`` run under ``reach()``.
+    * ``with fastbwd.jax.reach(): ...``: programs traced inside, in this thread (``jax.jit``,
+      ``jax.grad``, eager calls), reach fastbwd. The context is part of JAX's trace cache key: a
+      ``jax.jit`` function traced before is traced again inside, and a program traced inside is
+      not reused outside.
+    * ``fastbwd.jax.reach(function)``: a new function, ``function`` (a loss, a training step, a
+      linen ``model.apply``) called under ``reach()``, so whenever JAX traces it.
 
-    Everything reached computes what the library computes (docs/jax.md says where it differs
-    within float tolerance); a call fastbwd cannot serve runs the library's own code.
+    One way for Flax linen, Flax NNX and Equinox alike: the model is never changed (its class,
+    its modules and its pytree structure stay the user's), and a model itself is refused
+    (``TypeError``: give ``reach`` the function that calls it). Everything reached computes what
+    the library computes (docs/jax.md says where it differs within float tolerance); a call
+    fastbwd cannot serve runs the library's own code. Code traced outside reach, in any thread,
+    runs the libraries' own functions and programs, bit for bit; what reach installs in the
+    libraries to make this possible is listed in docs/jax.md.
     """
     if target is None:
         return _reaching()
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(target, nnx.Module):
-        from . import nnx as fastbwd_nnx
-
-        return fastbwd_nnx.reach_model(target)
-    equinox = sys.modules.get("equinox")
-    if equinox is not None and isinstance(target, equinox.Module):
-        from . import equinox as fastbwd_equinox
-
-        return fastbwd_equinox.reach_model(target)
-    linen = sys.modules.get("flax.linen")
-    if linen is not None and isinstance(target, linen.Module):
-        raise TypeError(
-            "fastbwd.jax.reach: give a Flax linen model's apply (fastbwd.jax.reach(model.apply)), "
-            "or trace it under `with fastbwd.jax.reach():`"
-        )
+    for adapter in _import_adapters():
+        if adapter.is_model(target):
+            raise TypeError(
+                f"fastbwd.jax.reach: got a {adapter.library} model ({type(target).__name__}); give it the "
+                "function that calls the model (fastbwd.jax.reach(loss), fastbwd.jax.reach(model.apply) for "
+                "Flax linen), or trace that under `with fastbwd.jax.reach():` (reach never changes a model)"
+            )
     if not callable(target):
-        raise TypeError(f"fastbwd.jax.reach: expected a function, an NNX or an Equinox model, got {target!r}")
+        raise TypeError(f"fastbwd.jax.reach: expected a function, got {target!r}")
 
     @functools.wraps(target)
     def reached(*args, **kwargs):
@@ -210,20 +193,3 @@ def reach(target=None):
             return target(*args, **kwargs)
 
     return reached
-
-
-@functools.cache
-def reached_class(cls):
-    """``cls`` with its ``__call__`` run under :func:`reach` (same name and fields): what an NNX or
-    Equinox model given to ``reach`` becomes."""
-
-    def __call__(self, *args, **kwargs):
-        with reach():
-            return cls.__call__(self, *args, **kwargs)
-
-    def body(namespace):
-        namespace.update(
-            __call__=__call__, __module__=cls.__module__, __qualname__=cls.__qualname__, _fastbwd_reached=True
-        )
-
-    return types.new_class(cls.__name__, (cls,), {}, body)

@@ -151,7 +151,7 @@ def upsample_bilinear2d(
 
 # ---- jax.image.resize ---------------------------------------------------------------------------
 
-#: jax.image.resize itself, whatever later replaces the module's attribute (fastbwd.jax.reach does).
+#: jax.image.resize itself, whatever later replaces the attribute (fastbwd.jax.reach installs its wrapper).
 _jax_resize = jax.image.resize
 _LINEAR = jax.image.ResizeMethod.LINEAR
 
@@ -197,9 +197,15 @@ def resize(image, shape, method, antialias=True, precision=lax.Precision.HIGHEST
     (other methods, a shrink with ``antialias=True``, which filters, three resized axes, other
     dtypes) and its errors are ``jax.image.resize``'s own.
     """
+    return resize_or(_jax_resize, image, shape, method, antialias, precision)
+
+
+def resize_or(fallback, image, shape, method, antialias=True, precision=lax.Precision.HIGHEST):
+    """:func:`resize`, or ``fallback`` (``jax.image.resize``) with the same arguments for a call
+    fastbwd cannot serve."""
     plan = _resize_plan(image, shape, method, antialias)
     if plan is None:
-        return _jax_resize(image, shape, method, antialias, precision)
+        return fallback(image, shape, method, antialias, precision)
     view, output_size = plan
     images = jnp.asarray(image).reshape(view)
     resized = _upsample(images, (output_size, False, "NHWC", view, True))

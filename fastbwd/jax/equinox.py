@@ -1,7 +1,11 @@
 """fastbwd.jax.equinox: Equinox's ``eqx.nn.GroupNorm`` and ``eqx.nn.AvgPool2d`` on fastbwd's
-kernels, and the tree surgery of :func:`fastbwd.jax.reach` for Equinox models. Needs Equinox."""
+kernels, and what :func:`fastbwd.jax.reach` serves in Equinox. Needs Equinox.
 
-import dataclasses
+Inside reach, every call of ``eqx.nn.GroupNorm.__call__`` and ``eqx.nn.AvgPool2d.__call__`` (a
+model's modules, or a subclass's through ``super()``) runs as :class:`GroupNorm` and
+:class:`AvgPool2d`, and an ``eqx.nn.Lambda(jax.nn.silu)`` as fastbwd's swish: this module
+registers their seams with fastbwd/jax/_seams.py when it is imported. No model is changed.
+"""
 
 import equinox as eqx
 import jax
@@ -9,21 +13,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dtypes as d
-from . import _avg_pool, _reach
+from . import _avg_pool, _reach, _seams
 
 _NO_STATE = object()
 
+#: Equinox's own calls, whatever reach installs in their place.
+_GROUP_NORM_CALL = eqx.nn.GroupNorm.__call__
+_AVG_POOL_CALL = eqx.nn.AvgPool2d.__call__
+_LAMBDA_CALL = eqx.nn.Lambda.__call__
 
-def group_norm(module, x, swish=False):
+
+def group_norm(module, x, swish=False, call=_GROUP_NORM_CALL):
     """``eqx.nn.GroupNorm.__call__(module, x)`` (``swish``: followed by Swish) on fastbwd, or
-    Equinox's own code for a call fastbwd cannot serve.
+    Equinox's own code (``call``) for a call fastbwd cannot serve.
 
     Equinox normalises one example ``(channels, *spatial)`` (a batch comes from ``jax.vmap``)
     in ``result_type(x.dtype, float32)`` and returns x's dtype: fastbwd's kernels on
     ``x[None]``, channels first, compute in that type too and round once."""
 
     def fallback():
-        return eqx.nn.GroupNorm.__call__(module, x)
+        return call(module, x)
 
     if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or np.dtype(x.dtype) not in d.FLOATING:
         return _reach.swish(fallback()) if swish else fallback()
@@ -66,6 +75,19 @@ class GroupNorm(eqx.nn.GroupNorm):
         return out if state is _NO_STATE else (out, state)
 
 
+def avg_pool(module, x, call=_AVG_POOL_CALL):
+    """``eqx.nn.AvgPool2d.__call__(module, x)`` on fastbwd, or Equinox's own code (``call``) for
+    a call fastbwd cannot serve."""
+    if not isinstance(x, jax.Array | np.ndarray) or x.ndim != 3:
+        return call(module, x)
+    padding = module._update_padding_for_ceil(x.shape) if module.use_ceil else module.padding
+    module._check_is_padding_valid(padding)
+    plan = _avg_pool.window_plan(x.shape[1:], x.shape[0], x.dtype, module.kernel_size, module.stride, padding)
+    if plan is None:
+        return call(module, x)
+    return _avg_pool.window_sums_mean(jnp.asarray(x)[None], plan, True, "NCHW")[0]
+
+
 class AvgPool2d(eqx.nn.AvgPool2d):
     """``equinox.nn.AvgPool2d`` on fastbwd's kernels: the same fields and result (one example
     ``(channels, height, width)``, window sums over the window's size), its gradient
@@ -75,70 +97,43 @@ class AvgPool2d(eqx.nn.AvgPool2d):
     channels) and Equinox's errors are Equinox's own."""
 
     def __call__(self, x, *, key=None):
-        if not isinstance(x, jax.Array | np.ndarray) or x.ndim != 3:
-            return super().__call__(x)
-        padding = self._update_padding_for_ceil(x.shape) if self.use_ceil else self.padding
-        self._check_is_padding_valid(padding)
-        plan = _avg_pool.window_plan(x.shape[1:], x.shape[0], x.dtype, self.kernel_size, self.stride, padding)
-        if plan is None:
-            return super().__call__(x)
-        return _avg_pool.window_sums_mean(jnp.asarray(x)[None], plan, True, "NCHW")[0]
+        return avg_pool(self, x)
 
 
-def _rebuilt(cls, module, **extra):
-    """An instance of ``cls`` holding ``module``'s fields (and ``extra`` ones), as Equinox's own
-    unflattening builds modules (no ``__init__``)."""
-    new = object.__new__(cls)
-    for field in dataclasses.fields(module):
-        object.__setattr__(new, field.name, getattr(module, field.name))
-    for name, value in extra.items():
-        object.__setattr__(new, name, value)
-    return new
+def _group_norm_call(original, module, *args, **kwargs):
+    """``eqx.nn.GroupNorm.__call__(x, state=..., *, key=None)`` inside reach: :func:`group_norm`,
+    or ``original`` for a call of another form (its errors are Equinox's)."""
+    if not 1 <= len(args) <= 2 or kwargs.keys() - {"state", "key"} or (len(args) == 2 and "state" in kwargs):
+        return original(module, *args, **kwargs)
+    state = args[1] if len(args) == 2 else kwargs.get("state", _NO_STATE)
+    out = group_norm(module, args[0], call=original)
+    return out if state is _NO_STATE else (out, state)
 
 
-def _replacement(node):
-    if type(node) is eqx.nn.GroupNorm:
-        return _rebuilt(GroupNorm, node, swish=False)
-    if type(node) is eqx.nn.AvgPool2d:
-        return _rebuilt(AvgPool2d, node)
-    if type(node) is eqx.nn.Lambda and node.fn is _reach.silu:
-        return eqx.nn.Lambda(_reach.swish)
-    return None
+def _avg_pool_call(original, module, *args, **kwargs):
+    """``eqx.nn.AvgPool2d.__call__(x, *, key=None)`` inside reach: :func:`avg_pool`, or
+    ``original`` for a call of another form."""
+    if len(args) != 1 or kwargs.keys() - {"key"}:
+        return original(module, *args, **kwargs)
+    return avg_pool(module, args[0], call=original)
 
 
-def reach_model(model):
-    """fastbwd.jax.reach for an Equinox model: a new model whose ``eqx.nn.GroupNorm`` and
-    ``eqx.nn.AvgPool2d`` modules are :class:`GroupNorm` and :class:`AvgPool2d` (the same
-    fields), whose ``eqx.nn.Lambda(jax.nn.silu)`` layers use fastbwd's swish (``eqx.tree_at``),
-    and whose ``__call__`` runs under ``reach()``."""
-
-    def is_leaf(node):
-        return _replacement(node) is not None
-
-    leaves = jax.tree_util.tree_leaves_with_path(model, is_leaf=is_leaf)
-    paths = [path for path, node in leaves if path and is_leaf(node)]
-    if paths:
-
-        def where(tree):
-            return [_at(tree, path) for path in paths]
-
-        model = eqx.tree_at(where, model, [_replacement(_at(model, path)) for path in paths], is_leaf=is_leaf)
-    if _replacement(model) is not None:
-        model = _replacement(model)
-    if getattr(type(model), "_fastbwd_reached", False):
-        return model
-    return _rebuilt(_reach.reached_class(type(model)), model)
+def _lambda_call(original, module, *args, **kwargs):
+    """``eqx.nn.Lambda.__call__`` inside reach: ``eqx.nn.Lambda(jax.nn.silu)`` holding
+    ``jax.nn.silu`` itself (built before reach installed its wrapper) is fastbwd's swish, fused
+    with a GroupNorm before it."""
+    if module.fn is _reach.silu and len(args) == 1 and not (kwargs.keys() - {"key"}):
+        return _reach.swish(args[0])
+    return original(module, *args, **kwargs)
 
 
-def _at(tree, path):
-    """The node of ``tree`` at a ``jax.tree_util`` key path."""
-    for key in path:
-        if isinstance(key, jax.tree_util.GetAttrKey):
-            tree = getattr(tree, key.name)
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            tree = tree[key.idx]
-        elif isinstance(key, jax.tree_util.DictKey):
-            tree = tree[key.key]
-        else:
-            raise TypeError(f"fastbwd.jax.reach: cannot follow the tree path entry {key!r}")
-    return tree
+def _is_model(target):
+    """An Equinox module that is not a function: Equinox's transformations (``eqx.filter_jit``,
+    ...) wrap functions in modules with ``__wrapped__``, and ``eqx.Partial`` is a function."""
+    return isinstance(target, eqx.Module) and not isinstance(target, eqx.Partial) and not hasattr(target, "__wrapped__")
+
+
+_seams.register(eqx.nn.GroupNorm, ("__call__",), _GROUP_NORM_CALL, _group_norm_call)
+_seams.register(eqx.nn.AvgPool2d, ("__call__",), _AVG_POOL_CALL, _avg_pool_call)
+_seams.register(eqx.nn.Lambda, ("__call__",), _LAMBDA_CALL, _lambda_call)
+_reach.register_adapter(_reach.Adapter("Equinox", is_model=_is_model))

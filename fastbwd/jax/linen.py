@@ -1,9 +1,11 @@
-"""fastbwd.jax.linen: Flax linen's ``nn.GroupNorm`` on fastbwd's kernels.
+"""fastbwd.jax.linen: Flax linen's ``nn.GroupNorm`` on fastbwd's kernels, and what
+:func:`fastbwd.jax.reach` serves in Flax linen. Needs Flax.
 
 :class:`GroupNorm` is ``nn.GroupNorm`` (the same fields, parameters ``scale`` and ``bias``,
-defaults and result dtype) with an optional fused Swish; :func:`fastbwd.jax.reach` runs every
-``nn.GroupNorm`` of a model this way (through ``nn.intercept_methods``, :func:`interceptor`).
-Needs Flax.
+defaults and result dtype) with an optional fused Swish. Inside reach every ``nn.GroupNorm``
+of a model runs this way (through ``nn.intercept_methods``, :func:`interceptor`, entered by the
+thread's outermost reach), and so do ``nn.avg_pool`` and ``nn.swish``/``silu`` (this module
+registers their seams with fastbwd/jax/_seams.py when it is imported).
 """
 
 from collections.abc import Iterable
@@ -12,9 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import pooling
 
 from .. import _dtypes as d
-from . import _reach
+from . import _avg_pool, _reach, _seams
 
 
 def _groups(module, channels):
@@ -158,3 +161,16 @@ class GroupNorm(nn.GroupNorm):
             out = fallback()
             return _reach.swish(out) if self.swish else out
         return group_norm(self, x, fallback, swish=self.swish)
+
+
+_seams.register("flax.linen", ("swish", "silu"), _reach.silu, _reach.swish_or)
+_seams.register("flax.linen.activation", ("swish", "silu"), _reach.silu, _reach.swish_or)
+# not in flax.linen.pooling, avg_pool's own module: its original still pickles by that name
+_seams.register("flax.linen", ("avg_pool",), pooling.avg_pool, _avg_pool.avg_pool_or)
+_reach.register_adapter(
+    _reach.Adapter(
+        "Flax linen",
+        enter=lambda: nn.intercept_methods(interceptor),
+        is_model=lambda target: isinstance(target, nn.Module),
+    )
+)

@@ -1,5 +1,12 @@
-"""fastbwd.jax.nnx: Flax NNX's ``nnx.GroupNorm`` on fastbwd's kernels, and the module surgery of
-:func:`fastbwd.jax.reach` for NNX models. Needs Flax."""
+"""fastbwd.jax.nnx: Flax NNX's ``nnx.GroupNorm`` on fastbwd's kernels, and what
+:func:`fastbwd.jax.reach` serves in Flax NNX. Needs Flax.
+
+Inside reach, every call of ``nnx.GroupNorm.__call__`` (a model's ``nnx.GroupNorm``, or a
+subclass's through ``super()``) runs as :class:`GroupNorm`, an ``nnx.Sequential``'s swish layer
+as fastbwd's swish, and ``nnx.avg_pool`` and ``nnx.swish``/``silu`` as fastbwd's drop-ins: this
+module registers their seams with fastbwd/jax/_seams.py when it is imported. No model is
+changed.
+"""
 
 from collections.abc import Iterable
 
@@ -7,9 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.linen import pooling
 
 from .. import _dtypes as d
-from . import _reach
+from . import _avg_pool, _reach, _seams
+
+#: NNX's own calls, whatever reach installs in their place.
+_GROUP_NORM_CALL = nnx.GroupNorm.__call__
+_SEQUENTIAL_CALL = nnx.Sequential.__call__
 
 
 def _plan(module, x, mask):
@@ -45,12 +57,12 @@ def _plan(module, x, mask):
     return x, weight, bias, kernel, result
 
 
-def group_norm(module, x, mask=None, swish=False):
+def group_norm(module, x, mask=None, swish=False, call=_GROUP_NORM_CALL):
     """``nnx.GroupNorm.__call__(module, x, mask=mask)`` (``swish``: followed by Swish) on
-    fastbwd, or NNX's own code for a call fastbwd cannot serve."""
+    fastbwd, or NNX's own code (``call``) for a call fastbwd cannot serve."""
 
     def fallback():
-        return nnx.GroupNorm.__call__(module, x, mask=mask)
+        return call(module, x, mask=mask)
 
     plan = _plan(module, x, mask)
     if plan is None:
@@ -90,17 +102,38 @@ class GroupNorm(nnx.GroupNorm):
         return group_norm(self, x, mask, swish=getattr(self, "swish", False))
 
 
-def reach_model(model):
-    """fastbwd.jax.reach for an NNX model, in place: each ``nnx.GroupNorm`` becomes a
-    :class:`GroupNorm` (the same object and parameters, its class changed), each swish of an
-    ``nnx.Sequential`` fastbwd's, and the model's ``__call__`` runs under ``reach()``."""
-    for _, node in nnx.iter_graph(model):
-        if type(node) is nnx.GroupNorm:
-            object.__setattr__(node, "__class__", GroupNorm)
-        elif type(node) is nnx.Sequential:
-            for index, layer in enumerate(node.layers):
-                if layer is _reach.silu:
-                    node.layers[index] = _reach.swish
-    if not getattr(type(model), "_fastbwd_reached", False):
-        object.__setattr__(model, "__class__", _reach.reached_class(type(model)))
-    return model
+def _group_norm_call(original, module, *args, **kwargs):
+    """``nnx.GroupNorm.__call__`` inside reach: :func:`group_norm`, or ``original`` for a call
+    of another form."""
+    if len(args) != 1 or kwargs.keys() - {"mask"}:
+        return original(module, *args, **kwargs)
+    return group_norm(module, args[0], kwargs.get("mask"), call=original)
+
+
+class _WithLayers:
+    """``module`` seen with other ``layers`` (its other attributes its own): what NNX's own
+    ``Sequential.__call__`` runs on inside reach, so nothing of the model is changed."""
+
+    def __init__(self, module, layers):
+        self._module, self.layers = module, layers
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _sequential_call(original, module, *args, **kwargs):
+    """``nnx.Sequential.__call__`` inside reach: a layer that is ``jax.nn.silu`` itself (a model
+    built before reach installed its wrapper) is fastbwd's swish, fused with a GroupNorm before
+    it."""
+    layers = list(module.layers)
+    if any(layer is _reach.silu for layer in layers):
+        module = _WithLayers(module, [_reach.swish if layer is _reach.silu else layer for layer in layers])
+    return original(module, *args, **kwargs)
+
+
+_seams.register(nnx.GroupNorm, ("__call__",), _GROUP_NORM_CALL, _group_norm_call)
+_seams.register(nnx.Sequential, ("__call__",), _SEQUENTIAL_CALL, _sequential_call)
+_seams.register("flax.nnx", ("avg_pool",), pooling.avg_pool, _avg_pool.avg_pool_or)
+_seams.register("flax.nnx", ("swish", "silu"), _reach.silu, _reach.swish_or)
+_seams.register("flax.nnx.nn.activations", ("swish", "silu"), _reach.silu, _reach.swish_or)
+_reach.register_adapter(_reach.Adapter("Flax NNX", is_model=lambda target: isinstance(target, nnx.Module)))

@@ -1,6 +1,7 @@
 """fastbwd inside ``torch.compile`` (docs/semantics.md §7): the graph operators compiled graphs
-call, and the compiler hooks ``enable()`` installs and ``disable()`` removes. The hooks are read
-only while a graph is captured or compiled, never by eager code:
+call, and the compiler hooks installed while the switch is on (``enable()``, ``enabled()``) and
+removed when it turns off. The hooks are read only while a graph is captured or compiled, never
+by eager code:
 
 * **Autograd kernels for the Python dispatcher.** AOTAutograd traces with PyTorch's Python
   dispatcher, where ``aten.upsample_bilinear2d`` has a Python autograd kernel that decomposes it
@@ -19,6 +20,7 @@ written for, or with one missing, ``enable()`` warns once and torch.compile stay
 """
 
 import functools
+import math
 import operator
 import pathlib
 import threading
@@ -29,8 +31,11 @@ from torch.nn import functional as F
 import fastbwd
 
 from . import _convert as c
-from . import _ops, _private, _switch
+from . import _ops, _private, _routing, _switch
 from ._routing import GRAPH_CALLS, ROUTES
+
+#: aten backward operator -> the operator fastbwd._dispatch decides for
+ROUTED_OPS = {name: name.removesuffix("_backward") for name in ROUTES}
 
 aten = torch.ops.aten
 
@@ -78,6 +83,20 @@ def _result_shape(name, args):
     return args[2] if name == "upsample_bilinear2d_backward" else args[1].shape
 
 
+def _decide_at_run_time(name, args):
+    """The decision (path "compiled") for a graph operator's call, from its real arguments."""
+    if name == "upsample_bilinear2d_backward":  # the input's size; grad_output's dtype and layout
+        return c.decide("auto", "compiled", ROUTED_OPS[name], args[0], math.prod(args[2]))
+    return c.decide("auto", "compiled", ROUTED_OPS[name], args[1])
+
+
+def decides_fastbwd(name, input):
+    """Whether a routed operator's gradient is fastbwd's in a graph being traced (path
+    "compiled", the policy now): its input's sizes known, the decision; some known only at run
+    time, True (the graph operator decides when it runs)."""
+    return input.device.type == "cpu" and c.decide(_switch._policy, "compiled", ROUTED_OPS[name], input)
+
+
 def _graph_operator(name):
     """``fastbwd::<name>``: calls ``aten::<name>``, whose CPU kernel is fastbwd's while enabled
     and PyTorch's own while disabled (so a compiled graph follows the switch at run time), and
@@ -89,6 +108,12 @@ def _graph_operator(name):
         memory_format = result_format(name, args[0], args[1])
         if args[0].numel() == 0:  # an empty output (which a compiled forward may make): no gradient
             return torch.empty(_result_shape(name, args), dtype=args[0].dtype, memory_format=memory_format).zero_()
+        # "always": the aten kernel serves it (fastbwd's while enabled). "auto": fastbwd's when the
+        # decision says so for the real sizes (a graph traced with known sizes decided already)
+        if _switch._active and _switch._policy == "auto" and _decide_at_run_time(name, args):
+            result = _routing.serve(name, args)
+            if result is not None:
+                return result.contiguous(memory_format=memory_format)
         return aten_operator(*args).contiguous(memory_format=memory_format)
 
     def fake(*args):
@@ -148,14 +173,15 @@ class _RoutedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, forward, backward_arguments, input, *arguments):
         ctx.name, ctx.backward_arguments = name, backward_arguments
-        ctx.on_cpu = input.device.type == "cpu"
+        # decided at trace time: fastbwd's graph operator, or aten's (what Inductor alone traces)
+        ctx.fastbwd = decides_fastbwd(name, input)
         if ROUTES[name].tensors == 2:
             ctx.save_for_backward(input)
         return forward(input, *arguments)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.on_cpu:
+        if ctx.fastbwd:
             backward = GRAPH_OPERATORS[ctx.name]
         else:
             backward = getattr(aten, ctx.name).default
@@ -181,7 +207,8 @@ def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scale
     previous = _installed.get((overload, "Autograd"))
     if previous is None:
         previous = functools.partial(_below_autograd, overload)
-    elif input.device.type != "cpu":  # other devices: PyTorch's own kernel, forward and backward
+    elif not decides_fastbwd("upsample_bilinear2d_backward", input):
+        # other devices, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
         return previous(*arguments)
     backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)
     return _RoutedForward.apply("upsample_bilinear2d_backward", previous, backward_arguments, *arguments)
@@ -246,14 +273,20 @@ def _group_norm_arguments(node):
     return tuple(values[name] for name in names)
 
 
-def _refused(key, input, num_groups, weight, bias, eps):
-    """Whether fastbwd's fused operator does not take this pair: ``_ops.refusal``, at trace time,
-    on the values the graph records for its nodes in ``meta[key]`` (a node without one: refused)."""
+def _refused(path, input, num_groups, weight, bias, eps):
+    """Whether fastbwd's fused operator does not take this pair, or is not the faster:
+    ``_ops.refusal`` and the decision (path "compiled"), at trace time, on the fake values the
+    compiler records for the graph's nodes (``_private.graph_values`` of ``path``; without them,
+    every pair is refused)."""
     tensors = (input, weight, bias)
-    values = [a.meta.get(key) if isinstance(a, torch.fx.Node) else a for a in tensors]
-    if any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(tensors, values)):
+    values = _private.graph_values([a for a in tensors if isinstance(a, torch.fx.Node)], path)
+    if values is None:
         return True
-    return _ops.refusal(values[0], num_groups, values[1], values[2], eps) is not None
+    values = iter(values)
+    input, weight, bias = (next(values) if isinstance(a, torch.fx.Node) else a for a in tensors)
+    if _ops.refusal(input, num_groups, weight, bias, eps) is not None:
+        return True
+    return not c.decide(_switch._policy, "compiled", "group_norm_swish", input)
 
 
 def _fusable(node):
@@ -267,12 +300,12 @@ def _fusable(node):
     if set(silu.kwargs) - {"inplace"}:
         return None
     arguments = _group_norm_arguments(node)
-    if arguments is None or _refused("example_value", *arguments):
+    if arguments is None or _refused(_private.EXAMPLE_VALUE, *arguments):
         return None
     return arguments, silu
 
 
-def fuse_group_norm_silu(graph):
+def fuse_group_norm_swish_pre_grad(graph):
     """Rewrite every GroupNorm -> SiLU pair of a captured (pre-grad) graph into one
     ``fastbwd::group_norm_swish`` node; returns how many. The SiLU's ``inplace`` does not matter:
     the GroupNorm's output had no other user."""
@@ -313,14 +346,36 @@ def _through_detaches(node):
     return node
 
 
-def _call(graph, fake_mode, target, *arguments):
-    """A new ``call_function`` node with its ``meta["val"]`` (what AOTAutograd's partitioner reads),
-    computed by running ``target`` on the arguments' fake values."""
+def _call(graph, target, arguments, value):
+    """A new ``call_function`` node with its fake value (what AOTAutograd's partitioner reads)."""
     node = graph.call_function(target, arguments)
-    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in arguments]
-    with fake_mode:
-        node.meta["val"] = target(*values)
+    _private.set_graph_value(node, _private.VAL, value)
     return node
+
+
+def _fake_values(forward_arguments, backward_arguments):
+    """The fake values of the fused pair's forward and backward nodes, computed from their
+    arguments' in the graph's fake mode before the graph changes (the backward's mean and rstd are
+    the forward's outputs, given as None here); None (after one warning, the fusion off) when the
+    graph does not give what that needs."""
+    nodes = [a for a in (*forward_arguments, backward_arguments[0]) if isinstance(a, torch.fx.Node)]
+    values = _private.graph_values(nodes, _private.VAL)
+    mode = values and _private.fake_mode_of(values[0])
+    if not mode:
+        return None
+    value_of = dict(zip(nodes, values))
+
+    def fake(argument):
+        return value_of[argument] if isinstance(argument, torch.fx.Node) else argument
+
+    try:
+        with mode:
+            forward = torch.ops.fastbwd.group_norm_swish.default(*map(fake, forward_arguments))
+            grad, input, _, _, *rest = map(fake, backward_arguments)
+            backward = torch.ops.fastbwd.group_norm_swish_backward.default(grad, input, *forward[1:], *rest)
+    except Exception as error:  # noqa: BLE001 - the fake mode is not what it was: no fusion, one warning
+        return _private.broken(_private.JOINT, error)
+    return forward, backward
 
 
 def _silu_and_its_backward(normalised):
@@ -349,7 +404,7 @@ def _single_user_of(node, target):
     return calls[0] if len(calls) == 1 else None
 
 
-def fuse_group_norm_silu_joint(graph):
+def fuse_group_norm_swish_joint(graph):
     """The GroupNorm -> SiLU pairs of an AOTAutograd joint graph (``aot_eager`` and other backends
     that keep ``native_group_norm``; Inductor has decomposed it by then, and its pre-grad pass
     fused the pairs already) as ``fastbwd::group_norm_swish`` and its backward: the forward
@@ -361,9 +416,9 @@ def fuse_group_norm_silu_joint(graph):
             continue
         input, weight, bias, _, _, _, num_groups, eps = norm.args
         items = _getitems(norm)
-        if items is None or 0 not in items or _refused("val", input, num_groups, weight, bias, eps):
+        if items is None or 0 not in items or _refused(_private.VAL, input, num_groups, weight, bias, eps):
             continue
-        eps, fake_mode = float(eps), input.meta["val"].fake_mode
+        eps = float(eps)
         silu, silu_backward = _silu_and_its_backward(items[0])
         if silu is None or len(silu_backward.users) != 1:
             continue
@@ -379,17 +434,26 @@ def fuse_group_norm_silu_joint(graph):
         if gradients is None:
             continue
         mask = [mask[0], mask[1] and weight is not None, mask[2] and bias is not None]
+        forward_arguments = (input, weight, bias, num_groups, eps, 1.0, True)
+        grad = silu_backward.args[0]
+        backward_arguments = (grad, input, None, None, weight, bias, num_groups, 1.0, mask, eps, True)
+        values = _fake_values(forward_arguments, backward_arguments)
+        if values is None:
+            return count
+        forward_value, backward_value = values
         with graph.inserting_before(silu):
-            forward_arguments = (input, weight, bias, num_groups, eps, 1.0, True)
-            fused = _call(graph, fake_mode, torch.ops.fastbwd.group_norm_swish.default, *forward_arguments)
-            outputs = [_call(graph, fake_mode, operator.getitem, fused, index) for index in range(3)]
+            fused = _call(graph, torch.ops.fastbwd.group_norm_swish.default, forward_arguments, forward_value)
+            outputs = [_call(graph, operator.getitem, (fused, i), forward_value[i]) for i in range(3)]
         silu.replace_all_uses_with(outputs[0])
         with graph.inserting_before(backward):
-            mean, rstd = outputs[1], outputs[2]
-            arguments = (silu_backward.args[0], input, mean, rstd, weight, bias, num_groups, 1.0, mask, eps, True)
-            fused_backward = _call(graph, fake_mode, torch.ops.fastbwd.group_norm_swish_backward.default, *arguments)
+            arguments = (grad, input, outputs[1], outputs[2], *backward_arguments[4:])
+            fused_backward = _call(
+                graph, torch.ops.fastbwd.group_norm_swish_backward.default, arguments, backward_value
+            )
             for index, item in gradients.items():
-                item.replace_all_uses_with(_call(graph, fake_mode, operator.getitem, fused_backward, index))
+                item.replace_all_uses_with(
+                    _call(graph, operator.getitem, (fused_backward, index), backward_value[index])
+                )
         for node in (*gradients.values(), backward, silu_backward, silu):
             graph.erase_node(node)
         graph.eliminate_dead_code()  # native_group_norm, its items and the detaches, now unused
@@ -403,7 +467,7 @@ def _joint_pass(previous):
     def joint_pass(gm, inputs):
         if previous is not None:
             gm = previous(gm, inputs)
-        if fuse_group_norm_silu_joint(gm.graph):
+        if fuse_group_norm_swish_joint(gm.graph):
             gm.recompile()
         return gm
 
@@ -423,9 +487,9 @@ def _graph_pass():
     keys Inductor's caches, so a graph compiled with fastbwd and one without never share an entry."""
     custom_graph_pass, hash_for_files = _private.custom_graph_pass()
 
-    class GroupNormSiLUPass(custom_graph_pass):
+    class GroupNormSwishPass(custom_graph_pass):
         def __call__(self, graph):
-            fuse_group_norm_silu(graph)
+            fuse_group_norm_swish_pre_grad(graph)
 
         def uuid(self):
             return hash_for_files(_GRAPH_SOURCES, extra=f"fastbwd {fastbwd.__version__}")
@@ -433,7 +497,7 @@ def _graph_pass():
         def __repr__(self):
             return "fastbwd.torch GroupNorm -> SiLU pass"
 
-    return GroupNormSiLUPass()
+    return GroupNormSwishPass()
 
 
 # ---- install / uninstall (enable / disable) ------------------------------------------------------

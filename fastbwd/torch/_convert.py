@@ -12,8 +12,8 @@ import numba
 import numpy as np
 import torch
 
+from fastbwd import _dispatch, api
 from fastbwd import _dtypes as d
-from fastbwd import api
 
 #: The tensor dtypes the bridge can hand to fastbwd as arrays (complex for the pad only).
 ARRAY_DTYPES = {
@@ -114,11 +114,16 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
     behaves like any other CPU tensor.
     """
     channels_last = memory_format != torch.contiguous_format and _CHANNELS_LAST_FORMAT.get(len(shape)) == memory_format
-    if not channels_last:
-        return as_tensor(d.empty(tuple(shape), ARRAY_DTYPES[dtype]))
-    to_physical, to_logical = channels_last_permutation(len(shape))
-    physical = tuple(shape[axis] for axis in to_physical)
-    return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+    try:
+        if not channels_last:
+            return as_tensor(d.empty(tuple(shape), ARRAY_DTYPES[dtype]))
+        to_physical, to_logical = channels_last_permutation(len(shape))
+        physical = tuple(shape[axis] for axis in to_physical)
+        return as_tensor(d.empty(physical, ARRAY_DTYPES[dtype])).permute(*to_logical)
+    except (ValueError, MemoryError):
+        # a negative size, or more memory than there is: PyTorch's allocator says so in its own
+        # words and exception type (RuntimeError), as for any tensor PyTorch would make here
+        return torch.empty(shape, dtype=dtype, memory_format=memory_format)
 
 
 def match_torch_threads():
@@ -130,3 +135,23 @@ def match_torch_threads():
     if api.get_num_threads() != wanted:
         api.set_num_threads(wanted)
     return wanted
+
+
+def decide(policy, path, op, tensor, elements=None):
+    """``fastbwd._dispatch.decide`` for a call of ``op`` on ``path`` whose forward input is
+    ``tensor`` (real, or fake at trace time; ``elements`` its size when ``tensor`` is another of
+    the call's tensors, of the same dtype and layout), on PyTorch's thread count: True when
+    fastbwd's path runs it. A size known only at run time (symbolic) decides nothing: True, and
+    the call decides again when it runs."""
+    if policy == "always":
+        return True
+    if elements is None:
+        elements = 1
+        for size in tensor.shape:
+            if not isinstance(size, int):
+                return True
+            elements *= size
+    dtype = ARRAY_DTYPES.get(tensor.dtype)
+    dtype = dtype.name if dtype is not None else str(tensor.dtype)
+    layout = "NHWC" if is_channels_last(tensor) else "NCHW"
+    return _dispatch.decide(policy, "torch", path, op, elements, dtype, layout, torch.get_num_threads())

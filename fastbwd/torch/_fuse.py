@@ -249,21 +249,28 @@ def _fuse_sequentials(module, fused, undo):
     for prefix, sequential in module.named_modules():
         if not isinstance(sequential, nn.Sequential):
             continue
-        slots = list(sequential._modules)
-        for index, first in enumerate(slots[:-1]):
-            norm, following = sequential._modules[first], sequential._modules[slots[index + 1]]
+        slots = _slots(sequential)
+        for first, second in zip(slots, slots[1:]):
+            norm, following = getattr(sequential, first), getattr(sequential, second)
             if type(norm) in (nn.GroupNorm, FusedGroupNorm) and type(following) is nn.SiLU and not _refusal(norm):
                 _restore(norm)
-                second = slots[index + 1]
-                sequential._modules[first] = _group_norm_swish(norm)
-                sequential._modules[second] = nn.Identity()
+                # nn.Module.__setattr__ puts a module in its slot: the order of the modules stays
+                setattr(sequential, first, _group_norm_swish(norm))
+                setattr(sequential, second, nn.Identity())
                 name = f"{prefix}.{first}" if prefix else first
                 fused[name] = Fused(name, f"nn.Sequential {prefix or '(the model)'}: followed by nn.SiLU")
 
                 def put_back(sequential=sequential, first=first, second=second, norm=norm, silu=following):
-                    sequential._modules[first], sequential._modules[second] = norm, silu
+                    setattr(sequential, first, norm)
+                    setattr(sequential, second, silu)
 
                 undo.append(put_back)
+
+
+def _slots(sequential):
+    """The names of ``sequential``'s modules in the order it runs them, a module held twice under
+    each of its names (``named_children`` names it once)."""
+    return [name for name, _ in sequential.named_modules(remove_duplicate=False) if name and "." not in name]
 
 
 def _group_norm_swish(norm):
@@ -312,15 +319,23 @@ class FusedGroupNorm(nn.GroupNorm):
     def _fused_forward(self, input):
         # is_compiling first: torch.compile folds it and captures plain F.group_norm, whose
         # pairs its own graph pass can fuse
-        if torch.compiler.is_compiling() or self.fusion_state == _SKIPPED:
+        state = self.fusion_state
+        if (
+            torch.compiler.is_compiling()
+            or state == _SKIPPED
+            # an armed norm whose call PyTorch runs faster (by its size alone: one comparison)
+            or (state == _FUSED and type(input) is torch.Tensor and _ops.below_floor("fused", input))
+        ):
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         weight, bias = self.weight, self.bias  # read once (nn.Module.__getattr__ is Python)
         geometry = self._geometry(input, weight, bias)
         if geometry is None:
-            if self.fusion_state == _OBSERVING:
+            if state == _OBSERVING:
                 self._fusion_ineligible = self._ineligible(input)
             return F.group_norm(input, self.num_groups, weight, bias, self.eps)
-        if self.fusion_state == _FUSED:
+        if state == _FUSED:
+            if not geometry.serves("fused"):  # PyTorch's own pair is the faster (fastbwd._dispatch)
+                return F.group_norm(input, self.num_groups, weight, bias, self.eps)
             return _LazyGroupNorm(input, self, weight, bias, geometry, None)
         if self._resolve():
             return self._fused_forward(input)
@@ -345,7 +360,7 @@ class FusedGroupNorm(nn.GroupNorm):
         """The call's GroupNorm+Swish geometry when fastbwd runs it exactly as nn.GroupNorm would
         (a plain eager CPU call fastbwd's kernels take, ``_ops.refusal``), else None (the call
         is nn.GroupNorm's)."""
-        if not _ops.use_eager_path(input) or not input.is_cpu or not _private.lazy_outputs():
+        if not _ops.use_eager_path(input, weight, bias) or not input.is_cpu or not _private.lazy_outputs():
             return None
         return _ops.geometry_of(input, weight, bias, self.num_groups, self.eps, 1.0)
 
@@ -478,8 +493,7 @@ def _observe(module, args, kwargs):
     saved = [
         (owner, name, buffer, buffer.detach().clone())
         for owner in module.modules()
-        for name, buffer in owner._buffers.items()
-        if buffer is not None
+        for name, buffer in owner.named_buffers(recurse=False, remove_duplicate=False)
     ]
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -488,7 +502,7 @@ def _observe(module, args, kwargs):
     finally:
         with torch.no_grad():
             for owner, name, buffer, value in saved:
-                owner._buffers[name] = buffer
+                setattr(owner, name, buffer)  # the buffer itself again, if the forward assigned another
                 buffer.copy_(value)
 
 

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import _ops
+from . import _convert as c
+from . import _ops, _switch
 
 
 # A leaf of torch.fx.symbolic_trace: choosing fastbwd or PyTorch reads sizes a Proxy does not have.
@@ -32,14 +33,21 @@ def group_norm_swish(
     """
     if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch
         return _ops.fx_leaf(group_norm_swish, input, num_groups, weight, bias, eps, swish_scale)
-    if _ops.use_eager_path(input) and input.is_cpu:
-        geometry = _ops.geometry_of(input, weight, bias, num_groups, eps, swish_scale)  # once per geometry
-        if geometry is not None:
-            return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)
-    elif _ops.refusal(input, num_groups, weight, bias, eps, swish_scale) is None:  # at trace time when compiled
-        return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[0]
+    compiling = torch.compiler.is_compiling()
+    if compiling or type(input) is not torch.Tensor or not _ops.below_floor("dropin", input):
+        if _ops.use_eager_path(input, weight, bias) and input.is_cpu:
+            geometry = _ops.geometry_of(input, weight, bias, num_groups, eps, swish_scale)  # once per geometry
+            if geometry is not None and geometry.serves("dropin"):
+                return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)
+        elif _ops.refusal(input, num_groups, weight, bias, eps, swish_scale) is None and c.decide(
+            _switch.policy(), "compiled" if compiling else "dropin", "group_norm_swish", input
+        ):  # at trace time when compiled
+            return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[
+                0
+            ]
     # What fastbwd's kernels do not take (another device, an empty input, 8192 channels in one
-    # group, a negative eps, ...), and what PyTorch refuses (with its own error): PyTorch's code.
+    # group, a negative eps, ...), what PyTorch refuses (with its own error), and what PyTorch's
+    # own code runs faster (fastbwd._dispatch): PyTorch's code.
     y = F.group_norm(input, num_groups, weight, bias, eps)
     return F.silu(y) if swish_scale == 1 else y * torch.sigmoid(swish_scale * y)
 

@@ -17,6 +17,7 @@ serves every fused use (the drop-ins, the eager fusion, compiled graphs), with o
 fastbwd's kernels take (:func:`refusal`).
 """
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 import fastbwd
+from fastbwd import _dispatch
 from fastbwd import _validation as v
 from fastbwd.api import _plans
 from fastbwd.api import group_norm_swish as gns_api
@@ -85,23 +87,60 @@ def _check_roi_align_dtype(tensor, name):
     if tensor.dtype not in _ROI_ALIGN_DTYPES:
         raise RuntimeError(
             f"roi_align: {name}.dtype must be one of float32, float64, float16, bfloat16, "
-            f"but got {str(tensor.dtype).removeprefix('torch.')}"
+            f"but got {_dtype_name(tensor.dtype)}"
         )
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_roi_align(tensor, rois, name):
+    """Refuse, before anything is allocated, what torchvision's roi_align kernels refuse, with
+    the exception type they raise (RuntimeError): ``tensor`` (the input, or the backward's
+    ``grad``) of a dtype the kernels take and 4-D, the boxes ``rois`` a ``(K, 5)`` tensor of its
+    dtype on its device. The real and the fake kernels both ask (a compiled call is refused when
+    it is traced)."""
+    _check_roi_align_dtype(tensor, name)
+    if tensor.dim() != 4:
+        raise RuntimeError(f"roi_align: {name} must be 4-D, but got {tensor.dim()}-D with shape {tuple(tensor.shape)}")
+    if rois.dim() != 2 or rois.shape[1] != 5:
+        raise RuntimeError(f"roi_align: boxes must have shape (K, 5), but got shape {tuple(rois.shape)}")
+    if rois.dtype != tensor.dtype:
+        raise RuntimeError(
+            f"roi_align: boxes.dtype must equal {name}.dtype ({_dtype_name(tensor.dtype)}), "
+            f"but got {_dtype_name(rois.dtype)}"
+        )
+    if rois.device != tensor.device:
+        raise RuntimeError(f"roi_align: boxes must be on {name}'s device ({tensor.device}), but got {rois.device}")
+
+
+@contextlib.contextmanager
+def _torch_errors():
+    """What fastbwd's api refuses in a RoIAlign call, as the exception type torchvision's kernels
+    raise for the calls they refuse (RuntimeError), in the api's words. (No PyTorch code computes
+    RoIAlign: torchvision's is not required.)"""
+    try:
+        yield
+    except fastbwd.ParamError as error:
+        raise RuntimeError(str(error)) from error
 
 
 def _roi_align_kernel(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
     """The forward; a channels_last input runs the NHWC layout, in place, and gives a
     channels_last result."""
-    _check_roi_align_dtype(input, "input")
+    _check_roi_align(input, rois, "input")
     c.match_torch_threads()
     memory_format = c.memory_format(input)
     output = c.empty((rois.shape[0], input.shape[1], pooled_height, pooled_width), input.dtype, memory_format)
+    if output.numel() == 0:
+        return output  # nothing to compute (no box, no channel, or a pooled size of 0), as torchvision
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
     if memory_format == torch.channels_last:
         layout, arrays, out = "NHWC", (_nhwc(input), c.as_array(rois)), _nhwc(output)
     else:
         layout, arrays, out = "NCHW", (c.as_array(input), c.as_array(rois)), c.as_array(output)
-    with v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
+    with _torch_errors(), v.called_as("roi_align", _ROI_ALIGN_SUBJECTS):
         plan = roi_align_api.forward_plan(*arrays, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run_forward(plan, *arrays, out)
     return output
@@ -122,9 +161,7 @@ roi_align = custom_op(
 
 @roi_align.register_fake
 def _(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
-    _check_roi_align_dtype(input, "input")
-    if rois.dim() != 2 or rois.shape[1] != 5:
-        raise RuntimeError("roi_align: rois must be (K, 5)")
+    _check_roi_align(input, rois, "input")
     return torch.empty(
         (rois.shape[0], input.shape[1], pooled_height, pooled_width),
         dtype=input.dtype,
@@ -149,7 +186,7 @@ def _roi_align_backward_kernel(
 ):
     """The input gradient; ``channels_last`` (the forward's input was) runs the NHWC layout and
     gives a channels_last gradient (``grad`` read in place when it is channels_last too)."""
-    _check_roi_align_dtype(grad, "grad")
+    _check_roi_align(grad, rois, "grad")
     c.match_torch_threads()
     input_shape = (batch_size, channels, height, width)
     scalars = (spatial_scale, max(sampling_ratio, 0), aligned)
@@ -159,7 +196,8 @@ def _roi_align_backward_kernel(
     else:
         grad_input = c.empty(input_shape, grad.dtype)
         layout, arrays, out = "NCHW", (c.as_array(grad.contiguous()), c.as_array(rois)), c.as_array(grad_input)
-    plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, layout, out)
+    with _torch_errors():
+        plan = roi_align_api.plan(*arrays, input_shape, pooled_height, pooled_width, *scalars, layout, out)
     roi_align_api.run(plan, *arrays, out)
     return grad_input
 
@@ -174,7 +212,7 @@ roi_align_backward = custom_op(
 
 @roi_align_backward.register_fake
 def _(grad, *arguments):  # rois, spatial_scale, pooled sizes, batch_size, channels, height, width, ..., channels_last
-    _check_roi_align_dtype(grad, "grad")
+    _check_roi_align(grad, arguments[0], "grad")
     memory_format = torch.channels_last if arguments[10:] == (True,) else torch.contiguous_format
     return torch.empty(arguments[4:8], dtype=grad.dtype, device=grad.device, memory_format=memory_format)
 
@@ -324,7 +362,7 @@ class _Geometry:
     asked for, made by its first call. A later call of the same geometry (every step of a
     training loop) runs a prepared call, which checks only the arrays' metadata."""
 
-    def __init__(self, input, weight, bias, num_groups, eps, swish_scale):
+    def __init__(self, input, weight, bias, num_groups, eps, swish_scale, threads):
         self.memory_format = c.memory_format(input)
         self.channels_last = self.memory_format != torch.contiguous_format
         self.data_format = "NHWC" if self.channels_last else "NCHW"
@@ -341,6 +379,9 @@ class _Geometry:
         self.gamma = None if weight is not None else c.as_array(torch.ones(channels, dtype=dtype))
         self.beta = None if bias is not None else c.as_array(torch.zeros(channels, dtype=dtype))
         self.eps, self.swish_scale = eps, swish_scale
+        # the call's static description, for fastbwd._dispatch (serves), and its decisions
+        self.description = (math.prod(input.shape), c.ARRAY_DTYPES[input.dtype].name, self.data_format, threads)
+        self._decisions = {}
         # the backward's prepared calls, by 2 * need_weight + need_bias (made by their first call)
         self._backward = [None] * 4
         if eps is not None:  # prepared with the thread count geometry_of set (a key of the geometry)
@@ -348,6 +389,18 @@ class _Geometry:
             self._forward = gns_api.group_norm_swish.prepare(
                 x, gamma, beta, num_groups, self.data_format, eps, True, swish_scale
             )
+
+    def serves(self, path):
+        """Whether fastbwd's kernels run this geometry's calls on ``path`` ("dropin", "fused",
+        "compiled") under the bridge's policy: ``fastbwd._dispatch.decide``, once per path,
+        policy and reading of the stored table."""
+        memo = (path, _switch._policy, _dispatch.generation)
+        found = self._decisions.get(memo)
+        if found is None:
+            elements, dtype, layout, threads = self.description
+            found = _dispatch.decide(memo[1], "torch", path, "group_norm_swish", elements, dtype, layout, threads)
+            self._decisions[memo] = found
+        return found
 
     def x_array(self, tensor):
         """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
@@ -376,8 +429,9 @@ class _Geometry:
         """``(dx, dgamma or None, dbeta or None)`` from ``grad_output`` and the other inputs as
         arrays (:class:`_KernelArrays`): the prepared backward call made by the first call asking
         for these gradients, or the public function for arrays of other metadata (statistics the
-        operator was given in another dtype, a size-1 axis's stride). The results are new NumPy
-        arrays wrapped without a copy (dx channels_last again for channels_last input)."""
+        operator was given flat, a size-1 axis's stride). The results are new NumPy arrays wrapped
+        without a copy (dx channels_last again for channels_last input). None when the api
+        refuses the call: the caller then runs PyTorch's code."""
         dy = self.x_array(grad_output)
         c.match_torch_threads()
         index = 2 * need_weight + need_bias
@@ -389,9 +443,12 @@ class _Geometry:
         try:
             grad_input, grad_weight, grad_bias = prepared(dy, *arrays)
         except fastbwd.ParamError:  # other metadata than the prepared call's (or a call it refuses)
-            grad_input, grad_weight, grad_bias = gns_api.group_norm_swish_backward(
-                dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
-            )
+            try:
+                grad_input, grad_weight, grad_bias = gns_api.group_norm_swish_backward(
+                    dy, *arrays, self.num_groups, self.data_format, self.swish_scale, need_weight, need_bias
+                )
+            except fastbwd.ParamError:  # not a call fastbwd's kernel takes: never an error PyTorch would not raise
+                return None
         return (
             self.result(grad_input),
             None if grad_weight is None else c.as_tensor(grad_weight),
@@ -422,8 +479,9 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
     key holds everything both read: each tensor's metadata and the other arguments' values, with
     their types (``True`` and ``1`` differ), and the thread count, set here to PyTorch's (it sizes
     the kernels' tasks: a geometry's prepared calls are made for it)."""
+    threads = c.match_torch_threads()
     key = (
-        c.match_torch_threads(),
+        threads,
         input.shape,
         input.stride(),
         input.dtype,
@@ -441,7 +499,7 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
         geometry = refusal(input, num_groups, weight, bias, eps, swish_scale)
         if geometry is None:
             try:
-                geometry = _Geometry(input, weight, bias, num_groups, eps, swish_scale)
+                geometry = _Geometry(input, weight, bias, num_groups, eps, swish_scale, threads)
             except fastbwd.ParamError as error:
                 geometry = str(error)
         geometry = _GEOMETRIES.add(key, geometry)  # a refusal is remembered as its reason
@@ -460,14 +518,36 @@ class _KernelArrays(NamedTuple):
 
 
 def _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch):
-    """The call's :class:`_Geometry` when fastbwd's kernels run it, else None (PyTorch's do)."""
-    if follows_switch and not _switch.is_enabled():
+    """The call's :class:`_Geometry` when fastbwd's kernels run it, else None (PyTorch's do). A
+    ``follows_switch`` call (a pair a graph pass fused) follows the switch and the decision of
+    the path "compiled" for its real sizes (the pass decided already for sizes known when it
+    ran); any other is a drop-in's, decided by its caller."""
+    if not follows_switch:
+        return geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    if not _switch.is_enabled():
         return None
-    return geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    geometry = geometry_of(input, weight, bias, num_groups, eps, swish_scale)
+    return geometry if geometry is not None and geometry.serves("compiled") else None
+
+
+def below_floor(path, input):
+    """True when the decision for a GroupNorm + Swish call on ``path`` is the framework's code
+    by its size alone (under ``"auto"``, fewer elements than any threshold of the path): one
+    comparison, before anything else is looked at. ``input`` a plain tensor."""
+    if _switch._policy != "auto":
+        return False
+    key = _FLOOR_KEYS[path]
+    least = _dispatch.floors.get(key)
+    return input.numel() < (_dispatch.floor(*key) if least is None else least)
+
+
+_FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
 
 
 def _sizes(input):
     """``(N, C, HxW)`` of an ``(N, C, *)`` input, as PyTorch's GroupNorm kernels take them."""
+    if input.dim() < 2:  # no such sizes: F.group_norm's own error
+        torch.nn.functional.group_norm(input, 1)
     return input.shape[0], input.shape[1], math.prod(input.shape[2:])
 
 
@@ -522,8 +602,21 @@ def _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_sc
         arrays = _KernelArrays(
             c.as_array(mean), c.as_array(rstd), geometry.x_array(input), *geometry.parameters(weight, bias)
         )
-        return geometry.backward(grad_output, arrays, need_weight, need_bias)
-    y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
+        grads = geometry.backward(grad_output, arrays, need_weight, need_bias)
+        if grads is not None:
+            return grads
+    return _native_grads(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps)
+
+
+def _native_grads(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps):
+    """:func:`_backward` by PyTorch's own kernels."""
+    try:
+        y = _normalised(input, mean, rstd, weight, bias, num_groups, eps)
+    except Exception:
+        # arguments PyTorch's GroupNorm backward refuses (a weight of another size, no groups):
+        # its own error rather than that of the normalisation written here
+        _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, [True, *needs])
+        raise
     grads = native_backward(grad_output, y, input, mean, rstd, weight, num_groups, [True, *needs], swish_scale)
     return grads[0].contiguous(memory_format=c.memory_format(input)), grads[1], grads[2]
 
@@ -565,13 +658,15 @@ def group_norm_swish(
     """``(y, mean, rstd)`` of GroupNorm then Swish; ``follows_switch``: PyTorch's own kernels
     while fastbwd is disabled (the fused pairs of compiled graphs)."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu"] += 1
+        GRAPH_CALLS["group_norm_swish"] += 1
     return _forward(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
 
 
 @group_norm_swish.register_fake
 def _(input, weight, bias, num_groups, eps, swish_scale, follows_switch=False):
-    if input.numel() == 0:  # the real kernel runs PyTorch's own then: its refusal (2.14 on) is ours too
+    # The real kernel runs PyTorch's own for an empty input (its refusal, from 2.14 on, is ours
+    # too); tensors on several devices (a meta one among CPU ones dispatches here) are PyTorch's error.
+    if input.numel() == 0 or not _one_device(input, weight, bias):
         native_group_norm(input, weight, bias, num_groups, eps)
     y = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     mean = input.new_empty((input.shape[0], num_groups), dtype=stats_dtype(input, weight, bias))
@@ -597,10 +692,57 @@ def group_norm_swish_backward(
     (where PyTorch's own kernels compute the normalised output again), ``follows_switch`` as
     for the forward."""
     if follows_switch:
-        GRAPH_CALLS["group_norm_silu_backward"] += 1
-    needs = _needs(output_mask, weight, bias)
-    grads = _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, needs, eps, follows_switch)
+        GRAPH_CALLS["group_norm_swish_backward"] += 1
+    arguments = (grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale)
+    if backward_refusal(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask) is None:
+        needs = _needs(output_mask, weight, bias)
+        grads = _backward(*arguments, needs, eps, follows_switch)
+    else:  # PyTorch's checks first (what they refuse raises PyTorch's own error), then its code
+        needs = _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask)
+        grads = _native_grads(*arguments, needs, eps)
     return _with_unrequested(grads, input, weight, bias, needs)
+
+
+def backward_refusal(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask):
+    """Why fastbwd's backward kernel does not take the arguments of a
+    ``fastbwd::group_norm_swish_backward`` call that :func:`refusal` does not read, or None: the
+    rule's part for the backward operator, whose arguments need not come from its forward.
+    ``grad_output`` a strided CPU tensor of the input's shape and dtype, ``mean`` and ``rstd``
+    strided CPU tensors of the statistics' dtype (:func:`stats_dtype`), both ``(N, num_groups)``
+    or both ``(N * num_groups,)``, ``output_mask`` three values. A call refused here runs
+    PyTorch's own checks and code (``native_group_norm_backward`` takes statistics of any shape
+    with N * num_groups values; it refuses another dtype, size or device)."""
+    if len(output_mask) != 3:
+        return f"output_mask has {len(output_mask)} values"
+    if not (_strided_cpu(grad_output) and grad_output.dtype == input.dtype and grad_output.shape == input.shape):
+        return "grad_output is not a CPU tensor of the input's shape and dtype"
+    statistics = stats_dtype(input, weight, bias)
+    shapes = ((input.shape[0], num_groups), (input.shape[0] * num_groups,))
+    for tensor in (mean, rstd):
+        if not (_strided_cpu(tensor) and tensor.dtype == statistics and tuple(tensor.shape) in shapes):
+            return f"mean or rstd is not a CPU tensor of {statistics} shaped (N, num_groups) or (N * num_groups,)"
+    if mean.shape != rstd.shape:
+        return "mean and rstd have different shapes"
+    return None
+
+
+def _one_device(*tensors):
+    """Whether the tensors given (None: not given) are all on one device."""
+    return len({t.device for t in tensors if t is not None}) <= 1
+
+
+def _strided_cpu(tensor):
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided
+
+
+def _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask):
+    """PyTorch's own checks of a GroupNorm backward's arguments: ``native_group_norm_backward``
+    runs on them (and raises its error for what it refuses); returns the (weight, bias) gradients
+    asked for."""
+    needs = _needs(output_mask, weight, bias) if len(output_mask) == 3 else None
+    mask = output_mask if needs is None else [output_mask[0], *needs]  # PyTorch's schema refuses another length
+    torch.ops.aten.native_group_norm_backward(grad_output, input, mean, rstd, weight, *_sizes(input), num_groups, mask)
+    return needs
 
 
 def _needs(output_mask, weight, bias):
@@ -622,6 +764,8 @@ def _with_unrequested(grads, input, weight, bias, needs):
 def _(
     grad_output, input, mean, rstd, weight, bias, num_groups, swish_scale, output_mask, eps=None, follows_switch=False
 ):
+    if len(output_mask) != 3 or not _one_device(grad_output, input, mean, rstd, weight, bias):
+        _native_checks(grad_output, input, mean, rstd, weight, bias, num_groups, output_mask)  # PyTorch's error
     needs = _needs(output_mask, weight, bias)
     grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=c.memory_format(input))
     grads = (grad_input, needs[0] and torch.empty_like(weight), needs[1] and torch.empty_like(bias))
@@ -773,8 +917,9 @@ class EagerGroupNormSwish(torch.autograd.Function):
             # the kernel on the forward's own arrays, through the geometry's prepared call (a
             # gradient is asked for only of a tensor given, so needs says all)
             needs = ctx.needs_input_grad
-            grad_input, grad_weight, grad_bias = geometry.backward(grad_output, arrays, needs[1], needs[2])
-            return grad_input if needs[0] else None, grad_weight, grad_bias, None
+            grads = geometry.backward(grad_output, arrays, needs[1], needs[2])
+            if grads is not None:
+                return grads[0] if needs[0] else None, grads[1], grads[2], None
 
         def statistics():
             return c.as_tensor(arrays.mean), c.as_tensor(arrays.rstd)

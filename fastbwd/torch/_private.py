@@ -17,6 +17,28 @@ COMPILER = "the torch.compile hooks (torch.compile keeps PyTorch's own kernels; 
 NOTICE = "enable()'s notice of frames torch.compile compiled while fastbwd was disabled"
 ALIASES = "torch._C._nn.silu and silu_ as SiLUs to the fusion (F.silu and nn.SiLU still are)"
 DESCRIPTIONS = "the fusion report's skipping of PyTorch's printing code"
+PRE_GRAD = (
+    "the GroupNorm -> SiLU fusion in the graphs Inductor's pre-grad passes see (with Inductor those pairs stay "
+    "PyTorch's; the routed backward operators still run on fastbwd)"
+)
+JOINT = (
+    "the GroupNorm -> SiLU fusion in AOTAutograd's joint graphs (with aot_eager and other backends without "
+    "Inductor's passes those pairs stay PyTorch's; the routed backward operators still run on fastbwd)"
+)
+
+#: The fake value Dynamo records on each node of a graph it captures, which the pre-grad pass reads.
+EXAMPLE_VALUE = "torch.fx.Node.meta['example_value']"
+#: The fake value AOTAutograd records on each node of a joint graph (its partitioner reads it): the
+#: joint pass reads its arguments' and writes its new nodes'.
+VAL = "torch.fx.Node.meta['val']"
+#: The fake mode a fake value belongs to, in which the joint pass computes its new nodes' values.
+FAKE_MODE = "torch._subclasses.fake_tensor.FakeTensor().fake_mode"
+
+#: The interfaces read from PyTorch's objects while a graph is compiled rather than from a module
+#: or a class (a key of a graph node's ``meta``, an attribute every instance gets): path -> the name
+#: read. Looking one up finds its owner class; reading it is guarded at each use.
+READS = {EXAMPLE_VALUE: "example_value", VAL: "val", FAKE_MODE: "fake_mode"}
+_READ_BY = {EXAMPLE_VALUE: PRE_GRAD, VAL: JOINT, FAKE_MODE: JOINT}
 
 _OVERLOADS = "upsample_bilinear2d.vec upsample_bilinear2d.default avg_pool2d.default replication_pad2d.default"
 
@@ -48,6 +70,7 @@ INTERFACES = {
     "torch._C._nn.silu": ALIASES,
     "torch._C._nn.silu_": ALIASES,
     "torch._tensor_str.__file__": DESCRIPTIONS,
+    **_READ_BY,
 }
 
 _found = {}  # feature -> {path: (owner, value)}, or None when the feature is off
@@ -56,7 +79,11 @@ _warned = set()  # the features that have warned
 
 def _resolve(path):
     """``(owner, value)`` of the last name of ``path``, importing modules along it as needed;
-    raises when this PyTorch has no such thing."""
+    raises when this PyTorch has no such thing. For an interface of :data:`READS`: ``(the class
+    whose instances hold it, the name read)``."""
+    if path in READS:
+        owner = path.split(".meta[")[0].split("().")[0]
+        return _resolve(owner)[1], READS[path]
     parts = path.split(".")
     owner = value = importlib.import_module(parts[0])
     for index, name in enumerate(parts[1:], 2):
@@ -111,11 +138,16 @@ def forget():
 # ---- EAGER -------------------------------------------------------------------------------------
 
 
+#: The tensor types whose calls fastbwd may run without the dispatcher: a tensor subclass (its
+#: own ``__torch_function__``) must see the operator, as it sees PyTorch's.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def eager_tensors(tensors):
-    """True when ``tensors`` are plain tensors and nothing traces or transforms the call (no
-    dispatch or function mode: fake tensors, make_fx, AOTAutograd; no functorch wrapper, no
-    functional tensor), so an autograd formula may run a kernel directly instead of through its
-    operator's dispatcher entry. False when this PyTorch cannot tell."""
+    """True when ``tensors`` (None: not given) are plain tensors or parameters and nothing traces
+    or transforms the call (no dispatch or function mode: fake tensors, make_fx, AOTAutograd; no
+    functorch wrapper, no functional tensor), so an autograd formula may run a kernel directly
+    instead of through its operator's dispatcher entry. False when this PyTorch cannot tell."""
     found = _interfaces(EAGER)
     if not found:
         return False
@@ -124,7 +156,7 @@ def eager_tensors(tensors):
             return False
         wrapped = found["torch._C._functorch.is_functorch_wrapped_tensor"][1]
         functional = found["torch._is_functional_tensor"][1]
-        return all(type(t) is torch.Tensor and not wrapped(t) and not functional(t) for t in tensors)
+        return all(t is None or (type(t) in _PLAIN and not wrapped(t) and not functional(t)) for t in tensors)
     except Exception as error:  # noqa: BLE001
         return broken(EAGER, error) or False
 
@@ -142,6 +174,18 @@ def lazy_outputs():
         return found["torch.autograd.forward_ad._current_level"][0]._current_level < 0
     except Exception as error:  # noqa: BLE001
         return broken(LAZY, error) or False
+
+
+def forward_ad_open():
+    """True when a forward-AD level is open (dual tensors may flow: an autograd.Function without
+    a forward derivative must not run), or when this PyTorch cannot tell."""
+    found = _interfaces(LAZY)
+    if not found:
+        return True
+    try:
+        return found["torch.autograd.forward_ad._current_level"][0]._current_level >= 0
+    except Exception as error:  # noqa: BLE001
+        return broken(LAZY, error) or True
 
 
 def wrapper_subclass(cls, *args, **kwargs):
@@ -248,3 +292,47 @@ def printing_files():
     """The source files of PyTorch's tensor printing."""
     found = _interfaces(DESCRIPTIONS)
     return {value for _, value in found.values()} if found else set()
+
+
+# ---- PRE_GRAD, JOINT: what the graph passes read from the graphs PyTorch's compiler gives them ------
+
+
+def graph_values(nodes, path):
+    """The fake values PyTorch's compiler recorded for graph ``nodes`` under the ``meta`` key
+    ``path`` names (:data:`EXAMPLE_VALUE` in a graph Dynamo captured, for the pre-grad pass;
+    :data:`VAL` in a joint graph); None (after one warning, that pass's fusion off) when a node
+    has none, or one that is not a tensor."""
+    feature = _READ_BY[path]
+    found = _interfaces(feature)
+    if not found:
+        return None
+    name = found[path][1]
+    try:
+        values = [node.meta[name] for node in nodes]
+    except Exception as error:  # noqa: BLE001 - no such value: the interface changed
+        return broken(feature, f"{path} is missing ({type(error).__name__}: {error})")
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            return broken(feature, f"{path} holds a {type(value).__name__}, not a fake tensor")
+    return values
+
+
+def set_graph_value(node, path, value):
+    """Record ``value`` as a new node's fake value under the key ``path`` names (after
+    :func:`graph_values` read that key)."""
+    node.meta[_found[_READ_BY[path]][path][1]] = value
+
+
+def fake_mode_of(value):
+    """The fake mode of the fake tensor ``value`` (a context manager), or None (after one
+    warning, the joint graphs' fusion off)."""
+    found = _interfaces(JOINT)
+    if not found:
+        return None
+    try:
+        mode = getattr(value, found[FAKE_MODE][1])
+    except Exception as error:  # noqa: BLE001
+        return broken(JOINT, f"{FAKE_MODE} is missing ({type(error).__name__}: {error})")
+    if not (hasattr(mode, "__enter__") and hasattr(mode, "__exit__")):
+        return broken(JOINT, f"{FAKE_MODE} is a {type(mode).__name__}, not a mode")
+    return mode

@@ -88,7 +88,16 @@ def roi_align(
         In ``input``'s dtype: the registered operator ``fastbwd::roi_align``. The gradient flows
         to ``input`` (not to ``boxes``, as in torchvision) through ``fastbwd::roi_align_backward``,
         which is linear in its gradient: its own derivative is this forward (double backward
-        is exact).
+        is exact). An output size of 0, or no boxes, gives an empty result.
+
+    Raises
+    ------
+    fastbwd.ParamError
+        ``boxes`` in neither form, or ``output_size`` not an int or a pair (eager calls).
+    RuntimeError
+        What torchvision's roi_align kernels refuse, as they do: an input that is not a 4-D
+        float tensor, boxes of another dtype or device, a negative output size; and
+        ``spatial_scale`` not greater than FLT_MIN (fastbwd's kernels' limit).
     """
     if not torch.jit.is_scripting():
         if isinstance(input, torch.fx.Proxy):  # reached by a name fx.wrap did not patch

@@ -22,6 +22,12 @@ Only the CPU dispatch key is overridden: other devices, the autograd formulas (s
 backward) and every other operator are untouched. The kernels follow the switch (``_switch``):
 disabled, every call goes to PyTorch's own kernel (see "registration" for why the registration
 itself stays).
+
+This is the routing of the policy ``"always"``. A Python kernel behind PyTorch's dispatcher
+costs every call of the operator its hop into Python, served or not (docs/history.md, "Never
+slower: the mechanisms"), so under ``"auto"`` nothing is registered here: ``_functional``
+decides before the dispatcher, and a kernel registered by an earlier ``"always"`` hands every
+call to PyTorch's own. :func:`serve` is the one way a call becomes fastbwd's, for every path.
 """
 
 import collections
@@ -101,12 +107,33 @@ ROUTES = {
 }
 OVERLOADS = ("", ".grad_input")
 
+
+class _GraphCalls(collections.Counter):
+    """A Counter whose keys of before the GroupNorm + Swish family got one name (``"group_norm_silu"``,
+    ``"group_norm_silu_backward"``) still read, with a DeprecationWarning, the counts of
+    ``"group_norm_swish"`` and ``"group_norm_swish_backward"`` (deprecated: kept for one release)."""
+
+    RENAMED = {"group_norm_silu": "group_norm_swish", "group_norm_silu_backward": "group_norm_swish_backward"}
+
+    def __missing__(self, key):
+        new = self.RENAMED.get(key)
+        if new is None:
+            return 0
+        warnings.warn(
+            f"fastbwd.torch: GRAPH_CALLS[{key!r}] is deprecated (kept for one release): read GRAPH_CALLS[{new!r}]",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self[new]
+
+
 #: Calls served by fastbwd and calls handed to PyTorch's own kernel, per aten operator, and calls
-#: of the graph operators (compiled graphs' fastbwd nodes: the routed backward operators and the
-#: fused GroupNorm + SiLU pairs): for tests and for users who want to see what the bridge does.
+#: of the graph operators (compiled graphs' fastbwd nodes: the routed backward operators, and the
+#: GroupNorm -> SiLU pairs fused as ``group_norm_swish`` and ``group_norm_swish_backward``): for
+#: tests and for users who want to see what the bridge does.
 SERVED = collections.Counter()
 FALLBACK = collections.Counter()
-GRAPH_CALLS = collections.Counter()
+GRAPH_CALLS = _GraphCalls()
 
 
 def _served(route, args, grad_input):
@@ -154,18 +181,23 @@ def _served(route, args, grad_input):
     return grad_input.copy_(result)
 
 
+def serve(name, args, grad_input=None):
+    """fastbwd's result of ``aten::name(*args, grad_input=grad_input)``, or None when PyTorch's
+    own kernel must answer (:func:`_served`); counted in :data:`SERVED` or :data:`FALLBACK`."""
+    result = _served(ROUTES[name], args, grad_input)
+    (SERVED if result is not None else FALLBACK)[name] += 1
+    return result
+
+
 def _kernel(name, overload):
     """fastbwd's CPU kernel for ``aten::name{overload}``, falling back to PyTorch's own."""
     original = torch.library.get_kernel(f"aten::{name}{overload}", "CPU")
-    route = ROUTES[name]
 
     def kernel(keyset, *args, grad_input=None):
-        if _switch._active:
-            result = _served(route, args, grad_input)
+        if _switch._active and _switch._policy == "always":
+            result = serve(name, args, grad_input)
             if result is not None:
-                SERVED[name] += 1
                 return result
-            FALLBACK[name] += 1
         if grad_input is None:
             return original.call_boxed(keyset, *args)
         return original.call_boxed(keyset, *args, grad_input=grad_input)
@@ -186,9 +218,12 @@ _registered = set()  # the aten operators (with overload) whose CPU kernel is fa
 
 
 def _register():
-    """Register the six kernels (at enable(), under the switch's lock; once each). An operator
-    this PyTorch lacks, or will not let us override, stays PyTorch's, with one warning."""
+    """Register the six kernels (at enable() under the policy "always", under the switch's lock;
+    once each). An operator this PyTorch lacks, or will not let us override, stays PyTorch's,
+    with one warning."""
     global _library
+    if _switch._policy != "always":
+        return  # "auto" decides before the dispatcher (_functional): no hop into Python here
     if _library is None:
         _library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
