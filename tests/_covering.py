@@ -130,12 +130,15 @@ def mark_outside_the_cover(items):
                 item.add_marker(pytest.mark.slow)
 
 
-def float32_quick(dtypes):
-    """``dtypes`` as parametrize values: float32 in the quick set, the others in the slow set. For
-    an operator's own tests, whose dtypes the contract matrix's quick cover already meets each
-    operator in (tests/test_contract.py): every other dtype there compiles kernels of its own,
-    which is most of a cold quick run's time."""
+def float32_quick(dtypes, quick=np.float32):
+    """``dtypes`` as parametrize values: float32 (or ``quick``: bfloat16 for a test of the half
+    formats) in the quick set, the others in the slow set. For an operator's own tests, whose
+    dtypes the contract matrix's quick cover already meets each operator in
+    (tests/test_contract.py): every other dtype there compiles kernels of its own, which is most
+    of a cold quick run's time."""
     return [
-        dtype if np.dtype(dtype) == np.float32 else pytest.param(dtype, marks=pytest.mark.slow, id=str(np.dtype(dtype)))
+        dtype
+        if np.dtype(dtype) == np.dtype(quick)
+        else pytest.param(dtype, marks=pytest.mark.slow, id=str(np.dtype(dtype)))
         for dtype in dtypes
     ]

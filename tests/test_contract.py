@@ -300,9 +300,9 @@ def test_matches_the_float64_reference(name, dtype, memory):
 
 
 def _thread_matrix():
-    """Every case, dtype and layout: float32's in the quick set, every case's kernel path and
-    partition on both layouts (the partition is fixed by the problem's size; each other dtype's
-    parallel kernels are as many compiles again: the slow set's)."""
+    """Every case, dtype and layout: float32's in the quick set (each other dtype's parallel
+    kernels are as many compiles again: the slow set's), and there a case of each operator on
+    each layout (the covering marker); every case's kernel path and partition in the slow set."""
     return [
         pytest.param(
             name,
@@ -319,6 +319,7 @@ def _thread_matrix():
     ]
 
 
+@pytest.mark.covering("name", "memory")
 @pytest.mark.parametrize("name, case, dtype, memory", _thread_matrix())
 def test_thread_count_does_not_change_bits(name, case, dtype, memory):
     call = CONTRACTS[name].cases[case](np.dtype(dtype))

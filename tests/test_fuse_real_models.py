@@ -117,7 +117,8 @@ def test_unet_decides_alike_without_example_inputs():
     _assert_steps_equal(second, _step(example, sample, timestep))  # the same kernels: the same bits
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float64, marks=pytest.mark.slow), torch.float32])
+@pytest.mark.slow  # a whole model's steps; the quick set's fused-model values: the resampling blocks
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_unet_outputs_and_gradients_equal_the_unfused_model(dtype):
     model, reference = _unet(dtype), _unet(dtype)
     ft.fuse_group_norm_swish(model, _inputs(dtype=dtype))

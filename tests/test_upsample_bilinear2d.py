@@ -144,7 +144,7 @@ def test_adjoint_identity():
         assert np.vdot(forward, grad) == pytest.approx(np.vdot(x, backward), rel=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("dtype", float32_quick([np.float16, BF16], BF16))
 def test_half_formats_within_one_ulp(dtype):
     rng = np.random.default_rng(4)
     input_size, output_size = (2, 3, 6, 9), (13, 17)
