@@ -206,7 +206,8 @@ def test_serial_twin_equals_parallel(read_ahead):
     assert bitwise_equal(parallel, serial)
 
 
-@pytest.mark.parametrize("dtype", float32_quick(DTYPES + COMPLEX), ids=str)
+@pytest.mark.slow  # the streaming path's own kernels (the thread-count check runs it in the slow set too)
+@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
     # whole cache line of a row with one source row, edge cells put in, and the line it shares

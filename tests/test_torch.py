@@ -524,6 +524,7 @@ def test_enable_and_disable_beside_running_blocks():
     assert not ft.is_enabled()
 
 
+@pytest.mark.slow  # a process of its own; a forked child's allocations quick: tests/test_result_cache.py
 def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
     """In a child forked while another thread's block runs (that thread does not exist there)
     fastbwd is off, and its own blocks and enable()/disable() work as in any process."""
