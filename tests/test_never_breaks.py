@@ -361,6 +361,7 @@ def enabled_under(policy):
     name, thresholds = POLICIES[policy]
     stack = contextlib.ExitStack()
     stack.enter_context(_dispatch.using(thresholds))
+    stack.callback(ft.set_policy, ft.policy())  # enable(policy=) sets the process's: the next tests' back
     ft.enable(policy=name)
     _ACTIVE.append(stack)
 
