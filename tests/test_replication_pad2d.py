@@ -206,7 +206,7 @@ def test_serial_twin_equals_parallel(read_ahead):
     assert bitwise_equal(parallel, serial)
 
 
-@pytest.mark.slow  # the streaming path's own kernels (the thread-count check runs it in the slow set too)
+@pytest.mark.slow  # the streaming path compiles kernels of its own in every dtype: the slow set's
 @pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
