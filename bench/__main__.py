@@ -13,9 +13,12 @@ when jax is importable, the JAX bridge's (``bench/jax_cases.py``): each row is f
 against the plain framework's, timed the same way.
 
 The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
-rounds until the spread of the rounds settles or the case's time budget runs out; a row whose
-spread is wider than ``--max-spread`` is marked noisy, one timed while parallel calls stalled is
-marked stalled, and neither gets a verdict. The report prints when the run ends (progress goes
+rounds until the median of the rounds' paired speed-ups is known (its distribution-free 95%
+interval) or the case's time budget runs out; a row whose spread is wider than ``--max-spread``
+is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
+(other processes hold the cores), both sides run on one thread, kernel against kernel
+(``--threads``: a fixed count instead, and rows timed while parallel calls stall are marked
+stalled, without a verdict). The report prints when the run ends (progress goes
 to stderr meanwhile): the machine, what its load did in one line, a summary per operator and
 bridge (``bench/targets.py``'s ``group_summaries``), then the rows, then the targets met, missed
 and not trustworthy (docs/design.md, "The main job on a shared machine").
@@ -26,6 +29,7 @@ README's headline table and the full tables of ``docs/benchmarks.md`` from them
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,6 +46,7 @@ import fastbwd
 from fastbwd.__main__ import shadowing_note, small_check
 from fastbwd._dispatch import cpu_name
 from fastbwd._registry import OPERATORS, ops_help
+from fastbwd.api import _plans
 from fastbwd.kernels._jit import threading_layer
 
 from . import targets, to_table
@@ -64,6 +69,10 @@ BUSY_RUNNING = 0.5
 #: Two readings of the copy bandwidth further apart than this (relative to the larger) mean the
 #: machine's speed is moving.
 BANDWIDTH_DISAGREEMENT = 0.2
+
+#: XLA's flags for one thread (the main job's JAX section when parallel calls stall): its CPU
+#: client's Eigen pool off and one thread for an operation.
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 #: The main job's timing settings, per size (``--budget``, ``--tolerance`` override theirs).
 FULL = Settings(round_seconds=0.05, min_rounds=7, tolerance=0.02, budget=12.0)
@@ -152,6 +161,17 @@ class Run:
         self.details = []
         self._partial = ""
         self.checks = []
+        #: PyTorch when it is timed against (its thread count follows the run's)
+        self.torch = None
+        #: The thread count both sides run on: Numba's own and PyTorch's (``--threads`` fixes it);
+        #: with --threads auto, from the first case timed while parallel calls stall on, 1.
+        #: --threads auto: switch to one thread at the first stall
+        self.auto_threads = getattr(args, "threads", "auto") in (None, "auto")
+        self.threads = numba.get_num_threads() if self.auto_threads else int(args.threads)
+        #: The case from which on the run timed one thread against one thread (None: it did not).
+        self.one_thread_since = None
+        #: Every parallel stall measured (timing.parallel_stall), before the cases.
+        self.stalls = []
 
     def say(self, text="", end="\n"):
         """Add to the per-row detail (printed after the summary, at the end of the run)."""
@@ -178,11 +198,11 @@ class Run:
 
     # ---- the rows' spread, target and verdict ---------------------------------------------
 
-    def finish_row(self, row, series, timing, stall):
+    def finish_row(self, row, series, timing, stall, threads):
         """Add the spread of ``series`` (the row's per-round values), its round count, whether
-        the case's rounds settled, the case's parallel stall, and (``--full``) the verdict; store
-        and return the row."""
-        row.update(spread=spread(series), rounds=len(series), settled=timing.settled, stall=stall)
+        the case's rounds settled, the case's parallel stall, the thread count both sides ran on,
+        and (``--full``) the verdict; store and return the row."""
+        row.update(spread=spread(series), rounds=len(series), settled=timing.settled, stall=stall, threads=threads)
         row.setdefault("target", None)
         if self.full:
             row["verdict"] = targets.verdict(row, self.max_spread)
@@ -204,6 +224,44 @@ class Run:
 
     def spread_text(self, row):
         return f"{targets.spread_text(row.get('spread'))} {targets.trust_text(row, self.max_spread)}".strip()
+
+    # ---- the thread count: one thread on both sides when parallel calls stall -------------------
+
+    def case_threads(self, case_id):
+        """Before a case: ``(stall, threads)``, whether parallel calls stall now
+        (``timing.parallel_stall``; None once the run times on one thread) and the thread count
+        both sides run the case on. With ``--threads auto`` (the default) the first stall above
+        ``targets.STALL_LIMIT`` switches the rest of the run to one thread on both sides, fastbwd's
+        kernels against PyTorch's or JAX's (a parallel call then waits for descheduled worker
+        threads, so two-thread times would be the scheduler's); ``--threads N`` keeps N whatever
+        happens, and rows timed while parallel calls stall are marked."""
+        if self.threads == 1:
+            return None, 1
+        return self.stall_now(case_id), self.threads
+
+    def stall_now(self, case_id):
+        """Measure the parallel stall now; with --threads auto, switch to one thread from
+        ``case_id`` on when it is above the limit. Returns the stall."""
+        stall = parallel_stall()
+        self.stalls.append(stall)
+        if stall > targets.STALL_LIMIT and self.auto_threads and self.threads > 1:
+            self.threads, self.one_thread_since = 1, case_id
+        return stall
+
+    @contextlib.contextmanager
+    def on_threads(self, threads):
+        """Numba's and PyTorch's thread counts (this thread's) set to ``threads`` for the block."""
+        numba_threads = numba.get_num_threads()
+        torch_threads = self.torch.get_num_threads() if self.torch is not None else None
+        numba.set_num_threads(threads)
+        if self.torch is not None:
+            self.torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(numba_threads)
+            if self.torch is not None:
+                self.torch.set_num_threads(torch_threads)
 
     # ---- the machine --------------------------------------------------------------------
 
@@ -238,13 +296,18 @@ class Run:
                 f"{machine['cpus']} CPUs{now}. Other processes compete for the cores: expect wide spreads, and a "
                 "parallel call can wait milliseconds for a descheduled worker thread."
             )
-        machine["parallel_stall"] = stall = parallel_stall()
+        machine["parallel_stall"] = stall = self.stall_now("the start")
         if stall > targets.STALL_LIMIT:
+            then = (
+                "so every case is timed on one thread on both sides, fastbwd's kernels against PyTorch's or JAX's"
+                if self.threads == 1
+                else f"and --threads {self.threads} keeps {self.threads}: rows timed in such a state are marked "
+                "'stalled' and their targets get no verdict"
+            )
             self.warn(
                 f"parallel calls stall: a short parallel copy took {stall:.1f}x its one-thread time on "
                 f"{machine['threads']} threads (at most about 1 on an idle machine), waiting for worker threads "
-                "that other processes keep off the cores. Rows timed in such a state are marked 'stalled' and "
-                "their targets get no verdict."
+                f"that other processes keep off the cores; {then}."
             )
         return machine
 
@@ -300,7 +363,8 @@ class Run:
             cases = spec.cases if self.full else spec.quick_cases
             self.say(
                 f"  {'dtype':<9} {'variant':<8} {'ms':>8} {'GB/s':>6} {'%bw':>5}  {'baseline':<21} {'ms':>9} "
-                f"{'speed-up':>8} {'spread':>7}  {'target' if self.full else 'target (for the --full shapes)'}"
+                f"{'speed-up':>8} {'95% interval':>13} {'spread':>7} {'thr':>3}  "
+                f"{'target' if self.full else 'target (for the --full shapes)'}"
             )
             for case in cases:
                 self.operator_case(spec, case, with_torch, bandwidth)
@@ -322,13 +386,15 @@ class Run:
         series = [(index[variant], None if baseline is None else index[baseline]) for variant, baseline in pairs]
         # fastbwd's variants and the baselines in alternating rounds: the load of a shared
         # machine moves within a case, and sequential medians put a change on one side
-        stall = parallel_stall()
-        timing = alternating_rounds([function for _, function in named], series, self.settings)
+        stall, threads = self.case_threads(f"{case.id} {case.dtype}")
+        with self.on_threads(threads):
+            timing = alternating_rounds([function for _, function in named], series, self.settings)
         shown = set()
         for (variant, baseline), (i, b) in zip(pairs, series):
             seconds = timing.median(i)
             gbps = prepared.nbytes / seconds / 1e9
             base_seconds = None if b is None else timing.median(b)
+            speedup, interval = (None, None) if b is None else timing.speedup(i, b)
             row = self.finish_row(
                 dict(
                     op=spec.name,
@@ -342,13 +408,15 @@ class Run:
                     pct_bandwidth=100 * gbps / bandwidth if self.full else None,
                     baseline=baseline,
                     baseline_ms=None if base_seconds is None else base_seconds * 1e3,
-                    speedup=None if base_seconds is None else base_seconds / seconds,
+                    speedup=speedup,
+                    speedup_interval=interval,
                     target=case.targets.get(baseline),  # the key None: a row without a baseline (a %bw target)
                     setup_s=setup,
                 ),
                 timing.series(i, b),
                 timing,
                 stall,
+                threads,
             )
             left = (
                 f"  {case.dtype:<9} {variant:<8} {seconds * 1e3:8.2f} {gbps:6.1f} {targets.percent_text(row['pct_bandwidth']):>5}"
@@ -357,23 +425,26 @@ class Run:
             )
             shown.add(variant)
             right = (
-                f"  {baseline:<21} {row['baseline_ms']:9.2f} {targets.speedup_text(row['speedup']):>8}"
+                f"  {baseline:<21} {row['baseline_ms']:9.2f} {targets.speedup_text(row['speedup']):>8} "
+                f"{targets.interval_text(interval):>13}"
                 if baseline
-                else f"  {'':<21} {'':>9} {'':>8}"
+                else f"  {'':<21} {'':>9} {'':>8} {'':>13}"
             )
-            self.say(f"{left}{right} {self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip())
+            self.say(f"{left}{right} {self.spread_text(row):>7} {threads:>3}  {self.verdict_text(row)}".rstrip())
 
     # ---- the bridges: fastbwd's way against the framework's own, case by case -------------
 
-    def paired_cases(self, cases, baseline_attribute, op, variant, baseline_name):
+    def paired_cases(self, cases, baseline_attribute, op, variant, baseline_name, threads_for=None):
         """Time each case's ``fastbwd`` against its ``baseline_attribute`` callable (after its
         ``check()``) and print a row each: any case object with ``id``, ``label``, ``fastbwd``,
-        ``check``, ``target`` and the baseline slots in."""
+        ``check``, ``target`` and the baseline slots in. ``threads_for``: the thread count of
+        every case, decided by the caller (JAX's, fixed when it starts); by default each case's
+        own (:meth:`case_threads`)."""
         heading = "target" if self.full else "target (for the --full shapes)"
         width = max([len(case.label) for case in cases] + [60])
         self.say(
             f"{'case':<6} {'what':<{width}} {'fastbwd ms':>10} {baseline_name + ' ms':>10} {'speed-up':>8} "
-            f"{'spread':>7}  {heading}"
+            f"{'95% interval':>13} {'spread':>7} {'thr':>3}  {heading}"
         )
         for case in self.wanted(cases):
             self.progress(f"  {op}: checking and timing {case.id}")
@@ -381,10 +452,16 @@ class Run:
             self.bridge_checks += 1
             baseline = getattr(case, baseline_attribute)
             functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
-            stall = parallel_stall()
-            timing = alternating_rounds(functions, [(0, 1 if baseline is not None else None)], self.settings)
+            if threads_for is None:
+                stall, threads = self.case_threads(case.id)
+            else:  # measured, to mark the row, but never switching: the thread count is the caller's
+                threads, stall = threads_for, parallel_stall() if threads_for > 1 else None
+                self.stalls += [stall] if stall is not None else []
+            with self.on_threads(threads):
+                timing = alternating_rounds(functions, [(0, 1 if baseline is not None else None)], self.settings)
             seconds = timing.median(0)
             base_seconds = timing.median(1) if baseline is not None else None
+            speedup, interval = timing.speedup(0, 1) if baseline is not None else (None, None)
             row = self.finish_row(
                 dict(
                     op=op,
@@ -397,22 +474,25 @@ class Run:
                     pct_bandwidth=None,
                     baseline=baseline_name if baseline is not None else None,
                     baseline_ms=None if base_seconds is None else base_seconds * 1e3,
-                    speedup=None if base_seconds is None else base_seconds / seconds,
+                    speedup=speedup,
+                    speedup_interval=interval,
                     target=case.target,
                     note=getattr(case, "note", ""),
                 ),
                 timing.series(0, 1 if baseline is not None else None),
                 timing,
                 stall,
+                threads,
             )
             other = (
-                f"{base_seconds * 1e3:10.2f} {targets.speedup_text(row['speedup']):>8}"
+                f"{base_seconds * 1e3:10.2f} {targets.speedup_text(row['speedup']):>8} "
+                f"{targets.interval_text(interval):>13}"
                 if base_seconds is not None
-                else f"{'-':>10} {'-':>8}"
+                else f"{'-':>10} {'-':>8} {'-':>13}"
             )
             self.say(
-                f"{case.id:<6} {case.label:<{width}} {seconds * 1e3:10.2f} {other} {self.spread_text(row):>7}  "
-                f"{self.verdict_text(row)}".rstrip()
+                f"{case.id:<6} {case.label:<{width}} {seconds * 1e3:10.2f} {other} {self.spread_text(row):>7} "
+                f"{threads:>3}  {self.verdict_text(row)}".rstrip()
                 + (f"  ({row['note']})" if row["note"] else "")
             )
 
@@ -423,13 +503,15 @@ class Run:
         width = max([len(case.label) for case in cases] + [60])
         self.say(
             f"{'case':<6} {'what':<{width}} {'fastbwd us':>10} {'torch us':>9} {'kernel us':>9} {'adds us':>8} "
-            f"{'speed-up':>8} {'spread':>7}  {heading}"
+            f"{'speed-up':>8} {'95% interval':>13} {'spread':>7} {'thr':>3}  {heading}"
         )
         for case in self.wanted(cases):
             case.check()
-            stall = parallel_stall()
-            timing = alternating_rounds([case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], self.settings)
+            stall, threads = self.case_threads(case.id)
+            with self.on_threads(threads):
+                timing = alternating_rounds([case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], self.settings)
             seconds, base_seconds, kernel_seconds = (timing.median(index) for index in range(3))
+            speedup, interval = timing.speedup(0, 1)
             row = self.finish_row(
                 dict(
                     op="fastbwd",
@@ -442,7 +524,8 @@ class Run:
                     pct_bandwidth=None,
                     baseline="torch",
                     baseline_ms=base_seconds * 1e3,
-                    speedup=base_seconds / seconds,
+                    speedup=speedup,
+                    speedup_interval=interval,
                     kernel_ms=kernel_seconds * 1e3,
                     overhead_us=(seconds - kernel_seconds) * 1e6,
                     target=case.target,
@@ -451,11 +534,13 @@ class Run:
                 timing.series(0, 1),
                 timing,
                 stall,
+                threads,
             )
             self.say(
                 f"{case.id:<6} {case.label:<{width}} {seconds * 1e6:10.2f} {base_seconds * 1e6:9.2f} "
                 f"{kernel_seconds * 1e6:9.2f} {row['overhead_us']:8.2f} {targets.speedup_text(row['speedup']):>8} "
-                f"{self.spread_text(row):>7}  {self.verdict_text(row)}".rstrip()
+                f"{targets.interval_text(interval):>13} {self.spread_text(row):>7} {threads:>3}  "
+                f"{self.verdict_text(row)}".rstrip()
             )
 
     def torch_bridge(self):
@@ -489,8 +574,9 @@ class Run:
         self.say("\nper-call overhead of the routing, tiny inputs (median us of 2000 calls each way, interleaved)")
         self.say(f"{'case':<6} {'what':<62} {'routed':>7} {'direct':>7} {'adds':>6} {'PyTorch':>8} {'spread':>7}")
         for case in self.wanted(overhead_cases()):
-            stall = parallel_stall()
-            us = measure_overhead(case)
+            stall, threads = self.case_threads(case.id)
+            with self.on_threads(threads):
+                us = measure_overhead(case)
             # the widest of the three ways' spreads over their rounds of 100 calls
             spreads = [spread(values) for values in us.get("rounds", {}).values()]
             spreads = [value for value in spreads if value is not None]
@@ -505,6 +591,7 @@ class Run:
                 torch_us=us["torch"],
                 spread=max(spreads) if spreads else None,
                 stall=stall,
+                threads=threads,
                 target=None,
             )
             self.rows.append(row)
@@ -577,12 +664,21 @@ class Run:
 
     def jax_bridge(self):
         """The JAX bridge's cases (``bench/jax_cases.py``) and its per-call transport cost.
-        Returns the jax version, None without jax."""
+        Returns the jax version, None without jax.
+
+        The thread count is decided once, before JAX starts: XLA sizes its own thread pool then.
+        On one thread, XLA runs single-threaded (its flags) and fastbwd's kernels, which XLA calls
+        from its own threads, run their serial twins (``_plans.launching``)."""
         flags = os.environ.get("XLA_FLAGS", "")
-        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        stall, threads = self.case_threads("fastbwd.jax")
+        started = "jax" in sys.modules
+        if not started and "xla_force_host_platform_device_count" not in flags:
             # J9 splits a batch over two CPU devices, which XLA creates when jax starts; the
             # other cases run on the first, as with one
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+            flags = f"{flags} --xla_force_host_platform_device_count=2".strip()
+        if not started and threads == 1:
+            flags = f"{flags} {XLA_ONE_THREAD}"
+        os.environ["XLA_FLAGS"] = flags
         try:
             import jax
         except ImportError:
@@ -596,12 +692,20 @@ class Run:
             f"\nfastbwd.jax (JAX {jax.__version__}, CPU: jax.jit(jax.grad(loss)) on fastbwd's backward): checking "
             "each case's gradients against JAX's own, then timing both"
         )
-        self.paired_cases(list(cases(quick=not self.full)), "jax", "fastbwd.jax", "jit(grad)", "jax")
-        if jax.device_count() < 2:
+        if threads == 1 and XLA_ONE_THREAD not in os.environ.get("XLA_FLAGS", ""):
+            self.say("(JAX started before this section with its own threads: only fastbwd's side runs on one)")
+        chosen = list(cases(quick=not self.full))
+        if threads == 1:  # two devices are two threads, whatever the flags say
+            chosen = [case for case in chosen if case.id != "J9"]
+            self.say("J9 (a batch split over two devices, a thread each) left out: timed on one thread")
+        elif jax.device_count() < 2:
             self.say("J9 (a batch split over two devices) left out: jax started with one device (XLA_FLAGS)")
+        one_thread = _plans.launching("serial") if threads == 1 else contextlib.nullcontext()
         transport = Settings(round_seconds=0.02, min_rounds=7, tolerance=0.05, budget=3.0)
-        stall = parallel_stall()
-        timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
+        with one_thread:
+            self.paired_cases(chosen, "jax", "fastbwd.jax", "jit(grad)", "jax", threads_for=threads)
+            with self.on_threads(threads):
+                timing = alternating_rounds(tuple(transport_overhead().values()), [(0, None), (1, None)], transport)
         one, many = timing.median(0), timing.median(1)
         per_call = (many - one) / 10
         slopes = [(m - o) / 10 for o, m in zip(timing.rounds[0], timing.rounds[1])]
@@ -622,6 +726,7 @@ class Run:
             rounds=len(slopes),
             settled=timing.settled,
             stall=stall,
+            threads=threads,
         )
         self.rows.append(row)
         self.say(
@@ -713,6 +818,7 @@ class Run:
                 torch = None
         if torch is not None:
             torch.set_num_threads(numba.get_num_threads())
+        self.torch = torch
         machine = self.machine(torch)
         self.progress("the main job: the report (a summary, then each row) prints when the run ends")
         try:
@@ -736,9 +842,11 @@ class Run:
         self.progress("")
         if sys.stderr.isatty():
             sys.stderr.write("\r\x1b[K")
-        report = [*self.header, self.machine_line(machine, measured), "", *self.summary_lines(), ""]
+        report = [*self.header, self.machine_line(machine, measured), *self.threads_lines(), ""]
+        report += [*self.summary_lines(), ""]
         report += self.reading_lines() + self.details + ["", targets.summary_text(summary, self.max_spread)]
         say("\n".join(report))
+        machine["one_thread_since"] = self.one_thread_since
         results = dict(
             machine=machine,
             **measured,
@@ -767,7 +875,7 @@ class Run:
     def machine_line(self, machine, measured):
         """What the machine's load did to the run, said once, in one line."""
         load, others = machine["load_average"][0], machine.get("running_elsewhere")
-        stalls = [row["stall"] for row in self.rows if row.get("stall") is not None] + [machine["parallel_stall"]]
+        stalls = self.stalls or [machine["parallel_stall"]]
         readings = measured["bandwidth_readings_gbps"]
         unsure, rows = len(self.untrustworthy()), len(self.rows)
         state = (
@@ -778,11 +886,25 @@ class Run:
         )
         if not self.warnings and not unsure:
             return f"Machine: quiet enough ({state}); every row is trustworthy."
+        if not unsure:
+            return f"Machine: BUSY, other processes hold the cores ({state}); every row is trustworthy all the same."
         return (
             f"Machine: BUSY, other processes hold the cores ({state}): {unsure} of {rows} rows are untrustworthy "
             f"(a spread wider than {targets.spread_text(self.max_spread)}, or timed while parallel calls stalled "
             f"above {targets.STALL_LIMIT:g}x), marked below and left out of the standing and the verdicts."
         )
+
+    def threads_lines(self):
+        """What thread count the rows ran on, when parallel calls stalled (one line), or nothing."""
+        if self.one_thread_since is None:
+            return []
+        ones = sum(1 for row in self.rows if row.get("threads") == 1)
+        since = "from the start" if self.one_thread_since == "the start" else f"from {self.one_thread_since} on"
+        return [
+            f"Parallel calls stalled, so {since} the run timed kernel against kernel on ONE thread on both sides "
+            f"(fastbwd's and PyTorch's or JAX's; {ones} of {len(self.rows)} rows, 'thr' 1 below): the two-thread "
+            "figures need a quiet machine (the published ones: docs/benchmarks.md; `--threads 2` forces two here)."
+        ]
 
     def summary_lines(self):
         """Each operator and bridge: its speed-up against the framework's own code, its tiny calls'
@@ -794,14 +916,14 @@ class Run:
             f"trustworthy rows and their range; tiny calls (fastbwd under {targets.TINY_MS:g} ms: Python's per-call "
             "cost decides) apart",
             f"  {'operator or bridge':<30} {'against':<31} {'speed-up':<22} {'tiny calls':<20} {'rows':>4} "
-            f"{'untrustworthy':>13}  {'standing' + ('; targets' if self.full else '')}",
+            f"{'untrustworthy':>13} {'thr':>4}  {'standing' + ('; targets' if self.full else '')}",
         ]
         for group in groups:
             verdicts = f"; {targets.verdicts_text(group)}" if self.full else ""
             lines.append(
                 f"  {group['name']:<30} {group['against']:<31} {targets.speedups_text(group['speedups']):<22} "
-                f"{targets.speedups_text(group['tiny']):<20} {group['rows']:>4} {group['unsure']:>13}  "
-                f"{targets.standing(group)}{verdicts}"
+                f"{targets.speedups_text(group['tiny']):<20} {group['rows']:>4} {group['unsure']:>13} "
+                f"{targets.threads_text(group['threads']):>4}  {targets.standing(group)}{verdicts}"
             )
         for name, worst in targets.sweep_worst(self.rows, self.max_spread).items():
             ratio = (
@@ -824,10 +946,12 @@ class Run:
     def reading_lines(self):
         """How to read the rows below."""
         lines = [
-            f"Each row below: medians of alternating rounds of fastbwd and its baseline (until the spread settles or "
-            f"{self.settings.budget:g} s per case); spread: half the interquartile range of the rounds' speed-ups (or "
-            f"times) over their median, 'noisy' above {targets.spread_text(self.max_spread)}; 'stalled': timed while "
-            "parallel calls waited for descheduled threads. A first run compiles each kernel it calls (seconds per "
+            f"Each row below: alternating rounds of fastbwd and its baseline (until the median is known to within "
+            f"{100 * self.settings.tolerance:g}% or {self.settings.budget:g} s per case): ms, medians; speed-up, the "
+            "median of the rounds' paired ratios, with its 95% interval (distribution-free); spread: half the "
+            "interquartile range of the rounds' speed-ups (or times) over their median, 'noisy' above "
+            f"{targets.spread_text(self.max_spread)}; 'stalled': timed on several threads while parallel calls waited "
+            "for descheduled threads; thr: the threads of each side. A first run compiles each kernel it calls (seconds per "
             "operator; `python -m fastbwd --precompile` compiles them all ahead); the checks include that time, "
             "the timings do not."
         ]
@@ -872,6 +996,15 @@ def main(argv=None):
         metavar="ID",
         help="only the bridges' cases whose id starts with one of these (T6 T8 O4 ...; with --ops torch or jax)",
     )
+    parser.add_argument(
+        "--threads",
+        choices=["auto"] + [str(count) for count in range(1, numba.config.NUMBA_NUM_THREADS + 1)],
+        help=(
+            "the thread count of both sides (fastbwd's and PyTorch's or JAX's); auto (the default without "
+            "--publish): all of Numba's, and one from the first case timed while parallel calls stall (a busy "
+            "machine); with --publish all of Numba's, rows timed while parallel calls stall marked"
+        ),
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines and cases")
     parser.add_argument("--no-jax", action="store_true", help="skip the fastbwd.jax section")
     parser.add_argument(
@@ -901,6 +1034,8 @@ def main(argv=None):
                 "--publish records the whole --full run: give --full, and no --ops, --cases, --no-torch or --no-jax"
             )
         args.json = args.json or str(ROOT / "bench" / "results.json")
+        # the published figures are the two-thread ones (a busy machine's rows are marked stalled)
+        args.threads = args.threads or str(numba.config.NUMBA_NUM_THREADS)
         args.write = args.write or [str(ROOT / name) for name in PUBLISHED]
     for path in args.write or ():
         if not to_table.has_region(Path(path).read_text()):  # fail now rather than after the run

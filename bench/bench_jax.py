@@ -1,5 +1,9 @@
-"""JAX-bridge benchmarks J1-J6: ``jax.jit(jax.grad(loss))`` through fastbwd.jax against the same
-forward differentiated by JAX (same process), and the transport's per-call cost."""
+"""JAX-bridge benchmarks J1-J11: ``jax.jit(jax.grad(loss))`` through fastbwd.jax against the same
+forward differentiated by JAX (same process), and the transport's per-call cost.
+
+Nothing is built when pytest collects this file: each part of the cases is built on first use,
+parametrised by ids known beforehand. As a smoke run (``python -m pytest``) the quick set runs
+one operator's row, the slow set the others and the models' (docs/testing.md)."""
 
 import functools
 
@@ -10,20 +14,38 @@ pytest.importorskip("jax")
 
 from .jax_cases import cases, transport_overhead  # noqa: E402
 
-#: J1-J6's ids, the same at both sizes.
-CASE_IDS = [case.id for case in cases(quick=True)]
+#: The ids of each part of jax_cases.cases(), the same at both sizes (checked when it is built): the
+#: models' need Flax (J7, J10, J11) or Equinox (J8), the sharded row two devices.
+IDS = {
+    "operators": ("J1", "J1b", "J1r", "J1rb", "J2", "J2b", "J3", "J3b", "J4", "J4b", "J5", "J6", "J6b"),
+    "models": ("J7", "J7a", "J7b", "J7c", "J7d", "J7e", "J7f", "J10a", "J10b", "J11a", "J11b", "J8"),
+    "sharded": ("J9",),
+}
+QUICK = {"J1"}
 
 
 @functools.cache
-def _cases(quick):
-    """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
-    return {case.id: case for case in cases(quick=quick)}
+def _cases(quick, part):
+    """One part of the cases at one size, built on first use: the benchmark shapes, or the smoke
+    run's small ones."""
+    built = {case.id: case for case in cases(quick=quick, parts=(part,))}
+    assert set(built) <= set(IDS[part]), f"{sorted(set(built) - set(IDS[part]))}: add them to IDS"
+    return built
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "jax"])
-@pytest.mark.parametrize("case_id", CASE_IDS)
-def bench_jax_bridge(case_id, variant, benchmark, smoke):
-    case = _cases(smoke)[case_id]
+@pytest.mark.parametrize(
+    "part, case_id",
+    [
+        pytest.param(part, case_id, id=case_id, marks=() if case_id in QUICK else pytest.mark.slow)
+        for part, ids in IDS.items()
+        for case_id in ids
+    ],
+)
+def bench_jax_bridge(part, case_id, variant, benchmark, smoke):
+    case = _cases(smoke, part).get(case_id)
+    if case is None:
+        pytest.skip(f"{case_id} is not built here (it needs Flax, Equinox or two devices)")
     function = getattr(case, variant)
     if function is None:
         pytest.skip(f"{case.id}: JAX has no such operator to compare with")

@@ -66,6 +66,7 @@ def bench_cold_compile(record):
     record("cold compile (pad, float32)", lambda: _child(_FIRST_CALL, {"FASTBWD_CACHE": "0"})[1])
 
 
+@pytest.mark.slow
 def bench_warm_first_call(record):
     # import + first call, the compiled code loaded from the disk cache: target <= 1 s
     _child(_FIRST_CALL)  # make sure the cache is populated

@@ -1,5 +1,9 @@
 """PyTorch-bridge benchmarks T1-T9 (fastbwd.torch against plain PyTorch, same thread count), and O4/O5
-(fastbwd's GroupNorm+Swish called directly on a tiny input against PyTorch's own ops)."""
+(fastbwd's GroupNorm+Swish called directly on a tiny input against PyTorch's own ops).
+
+Nothing is built when pytest collects this file: the cases are built on first use, each
+parametrised by ids known beforehand. As a smoke run (``python -m pytest``) the quick set runs
+one case of each kind of benchmark, the slow set the others (docs/testing.md)."""
 
 import contextlib
 import functools
@@ -12,6 +16,7 @@ torch = pytest.importorskip("torch")
 import fastbwd.torch as ft  # noqa: E402
 
 from .torch_cases import (  # noqa: E402
+    CASE_IDS,
     cases,
     compile_cases,
     direct_cases,
@@ -20,14 +25,17 @@ from .torch_cases import (  # noqa: E402
     prepared_cases,
 )
 
-#: T1-T9's ids of the quick run: the same at both sizes, but for T9 (the full run has more).
-CASE_IDS = [case.id for case in cases(quick=True)]
+
+def _one_of_each(ids, quick):
+    """``ids`` as parameters, those outside ``quick`` in the slow set."""
+    return [case_id if case_id in quick else pytest.param(case_id, marks=pytest.mark.slow) for case_id in ids]
 
 
 @functools.cache
-def _cases(quick):
-    """The cases at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
-    return {case.id: case for case in cases(quick=quick)}
+def _case(quick, case_id):
+    """One case at one size, built on first use: the benchmark shapes, or the smoke run's small ones."""
+    (case,) = cases(quick=quick, ids=[case_id])
+    return case
 
 
 @functools.cache
@@ -44,9 +52,9 @@ def _same_threads():
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "torch"])
-@pytest.mark.parametrize("case_id", CASE_IDS)
+@pytest.mark.parametrize("case_id", _one_of_each(CASE_IDS, quick={"T1"}))
 def bench_torch_bridge(case_id, variant, benchmark, smoke):
-    case = _cases(smoke)[case_id]
+    case = _case(smoke, case_id)
     if variant == "fastbwd":
         case.check()  # gradients agree with plain PyTorch before anything is timed
     function = getattr(case, variant)
@@ -115,14 +123,28 @@ def bench_two_pools(variant, benchmark, smoke):
 # Tiny inputs, where the kernels take a few microseconds: the routed aten call against the direct
 # fastbwd call with out= on the same memory (measure_overhead checks they agree bitwise first).
 
-OVERHEAD = {case.id: case for case in overhead_cases()}
+#: The ids of overhead_cases(), direct_cases() and prepared_cases() (checked when they are built).
+OVERHEAD_IDS = ("O1", "O2", "O3")
+DIRECT_IDS = ("O1", "O2", "O3", "O4", "O5")
+PREPARED_IDS = tuple(f"{case_id}p" for case_id in DIRECT_IDS)
+
+
+def _by_id(built, ids):
+    by_id = {case.id: case for case in built}
+    assert tuple(by_id) == ids, f"the cases' ids {tuple(by_id)}, not {ids}: update the ids above"
+    return by_id
+
+
+@functools.cache
+def _overhead():
+    return _by_id(overhead_cases(), OVERHEAD_IDS)
 
 
 @pytest.mark.parametrize("way", ["routed", "direct", "torch"])
-@pytest.mark.parametrize("case_id", list(OVERHEAD))
+@pytest.mark.parametrize("case_id", _one_of_each(OVERHEAD_IDS, quick={"O1"}))
 def bench_routing_overhead(case_id, way, benchmark):
     """One group per case: the routed aten call, the direct fastbwd call and PyTorch's own kernel."""
-    case = OVERHEAD[case_id]
+    case = _overhead()[case_id]
     if way == "routed":
         # checks first that the routed call is served by fastbwd and equals the direct one bitwise
         us = measure_overhead(case, calls=100)
@@ -136,13 +158,16 @@ def bench_routing_overhead(case_id, way, benchmark):
 
 # ---- O1-O5: warm direct calls on tiny inputs against PyTorch's own ops (O1-O3: .grad_input ops) ------
 
-DIRECT = {case.id: case for case in direct_cases()}
+
+@functools.cache
+def _direct():
+    return _by_id(direct_cases(), DIRECT_IDS)
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "torch"])
-@pytest.mark.parametrize("case_id", list(DIRECT))
+@pytest.mark.parametrize("case_id", _one_of_each(DIRECT_IDS, quick={"O1", "O4"}))
 def bench_direct_call(case_id, variant, benchmark):
-    case = DIRECT[case_id]
+    case = _direct()[case_id]
     if variant == "fastbwd":
         case.check()  # the results agree with PyTorch's before anything is timed
     benchmark.group = f"{case.id} {case.label}"
@@ -152,13 +177,16 @@ def bench_direct_call(case_id, variant, benchmark):
 
 # ---- O1p-O5p: the same calls prepared once (issue 46), beside PyTorch's ops and the bare kernel call --
 
-PREPARED = {case.id: case for case in prepared_cases()}
+
+@functools.cache
+def _prepared():
+    return _by_id(prepared_cases(), PREPARED_IDS)
 
 
 @pytest.mark.parametrize("variant", ["fastbwd", "torch", "kernel"])
-@pytest.mark.parametrize("case_id", list(PREPARED))
+@pytest.mark.parametrize("case_id", _one_of_each(PREPARED_IDS, quick={"O1p"}))
 def bench_prepared_call(case_id, variant, benchmark):
-    case = PREPARED[case_id]
+    case = _prepared()[case_id]
     if variant == "fastbwd":
         case.check()
     benchmark.group = f"{case.id} {case.label}"

@@ -11,9 +11,22 @@ def case_id(case):
     return f"{case.id}-{case.dtype}"
 
 
+def _layout(case):
+    return "channels-last" if case.id.endswith(("-NHWC", "-CL")) else "NCHW"
+
+
 def op_cases(name):
-    """pytest parameters for every canonical case of the operator ``name``."""
-    return [pytest.param(case, id=case_id(case)) for case in OPS[name].cases]
+    """pytest parameters for every canonical case of the operator ``name``; as a smoke run, the
+    first float32 case of each layout in the quick set, the others in the slow set (each dtype
+    compiles the kernels again, each case adds a path; docs/testing.md)."""
+    quick = {}
+    for case in OPS[name].cases:
+        if case.dtype == "float32":
+            quick.setdefault(_layout(case), case)
+    return [
+        pytest.param(case, id=case_id(case), marks=() if quick.get(_layout(case)) is case else pytest.mark.slow)
+        for case in OPS[name].cases
+    ]
 
 
 _PREPARED = {}

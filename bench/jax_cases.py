@@ -288,16 +288,24 @@ def _input(id, up, pool, pad):
     return {"J1": up, "J1r": up, "J2": pool, "J3": pad}[id]
 
 
-def cases(quick=False):
+#: The parts of :func:`cases`: the operators' rows, the models', and the sharded one.
+PARTS = ("operators", "models", "sharded")
+
+
+def cases(quick=False, parts=PARTS):
     """Every JAX row: J1-J6 and their backward-only rows, the libraries' models reached by
     fastbwd.jax.reach (J7 Flax, J8 Equinox, issue 47) with J7's layers one by one (J7a-J7f), the
     channels-last drop-ins against the calls they replace (J10, J11) and, with two devices, J9
-    (issue 47: J1 sharded over them); ``quick`` uses small shapes."""
+    (issue 47: J1 sharded over them); ``quick`` uses small shapes; ``parts`` (of :data:`PARTS`):
+    only those, the others not built."""
     from . import jax_model_cases
 
     up = (4, 16, 64, 64) if quick else (8, 64, 64, 64)
-    sharded = [case for case in [_sharded_case(up, (2 * up[2], 2 * up[3]), ">= 1.6x")] if case is not None]
-    return _operator_cases(quick) + jax_model_cases.cases(quick) + sharded  # J9: two devices
+    rows = _operator_cases(quick) if "operators" in parts else []
+    rows += jax_model_cases.cases(quick) if "models" in parts else []
+    if "sharded" in parts:  # J9: two devices
+        rows += [case for case in [_sharded_case(up, (2 * up[2], 2 * up[3]), ">= 1.6x")] if case is not None]
+    return rows
 
 
 def transport_overhead(shape=(1024,), calls=11):

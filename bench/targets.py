@@ -51,9 +51,11 @@ def noisy(row, max_spread):
 
 
 def stalled(row):
-    """The row's case was timed while parallel calls stalled (rows saved before this was measured: never)."""
+    """The row's case was timed on several threads while parallel calls stalled (rows saved before
+    this was measured: never; rows timed on one thread on both sides: never, no call waits for a
+    worker thread)."""
     stall = row.get("stall")
-    return stall is not None and stall > STALL_LIMIT
+    return stall is not None and stall > STALL_LIMIT and row.get("threads") != 1
 
 
 def trust_text(row, max_spread):
@@ -98,6 +100,20 @@ def judged_text(row):
     if row.get("speedup") is None and row.get("pct_bandwidth") is not None:
         return f"{percent_text(row['pct_bandwidth'])} of copy"
     return speedup_text(row["speedup"])
+
+
+def interval_text(interval):
+    """``1.80x-1.91x``: a speed-up's confidence interval; ``-`` when there is none."""
+    if not interval:
+        return "-"
+    return f"{speedup_text(interval[0])}-{speedup_text(interval[1])}"
+
+
+def threads_text(threads):
+    """``2``, ``1``, ``1-2``: the thread counts of a group's rows; ``-`` when not recorded."""
+    if not threads:
+        return "-"
+    return str(min(threads)) if min(threads) == max(threads) else f"{min(threads)}-{max(threads)}"
 
 
 def percent_text(value):
@@ -223,7 +239,8 @@ def group_summaries(rows, max_spread, judge=True):
     ``against`` (what its speed-ups are measured against), ``rows``, ``speedups`` (its rows
     against the framework taking at least :data:`TINY_MS`, noisy and stalled ones left out),
     ``tiny`` (those taking less), ``met``, ``missed``, ``untrusted`` (verdict counts; zero when
-    ``judge`` is False) and ``unsure`` (rows noisy or stalled, whatever their target)."""
+    ``judge`` is False), ``unsure`` (rows noisy or stalled, whatever their target) and ``threads``
+    (the set of thread counts its rows ran on)."""
     groups = {}
     for row in rows:
         name = group_of(row)
@@ -233,10 +250,12 @@ def group_summaries(rows, max_spread, judge=True):
         group = groups.setdefault(
             name,
             dict(name=name, against=bridge[1] if bridge else "PyTorch", bridge=bridge is not None, rows=0)
-            | dict(speedups=[], tiny=[])
+            | dict(speedups=[], tiny=[], threads=set())
             | {MET: 0, MISSED: 0, UNTRUSTED: 0, "unsure": 0},
         )
         group["rows"] += 1
+        if row.get("threads") is not None:
+            group["threads"].add(row["threads"])
         trustworthy = not (noisy(row, max_spread) or stalled(row))
         if against_the_framework(row) and trustworthy:
             group["tiny" if row["ms"] < TINY_MS else "speedups"].append(row["speedup"])

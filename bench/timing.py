@@ -7,6 +7,12 @@ the baseline's median over fastbwd's in the same round (a speed-up) or fastbwd's
 Rounds go on until every series' median is known to within ``tolerance`` (its standard error,
 estimated from the spread of the rounds) or the case's time budget runs out.
 
+A row's speed-up is the **median of its paired rounds' ratios** (each round's baseline median
+over fastbwd's median in that same round, so a change of load lands on both sides of a ratio),
+with a distribution-free 95% **confidence interval** from the order statistics of those ratios
+(:func:`median_interval`: no assumption about the noise's shape, which on a shared machine is
+anything but normal). Rounds go on until that interval is narrow (``tolerance``).
+
 A row's **spread** is half the interquartile range of its series over its median: ``0.05`` means
 that the middle half of the rounds lay within about ±5% of the median. On a quiet machine it is
 a few percent; a busy one (another process on the cores, a descheduled worker thread that a
@@ -23,9 +29,8 @@ import numpy as np
 
 from .bandwidth import parallel_copy
 
-#: The standard error of the median of n normal values is 1.2533 sigma / sqrt(n), and their
-#: interquartile range is 1.349 sigma: relative to the median, 1.858 * spread / sqrt(n).
-_MEDIAN_ERROR_PER_SPREAD = 2 * 1.2533 / 1.349
+#: The confidence of the interval around a row's median.
+CONFIDENCE = 0.95
 
 
 def spread(values):
@@ -36,10 +41,40 @@ def spread(values):
     return float((high - low) / 2 / abs(middle)) if middle else None
 
 
+def _order_statistic_rank(count, confidence):
+    """The largest k such that the k-th smallest and k-th largest of ``count`` independent values
+    bracket their population's median with at least ``confidence`` (each value falls below the
+    median with probability 1/2: the interval misses it with probability 2 P(Binomial(n, 1/2) < k));
+    0 when no interval reaches that confidence (fewer than 6 values for 95%)."""
+    below, k = 0.0, 0  # P(Binomial(count, 1/2) < k + 1), summed term by term
+    while k < count // 2:
+        below += math.comb(count, k) / 2.0**count
+        if 2 * below > 1 - confidence:
+            break
+        k += 1
+    return k
+
+
+def median_interval(values, confidence=CONFIDENCE):
+    """A distribution-free confidence interval ``(low, high)`` for the median of the population
+    ``values`` (independent rounds) were drawn from: a pair of their order statistics, chosen by
+    the binomial distribution (no assumption about the noise's shape). None when too few values
+    give one at ``confidence`` (fewer than 6 at 95%)."""
+    k = _order_statistic_rank(len(values), confidence)
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return float(ordered[k - 1]), float(ordered[-k])
+
+
 def median_error(values):
-    """The relative standard error of the median of ``values`` (from their spread); None for fewer than 3."""
-    width = spread(values)
-    return None if width is None else _MEDIAN_ERROR_PER_SPREAD * width / math.sqrt(len(values))
+    """Half the width of :func:`median_interval` relative to the median of ``values``: how well
+    their median is known; None when there is no interval yet (too few values)."""
+    interval = median_interval(values)
+    if interval is None:
+        return None
+    middle = float(np.median(values))
+    return (interval[1] - interval[0]) / 2 / abs(middle) if middle else None
 
 
 def parallel_stall(calls=15):
@@ -74,8 +109,9 @@ def parallel_stall(calls=15):
 @dataclass(frozen=True)
 class Settings:
     """How long to time a case: each callable runs about ``round_seconds`` per round, at least
-    ``min_rounds`` rounds (3 when a round is long), until the error of every series' median is
-    within ``tolerance`` or ``budget`` seconds have passed."""
+    ``min_rounds`` rounds (3 when a round is long), until the confidence interval of every series'
+    median is within ``tolerance`` of it either way (:func:`median_error`) or ``budget`` seconds
+    have passed."""
 
     round_seconds: float
     min_rounds: int
@@ -103,6 +139,12 @@ class Timing:
         if baseline is None:
             return list(self.rounds[index])
         return [b / f for b, f in zip(self.rounds[baseline], self.rounds[index])]
+
+    def speedup(self, index, baseline):
+        """``(speed-up, (low, high) or None)``: the median of the paired rounds' speed-ups of callable
+        ``index`` over ``baseline`` and its confidence interval (:func:`median_interval`)."""
+        ratios = self.series(index, baseline)
+        return float(np.median(ratios)), median_interval(ratios)
 
 
 def _calls_per_round(function, settings):

@@ -93,6 +93,7 @@ def table(results):
         if machine.get("parallel_stall") is not None:
             lines[0] += f"; a short parallel copy took {machine['parallel_stall']:.2f}x its one-thread time"
         lines[0] += "."
+    lines[0] += _one_thread_note(machine)
     for warning in results.get("warnings", []):
         lines += ["", f"**Warning from this run:** {warning}"]
     lines += [
@@ -234,6 +235,16 @@ def table(results):
     return "\n".join(lines)
 
 
+def _one_thread_note(machine):
+    """`` Parallel calls stalled: from <case> on, one thread on both sides.`` for a run that timed
+    kernel against kernel on one thread (``python3 -m bench``'s --threads auto), else ""."""
+    since = machine.get("one_thread_since")
+    if not since:
+        return ""
+    since = "from the start" if since == "the start" else f"from {since} on"
+    return f" Parallel calls stalled: {since}, one thread on both sides (kernel against kernel)."
+
+
 def headline(results):
     """The README's headline: one row per operator and per bridge (the median and range of its
     speed-ups against PyTorch or JAX, its targets' verdicts) and the machine it ran on."""
@@ -257,6 +268,7 @@ def headline(results):
     )
     load = machine.get("load_average")
     load_text = f"; load average {load[0]:.2f} on {machine['cpus']} CPUs at its start" if load else ""
+    load_text += _one_thread_note(machine).rstrip(".").replace(" Parallel", "; parallel", 1)
     command = "python3 -m bench --full" if judge else "python3 -m bench` (small shapes, not `--full`"
     lines += [
         "",

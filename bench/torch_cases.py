@@ -272,15 +272,21 @@ def _issue53_module_case(index, shape, suffix, dtype, memory_format, what):
     )
 
 
-def issue53_module_cases(quick=False):
-    """T9 (issue 53): every shape and variant of its table; ``quick``: (2, 512, 4, 4) and
-    (2, 256, 16, 16) (a subset: the ids of the others exist only in the full run)."""
+def _issue53_rows(quick):
+    """``(index, shape, variant)`` of T9's rows: every shape and variant of issue 53's table;
+    ``quick``: (2, 512, 4, 4) and (2, 256, 16, 16) (the ids of the others exist only in the full run)."""
     shapes = [ISSUE53_SHAPES[0], ISSUE53_SHAPES[2]] if quick else ISSUE53_SHAPES
-    return [
-        _issue53_module_case(ISSUE53_SHAPES.index(shape) + 1, shape, *variant)
-        for shape in shapes
-        for variant in ISSUE53_VARIANTS
-    ]
+    return [(ISSUE53_SHAPES.index(shape) + 1, shape, variant) for shape in shapes for variant in ISSUE53_VARIANTS]
+
+
+def issue53_module_ids(quick=False):
+    """T9's ids (:func:`issue53_module_cases`), known without building a case."""
+    return tuple(f"T9.{index}{variant[0]}" for index, _, variant in _issue53_rows(quick))
+
+
+def issue53_module_cases(quick=False):
+    """T9 (issue 53): GroupNormSwish against GroupNorm + SiLU on the rows of :func:`_issue53_rows`."""
+    return [_issue53_module_case(index, shape, *variant) for index, shape, variant in _issue53_rows(quick)]
 
 
 def _issue53_kernel_case(index, shape, suffix, dtype, memory_format, what):
@@ -448,9 +454,18 @@ def _training_step_case(batch, channels, size, target):
     )
 
 
-def cases(quick=False):
+def cases(quick=False, ids=None):
     """T1-T5 (issue 11's table), T6/T6f (GroupNormSwish on six shapes), T7 and T8; ``quick``
-    uses small shapes."""
+    uses small shapes; ``ids``: only the cases of those ids, the others not built (:data:`CASE_IDS`
+    lists them all, in order)."""
+    wanted = [
+        case for names, build in _case_builders(quick) if ids is None or set(names) & set(ids) for case in build()
+    ]
+    return [case for case in wanted if ids is None or case.id in ids]
+
+
+def _case_builders(quick):
+    """(the ids, a function building their cases) for each of :func:`cases`' groups, in order."""
     if quick:
         # about a million elements: the kernels, not Python's per-call cost, decide
         up, pool, norm, roi, block = (
@@ -468,32 +483,60 @@ def cases(quick=False):
             ((2, 256, 200, 304), 512),
             (8, 64, 64),
         )
+    modules = tuple(f"T6.{index}" for index in range(1, len(MODULE_SHAPES) + 1))
     return [
-        _routed_backward(
-            "T1",
-            f"F.interpolate bilinear x2 backward {up}",
-            lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
-            up,
-            ">= 5x",
-            21,
+        (
+            ("T1",),
+            lambda: [
+                _routed_backward(
+                    "T1",
+                    f"F.interpolate bilinear x2 backward {up}",
+                    lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+                    up,
+                    ">= 5x",
+                    21,
+                )
+            ],
         ),
-        _routed_backward(
-            "T2", f"F.avg_pool2d k3 s2 p1 backward {pool}", lambda x: F.avg_pool2d(x, 3, 2, 1), pool, ">= 3x", 23
+        (
+            ("T2",),
+            lambda: [
+                _routed_backward(
+                    "T2",
+                    f"F.avg_pool2d k3 s2 p1 backward {pool}",
+                    lambda x: F.avg_pool2d(x, 3, 2, 1),
+                    pool,
+                    ">= 3x",
+                    23,
+                )
+            ],
         ),
-        _group_norm_swish_case(*norm, ">= 1.4x"),
-        _roi_align_case(*roi, ">= 10x"),
-        _roi_align_channels_last_case(*roi, ">= 2.5x"),
-        _training_step_case(*block, "report"),
-        *module_cases(quick),
-        *issue53_module_cases(quick),
-        tiny_module_case(),
-        *module_cases(quick, forward_only=True),
-        _unet_training_case(*((2, 32, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x"),
-        _diffusion_unet_case(
-            *((2, 32, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
-            "every pair fused; >= 1.0x",
+        (("T3",), lambda: [_group_norm_swish_case(*norm, ">= 1.4x")]),
+        (("T4",), lambda: [_roi_align_case(*roi, ">= 10x")]),
+        (("T4-NHWC",), lambda: [_roi_align_channels_last_case(*roi, ">= 2.5x")]),
+        (("T5",), lambda: [_training_step_case(*block, "report")]),
+        (modules, lambda: module_cases(quick)),
+        (issue53_module_ids(quick), lambda: issue53_module_cases(quick)),
+        (("T6t",), lambda: [tiny_module_case()]),
+        (tuple(name.replace("T6.", "T6f.") for name in modules), lambda: module_cases(quick, forward_only=True)),
+        (
+            ("T7",),
+            lambda: [_unet_training_case(*((2, 32, (16, 32), 8) if quick else (4, 64, (32, 64, 128), 16)), ">= 1.0x")],
+        ),
+        (
+            ("T8",),
+            lambda: [
+                _diffusion_unet_case(
+                    *((2, 32, dict(block_out_channels=(8, 16, 32), norm_num_groups=4)) if quick else (8, 32, {})),
+                    "every pair fused; >= 1.0x",
+                )
+            ],
         ),
     ]
+
+
+#: Every id of :func:`cases` in a quick run, in order (a full run has more T9 rows): known without building a case.
+CASE_IDS = tuple(name for names, _ in _case_builders(quick=True) for name in names)
 
 
 @dataclass

@@ -6,6 +6,12 @@ reach one kernel path, for one dtype and one memory layout, so that the kernel b
 compiles (or loads) and lands in the disk cache. The calls are the kernel paths of the
 operators' registry (``fastbwd/_registry.py``), where a new path is added.
 
+A worker runs a whole group at a time: every entry of one dtype of operators whose kernels share
+their helpers (:data:`SHARING`), both twins. Numba compiles an ``@njit`` helper once per process
+and signature, so a group compiles its helpers once, where runs spread over the workers one by
+one compiled them in each (docs/history.md, "Where precompile's time goes"), and no two workers
+compile the same kernel at once.
+
 Each entry runs twice, its launches forced each way (``api._plans.launching``): the serial twin
 of each kernel (small calls run it on the calling thread; so do a child process after ``fork``
 and ``FASTBWD_SERIAL=1``, see ``kernels/_jit.py``) and its parallel kernel. Nothing here
@@ -63,6 +69,26 @@ SLOWEST_FIRST = (
     "replication_pad2d_backward",
 )
 
+#: Operators whose kernels share helpers (or kernels: RoIAlign's tables, the separable engine's),
+#: grouped so that one worker compiles them: an operator not named is a group of its own.
+SHARING = {
+    "roi_align_forward": "roi_align_backward",
+    "group_norm_swish": "group_norm_swish_backward",
+    "avg_pool2d_backward": "upsample_bilinear2d_backward",
+}
+
+#: CPU seconds one run of each operator's entries takes to compile, about (measured on the 2-core
+#: AMD EPYC VM, docs/history.md): the groups start the costliest first, so the workers end together.
+COST = {
+    "roi_align_backward": 6.0,
+    "roi_align_forward": 4.0,
+    "group_norm_swish_backward": 3.0,
+    "group_norm_swish": 2.0,
+    "upsample_bilinear2d_backward": 3.0,
+    "avg_pool2d_backward": 2.5,
+    "replication_pad2d_backward": 1.5,
+}
+
 
 # ---- running the table -----------------------------------------------------------------------
 
@@ -110,6 +136,23 @@ def cache_folder():
 
 #: The two ways every entry runs (``api._plans.launching``'s modes).
 TWINS = ("parallel", "serial")
+
+
+def _run_group(runs):
+    """Worker: :func:`_run_entry` for each ``(index, twin)`` of ``runs``, in order, in this process."""
+    return [_run_entry(index, twin) for index, twin in runs]
+
+
+def groups(entries):
+    """The runs of ``entries`` (both twins of each), in groups a worker runs whole: one dtype of
+    the operators of one :data:`SHARING` group each, its variants last; the groups ordered by
+    their estimated cost (:data:`COST`), the costliest first."""
+    grouped = {}
+    for entry in sorted(entries, key=lambda entry: (entry.variant, SLOWEST_FIRST.index(entry.op))):
+        key = (SHARING.get(entry.op, entry.op), entry.dtype)
+        grouped.setdefault(key, []).extend((TABLE.index(entry), twin) for twin in TWINS)
+    cost = {key: sum(COST.get(TABLE[index].op, 3.0) for index, _ in runs) for key, runs in grouped.items()}
+    return [grouped[key] for key in sorted(grouped, key=lambda key: -cost[key])]
 
 
 def _run_entry(index, twin):
@@ -188,38 +231,37 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         say(f"fastbwd precompile: {reason}; nothing compiled")
         return dict(entries=0, compiled=0, seconds=0.0, cpu_seconds=0.0, cache=None, errors=[], skipped=reason)
 
-    def order(entry):
-        rank = SLOWEST_FIRST.index(entry.op) if entry.op in SLOWEST_FIRST else len(SLOWEST_FIRST)
-        return entry.variant, rank
-
-    indices = [TABLE.index(entry) for entry in sorted(entries, key=order)]
-    runs = [(index, twin) for twin in TWINS for index in indices]
-    workers = max(1, min(workers or os.cpu_count() or 1, len(runs) or 1))
+    batches = groups(entries)
+    runs = [run for batch in batches for run in batch]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(batches) or 1))
     say(
-        f"fastbwd precompile: {len(indices)} kernel paths, each parallel and as its serial twin ({len(runs)} runs), "
-        f"with {workers} worker process(es) into {folder}"
+        f"fastbwd precompile: {len(entries)} kernel paths, each parallel and as its serial twin ({len(runs)} runs "
+        f"in {len(batches)} groups), with {workers} worker process(es) into {folder}"
     )
     import multiprocessing
 
     start = time.perf_counter()
-    compiled, errors, cpu = 0, [], 0.0
+    compiled, errors, cpu, done = 0, [], 0.0, 0
     width = len(str(len(runs)))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_entry, index, twin): twin for index, twin in runs}
-        for done, future in enumerate(as_completed(futures), 1):
-            index, seconds, cpu_seconds, kernels, error = future.result()
-            cpu += cpu_seconds
-            entry = TABLE[index]
-            twin = " (serial twin)" if futures[future] == "serial" else ""
-            if error:
-                errors.append(f"{entry.key}: {error}")
-                status = f"FAILED: {error}"
-            elif kernels:
-                compiled += len(kernels)
-                status = f"compiled {', '.join(kernels)} in {seconds:.1f} s ({cpu_seconds:.1f} s CPU)"
-            else:
-                status = f"cached ({seconds:.2f} s)"
-            say(f"[{done:>{width}}/{len(runs)}] {entry.key}{twin}: {status}", flush=True)
+        futures = [pool.submit(_run_group, batch) for batch in batches]
+        for future in as_completed(futures):
+            for (index, seconds, cpu_seconds, kernels, error), (_, twin) in zip(
+                future.result(), batches[futures.index(future)]
+            ):
+                done += 1
+                cpu += cpu_seconds
+                entry = TABLE[index]
+                twin = " (serial twin)" if twin == "serial" else ""
+                if error:
+                    errors.append(f"{entry.key}: {error}")
+                    status = f"FAILED: {error}"
+                elif kernels:
+                    compiled += len(kernels)
+                    status = f"compiled {', '.join(kernels)} in {seconds:.1f} s ({cpu_seconds:.1f} s CPU)"
+                else:
+                    status = f"cached ({seconds:.2f} s)"
+                say(f"[{done:>{width}}/{len(runs)}] {entry.key}{twin}: {status}", flush=True)
     seconds = time.perf_counter() - start
     say(
         f"fastbwd precompile: {len(runs)} runs, {compiled} kernels compiled, {len(errors)} errors, {seconds:.1f} s "

@@ -23,6 +23,16 @@ from fastbwd._errors import ACLNN_ERR_PARAM_INVALID, ParamError
 from fastbwd.api import _plans
 from fastbwd.testing.checks import bitwise_equal
 
+from _covering import mark_outside_the_cover
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The quick set of each test marked ``covering``: a cover of its cases, the others marked
+    slow (tests/_covering.py), before ``-m "not slow"`` deselects them."""
+    mark_outside_the_cover(items)
+
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The real floating dtypes every operator accepts.
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]

@@ -12,6 +12,7 @@ from fastbwd import avg_pool2d_backward as pool_bwd
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+from _covering import float32_quick
 from conftest import BF16, DTYPES, channels_last, raises_param_error, random
 
 
@@ -122,6 +123,7 @@ def test_divisor_override_x_count_include_pad_x_ceil_mode(ceil_mode, count_inclu
         assert bitwise_equal(result, other)
 
 
+@pytest.mark.slow
 def test_output_shape_agreement_grid():
     """Every (size, k, s, p, ceil_mode): accepted exactly when the pooled size is >= 1 and
     grad_output has it (PyTorch's shape when torch is installed, else the reference's formula)."""
@@ -159,7 +161,7 @@ def test_output_shape_agreement_grid():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 def test_matches_reference_random_cases(dtype):
     rng = np.random.default_rng(7)
     for case in range(30):
@@ -224,7 +226,7 @@ def test_global_pooling_divides_like_pytorch():
     assert bitwise_equal(result, np.broadcast_to(grad_output / np.float32(-7), (3, 4, 5, 6)).copy())
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 def test_global_pooling_divides_exactly_in_both_layouts(dtype):
     # The global kernels (NCHW and NHWC) divide each gradient by the integer divisor, rounded
     # once, exactly as PyTorch does: bit for bit g / d, never g * (1 / d) (1 ulp apart for many g).
@@ -243,7 +245,7 @@ def test_global_pooling_divides_exactly_in_both_layouts(dtype):
             assert bitwise_equal(np.ascontiguousarray(result), np.ascontiguousarray(want)), (kernel, x.strides)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_global_pooling_every_dtype_and_layout(dtype, layout):
     grad_output = random((2, 5, 1, 1), dtype, 8)
@@ -269,7 +271,7 @@ PARTIAL_1X1 = [
 
 @pytest.mark.parametrize("size, kernel, stride, padding, ceil_mode", PARTIAL_1X1)
 @pytest.mark.parametrize("count_include_pad, divisor_override", [(True, 0), (False, 0), (True, -3)])
-@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=str)
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, BF16]), ids=str)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_1x1_output_with_partial_coverage_is_not_global(
     size, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, dtype, layout
@@ -328,7 +330,7 @@ def test_nan_and_inf_propagate():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 def test_channels_last_is_kept_and_equal(dtype):
     input_shape, kernel, stride, padding = (2, 5, 9, 8), (3, 2), (2, 1), (1, 1)
     grad_output = random(pooled_shape(input_shape, kernel, stride, padding, True), dtype, 3)
@@ -376,7 +378,7 @@ def wide_random_case(rng):
             return input_shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 def test_whole_rows_kernel_equals_the_engine_bitwise(dtype):
     # NCHW grad rows of >= 16 cells run whole rows at a time, the width axis as strided windows
     # (residue classes, stride 2 interleaved in registers); NHWC runs on the separable engine.
@@ -450,7 +452,7 @@ def test_whole_rows_task_sources_are_the_grad_rows_each_task_reads():
     assert seen == {"no reads", "partial", "whole", "crossing planes"}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES), ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Large results are copied out with streaming stores; every alignment of out gives the bits
     # of plain stores (the partial cache lines at both ends of each task are stored normally).
@@ -569,7 +571,7 @@ def test_torch_tensors_are_accepted():
     assert_matches_reference(result, reference(grad.detach().double().numpy(), (2, 3, 8, 8), 2, 2, 0, False, True))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dtype", float32_quick(["float32", "float64", "bfloat16"]))
 def test_matches_torch(dtype):
     torch = pytest.importorskip("torch")
     torch_dtype = getattr(torch, dtype)

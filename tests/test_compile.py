@@ -69,6 +69,7 @@ ROUTED = {
 }
 
 
+@pytest.mark.covering(strength=1)  # each case compiles a graph of its own
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -108,6 +109,7 @@ def test_compiled_roi_align_has_eagers_bits_and_layout(memory_format, backend):
     assert got[1].is_contiguous(memory_format=memory_format)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_shapes_compile_once_and_run_fastbwd_for_every_shape(backend):
     def model(x):
@@ -128,6 +130,7 @@ def test_dynamic_shapes_compile_once_and_run_fastbwd_for_every_shape(backend):
     assert frames.frame_count == 1  # one graph for every shape: no recompile per shape
 
 
+@pytest.mark.slow
 def test_recompiles_are_no_more_than_plain_pytorchs():
     """Shapes that force PyTorch to specialise (a size 1, sizes equal then different) recompile as
     often with fastbwd as without it."""
@@ -168,6 +171,7 @@ def _graph_operator_samples():
     yield "avg_pool2d_backward", (pooled.contiguous(memory_format=last), x, [3, 3], [2, 2], [1, 1], False, True, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
 def test_graph_operators_fake_kernels_match_the_real_ones(enabled):
     (ft.enable if enabled else ft.disable)()
@@ -183,6 +187,7 @@ def test_graph_operators_fake_kernels_match_the_real_ones(enabled):
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
 def test_fused_pair_operators_pass_opcheck(enabled):
     """The fused pairs' nodes (fastbwd::group_norm_swish with follows_switch) pass opcheck on
@@ -203,6 +208,7 @@ def test_fused_pair_operators_pass_opcheck(enabled):
             torch.library.opcheck(backward, (*arguments, [True, False, True], 1e-5, True))
 
 
+@pytest.mark.slow
 def test_graph_operators_double_backward():
     """Each graph operator is linear in grad_output: its derivative there is the forward
     operator (gradcheck), and that derivative's own derivative too (gradgradcheck)."""
@@ -219,6 +225,7 @@ def test_graph_operators_double_backward():
         assert torch.autograd.gradgradcheck(function, (grad_output,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
 def test_fused_pair_operators_are_differentiable_twice(enabled):
     """A graph of the fused pair's backward (create_graph=True) is exact: its derivative is
@@ -375,6 +382,7 @@ def _pair_programs():
     return programs
 
 
+@pytest.mark.slow
 def test_pre_grad_pass_fuses_only_pairs():
     """Inductor's pass, on the graphs Dynamo captures."""
     for name, (program, pairs) in _pair_programs().items():
@@ -393,6 +401,7 @@ def test_pre_grad_pass_fuses_only_pairs():
         torch.testing.assert_close(gm(*example_inputs)[0], program(x), rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_graphs_fuse_only_pairs(backend):
     """Compiled with fastbwd: pairs run fused (the joint-graph pass under aot_eager, the pre-grad
@@ -409,6 +418,7 @@ def test_compiled_graphs_fuse_only_pairs(backend):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_pair_dtypes_layouts_and_parameters(backend):
     ft.enable()
@@ -433,6 +443,7 @@ def test_fused_pair_dtypes_layouts_and_parameters(backend):
                 assert torch.equal(a, e), (dtype, memory_format)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_shapes_decide_at_run_time_what_fastbwd_takes(backend):
     """With dynamic shapes the channel count is not known when the pair is fused: the fused
@@ -485,6 +496,7 @@ def test_graph_compiled_while_enabled_runs_pytorchs_kernels_after_disable(backen
     assert torch.equal(_gradients(compiled, [x], grad_output)[1], enabled[1])  # and back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_pair_disabled_runs_pytorchs_kernels_bitwise(backend):
     norm = nn.GroupNorm(2, 4)
@@ -506,6 +518,7 @@ def test_fused_pair_disabled_runs_pytorchs_kernels_bitwise(backend):
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
 
 
+@pytest.mark.slow
 def test_graph_compiled_while_disabled_keeps_pytorchs_code_and_enable_says_so_once(monkeypatch):
     """Dynamo does not guard on the switch: a frame compiled while disabled keeps PyTorch's code
     after enable(), which says so once per process (with what to do); torch.compiler.reset()
@@ -533,6 +546,7 @@ def test_graph_compiled_while_disabled_keeps_pytorchs_code_and_enable_says_so_on
     assert _counts(_routing.GRAPH_CALLS, before[0]) == {"upsample_bilinear2d_backward": 1}
 
 
+@pytest.mark.slow
 def test_enable_says_nothing_when_no_frame_was_compiled_while_disabled(monkeypatch):
     monkeypatch.setattr(_switch, "_noticed", False)
     x = _randn((2, 3, 6, 5), 22).requires_grad_()
@@ -642,6 +656,7 @@ def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
     assert set(calls) == set(_routing.ROUTES) | {"group_norm_swish", "group_norm_swish_backward"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_unet_compiled_with_fastbwd_has_eagers_gradients(backend):
     """T7's UNet (bench/models/torch_unet.py: GroupNorm + SiLU in its blocks' forward(), avg-pool down,

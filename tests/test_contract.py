@@ -276,6 +276,7 @@ def test_every_registered_operator_has_a_contract():
     assert set(fastbwd.__all__) - {"ParamError", "__version__", "precompile", "clear_result_cache"} <= set(CONTRACTS)
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("name, dtype, memory", _matrix(MEMORY))
 def test_matches_the_float64_reference(name, dtype, memory):
     call = _small(name, dtype)
@@ -299,8 +300,18 @@ def test_matches_the_float64_reference(name, dtype, memory):
 
 
 def _thread_matrix():
+    """Every case, dtype and layout: float32's in the quick set (each other dtype's parallel
+    kernels are as many compiles again: the slow set's), and there a case of each operator on
+    each layout (the covering marker); every case's kernel path and partition in the slow set."""
     return [
-        pytest.param(name, case, dtype, memory, id=f"{name}-{case}-{dtype}-{memory}")
+        pytest.param(
+            name,
+            case,
+            dtype,
+            memory,
+            id=f"{name}-{case}-{dtype}-{memory}",
+            marks=() if np.dtype(dtype) == np.float32 else pytest.mark.slow,
+        )
         for name, contract in CONTRACTS.items()
         for case in contract.cases
         for dtype in contract.dtypes
@@ -308,6 +319,7 @@ def _thread_matrix():
     ]
 
 
+@pytest.mark.covering("name", "memory")
 @pytest.mark.parametrize("name, case, dtype, memory", _thread_matrix())
 def test_thread_count_does_not_change_bits(name, case, dtype, memory):
     call = CONTRACTS[name].cases[case](np.dtype(dtype))
@@ -324,6 +336,7 @@ def _out_for(contract, results, make):
     return outs if contract.tuple_out else outs[0]
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("name, dtype, memory", _matrix(("contiguous", "channels_last")))
 def test_out_is_written_and_returned(name, dtype, memory):
     contract, call = CONTRACTS[name], _small(name, dtype)
@@ -336,6 +349,7 @@ def test_out_is_written_and_returned(name, dtype, memory):
     assert all(bitwise_equal(a, b) for a, b in zip(_as_tuple(returned), fresh))
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("name, dtype", _matrix())
 def test_out_read_only_is_refused_and_nothing_written(name, dtype):
     contract, call = CONTRACTS[name], _small(name, dtype)

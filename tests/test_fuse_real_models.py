@@ -102,6 +102,7 @@ def test_unet_every_pair_is_fused_and_nothing_else():
     assert all(type(model.get_submodule(name)) is ft.FusedGroupNorm for name in where)
 
 
+@pytest.mark.slow
 def test_unet_decides_alike_without_example_inputs():
     example, live = _unet(), _unet()
     by_example = ft.fuse_group_norm_swish(example, _inputs())
@@ -116,6 +117,7 @@ def test_unet_decides_alike_without_example_inputs():
     _assert_steps_equal(second, _step(example, sample, timestep))  # the same kernels: the same bits
 
 
+@pytest.mark.slow  # a whole model's steps; the quick set's fused-model values: the resampling blocks
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_unet_outputs_and_gradients_equal_the_unfused_model(dtype):
     model, reference = _unet(dtype), _unet(dtype)
@@ -128,6 +130,7 @@ def test_unet_outputs_and_gradients_equal_the_unfused_model(dtype):
         _assert_steps_close(_step(model, sample, timestep), _step(reference, sample, timestep), **tolerance)
 
 
+@pytest.mark.slow
 def test_unet_channels_last_and_bfloat16():
     for dtype, memory_format, tolerance in (
         (torch.float32, torch.channels_last, dict(rtol=2e-4, atol=2e-5)),
@@ -144,6 +147,7 @@ def test_unet_channels_last_and_bfloat16():
         _assert_steps_close(actual, expected, **tolerance)
 
 
+@pytest.mark.slow
 def test_unet_scale_shift_norms_are_not_pairs():
     model = _unet(resnet_time_scale_shift="scale_shift")
     reference = copy.deepcopy(model)
@@ -157,6 +161,7 @@ def test_unet_scale_shift_norms_are_not_pairs():
     _assert_steps_close(_step(model, sample, timestep), _step(reference, sample, timestep), 1e-10, 1e-12)
 
 
+@pytest.mark.slow
 def test_unet_state_dict_save_load_deepcopy_and_print(tmp_path):
     model = _unet()
     unfused = copy.deepcopy(model)
@@ -354,6 +359,7 @@ def test_a_silu_subclass_that_changes_the_activation_is_never_fused(activation, 
 # ---- a segmentation decoder --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_segmentation_decoder():
     torch.manual_seed(0)
     model = D.Segmenter().double()

@@ -131,6 +131,7 @@ DTYPES = [
 ]
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("dtype, param_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_and_dtype(layout, dtype, param_dtype):
@@ -453,6 +454,7 @@ def _fake_case(name, dtype):
     return x, groups
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("dtype, param_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("case", list(FAKE_CASES))
 def test_fake_kernels_give_the_real_kernels_strides(case, dtype, param_dtype):

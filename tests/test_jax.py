@@ -246,6 +246,12 @@ CASES = {
 }
 
 
+def _operator_and_layout(name, **others):
+    """A case's features for the quick set's cover (tests/_covering.py): its operator and layout, and the other
+    parameters."""
+    return (name.split("-")[0], "nhwc" in name, *others.values())
+
+
 _RECORDED_STATISTICS = []
 
 
@@ -310,6 +316,7 @@ def test_eager_vjp_equals_jitted():
     assert bitwise_equal(eager[0], jitted[0])
 
 
+@pytest.mark.covering(key=_operator_and_layout)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_the_pure_jax_reference(name, dtype):
@@ -327,6 +334,7 @@ def test_matches_the_pure_jax_reference(name, dtype):
         assert_matches_reference(grad, np.asarray(want), rtol=rtol, atol=rtol)
 
 
+@pytest.mark.covering(key=_operator_and_layout, strength=1)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize(
     "name", ["upsample", "avg_pool", "avg_pool-same-nhwc", "pad", "pad-nhwc", "roi_align", "roi_align-nhwc"]
@@ -344,6 +352,7 @@ def test_half_formats_are_rounded_once(name, dtype):
     assert_matches_reference(grad, np.asarray(expected_grad))
 
 
+@pytest.mark.covering(key=_operator_and_layout, strength=1)
 @pytest.mark.parametrize("name", list(CASES))
 def test_check_grads_float64(name):
     with jax.enable_x64(True):
@@ -427,6 +436,7 @@ def _per_element_and_vmapped(case, batch_axis):
     return vmapped, single
 
 
+@pytest.mark.covering(key=_operator_and_layout, strength=1)
 @pytest.mark.parametrize("batch_axis", [0, 1])
 @pytest.mark.parametrize(
     "name",

@@ -95,6 +95,7 @@ RESIZES = [
 ]
 
 
+@pytest.mark.covering("antialias", "served")
 @pytest.mark.parametrize("shape, new, method, antialias, served", RESIZES, ids=[str(r[:4]) for r in RESIZES])
 def test_resize_equals_jax_image_resize(shape, new, method, antialias, served):
     x = jnp.asarray(random(shape, np.float32, 1))
@@ -111,6 +112,7 @@ def test_resize_equals_jax_image_resize(shape, new, method, antialias, served):
         assert _targets(lambda x: jax.grad(lambda x: jnp.sum(ours(x) ** 2))(x), x) == ["upsample_bilinear2d_backward"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", FLOATS + [np.dtype(np.int32)], ids=str)
 def test_resize_dtypes(dtype):
     x = jnp.asarray((random((2, 5, 7, 3), np.float32, 2) * 4).astype(dtype))
@@ -118,6 +120,7 @@ def test_resize_dtypes(dtype):
     _same_call(lambda x: fj.resize(x, new, "linear"), lambda x: jax.image.resize(x, new, "linear"), x, dtype)
 
 
+@pytest.mark.slow
 def test_resize_float64():
     with jax.enable_x64(True):
         x = jnp.asarray(random((2, 5, 7, 3), np.float64, 3))
@@ -149,6 +152,7 @@ PADS = [
 ]
 
 
+@pytest.mark.covering("mode", "served", strength=1)
 @pytest.mark.parametrize("shape, pad_width, mode, served", PADS, ids=[str(p[:3]) for p in PADS])
 def test_pad_equals_jnp_pad(shape, pad_width, mode, served):
     x = jnp.asarray(random(shape, np.float32, 4))
@@ -159,6 +163,7 @@ def test_pad_equals_jnp_pad(shape, pad_width, mode, served):
         assert _targets(function, x) == ["replication_pad2d_backward"]
 
 
+@pytest.mark.slow
 def test_pad_keywords_and_dtypes():
     x = jnp.asarray(random((2, 5, 6, 3), np.float32, 5))
     widths = ((0, 0), (1, 2), (2, 1), (0, 0))
@@ -227,6 +232,7 @@ POOLS = [
 ]
 
 
+@pytest.mark.covering("served", "count_include_pad")
 @pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("shape, window, strides, padding, served", POOLS, ids=[str(p[:4]) for p in POOLS])
 def test_avg_pool_equals_flax_avg_pool(shape, window, strides, padding, served, count_include_pad):
@@ -243,6 +249,7 @@ def test_avg_pool_equals_flax_avg_pool(shape, window, strides, padding, served, 
         assert "avg_pool2d_backward" in targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_avg_pool_dtypes_as_flax(dtype, count_include_pad):
@@ -310,6 +317,7 @@ LINEN = [
 ]
 
 
+@pytest.mark.covering("dtype", "swish", strength=1)
 @pytest.mark.parametrize("swish", [False, True])
 @pytest.mark.parametrize("shape, dtype, fields", LINEN, ids=[f"{s}-{np.dtype(d)}-{f}" for s, d, f in LINEN])
 def test_linen_group_norm_equals_flax(shape, dtype, fields, swish):
@@ -349,6 +357,7 @@ NNX = [
 ]
 
 
+@pytest.mark.covering("swish", strength=1)
 @pytest.mark.parametrize("swish", [False, True])
 @pytest.mark.parametrize("shape, dtype, fields", NNX, ids=[f"{s}-{np.dtype(d)}-{f}" for s, d, f in NNX])
 def test_nnx_group_norm_equals_flax(shape, dtype, fields, swish):
@@ -391,6 +400,7 @@ EQUINOX = [
 ]
 
 
+@pytest.mark.covering("swish", strength=1)
 @pytest.mark.parametrize("swish", [False, True])
 @pytest.mark.parametrize("shape, dtype, fields", EQUINOX, ids=[f"{s}-{np.dtype(d)}-{f}" for s, d, f in EQUINOX])
 def test_equinox_group_norm_equals_equinox_under_vmap(shape, dtype, fields, swish):
@@ -495,6 +505,7 @@ REACHED_DECODER = [
 ]
 
 
+@pytest.mark.slow
 def test_reach_linen_model():
     model = _linen_decoder()
     x = jnp.asarray(random((2, 6, 6, 8), np.float32, 20))
@@ -581,6 +592,7 @@ def test_reach_nnx_model():
     assert _targets(lambda s, x: jax.grad(lambda s: loss(nnx.merge(graph, s), x))(s), state, x) == []
 
 
+@pytest.mark.slow
 def test_reach_equinox_model():
     eqx = pytest.importorskip("equinox")
 
@@ -638,6 +650,7 @@ EQUINOX_POOLS = [
 ]
 
 
+@pytest.mark.covering("served", "dtype", strength=1)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
 @pytest.mark.parametrize(
     "kernel, stride, padding, use_ceil, served", EQUINOX_POOLS, ids=[str(p) for p in EQUINOX_POOLS]
@@ -657,6 +670,7 @@ def test_equinox_avg_pool_equals_equinox(kernel, stride, padding, use_ceil, serv
             assert "avg_pool2d_backward" in _targets(jax.grad(lambda x, f=reached: jnp.sum(f(x) ** 2)), x)
 
 
+@pytest.mark.slow
 def test_reached_calls_fastbwd_cannot_serve_run_the_library():
     """Integer images, a 3-D pooling, an antialiased shrink, a GroupNorm of 5000-channel groups:
     the library's own code, no error."""
@@ -704,7 +718,10 @@ FORWARD_MODE = {
 }
 
 
-@pytest.mark.parametrize("name", list(FORWARD_MODE))
+@pytest.mark.parametrize(
+    "name",
+    [name if name == "replication_pad2d" else pytest.param(name, marks=pytest.mark.slow) for name in FORWARD_MODE],
+)
 def test_forward_mode(name):
     """jax.jvp (eager and jitted) agrees with the reverse-mode gradient (<jvp(t), g> equals
     <t, vjp(g)>) and with JAX's own derivative where JAX has the operator; jacfwd runs."""
@@ -727,7 +744,9 @@ def test_forward_mode(name):
 LINEAR = ["upsample_bilinear2d", "avg_pool2d-same", "avg_pool2d-nhwc", "replication_pad2d", "roi_align"]
 
 
-@pytest.mark.parametrize("name", LINEAR)
+@pytest.mark.parametrize(
+    "name", [name if name == "roi_align" else pytest.param(name, marks=pytest.mark.slow) for name in LINEAR]
+)
 def test_second_derivatives_of_linear_operators(name):
     """jax.jvp of jax.grad (a Hessian-vector product), jitted and vmapped, and jax.grad of
     jax.grad through a linear operator f: for sum(sin(f(x))) the product is

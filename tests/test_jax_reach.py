@@ -419,6 +419,7 @@ def _leaves_close(actual, expected):
         assert np.abs(a - e).max(initial=0) <= 2e-5 * max(np.abs(e).max(initial=0), 1.0)
 
 
+@pytest.mark.slow  # the quick set's model that stays the user's: NNX's (below)
 def test_an_equinox_model_stays_the_users():
     """An Equinox model, unchanged, traced under reach(loss): fastbwd's kernels (GroupNorm + swish
     fused), the plain gradients, and the model's class, modules and pytree structure untouched;

@@ -5,6 +5,7 @@ pytest process of its own with the flag (pytest collects that file only when nam
 without a second device, the parts that need none: every FFI target has a split, and a
 one-device program is the plain FFI call."""
 
+import ast
 import importlib
 import os
 import pkgutil
@@ -28,15 +29,60 @@ from conftest import random  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The libraries some fastbwd.jax modules are built on, optional (the flax and equinox extras).
+OPTIONAL_LIBRARIES = ("flax", "equinox")
+
+
+def _registers_a_target_without_a_split(path):
+    """The ``_ffi.target(...)`` calls in the source at ``path`` that give no split, by keyword or
+    as the fourth argument (read, not imported: for a module whose library is not installed)."""
+
+    def is_target_call(node):
+        function = getattr(node, "func", None)
+        return isinstance(node, ast.Call) and getattr(function, "attr", getattr(function, "id", None)) == "target"
+
+    def split_given(call):
+        splits = [k.value for k in call.keywords if k.arg == "split"] + call.args[3:4]
+        return any(not (isinstance(value, ast.Constant) and value.value is None) for value in splits)
+
+    calls = [node for node in ast.walk(ast.parse(path.read_text())) if is_target_call(node)]
+    return [ast.unparse(call) for call in calls if not split_given(call)]
+
+
 def test_every_operator_target_has_a_split():
     """Every FFI target the operators register tells XLA how to partition it (a new target
-    without a split would run whole on every device)."""
-    names = set()
+    without a split would run whole on every device). A module that needs a library not
+    installed here (Flax, Equinox) is read instead of imported: it must register no target
+    without a split either."""
+    names, unimported = set(), []
     for info in pkgutil.iter_modules(fj.__path__):
-        module = importlib.import_module(f"fastbwd.jax.{info.name}")
+        try:
+            module = importlib.import_module(f"fastbwd.jax.{info.name}")
+        except ModuleNotFoundError as missing:
+            assert missing.name.split(".")[0] in OPTIONAL_LIBRARIES, f"fastbwd.jax.{info.name}: {missing}"
+            unimported.append(info.name)
+            path = Path(fj.__path__[0]) / f"{info.name}.py"
+            assert _registers_a_target_without_a_split(path) == [], path
+            continue
         names |= {value for value in vars(module).values() if isinstance(value, str) and value in _ffi._targets}
     assert len(names) >= 6, names
     assert sorted(name for name in names if _ffi._splits[name] is None) == []
+    assert set(unimported) <= {"linen", "nnx", "equinox"}, unimported
+
+
+def test_the_split_check_reads_a_module_it_cannot_import(tmp_path):
+    """The source check above finds a target registered without a split."""
+    module = tmp_path / "library.py"
+    module.write_text(
+        "import equinox\nfrom . import _ffi\n"
+        "A = _ffi.target('a', adapter, fold=True, split=_sharding.planes)\n"
+        "B = _ffi.target('b', adapter, fold=True)\nC = _ffi.target('c', adapter, fold=True, split=None)\n"
+        "D = _ffi.target('d', adapter, True, _sharding.planes)\n"
+    )
+    assert _registers_a_target_without_a_split(module) == [
+        "_ffi.target('b', adapter, fold=True)",
+        "_ffi.target('c', adapter, fold=True, split=None)",
+    ]
 
 
 def test_one_device_program_is_the_plain_ffi_call():

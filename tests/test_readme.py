@@ -3,6 +3,7 @@ own as a program that exits by itself; the README's two commands are the ones CI
 numbers are the program's own; its headline table and the benchmarks page's full tables are
 the saved run's."""
 
+import importlib.util
 import json
 import pathlib
 import re
@@ -53,6 +54,22 @@ def test_numpy_guide_examples_run():
     assert dx.shape == (2, 64, 16, 16) and dgamma.shape == dbeta.shape == (64,)
 
 
+def test_the_readme_names_every_extra_and_the_examples_say_which_they_need():
+    """Each extra of pyproject.toml is named in the README with what it adds; an example that
+    imports a library the README's install line leaves out says which extra brings it."""
+    extras = re.search(r"\[project\.optional-dependencies\]\n(.*?)\n\[", (ROOT / "pyproject.toml").read_text(), re.S)
+    names = re.findall(r"^(\w+) = \[", extras.group(1), re.M)
+    assert set(names) == {"test", "torch", "jax", "flax", "equinox", "docs"}, names
+    for name in names:
+        assert f"`[{name}]`" in README, f"README.md: name the [{name}] extra and what it adds"
+    installed = _readme_commands().command("test")
+    for code in re.findall(r"```python\n(.*?)```", README, re.S):
+        before = README[: README.index(code)][-400:]
+        for library in ("torch", "jax", "flax", "equinox"):
+            if re.search(rf"^import .*\b{library}\b", code, re.M) and f"{library}==" not in installed:
+                assert f"`[{library}]`" in before, f"README.md: say which extra the example importing {library} needs"
+
+
 def test_pytorch_guide_example_runs():
     pytest.importorskip("torch")
     namespace = {}
@@ -62,18 +79,47 @@ def test_pytorch_guide_example_runs():
     assert namespace["ft"].is_enabled() is False  # the example's `with enabled():` block ended
 
 
-def test_ci_runs_the_readme_test_command_and_the_slow_tests():
-    commands = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
-    assert "python3 -m bench" in commands
-    readme_set = re.search(r"&& python3 -m pytest(.*)$", commands, re.M).group(1).strip()
-    assert readme_set == '-m "not slow"'
+def _readme_commands():
+    """.ci/readme_commands.py, the module CI reads the README's commands with."""
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_commands_ci_reads_are_the_readmes_lines():
+    """The lines .ci/readme_commands.py prints are lines of the README's bash blocks, whole
+    (their comments aside): the install line and the test command, and the docs site's build."""
+    commands = _readme_commands()
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", README, re.S)).splitlines()
+    for name in ("test", "main", "docs"):
+        line = commands.command(name)
+        assert any(whole.split("  #", 1)[0].strip() == line for whole in blocks), (name, line)
+    install, test = commands.command("test").split(" && ")
+    assert install.startswith('python3 -m pip install -e ".[test]" ') and test == 'python3 -m pytest -m "not slow"'
+    with pytest.raises(LookupError, match="no test command"):
+        commands.command("test", "```bash\npython3 -m pytest\n```\n")
+
+
+def test_ci_runs_the_readme_as_written_first_then_every_test():
+    """.ci/run's first steps are a fresh virtual environment and the README's install line and
+    test command, read from the README (not copied: they cannot drift), before anything else is
+    installed; then the extras and every test (the quick set again and the slow set), so every
+    test runs in CI."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install --quiet -e ".[test]"' in ci
-    # the README's set, then its complement: every test runs in CI
-    assert f"\npython -m pytest {readme_set}\npython -m pytest -m slow\n" in ci
-    # the PyTorch releases CI installs are the ones the README says are tested
-    releases = re.findall(r"pip install --quiet torch==(\S+)", ci)
-    assert releases == ["2.13.0", "2.14.1"]
+    steps = [line for line in ci.splitlines() if line and not line.startswith((" ", "#", "}"))]
+    venv = steps.index("python3 -m venv .venv")
+    assert steps[venv + 1 : venv + 3] == [". .venv/bin/activate", "readme test"], steps[venv : venv + 3]
+    assert 'line="$(python3 .ci/readme_commands.py "$1")"' in ci and 'bash -euo pipefail -c "$line"' in ci
+    assert not any("pip install" in step for step in steps[:venv]), "nothing installed before the README's line"
+    assert "readme docs" in steps and "python -m pytest" in steps[steps.index("readme docs") :]
+    # the extras the README's install leaves out, into the same environment, after its test command
+    extras = next(step for step in steps if "[flax,equinox]" in step)
+    assert steps.index(extras) > venv + 2
+    # the PyTorch releases CI installs (the README's line, then the second environment's) are the
+    # ones the README says are tested
+    releases = re.findall(r"torch==(\d\S*)", _readme_commands().command("test") + "\n" + ci)
+    assert releases == ["2.13.0", "2.14.1"], releases
     assert f"tested with PyTorch {releases[0]} and {releases[1]}" in " ".join(README.split())
 
 
@@ -82,8 +128,8 @@ def test_ci_builds_the_site_as_the_readme_says():
         r"^(python3 -m pip install -e \"\.\[docs\]\" && python3 -m mkdocs build --strict)", README, re.M
     )
     assert command, "the README's command that builds the site"
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install --quiet -e ".[docs]"' in ci and "\npython -m mkdocs build --strict" in ci
+    assert _readme_commands().command("docs") == command.group(1)
+    assert "\nreadme docs\n" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_readme_counts_are_the_programs():
@@ -97,9 +143,12 @@ def test_readme_counts_are_the_programs():
 
 @pytest.mark.parametrize(
     "page, index",
-    # a block that compiles with torch.compile takes a minute: the slow set's
+    # the README's blocks, what a newcomer runs first, are the quick set's (a block that compiles with
+    # torch.compile takes a minute: the slow set's); the guides' are the slow set's
     [
-        pytest.param(page, index, marks=pytest.mark.slow) if "torch.compile(" in code else (page, index)
+        pytest.param(page, index, marks=pytest.mark.slow)
+        if "torch.compile(" in code or page != "README.md"
+        else (page, index)
         for page, index, code in BLOCKS
     ],
 )
@@ -112,6 +161,21 @@ def test_each_example_is_a_program_that_exits(page, index):
     # torch.compile traces and loads its compiled code again in the child (Inductor's cache keeps
     # only the generated code): seconds, not the 30 s of a hang
     warm_and_run(code, limit=180 if "torch.compile(" in code else None)
+
+
+def test_the_saved_run_carries_the_decided_targets():
+    """Each operator row of bench/results.json carries its case's target in bench/cases.py, so a
+    retired target is gone from the published tables rather than judged "missed" (the tables are
+    regenerated from the saved rows: change a target there and in the saved run together)."""
+    from bench.cases import OPS
+
+    results = json.loads((ROOT / "bench" / "results.json").read_text())
+    rows = [row for row in results["rows"] if row["op"] in OPS]
+    assert rows
+    for row in rows:
+        (case,) = [c for c in OPS[row["op"]].cases if (c.id, c.dtype) == (row["case"], row["dtype"])]
+        decided = case.targets.get(row["baseline"]) if row.get("baseline") else None
+        assert row.get("target") == decided, (row["case"], row["variant"], row.get("target"), decided)
 
 
 def test_benchmark_tables_are_the_saved_run():

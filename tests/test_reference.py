@@ -138,6 +138,7 @@ def test_upsample_adjoint(case, align_corners):
     assert_adjoint(fx, g, x, bg)
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("in_size,out_size", [(5, 9), (7, 3), (1, 4), (4, 1), (6, 6), (3, 17)])
 @pytest.mark.parametrize("align_corners", [False, True])
 @pytest.mark.parametrize("scale", [0.0, 1.3, 0.4])
@@ -180,6 +181,7 @@ POOL_GEOMS = [
 ]
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("geom", POOL_GEOMS)
 @pytest.mark.parametrize("ceil_mode", [False, True])
 @pytest.mark.parametrize("count_include_pad", [False, True])
@@ -456,6 +458,7 @@ def _gn_inputs(shape, seed):
     return x, gamma, beta, dy
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("case", GN_CASES)
 @pytest.mark.parametrize("s", SWISH_SCALES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -562,6 +565,7 @@ def test_upsample_vs_torch(case, align_corners):
     )
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("geom", POOL_GEOMS)
 @pytest.mark.parametrize("ceil_mode", [False, True])
 @pytest.mark.parametrize("count_include_pad", [False, True])

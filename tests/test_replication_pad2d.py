@@ -9,6 +9,7 @@ from fastbwd import replication_pad2d_backward as pad_bwd
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+from _covering import float32_quick
 from conftest import BF16, COMPLEX, DTYPES, channels_last, raises_param_error, random
 
 F = "replication_pad2d_backward"
@@ -60,7 +61,7 @@ def test_corners_sum_their_rectangle():
     assert result[0, 0, 1, 1] == grad_output[0, 0, 2, 3]
 
 
-@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES + COMPLEX), ids=str)
 def test_matches_reference_random_cases(dtype):
     rng = np.random.default_rng(7)
     for case in range(25):
@@ -72,7 +73,7 @@ def test_matches_reference_random_cases(dtype):
         assert_matches_reference(result, expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
+@pytest.mark.parametrize("dtype", float32_quick(DTYPES + COMPLEX), ids=str)
 @pytest.mark.parametrize("strides_channels_last", [False, True])
 def test_every_cell_written_into_a_nan_filled_out(dtype, strides_channels_last):
     # out= prefilled with NaN: a cell that a kernel forgot to write (a cropped-away cell must
@@ -93,7 +94,7 @@ def test_every_cell_written_into_a_nan_filled_out(dtype, strides_channels_last):
         assert_matches_reference(out, ref.replication_pad2d_backward(grad_output, input_shape, padding))
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.complex128], ids=str)
+@pytest.mark.parametrize("dtype", [np.float64, pytest.param(np.complex128, marks=pytest.mark.slow)], ids=str)
 def test_adjoint_of_the_forward(dtype):
     rng = np.random.default_rng(11)
     for case in range(20):
@@ -147,7 +148,7 @@ def test_nan_and_inf_propagate():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.complex64], ids=str)
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float16, np.complex64]), ids=str)
 def test_channels_last_is_kept_and_equal(dtype):
     input_shape, padding = (2, 5, 6, 7), (2, 1, -1, 3)
     grad_output = random(padded_shape(input_shape, padding), dtype, 3)
@@ -191,7 +192,9 @@ def test_out_channels_last():
         pad_bwd(grad_output, input_shape, padding, out=out)
 
 
-@pytest.mark.parametrize("read_ahead", [None, 512 * 16], ids=["plain", "streaming"])
+@pytest.mark.parametrize(
+    "read_ahead", [None, pytest.param(512 * 16, marks=pytest.mark.slow)], ids=["plain", "streaming"]
+)
 def test_serial_twin_equals_parallel(read_ahead):
     from fastbwd.kernels import replication_pad2d as kernels
     from fastbwd.kernels._halfbits import NATIVE
@@ -203,6 +206,7 @@ def test_serial_twin_equals_parallel(read_ahead):
     assert bitwise_equal(parallel, serial)
 
 
+@pytest.mark.slow  # the streaming path compiles kernels of its own in every dtype: the slow set's
 @pytest.mark.parametrize("dtype", DTYPES + COMPLEX, ids=str)
 def test_streaming_stores_change_no_bit(dtype, monkeypatch, replan):
     # Results of at least STREAM_MIN_BYTES stream their rows: with no column cropped, every
@@ -270,7 +274,7 @@ def test_torch_tensors_are_accepted():
     assert_matches_reference(result, expected.double().numpy())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "complex64", "float16"])
+@pytest.mark.parametrize("dtype", float32_quick(["float32", "float64", "complex64", "float16"]))
 def test_matches_torch(dtype):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)

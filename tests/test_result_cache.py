@@ -184,7 +184,15 @@ def _run(code, timeout=120, **environment):
 
 @pytest.mark.parametrize(
     ("setting", "limit"),
-    [("0", 0), ("16", 16 * 2**20), ("0.5", 2**19), ("lots", 256 * 2**20), ("nan", 256 * 2**20), ("-3", 0)],
+    # a size and a word that is none in the quick set (each a process of its own), the rest in the slow set
+    [
+        pytest.param("0", 0, marks=pytest.mark.slow),
+        ("16", 16 * 2**20),
+        pytest.param("0.5", 2**19, marks=pytest.mark.slow),
+        ("lots", 256 * 2**20),
+        pytest.param("nan", 256 * 2**20, marks=pytest.mark.slow),
+        pytest.param("-3", 0, marks=pytest.mark.slow),
+    ],
 )
 def test_the_environment_sets_the_limit(setting, limit):
     done = _run("from fastbwd import _result_cache; print(_result_cache.LIMIT)", FASTBWD_RESULT_CACHE_MB=setting)

@@ -71,7 +71,7 @@ print("layer", threading_layer())
 """
 
 
-@pytest.mark.parametrize("layer", ["workqueue", "omp"])
+@pytest.mark.parametrize("layer", [pytest.param("workqueue", marks=pytest.mark.slow), "omp"])
 def test_eight_python_threads_at_once(layer):
     out = run_script(_CONCURRENT, env={"NUMBA_THREADING_LAYER": layer})
     assert f"layer {layer}" in out
@@ -97,7 +97,7 @@ print("fork ok")
 """
 
 
-@pytest.mark.parametrize("layer", ["omp", "workqueue"])
+@pytest.mark.parametrize("layer", ["omp", pytest.param("workqueue", marks=pytest.mark.slow)])
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_call_in_a_forked_child(layer):
     assert "fork ok" in run_script(_FORK, env={"NUMBA_THREADING_LAYER": layer})
@@ -265,7 +265,7 @@ def test_every_kernel_path_within_bounds():
 
 
 _MORE_THREADS_THAN_CORES = """
-import itertools, numba
+import itertools, numba, os
 import ml_dtypes
 from bench.inputs import channels_last, roi_boxes
 sys.path.insert(0, "tests")
@@ -282,6 +282,8 @@ else:
 rng = np.random.default_rng(0)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 checked = 0
+# the dtypes this run checks (the test's parameter)
+DTYPES = [BF16 if name == "bfloat16" else np.dtype(name) for name in os.environ["FASTBWD_TEST_DTYPES"].split()]
 
 def invariant(call):
     global checked
@@ -291,7 +293,7 @@ def invariant(call):
 def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
 
-for dtype in (np.float32, np.float64, np.float16, BF16):
+for dtype in [dtype for dtype in DTYPES if dtype.kind != "c"]:
     # upsample: row blocks read in place (OW >= 16), staged narrow rows, 16 planes at a time
     # (>= 128 small planes), NHWC with >= 16 and < 16 channels, channels-last strides
     for (n, c, h, w), (oh, ow), corners in [((1, 3, 37, 21), (70, 45), False), ((2, 3, 9, 13), (7, 11), True),
@@ -332,7 +334,7 @@ for dtype in (np.float32, np.float64, np.float16, BF16):
         invariant(lambda: fastbwd.group_norm_swish(nhwc(x), gamma, beta, 16, "NHWC", swish_scale=1.5))
 
 # replication_pad: both layouts, every dtype including complex
-for dtype in (np.float32, np.float64, np.float16, BF16, np.complex64, np.complex128):
+for dtype in DTYPES:
     g = (rng.standard_normal((2, 5, 23, 31)) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)).astype(dtype)
     invariant(lambda: fastbwd.replication_pad2d_backward(g, (2, 5, 18, 26), (3, 2, 4, 1)))
     invariant(lambda: fastbwd.replication_pad2d_backward(channels_last(g), (2, 5, 18, 26), (3, 2, 4, 1)))
@@ -341,11 +343,19 @@ print("threads ok", checked)
 """
 
 
-def test_more_threads_than_cores_give_the_same_bits():
+@pytest.mark.parametrize(
+    "dtypes",
+    # float32 in the quick set (each of its kernel paths compiles in the child: the others' would
+    # be most of a cold quick run's compiling), the other dtypes in the slow set
+    ["float32", pytest.param("float64 float16 bfloat16 complex64 complex128", marks=pytest.mark.slow)],
+    ids=["float32", "other dtypes"],
+)
+def test_more_threads_than_cores_give_the_same_bits(dtypes):
     # NUMBA_NUM_THREADS is 2 on the 2-core CI machine, so in-process tests compare 1 and 2
     # threads only. Here 4 threads (more than the cores) and 3 (uneven shares) in a subprocess,
-    # every operator, every dtype, both layouts and each kernel path.
-    out = run_script(_MORE_THREADS_THAN_CORES, env={"NUMBA_NUM_THREADS": "4"}, timeout=900)
+    # every operator, every dtype (quick and slow sets together), both layouts and each kernel path.
+    env = {"NUMBA_NUM_THREADS": "4", "FASTBWD_TEST_DTYPES": dtypes}
+    out = run_script(_MORE_THREADS_THAN_CORES, env=env, timeout=900)
     assert "threads ok" in out
 
 

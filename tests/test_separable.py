@@ -8,6 +8,7 @@ from fastbwd import _dtypes as d
 from fastbwd.kernels import _separable as S
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+from _covering import float32_quick
 from conftest import assert_thread_invariant
 
 
@@ -60,7 +61,7 @@ ENGINE_SHAPES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64, ml_dtypes.bfloat16, np.float16]))
 def test_engine_matches_dense(dtype, shape):
     rng = np.random.default_rng(1)
     height, width, out_height, out_width, channels = shape
@@ -129,7 +130,7 @@ def test_thread_invariant_with_few_planes():
     assert bitwise_equal(whole, whole_nhwc)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, ml_dtypes.bfloat16]))
 def test_plane_lanes_and_row_blocks_agree(dtype):
     # Small planes run LANES planes at a time, large ones LANES rows at a time: same bits.
     rng = np.random.default_rng(3)

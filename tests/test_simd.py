@@ -73,6 +73,7 @@ def _decode_transpose(destination, dr, dc, source, sr, sc, count, fmt):
     decode_transpose_lanes(destination, dr, dc, source, sr, sc, count, fmt)
 
 
+@pytest.mark.covering(strength=1)  # each case compiles a kernel of its own (no disk cache)
 @pytest.mark.parametrize("count", [LANES, 7, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 def test_decode_transpose_moves_count_columns_and_reads_no_further(dtype, count):
@@ -228,6 +229,7 @@ def _copy_out_then_fence(destination, first, source, source_first, count, stream
     store_fence()
 
 
+@pytest.mark.covering(strength=1)  # each case compiles a kernel of its own (no disk cache)
 @pytest.mark.parametrize("read_ahead", [-1, 0, 5, 1 << 40])  # -1: copy_out; far past the end: a hint
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16, np.complex128])

@@ -131,6 +131,7 @@ CASES = {
 }
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("memory_format", FORMATS, ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(CASES))
@@ -537,6 +538,7 @@ def test_enable_and_disable_beside_running_blocks():
     assert not ft.is_enabled()
 
 
+@pytest.mark.slow  # a process of its own; a forked child's allocations quick: tests/test_result_cache.py
 def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
     """In a child forked while another thread's block runs (that thread does not exist there)
     fastbwd is off, and its own blocks and enable()/disable() work as in any process."""
@@ -677,6 +679,7 @@ def _opinfo_samples(name, variant):
     return opinfo
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize(
     "name, variant",
     [
@@ -724,6 +727,7 @@ def test_import_fastbwd_does_not_import_torch_and_bridge_says_how_to_install():
     assert "pip install torch" in result.stdout
 
 
+@pytest.mark.slow
 def test_starting_the_kernels_pool_keeps_torchs_thread_count():
     """Numba's OpenMP pool can share PyTorch's OpenMP runtime, whose thread count its launch
     sets: a program's torch.set_num_threads(1) must survive fastbwd's first call (in a process of
@@ -770,6 +774,7 @@ def _group_norm_then_swish(x, num_groups, weight, bias, eps=1e-5, swish_scale=1.
     return y * torch.sigmoid(swish_scale * y)
 
 
+@pytest.mark.covering(strength=1)
 @pytest.mark.parametrize("swish_scale", [1.0, -0.7, 2.5])
 @pytest.mark.parametrize("shape, groups", [((2, 6, 5, 7), 3), ((3, 8, 9), 2), ((4, 6), 6)])
 def test_group_norm_swish_gradcheck(shape, groups, swish_scale):
@@ -908,6 +913,7 @@ def _roi_boxes(dtype):
     )
 
 
+@pytest.mark.covering
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("sampling_ratio", [-1, 0, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

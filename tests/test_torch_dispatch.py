@@ -91,7 +91,14 @@ def test_the_policy_is_set_by_set_policy_enable_and_enabled():
         ft.disable()
 
 
-@pytest.mark.parametrize("value, policy", [("auto", "auto"), ("always", "always"), (None, "auto")])
+@pytest.mark.parametrize(
+    "value, policy",
+    [  # a process each: the default in the quick set (tests/test_dispatch.py reads the variable quick)
+        pytest.param("auto", "auto", marks=pytest.mark.slow),
+        pytest.param("always", "always", marks=pytest.mark.slow),
+        (None, "auto"),
+    ],
+)
 def test_fastbwd_policy_sets_the_policy_a_process_starts_with(value, policy):
     env = {k: v for k, v in os.environ.items() if k != "FASTBWD_POLICY"} | {"PYTHONPATH": ROOT}
     if value is not None:
@@ -468,7 +475,9 @@ def _compiled_counts(forward, x, dynamic=False):
     return y, grad, _routing.GRAPH_CALLS - graph_calls, _routing.SERVED - served
 
 
-@pytest.mark.parametrize("op", list(ROUTED))
+@pytest.mark.parametrize(  # a graph each: one operator in the quick set
+    "op", [op if i == 0 else pytest.param(op, marks=pytest.mark.slow) for i, op in enumerate(ROUTED)]
+)
 def test_a_compiled_graph_takes_fastbwds_side_from_the_threshold_on(op):
     forward = ROUTED[op][0]
     x = _input()

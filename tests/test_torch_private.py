@@ -142,6 +142,16 @@ def expected():
         ft.disable()
 
 
+def _kind(path):
+    """An interface's kind, for the quick set's cover (tests/_covering.py): an operator's dispatch
+    internals, the compiler's, or the core's."""
+    if ".ops." in path:
+        return ("operator",)
+    compiler = ("torch._dynamo.", "torch._inductor.", "torch._functorch.", "torch._decomp.")
+    return ("compiler",) if path.startswith(compiler) else ("core",)
+
+
+@pytest.mark.covering(key=_kind, strength=1)
 @pytest.mark.parametrize("path", sorted(_private.INTERFACES))
 def test_each_private_interface_can_be_missing(path, monkeypatch, expected):
     remove(monkeypatch, path)
@@ -243,6 +253,7 @@ def test_every_private_interface_is_in_the_list():
         assert not uses, f"{source.name} uses PyTorch's private {uses}"
 
 
+@pytest.mark.slow
 def test_import_touches_no_private_interface(tmp_path):
     """In a fresh process with every private interface taken away first, ``import fastbwd.torch``
     works and has looked none up; with them back, the bridge works."""

@@ -7,6 +7,7 @@ import fastbwd
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+from _covering import float32_quick
 from conftest import BF16, raises_param_error
 
 F = fastbwd.upsample_bilinear2d_backward
@@ -29,7 +30,7 @@ def check(grad, output_size, input_size, align_corners, scales_h=0.0, scales_w=0
 
 
 @pytest.mark.parametrize("align_corners", [False, True])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64]))
 def test_matches_reference_non_square(align_corners, dtype):
     rng = np.random.default_rng(0)
     for input_size, output_size in [
@@ -56,7 +57,7 @@ def test_scales_per_axis_and_identity_with_scale():
 
 
 @pytest.mark.parametrize("unset", [-2.0, -0.5, -1e-30, float("nan"), float("-inf")], ids=repr)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64, BF16]), ids=str)
 def test_negative_and_nan_scales_mean_unset(unset, dtype):
     # docs/semantics.md §1: "scale = 1 / scales_h if scales_h > 0 else H / OH": a negative or NaN scale is
     # unset (NaN > 0 is False), exactly like 0 or None, on each axis independently. Sizes that
@@ -81,7 +82,7 @@ def test_negative_and_nan_scales_mean_unset(unset, dtype):
     assert bitwise_equal(np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), unset_both)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64]), ids=str)
 def test_tiny_scales_put_everything_on_the_last_row(dtype):
     # scales far below out/in send every source position past the last input row: lambda1 is
     # clamped to 1 there (docs/semantics.md §1: min(max(src - h0, 0), 1)), so the last row and column receive
@@ -143,7 +144,7 @@ def test_adjoint_identity():
         assert np.vdot(forward, grad) == pytest.approx(np.vdot(x, backward), rel=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, BF16])
+@pytest.mark.parametrize("dtype", float32_quick([np.float16, BF16], BF16))
 def test_half_formats_within_one_ulp(dtype):
     rng = np.random.default_rng(4)
     input_size, output_size = (2, 3, 6, 9), (13, 17)
@@ -194,7 +195,7 @@ def test_integer_ratios_vectorised_rows_equal_reference_and_nhwc(align_corners):
         check(grad[:, :1], output_size, (1, 1, 5, width), align_corners)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64, BF16]), ids=str)
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_many_small_planes_run_as_lanes(dtype, align_corners):
     # >= 128 planes with grad rows narrower than 16: the engine runs 16 planes at a time as
@@ -254,7 +255,7 @@ def test_nan_and_inf_propagate_like_torch():
         assert np.array_equal(np.isinf(result), np.isinf(expected))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dtype", float32_quick(["float32", "float64", "bfloat16"]))
 def test_torch_cross_check(dtype):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
