@@ -137,6 +137,29 @@ def test_rows_over_a_whole_number_of_vectors_give_the_same_bits(count):
     assert math_.aligned(count) % math_.STAGE_ALIGN == 0 and math_.aligned(count) <= CHUNK
 
 
+@numba.njit
+def _gradient_rows_into_scratch(z, dy, count, run):
+    """The derivative's stages over ``run`` elements into a scratch row (the NHWC backward's way
+    when ``run`` is ``aligned(count)``)."""
+    scratch = stack_array(ROWS, CHUNK, z)
+    for i in range(count):
+        scratch[0, i] = z[i]
+        scratch[3, i] = dy[i]
+    math_.swish_gradient_rows(scratch, scratch[math_.STAGE_OUT], run)
+    return scratch[math_.STAGE_OUT, :count].copy()
+
+
+@pytest.mark.parametrize("count", [1, 13, 64, 77, 199, CHUNK])
+def test_gradient_rows_over_a_whole_number_of_vectors_give_the_same_bits(count):
+    """The derivative's stages run past ``count`` (the NHWC backward's pieces) or stopping at it
+    give the same first ``count`` results, NaN signs included (z and dy both NaN of either sign)."""
+    rng = np.random.default_rng(5 * count)
+    choices = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -2.0, 104.0, -104.0], F32)
+    z, dy = rng.choice(choices, count), rng.choice(choices, count)
+    direct = _gradient_rows_into_scratch(z, dy, count, count)
+    assert bitwise_equal(_gradient_rows_into_scratch(z, dy, count, math_.aligned(count)), direct)
+
+
 # ---- the per-row vector steps -----------------------------------------------------------------
 
 
