@@ -218,6 +218,16 @@ def test_vmap_counts_the_whole_batch():
         assert targets(step, x) == []
 
 
+def test_vmap_counts_the_mapped_axis_wherever_it_is():
+    """A vmap over an axis other than the first (``in_axes=1``) counts that axis's size."""
+    x = _randn((2, 3, 3, 5, 7), 17)  # axis 1 mapped: 3 examples (2, 3, 5, 7) of 210 elements
+    step = jax.vmap(gradient(EXPLICIT["upsample"][1]), in_axes=1, out_axes=1)
+    with auto({"traced/upsample_bilinear2d": x.size}):
+        assert targets(step, x) == ["upsample_bilinear2d_backward"]
+    with auto({"traced/upsample_bilinear2d": x.size + 1}):
+        assert targets(step, x) == []
+
+
 def test_adaptive_roi_align_stays_fastbwds():
     """RoIAlign with an adaptive sampling ratio has a data-dependent sample count, which plain
     JAX's static shapes cannot follow: fastbwd's at every size."""
