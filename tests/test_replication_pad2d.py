@@ -1,6 +1,8 @@
 """replication_pad2d_backward (docs/semantics.md §3) against the float64 reference, its forward's adjoint,
 every dtype and layout, threads, out=, strides, and every error of docs/semantics.md."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,14 +23,16 @@ def padded_shape(input_shape, padding):
 
 
 def random_case(rng):
-    """A random valid (input_shape, padding): non-square, 3-D or 4-D, pads of either sign."""
+    """A random valid (input_shape, padding): non-square, 3-D or 4-D, pads of either sign, a
+    crop down to a whole side and beyond (``pad <= -size``: the other side's padding replicates
+    what is left) one time in four."""
     ndim = int(rng.integers(3, 5))
     h, w = (int(s) for s in rng.integers(1, 9, size=2))
     leading = tuple(int(s) for s in rng.integers(1, 4, size=ndim - 2))
     pads = []
     for size in (w, w, h, h):
-        pad = int(rng.integers(-size + 1, size)) if size > 1 else 0
-        pads.append(pad)
+        low = -2 * size + 2 if rng.integers(4) == 0 else -size + 1
+        pads.append(int(rng.integers(low, size)) if size > 1 else 0)
     left, right, top, bottom = pads
     # keep the padded size >= 1
     while w + left + right < 1:
@@ -73,6 +77,12 @@ def test_matches_reference_random_cases(dtype):
         assert_matches_reference(result, expected)
 
 
+def _nan_out(grad_output, input_shape, padding):
+    """An out= for the call filled with NaN, in the memory layout of the result (channels-last
+    strides when grad_output's are, which a plane of one row or column cannot show)."""
+    return np.full_like(pad_bwd(grad_output, input_shape, padding), np.nan)
+
+
 @pytest.mark.parametrize("dtype", float32_quick(DTYPES + COMPLEX), ids=str)
 @pytest.mark.parametrize("strides_channels_last", [False, True])
 def test_every_cell_written_into_a_nan_filled_out(dtype, strides_channels_last):
@@ -86,12 +96,38 @@ def test_every_cell_written_into_a_nan_filled_out(dtype, strides_channels_last):
         if len(input_shape) == 3:
             input_shape = (1,) + input_shape
         grad_output = random(padded_shape(input_shape, padding), dtype, 300 + case)
-        out = np.full(input_shape, np.nan, dtype)
         if strides_channels_last:
             grad_output = channels_last(grad_output)
-            out = channels_last(out)
+        out = _nan_out(grad_output, input_shape, padding)
         assert pad_bwd(grad_output, input_shape, padding, out=out) is out
         assert_matches_reference(out, ref.replication_pad2d_backward(grad_output, input_shape, padding))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=str)
+@pytest.mark.parametrize("strides_channels_last", [False, True])
+def test_every_whole_side_crop(dtype, strides_channels_last):
+    # A negative pad that crops a whole side (pad <= -size; the other side's pad then replicates
+    # what is left): every such padding of small planes, into a NaN-filled out=. The last cell of
+    # a row once came out 0 when the left crop passed it (and a wider crop wrote past the row).
+    cases = 0
+    for height, width in ((1, 2), (2, 1), (2, 3), (3, 2), (3, 4), (4, 3)):
+        for padding in itertools.product(range(-7, 4), repeat=4):
+            left, right, top, bottom = padding
+            if max(left, right) >= width or max(top, bottom) >= height:
+                continue
+            if width + left + right < 1 or height + top + bottom < 1:
+                continue
+            if min(width + left, width + right, height + top, height + bottom) > 0:
+                continue
+            input_shape = (2, 3, height, width)
+            grad_output = random(padded_shape(input_shape, padding), dtype, cases)
+            if strides_channels_last:
+                grad_output = channels_last(grad_output)
+            out = _nan_out(grad_output, input_shape, padding)
+            assert pad_bwd(grad_output, input_shape, padding, out=out) is out
+            assert_matches_reference(out, ref.replication_pad2d_backward(grad_output, input_shape, padding))
+            cases += 1
+    assert cases > 300
 
 
 @pytest.mark.parametrize("dtype", [np.float64, pytest.param(np.complex128, marks=pytest.mark.slow)], ids=str)

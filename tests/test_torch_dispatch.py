@@ -625,8 +625,8 @@ def test_calibrate_into_a_read_only_folder_fails_and_changes_nothing(monkeypatch
 @pytest.mark.parametrize("padding", [(-2, 1, 0, 0), (1, -2, 0, 0), (0, 0, -3, 2), (0, 1, 1, -3)])
 def test_a_pad_cropping_a_whole_side_gives_pytorchs_gradient(policy, padding):
     """A replicate pad whose negative size crops a whole side, then replicates the edge (found by
-    the never-breaks property test: fastbwd's gradient was zeros): PyTorch's kernel answers, on
-    either policy, every call served."""
+    the never-breaks property test: fastbwd's kernel gave zeros there): fastbwd's gradient is
+    PyTorch's, on either policy, every call served."""
     x = _input((1, 2, 3, 2), seed=5)
     forward = lambda x: F.pad(x, padding, mode="replicate")  # noqa: E731
     expected = _plain(forward, x)

@@ -88,8 +88,9 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, f
     corners, columns cropped away) go cell by cell.
     """
     width, out_width = dst.shape[0], src.shape[1]
-    # Columns 1 <= w < width-1 whose only reader is w + pad_left (inside grad_output).
-    copy_start = max(1, -pad_left)
+    # Columns 1 <= w < width-1 whose only reader is w + pad_left (inside grad_output); a left
+    # crop wider than the row leaves none, and the last cell is the right edge's (never cropped)
+    copy_start = min(max(1, -pad_left), max(width - 1, 1))
     copy_stop = max(copy_start, min(width - 1, out_width - pad_left))
     interior = dst[copy_start:copy_stop]
     if row_stop - row_start == 1 and width > 1:

@@ -87,9 +87,6 @@ def _avg_pool2d(
 
 def _replication_pad2d(memory_format, grad_output, input, padding):
     """aten::replication_pad2d_backward: the result takes the forward input's memory format."""
-    height, width = input.shape[-2:]
-    if min(padding[0] + width, padding[1] + width, padding[2] + height, padding[3] + height) <= 0:
-        return None  # a crop of a whole side (then replicated): PyTorch's kernel (fastbwd's gave zeros)
     memory_format = memory_format or c.memory_format(input)
     return _api_call(replication_pad2d, memory_format, (grad_output, input), (padding,), input.shape)
 
