@@ -495,3 +495,29 @@ def test_compiled_more_examples(backend, policy):
         lambda drawn: check_compiled(*drawn, backend, policy),
         derandomize=False,
     )
+
+
+#: Configurations the random draws found once (kept: each is checked every run).
+FOUND = [
+    # an empty complex bilinear upsample, compiled: PyTorch's trace refuses it (autograd of the
+    # decomposition's round); fastbwd's Python-dispatcher kernel once let it through to the backend
+    (
+        Call(
+            "interpolate",
+            (0, 1, 1, 1),
+            torch.complex64,
+            "contiguous",
+            "contiguous",
+            0,
+            {"scale_factor": 0.5, "recompute_scale_factor": None, "align_corners": None, "antialias": False},
+        ),
+        "routed",
+        "aot_eager",
+    ),
+]
+
+
+@pytest.mark.parametrize("policy", ["always", "auto, fastbwd at every size"])
+@pytest.mark.parametrize(("call", "name", "backend"), FOUND)
+def test_found_configurations(call, name, backend, policy):
+    check_compiled(call, name, backend, policy)

@@ -207,20 +207,30 @@ def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scale
     previous = _installed.get((overload, "Autograd"))
     if previous is None:
         previous = functools.partial(_below_autograd, overload)
-    elif not decides_fastbwd("upsample_bilinear2d_backward", input):
+    elif not (input.is_floating_point() and decides_fastbwd("upsample_bilinear2d_backward", input)):
         # other devices, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
         return previous(*arguments)
     backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)
     return _RoutedForward.apply("upsample_bilinear2d_backward", previous, backward_arguments, *arguments)
 
 
-def _upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
-    """The ``.vec`` overload as its C++ composite kernel has it: the output size from the scale
-    factors, then the overload with an autograd formula (where PyTorch's Python kernel would
-    decompose it instead)."""
-    size = _private.upsample_output_size(input.size(), output_size, scale_factors)
-    scales = scale_factors if scale_factors else [None, None]
-    return aten.upsample_bilinear2d.default(input, size, align_corners, scales[0], scales[1])
+def _upsample_bilinear2d_vec(key):
+    """The ``.vec`` overload's kernel at ``key``: for a call whose gradient fastbwd takes, as its
+    C++ composite kernel has it (the output size from the scale factors, then the overload with an
+    autograd formula, where PyTorch's Python kernel would decompose it instead); for any other,
+    PyTorch's Python kernel, so the trace (and its errors: a complex input's) is PyTorch's."""
+    overload = aten.upsample_bilinear2d.vec
+
+    def kernel(input, output_size, align_corners, scale_factors):
+        previous = _installed.get((overload, key))
+        takes = input.is_floating_point() and _wants_gradient(input)
+        if previous is not None and not (takes and decides_fastbwd("upsample_bilinear2d_backward", input)):
+            return previous(input, output_size, align_corners, scale_factors)
+        size = _private.upsample_output_size(input.size(), output_size, scale_factors)
+        scales = scale_factors if scale_factors else [None, None]
+        return aten.upsample_bilinear2d.default(input, size, align_corners, scales[0], scales[1])
+
+    return kernel
 
 
 def _avg_pool2d(
@@ -247,8 +257,8 @@ def _replication_pad2d(input, padding):
 
 #: (overload, dispatch key) -> the Python-dispatcher kernel fastbwd puts there while enabled.
 _KERNELS = {
-    (aten.upsample_bilinear2d.vec, "Autograd"): _upsample_bilinear2d_vec,
-    (aten.upsample_bilinear2d.vec, "CompositeImplicitAutograd"): _upsample_bilinear2d_vec,
+    (aten.upsample_bilinear2d.vec, "Autograd"): _upsample_bilinear2d_vec("Autograd"),
+    (aten.upsample_bilinear2d.vec, "CompositeImplicitAutograd"): _upsample_bilinear2d_vec("CompositeImplicitAutograd"),
     (aten.upsample_bilinear2d.default, "Autograd"): _upsample_bilinear2d,
     (aten.avg_pool2d.default, "Autograd"): _avg_pool2d,
     (aten.replication_pad2d.default, "Autograd"): _replication_pad2d,
