@@ -608,6 +608,36 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         functorch_config.joint_custom_pass = None
 
 
+def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
+    """Code that puts an old compiler config value back (monkeypatch's undo, a config.patch block
+    opened while fastbwd was enabled) may leave fastbwd's hooks there after ``disable()``: a
+    graph compiled then is PyTorch's (found by CI: such a hook made the private-interface test's
+    plain compile use up its one warning)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    ft.enable()
+    joint_pass, pre_grad_passes = functorch_config.joint_custom_pass, list(inductor_config.pre_grad_custom_pass)
+    ft.disable()
+    monkeypatch.setattr(functorch_config, "joint_custom_pass", joint_pass)
+    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", pre_grad_passes)
+
+    def pre_grad_then_aot_eager(gm, example_inputs):  # Inductor's pre-grad passes, without its C++
+        for graph_pass in inductor_config.pre_grad_custom_pass:
+            graph_pass(gm.graph)
+        gm.recompile()
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    x = _randn((2, 4, 3, 3), 27).requires_grad_()
+    for backend in ("aot_eager", pre_grad_then_aot_eager):
+        norm = nn.GroupNorm(2, 4)
+        before = _routing.GRAPH_CALLS.copy()
+        torch.compiler.reset()
+        torch.compile(nn.Sequential(norm, nn.SiLU()), backend=backend)(x).sum().backward()
+        assert _counts(_routing.GRAPH_CALLS, before) == {}, backend
+    torch.compiler.reset()
+
+
 def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):
     monkeypatch.setattr(_compile, "SUPPORTED_RANGE", ((1, 0), (1, 1)))
     monkeypatch.setattr(_private, "_found", {})

@@ -472,12 +472,14 @@ def fuse_group_norm_swish_joint(graph):
 
 
 def _joint_pass(previous):
-    """AOTAutograd's joint-graph hook: the user's pass first (if any), then the pair fusion."""
+    """AOTAutograd's joint-graph hook: the user's pass first (if any), then the pair fusion while
+    the hooks are installed (a hook left in the config after ``disable()``, by code that put an
+    old config value back, fuses nothing)."""
 
     def joint_pass(gm, inputs):
         if previous is not None:
             gm = previous(gm, inputs)
-        if fuse_group_norm_swish_joint(gm.graph):
+        if _installed and fuse_group_norm_swish_joint(gm.graph):
             gm.recompile()
         return gm
 
@@ -499,10 +501,12 @@ def _graph_pass():
 
     class GroupNormSwishPass(custom_graph_pass):
         def __call__(self, graph):
-            fuse_group_norm_swish_pre_grad(graph)
+            if _installed:  # (a pass left in the config after disable(): nothing, as the joint hook)
+                fuse_group_norm_swish_pre_grad(graph)
 
         def uuid(self):
-            return hash_for_files(_GRAPH_SOURCES, extra=f"fastbwd {fastbwd.__version__}")
+            state = "on" if _installed else "off"  # a graph compiled while it fuses nothing is another entry
+            return hash_for_files(_GRAPH_SOURCES, extra=f"fastbwd {fastbwd.__version__} {state}")
 
         def __repr__(self):
             return "fastbwd.torch GroupNorm -> SiLU pass"
