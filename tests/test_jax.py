@@ -309,6 +309,32 @@ def test_complex_pad_gradient_equals_the_numpy_call(dtype):
         assert bitwise_equal(grad, case.direct(g, *case.args))
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("padding", [(-2, 1, 0, 0), (1, -3, 0, 0), (0, 1, -3, 2), (-4, 2, 2, -4)])
+def test_pad_cropping_a_whole_side_has_jaxs_gradient(padding, layout):
+    """A negative pad cropping a whole side (the other side's pad replicating what is left):
+    the gradient of JAX's own edge pad and slices (fastbwd's kernel once gave such rows a 0)."""
+    x = jnp.asarray(random((2, 3, 3, 3), np.float32, 41))
+    left, right, top, bottom = padding
+
+    def plain(x):  # NCHW: pad the positive sides, then crop the negative ones
+        widths = ((0, 0), (0, 0), (max(top, 0), max(bottom, 0)), (max(left, 0), max(right, 0)))
+        padded = jnp.pad(x, widths, mode="edge")
+        h, w = padded.shape[2:]
+        return padded[:, :, max(-top, 0) : h - max(-bottom, 0), max(-left, 0) : w - max(-right, 0)]
+
+    def ours(x):
+        if layout == "NCHW":
+            return fj.replication_pad2d(x, padding)
+        return jnp.moveaxis(fj.replication_pad2d(jnp.moveaxis(x, 1, -1), padding, layout="NHWC"), -1, 1)
+
+    g = jnp.asarray(random(plain(x).shape, np.float32, 42))
+    expected = jax.vjp(plain, x)[1](g)[0]
+    output, vjp = jax.vjp(ours, x)
+    assert output.shape == g.shape
+    np.testing.assert_allclose(np.asarray(vjp(g)[0]), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
 def test_eager_vjp_equals_jitted():
     case = CASES["avg_pool"](np.float32)
     _, eager, _ = _vjp(case, np.float32, jit=False)
