@@ -3,6 +3,7 @@ slower"): the same side for the same call in every process, each threshold honou
 the policies, FASTBWD_POLICY, and the stored table (used when it is this machine's; ignored when
 unreadable, malformed or stale; a read-only folder never fails a decision)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -255,3 +256,32 @@ def test_using_sets_thresholds_for_a_block_and_restores_the_table(table_folder):
         assert _dispatch.floor("torch", "routed", "avg_pool2d") == 0
     assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 7
     assert _dispatch.status().startswith("used")
+
+
+def test_alternating_ratio_times_the_sides_in_alternating_rounds(monkeypatch):
+    """Both calibrations' measuring loop on a clock the steps move (fastbwd's step 1 s, the
+    framework's 3 s): each side runs once to warm, fastbwd's once more to size the rounds, then
+    ``rounds`` rounds of ``calls`` each, one side after the other, each batch inside its own
+    context; the ratio is the framework's time over fastbwd's."""
+    clock, events = [0.0], []
+    monkeypatch.setattr(_dispatch.time, "perf_counter", lambda: clock[0])
+
+    def step(name, seconds):
+        def run():
+            events.append(name)
+            clock[0] += seconds
+
+        return run
+
+    @contextlib.contextmanager
+    def fastbwd_side():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    steps = (step("fastbwd", 1.0), step("framework", 3.0))
+    # seconds / rounds / 2 / 1 s per call: 2 calls a side a round
+    assert _dispatch.alternating_ratio(steps, (fastbwd_side, None), seconds=12.0, rounds=3) == 3.0
+    warm = ["enter", "fastbwd", "exit", "framework", "enter", "fastbwd", "exit"]
+    one_round = ["enter", "fastbwd", "fastbwd", "exit", "framework", "framework"]
+    assert events == warm + one_round * 3

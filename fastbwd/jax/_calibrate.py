@@ -18,10 +18,8 @@ alike (the handler runs on Numba's pool size, fastbwd/jax/_decide.py).
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -118,29 +116,12 @@ def compiled_steps(path, op, shape, threads):
 
 def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
     """JAX's time over fastbwd's for one call's step (:func:`compiled_steps`): the median of
-    alternating rounds' ratios (each round timing about ``seconds / rounds / 2`` per side); None
-    where the call cannot be made here."""
+    alternating rounds' ratios (``_dispatch.alternating_ratio``); None where the call cannot be
+    made here."""
     steps = compiled_steps(path, op, shape, threads)
     if steps is None:
         return None
-    for step in steps:
-        step()
-    start = time.perf_counter()
-    steps[0]()
-    each = time.perf_counter() - start
-    calls = max(1, min(200, int(seconds / rounds / 2 / max(each, 1e-6))))
-    ratios = []
-    for _ in range(rounds):
-        times = []
-        for step in steps:
-            these = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                step()
-                these.append(time.perf_counter() - start)
-            times.append(statistics.median(these))
-        ratios.append(times[1] / times[0])
-    return statistics.median(ratios)
+    return _dispatch.alternating_ratio(steps, seconds=seconds, rounds=rounds)
 
 
 def points(threads, measured=MEASURED, ladder=None, seconds=1.0):
