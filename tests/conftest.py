@@ -1,6 +1,6 @@
 """What the test files share: the dtypes, random arrays, channels-last copies, the thread-count
-determinism check and the error matcher (``from conftest import ...``); input builders shared
-with the benchmarks come from ``bench/inputs.py``."""
+determinism check, the error matcher and a child process's environment (``from conftest import
+...``); input builders shared with the benchmarks come from ``bench/inputs.py``."""
 
 import contextlib
 import functools
@@ -31,6 +31,24 @@ def pytest_collection_modifyitems(items):
     """The quick set of each test marked ``covering``: a cover of its cases, the others marked
     slow (tests/_covering.py), before ``-m "not slow"`` deselects them."""
     mark_outside_the_cover(items)
+
+
+#: This checkout's root (the folder holding fastbwd/, tests/ and bench/).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_environment(*, tests=False, without=(), **variables):
+    """The environment of a child Python process that must import this checkout's fastbwd, not
+    an installed one (the mutation check runs copies of the tree): this process's, without the
+    variables named in ``without``, with ``variables`` set, and this checkout first on
+    PYTHONPATH (then tests/ when ``tests``, for the child's ``from conftest import ...``; then
+    the entries already there)."""
+    environment = {name: value for name, value in os.environ.items() if name not in without}
+    environment.update(variables)
+    first = [ROOT, os.path.join(ROOT, "tests")] if tests else [ROOT]
+    rest = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    environment["PYTHONPATH"] = os.pathsep.join(first + rest)
+    return environment
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -5,7 +5,6 @@ unreadable, malformed or stale; a read-only folder never fails a decision)."""
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,8 @@ import pytest
 
 from fastbwd import _dispatch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import child_environment
+
 POOL_1, POOL_2 = _dispatch.DEFAULTS["torch/routed/avg_pool2d/1"], _dispatch.DEFAULTS["torch/routed/avg_pool2d/2"]
 
 #: Calls described as a bridge describes them, around every default threshold.
@@ -40,9 +40,12 @@ def table_folder(tmp_path, monkeypatch):
 
 def run(code, **environment):
     """``code``'s standard output in a new process (fastbwd from this checkout)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **environment}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=child_environment(**environment),
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -115,16 +118,19 @@ def test_policies_and_the_environment_variable():
     assert run(code, FASTBWD_POLICY="always").strip() == "always"
     assert run(code, FASTBWD_POLICY="Auto ").strip() == "auto"
     assert run(code, FASTBWD_POLICY="").strip() == "auto"
-    env = {k: v for k, v in os.environ.items() if k != "FASTBWD_POLICY"}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PYTHONPATH": ROOT}, timeout=300
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_environment(without=["FASTBWD_POLICY"]),
+        timeout=300,
     )
     assert done.stdout.strip() == "auto"
     warned = subprocess.run(
         [sys.executable, "-W", "always", "-c", code],
         capture_output=True,
         text=True,
-        env={**env, "PYTHONPATH": ROOT, "FASTBWD_POLICY": "sometimes"},
+        env=child_environment(FASTBWD_POLICY="sometimes"),
         timeout=300,
     )
     assert warned.stdout.strip() == "auto" and "FASTBWD_POLICY='sometimes'" in warned.stderr
