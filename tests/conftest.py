@@ -6,6 +6,8 @@ import contextlib
 import functools
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 # The tests check fastbwd's paths on small inputs, which the policy "auto" leaves to PyTorch's and
@@ -49,6 +51,19 @@ def child_environment(*, tests=False, without=(), **variables):
     rest = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     environment["PYTHONPATH"] = os.pathsep.join(first + rest)
     return environment
+
+
+def run_program(program, folder, timeout=600):
+    """``program`` (Python source) in a new process in ``folder``, importing this checkout's
+    fastbwd (:func:`child_environment`): the finished process, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=folder,
+        env=child_environment(),
+    )
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -4,8 +4,6 @@ imports fastbwd.torch, routes eager calls and runs GroupNormSwish, roi_align, th
 torch.compile (the feature that needs it off, with one warning, never an error)."""
 
 import pathlib
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -17,7 +15,7 @@ F, nn = torch.nn.functional, torch.nn
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.torch import _compile, _fuse, _ops, _private  # noqa: E402
 
-from conftest import child_environment  # noqa: E402
+from conftest import run_program  # noqa: E402
 
 
 class _Gone:
@@ -310,14 +308,7 @@ def test_import_touches_no_private_interface(tmp_path):
         print(dict(ft._routing.SERVED))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=child_environment(),
-    )
+    result = run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "upsample_bilinear2d_backward" in result.stdout.strip().splitlines()[-1]
 
