@@ -1,6 +1,7 @@
 """What the test files share: the dtypes, random arrays, channels-last copies, the thread-count
-determinism check, the error matcher and a child process's environment (``from conftest import
-...``); input builders shared with the benchmarks come from ``bench/inputs.py``."""
+determinism check, the error matcher and child processes of this checkout (their environment, a
+program run in one) (``from conftest import ...``); input builders shared with the benchmarks
+come from ``bench/inputs.py``."""
 
 import contextlib
 import functools
