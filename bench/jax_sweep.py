@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,23 +172,16 @@ def in_child(threads, settings, sizes=None, ops=None, block_sizes=None, timeout=
     """The rows of :func:`run` on ``threads`` Numba threads, in a new process on as many CPUs
     (``python -m bench.jax_sweep``), as JSON dictionaries. A failure raises RuntimeError, whose
     ``rows`` are those the process had timed."""
-    command = [sys.executable, "-m", "bench.jax_sweep", "--threads", str(threads), *_calibrate.cpus_option(threads)]
-    command += ["--settings", json.dumps(dataclasses.asdict(settings))]
+    arguments = ["--settings", json.dumps(dataclasses.asdict(settings))]
     if sizes:
-        command += ["--sizes", json.dumps(sizes)]
+        arguments += ["--sizes", json.dumps(sizes)]
     if ops:
-        command += ["--ops", *ops]
+        arguments += ["--ops", *ops]
     if block_sizes:
-        command += ["--block-sizes", json.dumps(block_sizes)]
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+        arguments += ["--block-sizes", json.dumps(block_sizes)]
+    env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    done = subprocess.run(
-        command,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    done = _calibrate.run_child("bench.jax_sweep", threads, arguments, env, timeout)
     rows = [json.loads(line[len(ROW) :]) for line in done.stdout.splitlines() if line.startswith(ROW)]
     if done.returncode != 0:
         error = RuntimeError(f"the JAX sweep on {threads} thread(s) failed:\n{done.stderr[-6000:]}")

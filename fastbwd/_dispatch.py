@@ -34,6 +34,7 @@ import os
 import platform
 import statistics
 import threading
+import time
 
 from . import _config
 from ._version import __version__
@@ -208,6 +209,38 @@ def crossover(points):
             break
         threshold = elements
     return threshold
+
+
+def alternating_ratio(steps, contexts=(None, None), seconds=1.0, rounds=7):
+    """The framework's time over fastbwd's path's, as a calibration measures it: ``steps`` is
+    ``(fastbwd's step, the framework's)``, zero-argument callables, each run inside its
+    ``contexts`` entry (a context manager factory, or None), entered around a batch of calls and
+    not timed. Each step runs once first (warming, compiling), then fastbwd's once more timed, to
+    size the rounds; returns the median of ``rounds`` alternating rounds' ratios, each round
+    timing about ``seconds / rounds / 2`` per side (a side's time: the median of its calls)."""
+    sides = [(step, context or contextlib.nullcontext) for step, context in zip(steps, contexts)]
+    for step, context in sides:
+        with context():
+            step()
+    (step, context), _ = sides
+    with context():
+        start = time.perf_counter()
+        step()
+        each = time.perf_counter() - start
+    calls = max(1, min(200, int(seconds / rounds / 2 / max(each, 1e-6))))
+    ratios = []
+    for _ in range(rounds):
+        times = []
+        for step, context in sides:
+            with context():
+                these = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    step()
+                    these.append(time.perf_counter() - start)
+            times.append(statistics.median(these))
+        ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
 
 
 #: The stored table's format; a table of another format is ignored.

@@ -1,11 +1,14 @@
 """What the test files share: the dtypes, random arrays, channels-last copies, the thread-count
-determinism check and the error matcher (``from conftest import ...``); input builders shared
-with the benchmarks come from ``bench/inputs.py``."""
+determinism check, the error matcher and child processes of this checkout (their environment, a
+program run in one) (``from conftest import ...``); input builders shared with the benchmarks
+come from ``bench/inputs.py``."""
 
 import contextlib
 import functools
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 # The tests check fastbwd's paths on small inputs, which the policy "auto" leaves to PyTorch's and
@@ -31,6 +34,37 @@ def pytest_collection_modifyitems(items):
     """The quick set of each test marked ``covering``: a cover of its cases, the others marked
     slow (tests/_covering.py), before ``-m "not slow"`` deselects them."""
     mark_outside_the_cover(items)
+
+
+#: This checkout's root (the folder holding fastbwd/, tests/ and bench/).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_environment(*, tests=False, without=(), **variables):
+    """The environment of a child Python process that must import this checkout's fastbwd, not
+    an installed one (the mutation check runs copies of the tree): this process's, without the
+    variables named in ``without``, with ``variables`` set, and this checkout first on
+    PYTHONPATH (then tests/ when ``tests``, for the child's ``from conftest import ...``; then
+    the entries already there)."""
+    environment = {name: value for name, value in os.environ.items() if name not in without}
+    environment.update(variables)
+    first = [ROOT, os.path.join(ROOT, "tests")] if tests else [ROOT]
+    rest = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    environment["PYTHONPATH"] = os.pathsep.join(first + rest)
+    return environment
+
+
+def run_program(program, folder, timeout=600):
+    """``program`` (Python source) in a new process in ``folder``, importing this checkout's
+    fastbwd (:func:`child_environment`): the finished process, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=folder,
+        env=child_environment(),
+    )
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

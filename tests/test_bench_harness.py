@@ -3,7 +3,6 @@ tables, the one command that regenerates them, and the pytest-benchmark tracking
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -16,6 +15,8 @@ import pytest
 
 from bench import __main__ as main_job
 from bench import targets, timing, to_table
+
+from conftest import child_environment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -404,7 +405,7 @@ def test_publish_refuses_a_partial_run(capsys):
 
 
 def _environment():
-    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return child_environment()
 
 
 @pytest.mark.slow

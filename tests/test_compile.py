@@ -2,10 +2,6 @@
 before a model's first compiled call, compiled graphs run the routed backward operators and
 GroupNorm -> SiLU pairs on fastbwd's kernels, with fake strides equal to the real ones."""
 
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -18,8 +14,7 @@ nn = torch.nn
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.torch import _compile, _private, _routing, _switch  # noqa: E402
 
-#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import run_program  # noqa: E402
 
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
@@ -673,14 +668,7 @@ def test_a_program_that_compiles_with_fastbwd_exits_by_itself(tmp_path):
         print(dict(ft._routing.GRAPH_CALLS))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this checkout's fastbwd, not an installed one
-    )
+    result = run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     calls = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own program's output
     assert set(calls) == set(_routing.ROUTES) | {"group_norm_swish", "group_norm_swish_backward"}

@@ -3,8 +3,8 @@ slower"): the same side for the same call in every process, each threshold honou
 the policies, FASTBWD_POLICY, and the stored table (used when it is this machine's; ignored when
 unreadable, malformed or stale; a read-only folder never fails a decision)."""
 
+import contextlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +13,8 @@ import pytest
 
 from fastbwd import _dispatch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import child_environment
+
 POOL_1, POOL_2 = _dispatch.DEFAULTS["torch/routed/avg_pool2d/1"], _dispatch.DEFAULTS["torch/routed/avg_pool2d/2"]
 
 #: Calls described as a bridge describes them, around every default threshold.
@@ -39,9 +40,12 @@ def table_folder(tmp_path, monkeypatch):
 
 def run(code, **environment):
     """``code``'s standard output in a new process (fastbwd from this checkout)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **environment}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=child_environment(**environment),
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -114,16 +118,19 @@ def test_policies_and_the_environment_variable():
     assert run(code, FASTBWD_POLICY="always").strip() == "always"
     assert run(code, FASTBWD_POLICY="Auto ").strip() == "auto"
     assert run(code, FASTBWD_POLICY="").strip() == "auto"
-    env = {k: v for k, v in os.environ.items() if k != "FASTBWD_POLICY"}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PYTHONPATH": ROOT}, timeout=300
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_environment(without=["FASTBWD_POLICY"]),
+        timeout=300,
     )
     assert done.stdout.strip() == "auto"
     warned = subprocess.run(
         [sys.executable, "-W", "always", "-c", code],
         capture_output=True,
         text=True,
-        env={**env, "PYTHONPATH": ROOT, "FASTBWD_POLICY": "sometimes"},
+        env=child_environment(FASTBWD_POLICY="sometimes"),
         timeout=300,
     )
     assert warned.stdout.strip() == "auto" and "FASTBWD_POLICY='sometimes'" in warned.stderr
@@ -255,3 +262,32 @@ def test_using_sets_thresholds_for_a_block_and_restores_the_table(table_folder):
         assert _dispatch.floor("torch", "routed", "avg_pool2d") == 0
     assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 7
     assert _dispatch.status().startswith("used")
+
+
+def test_alternating_ratio_times_the_sides_in_alternating_rounds(monkeypatch):
+    """Both calibrations' measuring loop on a clock the steps move (fastbwd's step 1 s, the
+    framework's 3 s): each side runs once to warm, fastbwd's once more to size the rounds, then
+    ``rounds`` rounds of ``calls`` each, one side after the other, each batch inside its own
+    context; the ratio is the framework's time over fastbwd's."""
+    clock, events = [0.0], []
+    monkeypatch.setattr(_dispatch.time, "perf_counter", lambda: clock[0])
+
+    def step(name, seconds):
+        def run():
+            events.append(name)
+            clock[0] += seconds
+
+        return run
+
+    @contextlib.contextmanager
+    def fastbwd_side():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    steps = (step("fastbwd", 1.0), step("framework", 3.0))
+    # seconds / rounds / 2 / 1 s per call: 2 calls a side a round
+    assert _dispatch.alternating_ratio(steps, (fastbwd_side, None), seconds=12.0, rounds=3) == 3.0
+    warm = ["enter", "fastbwd", "exit", "framework", "enter", "fastbwd", "exit"]
+    one_round = ["enter", "fastbwd", "fastbwd", "exit", "framework", "framework"]
+    assert events == warm + one_round * 3

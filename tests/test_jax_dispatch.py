@@ -27,9 +27,8 @@ import fastbwd.jax as fj  # noqa: E402
 from fastbwd import _dispatch  # noqa: E402
 from fastbwd.jax import _calibrate, _decide  # noqa: E402
 
-from conftest import random  # noqa: E402
+from conftest import child_environment, random  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EDGE = cases.EDGE
 #: A size no call reaches: the decision goes to JAX's own code.
 NEVER = 1 << 62
@@ -471,7 +470,7 @@ def test_threads_trace_under_their_own_policy():
 
 
 def _run(code, **environment):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **environment}
+    env = child_environment(tests=True, **environment)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     return done.stdout, done.stderr

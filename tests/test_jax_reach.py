@@ -10,8 +10,6 @@ tests/jax_reach_cases.py's, written as the libraries' users write them."""
 import inspect
 import io
 import json
-import os
-import pathlib
 import pickle
 import re
 import subprocess
@@ -29,15 +27,14 @@ import jax_reach_cases as cases  # noqa: E402
 import fastbwd.jax as fj  # noqa: E402
 from fastbwd.jax import _pad, _reach, _seams, _upsample  # noqa: E402
 
-from conftest import random  # noqa: E402
+from conftest import child_environment, random  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 EDGE = cases.EDGE
 
 
 def _run(code, timeout=600):
     """``code`` in a new Python process (the checkout and tests/ on its path): its stdout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    env = child_environment(tests=True)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

@@ -11,7 +11,7 @@ import fastbwd
 from fastbwd import _precompile
 from fastbwd._dtypes import BY_NAME
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, child_environment
 
 # Runs every replication_pad2d_backward entry of the precompile table (and a read-only
 # grad_output) in a fresh process; prints the number of compiles and of cache hits.
@@ -43,8 +43,7 @@ print(len(compiles), hits)
 
 
 def _run(args, env, **kwargs):
-    environment = {k: v for k, v in os.environ.items() if k not in ("FASTBWD_CACHE", "FASTBWD_SERIAL")}
-    environment.update(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    environment = child_environment(without=("FASTBWD_CACHE", "FASTBWD_SERIAL"), **env)
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600, **kwargs
     )

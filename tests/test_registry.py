@@ -2,7 +2,6 @@
 paths to precompile, the self-check) and the benchmark side (``bench/cases.py``) that extends
 it; and ``python -m fastbwd`` is the self-check built from it."""
 
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ from fastbwd import _precompile
 from fastbwd.__main__ import SMALL_CHECKS
 from fastbwd._registry import OPERATORS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, child_environment
 
 
 def test_the_benchmark_side_extends_every_checked_operator():
@@ -32,9 +31,13 @@ def test_the_precompile_table_is_the_registrys_paths():
 
 
 def test_self_check_prints_one_line_per_operator():
-    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(
-        [sys.executable, "-m", "fastbwd"], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600
+        [sys.executable, "-m", "fastbwd"],
+        capture_output=True,
+        text=True,
+        env=child_environment(),
+        cwd=ROOT,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()[1:]

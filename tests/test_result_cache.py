@@ -1,7 +1,6 @@
 """The result cache (fastbwd/_result_cache.py): large results reuse the memory of dropped ones,
 never of one still viewed; every public function's results are the same with and without it."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import pytest
 import fastbwd
 from fastbwd import _result_cache as cache
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import child_environment
 
 
 @pytest.fixture
@@ -178,8 +177,13 @@ def test_threads_allocating_and_dropping_at_once_get_their_own_memory(small_cach
 
 
 def _run(code, timeout=120, **environment):
-    env = {**os.environ, "PYTHONPATH": ROOT, **environment}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_environment(**environment),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from numba import get_num_threads, prange
 
 from fastbwd.kernels import _jit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, child_environment
 
 _PRELUDE = """
 import sys, threading
@@ -38,8 +38,7 @@ def expected(seed):
 
 def run_script(body, env=None, timeout=240):
     script = textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
-    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    environment.update(env or {})
+    environment = child_environment(**(env or {}))
     completed = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT
     )

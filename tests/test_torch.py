@@ -3,7 +3,6 @@ the RoIAlign drop-in. Everything here skips cleanly without torch."""
 
 import contextlib
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -23,24 +22,13 @@ from fastbwd.testing import reference as ref  # noqa: E402
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal  # noqa: E402
 from fastbwd.torch import _compile, _convert, _routing, _switch  # noqa: E402
 
+from conftest import run_program  # noqa: E402
+
 A = torch.ops.aten
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 FORMATS = [torch.contiguous_format, torch.channels_last]
 #: Tolerance against PyTorch's own kernel per dtype (different summation orders).
 TORCH_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _run_program(program, folder):
-    """``program`` in a new Python process in ``folder``, importing this checkout's fastbwd (not
-    an installed one: the mutation check runs copies of the tree without PYTHONPATH)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd=folder, env=env
-    )
 
 
 @pytest.fixture(autouse=True)
@@ -577,7 +565,7 @@ def test_a_forked_child_counts_only_the_forking_threads_blocks(tmp_path):
         print(os.waitstatus_to_exitcode(status), ft.is_enabled())
         """
     )
-    result = _run_program(program, tmp_path)
+    result = run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "False"]
 
@@ -666,7 +654,7 @@ def test_a_child_forked_inside_a_block_is_inside_it(tmp_path):
         print(os.waitstatus_to_exitcode(status), ft.is_enabled())
         """
     )
-    result = _run_program(program, tmp_path)
+    result = run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "False"]
 

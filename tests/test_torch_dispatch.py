@@ -16,8 +16,9 @@ import fastbwd.torch as ft  # noqa: E402
 from fastbwd import _dispatch  # noqa: E402
 from fastbwd.torch import _functional, _fuse, _ops, _routing  # noqa: E402
 
+from conftest import child_environment  # noqa: E402
+
 F, nn = torch.nn.functional, torch.nn
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The routed operations: (op, forward, its module).
 ROUTED = {
@@ -100,7 +101,7 @@ def test_the_policy_is_set_by_set_policy_enable_and_enabled():
     ],
 )
 def test_fastbwd_policy_sets_the_policy_a_process_starts_with(value, policy):
-    env = {k: v for k, v in os.environ.items() if k != "FASTBWD_POLICY"} | {"PYTHONPATH": ROOT}
+    env = child_environment(without=["FASTBWD_POLICY"])
     if value is not None:
         env["FASTBWD_POLICY"] = value
     code = "import fastbwd.torch as ft; print(ft.policy())"

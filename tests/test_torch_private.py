@@ -3,10 +3,7 @@
 imports fastbwd.torch, routes eager calls and runs GroupNormSwish, roi_align, the fusion and
 torch.compile (the feature that needs it off, with one warning, never an error)."""
 
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -18,8 +15,7 @@ F, nn = torch.nn.functional, torch.nn
 import fastbwd.torch as ft  # noqa: E402
 from fastbwd.torch import _compile, _fuse, _ops, _private  # noqa: E402
 
-#: The checkout under test (a mutant's copy too): the programs the tests run import its fastbwd.
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import run_program  # noqa: E402
 
 
 class _Gone:
@@ -243,7 +239,6 @@ def test_the_pre_grad_pass_fuses_no_pair_without_graph_values(monkeypatch):
 def test_every_private_interface_is_in_the_list():
     """The list the test above walks is the bridge's: no private name of PyTorch's is used
     elsewhere in fastbwd/torch/ (the tests' names aside)."""
-    import pathlib
     import re
 
     folder = pathlib.Path(_private.__file__).parent
@@ -313,14 +308,7 @@ def test_import_touches_no_private_interface(tmp_path):
         print(dict(ft._routing.SERVED))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this checkout's fastbwd, not an installed one
-    )
+    result = run_program(program, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "upsample_bilinear2d_backward" in result.stdout.strip().splitlines()[-1]
 

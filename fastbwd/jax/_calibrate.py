@@ -18,10 +18,8 @@ alike (the handler runs on Numba's pool size, fastbwd/jax/_decide.py).
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -118,29 +116,12 @@ def compiled_steps(path, op, shape, threads):
 
 def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
     """JAX's time over fastbwd's for one call's step (:func:`compiled_steps`): the median of
-    alternating rounds' ratios (each round timing about ``seconds / rounds / 2`` per side); None
-    where the call cannot be made here."""
+    alternating rounds' ratios (``_dispatch.alternating_ratio``); None where the call cannot be
+    made here."""
     steps = compiled_steps(path, op, shape, threads)
     if steps is None:
         return None
-    for step in steps:
-        step()
-    start = time.perf_counter()
-    steps[0]()
-    each = time.perf_counter() - start
-    calls = max(1, min(200, int(seconds / rounds / 2 / max(each, 1e-6))))
-    ratios = []
-    for _ in range(rounds):
-        times = []
-        for step in steps:
-            these = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                step()
-                these.append(time.perf_counter() - start)
-            times.append(statistics.median(these))
-        ratios.append(times[1] / times[0])
-    return statistics.median(ratios)
+    return _dispatch.alternating_ratio(steps, seconds=seconds, rounds=rounds)
 
 
 def points(threads, measured=MEASURED, ladder=None, seconds=1.0):
@@ -175,20 +156,22 @@ def confine(cpus):
         os.sched_setaffinity(0, set(cpus))
 
 
+def run_child(module, threads, arguments=(), env=None, timeout=3600):
+    """``python -m module --threads N --cpus ... *arguments`` (a program whose main gives
+    ``--cpus`` to :func:`confine`) in a new process on ``threads`` Numba threads and as many of
+    this machine's CPUs, the environment ``env`` (default: this process's) but for
+    ``NUMBA_NUM_THREADS``: the finished process, its output captured as text."""
+    command = [sys.executable, "-m", module, "--threads", str(threads), *cpus_option(threads), *arguments]
+    env = dict(os.environ if env is None else env, NUMBA_NUM_THREADS=str(threads))
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def measure_in_child(threads, seconds=1.0, measured=MEASURED, ladder=None, timeout=3600):
     """:func:`points` measured by a new process on ``threads`` Numba threads and as many CPUs."""
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
-    command = [sys.executable, "-m", "fastbwd.jax._calibrate", "--threads", str(threads), "--seconds", str(seconds)]
-    command += ["--measured", *measured, *cpus_option(threads)]
+    arguments = ["--seconds", str(seconds), "--measured", *measured]
     if ladder:
-        command += ["--ladder", json.dumps([list(shape) for shape in ladder])]
-    done = subprocess.run(
-        command,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+        arguments += ["--ladder", json.dumps([list(shape) for shape in ladder])]
+    done = run_child("fastbwd.jax._calibrate", threads, arguments, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the calibration on {threads} thread(s) failed:\n{done.stderr}")
     return {name: [tuple(point) for point in row] for name, row in json.loads(done.stdout.splitlines()[-1]).items()}

@@ -11,8 +11,6 @@ twice, minutes on two cores (``python3 -m bench --full`` measures it, in its swe
 
 import contextlib
 import copy
-import statistics
-import time
 
 import torch
 from torch import nn
@@ -70,7 +68,7 @@ def _step(forward, x, parameters, g):
 def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
     """PyTorch's time over fastbwd's path's (the decision forced to fastbwd) for a forward +
     backward step of ``op`` on ``path`` at ``shape`` on ``threads`` threads: the median of
-    alternating rounds' ratios (each round timing about ``seconds / rounds / 2`` per side)."""
+    alternating rounds' ratios (``_dispatch.alternating_ratio``)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0), requires_grad=True)
     ours, theirs, our_parameters, their_parameters = _forwards(path, op, x)
     with torch.no_grad():
@@ -86,26 +84,7 @@ def ratio(path, op, shape, threads, seconds=1.0, rounds=7):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with fastbwd_side():
-            fastbwd_step()
-            start = time.perf_counter()
-            fastbwd_step()
-            each = time.perf_counter() - start
-        plain_step()
-        calls = max(1, min(200, int(seconds / rounds / 2 / max(each, 1e-6))))
-        ratios = []
-        for _ in range(rounds):
-            times = []
-            for context, step in ((fastbwd_side, fastbwd_step), (contextlib.nullcontext, plain_step)):
-                with context():
-                    these = []
-                    for _ in range(calls):
-                        start = time.perf_counter()
-                        step()
-                        these.append(time.perf_counter() - start)
-                times.append(statistics.median(these))
-            ratios.append(times[1] / times[0])
-        return statistics.median(ratios)
+        return _dispatch.alternating_ratio((fastbwd_step, plain_step), (fastbwd_side, None), seconds, rounds)
     finally:
         torch.set_num_threads(previous)
 
