@@ -603,7 +603,7 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         functorch_config.joint_custom_pass = None
 
 
-def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
+def test_hooks_left_in_the_config_after_disable_fuse_nothing():
     """Code that puts an old compiler config value back (monkeypatch's undo, a config.patch block
     opened while fastbwd was enabled) may leave fastbwd's hooks there after ``disable()``: a
     graph compiled then is PyTorch's (found by CI: such a hook made the private-interface test's
@@ -614,8 +614,8 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
     ft.enable()
     joint_pass, pre_grad_passes = functorch_config.joint_custom_pass, list(inductor_config.pre_grad_custom_pass)
     ft.disable()
-    monkeypatch.setattr(functorch_config, "joint_custom_pass", joint_pass)
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", pre_grad_passes)
+    before = functorch_config.joint_custom_pass, inductor_config.pre_grad_custom_pass
+    functorch_config.joint_custom_pass, inductor_config.pre_grad_custom_pass = joint_pass, pre_grad_passes
 
     def pre_grad_then_aot_eager(gm, example_inputs):  # Inductor's pre-grad passes, without its C++
         for graph_pass in inductor_config.pre_grad_custom_pass:
@@ -624,13 +624,15 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     x = _randn((2, 4, 3, 3), 27).requires_grad_()
-    for backend in ("aot_eager", pre_grad_then_aot_eager):
-        norm = nn.GroupNorm(2, 4)
-        before = _routing.GRAPH_CALLS.copy()
+    try:
+        for backend in ("aot_eager", pre_grad_then_aot_eager):
+            calls = _routing.GRAPH_CALLS.copy()
+            torch.compiler.reset()
+            torch.compile(nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU()), backend=backend)(x).sum().backward()
+            assert _counts(_routing.GRAPH_CALLS, calls) == {}, backend
+    finally:
+        functorch_config.joint_custom_pass, inductor_config.pre_grad_custom_pass = before
         torch.compiler.reset()
-        torch.compile(nn.Sequential(norm, nn.SiLU()), backend=backend)(x).sum().backward()
-        assert _counts(_routing.GRAPH_CALLS, before) == {}, backend
-    torch.compiler.reset()
 
 
 def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):
