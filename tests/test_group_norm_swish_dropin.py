@@ -346,6 +346,35 @@ def test_memory_format(input_format, grad_format):
     _compare(x.detach(), 2, torch.float32, grad_memory_format=grad_format)
 
 
+@pytest.mark.parametrize(
+    "shape, memory_format",
+    [
+        ((2, 8, 4, 4), torch.channels_last),
+        ((1, 4, 2, 2, 3), torch.channels_last_3d),
+        ((1, 4, 2, 1, 2, 1, 2, 1, 2, 2), torch.contiguous_format),  # above the kernels' rank: seen flat
+    ],
+    ids=["channels_last", "channels_last_3d", "rank_10"],
+)
+def test_the_output_may_be_modified_in_place_as_nn_group_norms(shape, memory_format):
+    """The output is no view of the kernels' (N, *spatial, C) or flat result (autograd refuses
+    an in-place op on a custom Function's output that is a view): an in-place op after the
+    module works as after nn.GroupNorm + nn.SiLU, with PyTorch's gradients."""
+    fused, plain = _pair(2, shape[1])
+    x = _randn(shape).contiguous(memory_format=memory_format)
+    grad = _randn(shape, seed=3).contiguous(memory_format=memory_format)
+    results = []
+    for module in (fused, plain):
+        leaf = x.detach().requires_grad_()
+        y = module(leaf)
+        assert y.is_contiguous(memory_format=memory_format)
+        y.mul_(2)
+        y.backward(grad)
+        results.append([y.detach(), leaf.grad, *(p.grad for p in module.parameters())])
+    assert fused(x)._base is None
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 MIXED_SHAPES = [
     ((1, 8, 4, 3), 2),
     ((1, 8, 3, 4), 4),

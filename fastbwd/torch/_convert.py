@@ -55,9 +55,12 @@ _BFLOAT16 = torch.bfloat16  # torch dtypes are singletons
 
 def as_tensor(array):
     """A tensor sharing ``array``'s memory (``torch.from_numpy``, bfloat16 included)."""
-    if array.dtype == ARRAY_DTYPES[torch.bfloat16]:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if array.dtype == _BFLOAT16_ARRAY:
+        return torch.from_numpy(array.view(np.int16)).view(_BFLOAT16)
     return torch.from_numpy(array)
+
+
+_BFLOAT16_ARRAY = ARRAY_DTYPES[_BFLOAT16]
 
 
 #: The axis order, innermost first, of a channels-last tensor of each rank PyTorch has a

@@ -372,6 +372,9 @@ class _Geometry:
         # on how the spatial axes are split, so a higher-rank (contiguous) input is seen as
         # (N, C, HxW).
         self.flat = input.dim() > gns_api.MAX_RANK
+        # Whether an input of this geometry is dense in its memory format already (the key holds
+        # its strides): then its array views it without asking PyTorch on each call.
+        self.input_dense = input.is_contiguous(memory_format=self.memory_format)
         self.num_groups = num_groups
         # Without affine parameters the normalisation is the identity map: gamma one and beta zero
         # (in stats_dtype), made here once (the kernels only read them).
@@ -385,7 +388,7 @@ class _Geometry:
         # the backward's prepared calls, by 2 * need_weight + need_bias (made by their first call)
         self._backward = [None] * 4
         if eps is not None:  # prepared with the thread count geometry_of set (a key of the geometry)
-            x, (gamma, beta) = self.x_array(input), self.parameters(weight, bias)
+            x, (gamma, beta) = self.input_array(input), self.parameters(weight, bias)
             self._forward = gns_api.group_norm_swish.prepare(
                 x, gamma, beta, num_groups, self.data_format, eps, True, swish_scale
             )
@@ -403,10 +406,20 @@ class _Geometry:
         return found
 
     def x_array(self, tensor):
-        """``tensor`` (the input, or a gradient shaped like it) as the array the kernels take:
-        dense in the memory format, channels-last as its (N, *spatial, C) view, above the
-        kernels' rank as (N, C, HxW)."""
-        array = c.as_array(c.dense(tensor, self.memory_format))
+        """``tensor`` (a gradient shaped like the input) as the array the kernels take: dense in
+        the memory format (a copy unless it is), channels-last as its (N, *spatial, C) view,
+        above the kernels' rank as (N, C, HxW)."""
+        if not self.channels_last or tensor.stride() != self.output_strides:
+            # (PyTorch's contiguous() costs twice a strides comparison for channels_last)
+            tensor = c.dense(tensor, self.memory_format)
+        return self._array(tensor)
+
+    def input_array(self, input):
+        """:meth:`x_array` of an input of this geometry (its strides are the geometry's)."""
+        return self._array(input if self.input_dense else c.dense(input, self.memory_format))
+
+    def _array(self, tensor):
+        array = c.as_array(tensor)
         if self.flat:
             return array.reshape(array.shape[0], array.shape[1], -1)
         return array.transpose(self.to_nhwc) if self.channels_last else array
@@ -416,7 +429,7 @@ class _Geometry:
         the arrays the backward kernel takes besides ``dy`` (:class:`_KernelArrays`, with
         ``mean`` and ``rstd``), which the eager path keeps so that its backward converts only
         ``dy``."""
-        x = self.x_array(input)
+        x = self.input_array(input)
         gamma, beta = self.parameters(weight, bias)
         y, mean, rstd = self._forward(x, gamma, beta)
         return self.result(y), _KernelArrays(mean, rstd, x, gamma, beta)
@@ -463,11 +476,15 @@ class _Geometry:
 
     def result(self, array):
         """A kernel's dx or y (an array from the api) as the tensor the caller gets: channels-last
-        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's."""
-        tensor = c.as_tensor(array)
+        arrays come back in the (N, C, *spatial) shape, flattened ones in the input's. The
+        array is reshaped before it is wrapped, so the tensor is no view (an autograd Function's
+        output that is a view cannot be modified in place), and a NumPy transpose costs a third
+        of ``Tensor.permute``."""
         if self.flat:
-            return tensor.reshape(self.shape)
-        return tensor.permute(self.to_nchw) if self.channels_last else tensor
+            array = array.reshape(self.shape)
+        elif self.channels_last:
+            array = array.transpose(self.to_nchw)
+        return c.as_tensor(array)
 
 
 _GEOMETRIES = _plans.Plans()
@@ -600,7 +617,7 @@ def _backward(grad_output, input, mean, rstd, weight, bias, num_groups, swish_sc
     geometry = _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows_switch)
     if geometry is not None:
         arrays = _KernelArrays(
-            c.as_array(mean), c.as_array(rstd), geometry.x_array(input), *geometry.parameters(weight, bias)
+            c.as_array(mean), c.as_array(rstd), geometry.input_array(input), *geometry.parameters(weight, bias)
         )
         grads = geometry.backward(grad_output, arrays, need_weight, need_bias)
         if grads is not None:
