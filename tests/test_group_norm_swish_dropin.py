@@ -375,6 +375,31 @@ def test_the_output_may_be_modified_in_place_as_nn_group_norms(shape, memory_for
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+def _misaligned(tensor):
+    """A copy of ``tensor`` whose data starts 2 bytes off its dtype's alignment."""
+    memory = bytearray(tensor.numel() * tensor.element_size() + 2)
+    copy = torch.frombuffer(memory, dtype=tensor.dtype, offset=2, count=tensor.numel()).view(tensor.shape)
+    copy.copy_(tensor)
+    assert copy.data_ptr() % tensor.element_size() != 0
+    return copy
+
+
+@pytest.mark.parametrize("aligned_first", [True, False], ids=["after_an_aligned_call", "first"])
+def test_a_misaligned_input_runs_as_nn_group_norms(aligned_first):
+    """A tensor over misaligned memory (``torch.frombuffer`` at an odd offset) of a geometry
+    whose prepared call was made for aligned ones, or the other way round: PyTorch's results
+    (it once raised fastbwd's ParamError from the prepared forward)."""
+    fused, plain = _pair(2, 8)
+    x, grad = _randn((2, 8, 4, 4)), _randn((2, 8, 4, 4), seed=3)
+    inputs = [x, _misaligned(x)] if aligned_first else [_misaligned(x), x]
+    expected = _run(plain, x, grad, list(plain.parameters()))
+    for input in inputs:
+        for gradient in (grad, _misaligned(grad)):
+            actual = _run(fused, input, gradient, list(fused.parameters()))
+            for ours, theirs in zip([actual[0], *actual[1]], [expected[0], *expected[1]]):
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 MIXED_SHAPES = [
     ((1, 8, 4, 3), 2),
     ((1, 8, 3, 4), 4),
