@@ -685,19 +685,18 @@ def test_enable_and_disable_install_and_remove_the_hooks_keeping_users_passes():
         functorch_config.joint_custom_pass = None
 
 
-def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
+def test_hooks_left_in_the_config_after_disable_fuse_nothing():
     """Code that puts an old compiler config value back (monkeypatch's undo, a config.patch block
     opened while fastbwd was enabled) may leave fastbwd's hooks there after ``disable()``: a
     graph compiled then is PyTorch's (found by CI: such a hook made the private-interface test's
-    plain compile use up its one warning)."""
+    plain compile use up its one warning). The hooks go back with the configs' own ``patch``: a
+    pytest monkeypatch of a config entry deletes it on undo, which hides it from later tests."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     ft.enable()
     joint_pass, pre_grad_passes = functorch_config.joint_custom_pass, list(inductor_config.pre_grad_custom_pass)
     ft.disable()
-    monkeypatch.setattr(functorch_config, "joint_custom_pass", joint_pass)
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", pre_grad_passes)
 
     def pre_grad_then_aot_eager(gm, example_inputs):  # Inductor's pre-grad passes, without its C++
         for graph_pass in inductor_config.pre_grad_custom_pass:
@@ -706,12 +705,17 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing(monkeypatch):
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     x = _randn((2, 4, 3, 3), 27).requires_grad_()
-    for backend in ("aot_eager", pre_grad_then_aot_eager):
-        norm = nn.GroupNorm(2, 4)
-        before = _routing.GRAPH_CALLS.copy()
-        torch.compiler.reset()
-        torch.compile(nn.Sequential(norm, nn.SiLU()), backend=backend)(x).sum().backward()
-        assert _counts(_routing.GRAPH_CALLS, before) == {}, backend
+    stale_hooks = (
+        functorch_config.patch(joint_custom_pass=joint_pass),
+        inductor_config.patch(pre_grad_custom_pass=pre_grad_passes),
+    )
+    with stale_hooks[0], stale_hooks[1]:
+        for backend in ("aot_eager", pre_grad_then_aot_eager):
+            norm = nn.GroupNorm(2, 4)
+            before = _routing.GRAPH_CALLS.copy()
+            torch.compiler.reset()
+            torch.compile(nn.Sequential(norm, nn.SiLU()), backend=backend)(x).sum().backward()
+            assert _counts(_routing.GRAPH_CALLS, before) == {}, backend
     torch.compiler.reset()
 
 
