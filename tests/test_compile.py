@@ -2,6 +2,7 @@
 before a model's first compiled call, compiled graphs run the routed backward operators and
 GroupNorm -> SiLU pairs on fastbwd's kernels, with fake strides equal to the real ones."""
 
+import contextlib
 import textwrap
 import warnings
 
@@ -12,6 +13,7 @@ F = torch.nn.functional
 nn = torch.nn
 
 import fastbwd.torch as ft  # noqa: E402
+from fastbwd import _dispatch  # noqa: E402
 from fastbwd.torch import _compile, _private, _routing, _switch  # noqa: E402
 
 from conftest import run_program  # noqa: E402
@@ -102,6 +104,81 @@ def test_compiled_roi_align_has_eagers_bits_and_layout(memory_format, backend):
     for g, w in zip(got, want):
         assert torch.equal(g, w) and g.stride() == w.stride()
     assert got[1].is_contiguous(memory_format=memory_format)
+
+
+@pytest.mark.parametrize(
+    "upsample",
+    [
+        lambda x: torch.ops.aten.upsample_bilinear2d.default(x, [4, 6], False, None, None),
+        lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+    ],
+    ids=["default", "vec"],
+)
+def test_a_complex_upsample_traced_without_dynamo_raises_pytorchs_error(upsample):
+    """A complex bilinear upsample that wants a gradient, traced by AOTAutograd alone (no Dynamo
+    fake run refuses it first), through either overload's autograd kernel: fastbwd's hands it to
+    PyTorch's own, so the trace raises PyTorch's error (its decomposition's round has no complex
+    autograd), never a graph with fastbwd's gradient."""
+    from functorch.compile import aot_function, nop
+
+    x = _randn((1, 2, 2, 3), 63).to(torch.complex64).requires_grad_()
+    with pytest.raises(RuntimeError, match="round does not support automatic differentiation") as plain:
+        aot_function(upsample, nop)(x)
+    with ft.enabled(policy="always"):
+        with pytest.raises(RuntimeError) as ours:
+            aot_function(upsample, nop)(x)
+    assert str(ours.value) == str(plain.value)
+
+
+def _traced_forward(function, x):
+    """The call_function targets of ``function``'s forward graph as AOTAutograd traces it."""
+    from functorch.compile import aot_function
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm
+
+    aot_function(function, capture)(x)
+    return graphs[0]
+
+
+@pytest.mark.parametrize("call", ["no-gradient-wanted", "under-no-grad", "declined"])
+def test_an_upsample_whose_gradient_fastbwd_does_not_take_is_traced_as_pytorchs(call):
+    """A bilinear upsample (``.vec``) whose gradient fastbwd does not take (its input wants none,
+    gradients off, the decision declines it) is traced by PyTorch's own Python kernel: the graph
+    plain PyTorch traces (its decomposition), not the aten call fastbwd's kernel makes for the
+    calls it takes."""
+    x = _randn((1, 2, 3, 4), 64).requires_grad_(call != "no-gradient-wanted")
+    upsample = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")  # noqa: E731
+    context = torch.no_grad if call == "under-no-grad" else contextlib.nullcontext
+    with context():
+        plain = _traced_forward(upsample, x)
+    declined = {f"torch/compiled/upsample_bilinear2d/{t}": 10**12 for t in {1, 2, torch.get_num_threads()}}
+    with _dispatch.using(declined if call == "declined" else {}):
+        with ft.enabled(policy="auto" if call == "declined" else "always"), context():
+            assert _compile.is_installed()
+            ours = _traced_forward(upsample, x)
+    assert ours == plain
+
+
+def test_the_upsample_vec_kernel_keeps_calls_where_pytorch_had_no_python_kernel():
+    """Where PyTorch has no Python kernel of its own at a ``.vec`` key (a release without one),
+    fastbwd's kernel has none to hand a call to: it keeps even a call whose gradient fastbwd does
+    not take, as the C++ composite kernel has it (the aten call), and never calls a missing one."""
+    overload = torch.ops.aten.upsample_bilinear2d.vec
+    x = _randn((1, 2, 3, 4), 65)  # wants no gradient: handed over where PyTorch's kernel exists
+    upsample = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")  # noqa: E731
+    with ft.enabled(policy="always"):
+        saved = dict(_compile._installed)
+        try:
+            for key in ("Autograd", "CompositeImplicitAutograd"):
+                _compile._installed[overload, key] = None
+            graph = _traced_forward(upsample, x)
+        finally:
+            _compile._installed.update(saved)
+    assert "aten.upsample_bilinear2d.default" in graph
 
 
 @pytest.mark.slow
@@ -607,7 +684,8 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing():
     """Code that puts an old compiler config value back (monkeypatch's undo, a config.patch block
     opened while fastbwd was enabled) may leave fastbwd's hooks there after ``disable()``: a
     graph compiled then is PyTorch's (found by CI: such a hook made the private-interface test's
-    plain compile use up its one warning)."""
+    plain compile use up its one warning). The hooks go back with the configs' own ``patch``: a
+    pytest monkeypatch of a config entry deletes it on undo, which hides it from later tests."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -633,6 +711,18 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing():
     finally:
         functorch_config.joint_custom_pass, inductor_config.pre_grad_custom_pass = before
         torch.compiler.reset()
+
+
+def test_the_pre_grad_pass_keys_inductors_caches_by_whether_it_fuses():
+    """The pre-grad pass's uuid (Inductor's cache key) differs while the hooks are out (a pass
+    left in the config fuses nothing): a graph compiled then, unfused, is never reused for one
+    compiled with fastbwd on, nor the other way round; it is the same again once back on."""
+    ft.enable()
+    on = _compile._graph_pass().uuid()
+    ft.disable()
+    off = _compile._graph_pass().uuid()
+    ft.enable()
+    assert on != off and _compile._graph_pass().uuid() == on
 
 
 def test_unknown_pytorch_warns_once_and_compiles_as_pytorch(monkeypatch):

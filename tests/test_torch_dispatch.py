@@ -627,10 +627,14 @@ def test_calibrate_into_a_read_only_folder_fails_and_changes_nothing(monkeypatch
 def test_a_pad_cropping_a_whole_side_gives_pytorchs_gradient(policy, padding):
     """A replicate pad whose negative size crops a whole side, then replicates the edge (found by
     the never-breaks property test: fastbwd's kernel gave zeros there): fastbwd's gradient is
-    PyTorch's, on either policy, every call served."""
+    PyTorch's, on either policy, every call served: by fastbwd's kernel, none handed back to
+    PyTorch's (the bridge once declined such pads)."""
     x = _input((1, 2, 3, 2), seed=5)
     forward = lambda x: F.pad(x, padding, mode="replicate")  # noqa: E731
     expected = _plain(forward, x)
+    name = "replication_pad2d_backward"
+    served, fallback = _routing.SERVED[name], _routing.FALLBACK[name]
     with ft.enabled(policy=policy), _everything_served():
         found = _gradient(forward, x)
     assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+    assert (_routing.SERVED[name], _routing.FALLBACK[name]) == (served + 1, fallback)
