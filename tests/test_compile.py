@@ -684,8 +684,8 @@ def test_hooks_left_in_the_config_after_disable_fuse_nothing():
     """Code that puts an old compiler config value back (monkeypatch's undo, a config.patch block
     opened while fastbwd was enabled) may leave fastbwd's hooks there after ``disable()``: a
     graph compiled then is PyTorch's (found by CI: such a hook made the private-interface test's
-    plain compile use up its one warning). The hooks go back with the configs' own ``patch``: a
-    pytest monkeypatch of a config entry deletes it on undo, which hides it from later tests."""
+    plain compile use up its one warning). The test puts the config back itself: a pytest
+    monkeypatch of a config entry deletes it on undo, which hides it from later tests."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
