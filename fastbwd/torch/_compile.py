@@ -208,23 +208,23 @@ def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scale
     if previous is None:
         previous = functools.partial(_below_autograd, overload)
     elif not (input.is_floating_point() and decides_fastbwd("upsample_bilinear2d_backward", input)):
-        # other devices, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
+        # other devices, complex inputs, and calls PyTorch's own code runs faster: PyTorch's kernel, both ways
         return previous(*arguments)
     backward_arguments = (list(output_size), list(input.shape), align_corners, scales_h, scales_w)
     return _RoutedForward.apply("upsample_bilinear2d_backward", previous, backward_arguments, *arguments)
 
 
 def _upsample_bilinear2d_vec(key):
-    """The ``.vec`` overload's kernel at ``key``: for a call whose gradient fastbwd takes, as its
-    C++ composite kernel has it (the output size from the scale factors, then the overload with an
-    autograd formula, where PyTorch's Python kernel would decompose it instead); for any other,
-    PyTorch's Python kernel, so the trace (and its errors: a complex input's) is PyTorch's."""
+    """The ``.vec`` overload's kernel at ``key``: for a call that wants a gradient, as its C++
+    composite kernel has it (the output size from the scale factors, then the ``.default``
+    overload, whose autograd kernel :func:`_upsample_bilinear2d` decides between fastbwd's
+    gradient and PyTorch's kernel, where PyTorch's Python kernel would decompose the call
+    instead); for a call that wants none, PyTorch's Python kernel, so the trace is PyTorch's."""
     overload = aten.upsample_bilinear2d.vec
 
     def kernel(input, output_size, align_corners, scale_factors):
         previous = _installed.get((overload, key))
-        takes = input.is_floating_point() and _wants_gradient(input)
-        if previous is not None and not (takes and decides_fastbwd("upsample_bilinear2d_backward", input)):
+        if previous is not None and not _wants_gradient(input):
             return previous(input, output_size, align_corners, scale_factors)
         size = _private.upsample_output_size(input.size(), output_size, scale_factors)
         scales = scale_factors if scale_factors else [None, None]
