@@ -24,6 +24,8 @@ ARRAY_DTYPES = {
     torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128),
 }
+_BFLOAT16 = torch.bfloat16  # torch dtypes are singletons
+_BFLOAT16_ARRAY = ARRAY_DTYPES[_BFLOAT16]
 
 
 def can_view(tensor):
@@ -50,17 +52,11 @@ def as_array(tensor):
     return tensor.numpy(force=True) if tensor.requires_grad else tensor.numpy()
 
 
-_BFLOAT16 = torch.bfloat16  # torch dtypes are singletons
-
-
 def as_tensor(array):
     """A tensor sharing ``array``'s memory (``torch.from_numpy``, bfloat16 included)."""
     if array.dtype == _BFLOAT16_ARRAY:
         return torch.from_numpy(array.view(np.int16)).view(_BFLOAT16)
     return torch.from_numpy(array)
-
-
-_BFLOAT16_ARRAY = ARRAY_DTYPES[_BFLOAT16]
 
 
 #: The axis order, innermost first, of a channels-last tensor of each rank PyTorch has a
