@@ -45,7 +45,9 @@ def child_environment(*, tests=False, without=(), **variables):
     an installed one (the mutation check runs copies of the tree): this process's, without the
     variables named in ``without``, with ``variables`` set, and this checkout first on
     PYTHONPATH (then tests/ when ``tests``, for the child's ``from conftest import ...``; then
-    the entries already there)."""
+    the entries already there). The child is not one of pytest-xdist's workers (CI runs the slow
+    set in two): pytest-benchmark in a child pytest would take it for one."""
+    without = {*without, *(name for name in os.environ if name.startswith("PYTEST_XDIST_"))}
     environment = {name: value for name, value in os.environ.items() if name not in without}
     environment.update(variables)
     first = [ROOT, os.path.join(ROOT, "tests")] if tests else [ROOT]
