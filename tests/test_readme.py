@@ -5,8 +5,11 @@ the saved run's."""
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 from test_exit import warm_and_run
@@ -104,23 +107,63 @@ def test_the_readme_commands_ci_reads_are_the_readmes_lines():
 def test_ci_runs_the_readme_as_written_first_then_every_test():
     """.ci/run's first steps are a fresh virtual environment and the README's install line and
     test command, read from the README (not copied: they cannot drift), before anything else is
-    installed; then the extras and every test (the quick set again and the slow set), so every
-    test runs in CI."""
+    installed into it; then the extras and every test the README's run did not pass (no marker
+    chosen: the slow set and the quick tests an extra enables), so every test runs in CI."""
     ci = (ROOT / ".ci" / "run").read_text()
     steps = [line for line in ci.splitlines() if line and not line.startswith((" ", "#", "}"))]
     venv = steps.index("python3 -m venv .venv")
-    assert steps[venv + 1 : venv + 3] == [". .venv/bin/activate", "readme test"], steps[venv : venv + 3]
+    readme_run = 'PYTHONPATH="$PWD/.ci" PYTEST_ADDOPTS="-p ran_tests --record-ran $RAN" readme test'
+    assert steps[venv + 1 : venv + 4] == [". .venv/bin/activate", 'phase "the README\'s test command"', readme_run]
     assert 'line="$(python3 .ci/readme_commands.py "$1")"' in ci and 'bash -euo pipefail -c "$line"' in ci
-    assert not any("pip install" in step for step in steps[:venv]), "nothing installed before the README's line"
-    assert "readme docs" in steps and "python -m pytest" in steps[steps.index("readme docs") :]
+    # before it only the second PyTorch's environment, in the background, into a venv of its own
+    before = [step for step in steps[:venv] if "pip install" in step or "activate" in step]
+    assert before == [], before
+    assert ci.index(". .venv-torch2.14/bin/activate") < ci.index("python3 -m venv .venv\n")
+    after_docs = steps[steps.index("readme docs") :]
+    rest = 'PYTHONPATH="$PWD/.ci" python -m pytest -p ran_tests --skip-ran "$RAN" -n 2'
+    assert rest in after_docs  # no marker chosen: every test the README's run did not pass
     # the extras the README's install leaves out, into the same environment, after its test command
     extras = next(step for step in steps if "[flax,equinox]" in step)
-    assert steps.index(extras) > venv + 2
+    assert venv + 3 < steps.index(extras) < steps.index(rest)
     # the PyTorch releases CI installs (the README's line, then the second environment's) are the
     # ones the README says are tested
     releases = re.findall(r"torch==(\d\S*)", _readme_commands().command("test") + "\n" + ci)
     assert releases == ["2.13.0", "2.14.1"], releases
     assert f"tested with PyTorch {releases[0]} and {releases[1]}" in " ".join(README.split())
+
+
+def test_ci_runs_each_test_once(tmp_path):
+    """.ci/ran_tests.py: a run with ``--record-ran`` (given through the environment, as .ci/run
+    gives it to the README's command) lists the tests that passed and hides the option from the
+    tests' own child processes; a run with ``--skip-ran`` deselects exactly those."""
+    (tmp_path / "test_cases.py").write_text(
+        "import os, subprocess, sys\n"
+        "import pytest\n"
+        "def test_passes():\n"
+        '    child = \'import os; print(os.environ.get("PYTEST_ADDOPTS"), os.environ.get("PYTHONPATH"))\'\n'
+        "    assert subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout == 'None None\\n'\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_needs_an_extra(n):\n"
+        "    if 'EXTRA' not in os.environ:\n"
+        "        pytest.skip('the extra is not installed')\n"
+        "def test_fails_first():\n"
+        "    assert 'EXTRA' in os.environ\n"
+    )
+    ran = tmp_path / "ran.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = str(ROOT / ".ci")
+
+    def pytest_run(**variables):
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_cases.py"]
+        more = variables.pop("args", [])
+        return subprocess.run(command + more, cwd=tmp_path, env={**env, **variables}, capture_output=True, text=True)
+
+    first = pytest_run(PYTEST_ADDOPTS=f"-p ran_tests --record-ran {ran}")
+    assert "1 failed, 1 passed, 2 skipped" in first.stdout, first.stdout + first.stderr
+    assert ran.read_text() == "test_cases.py::test_passes\n"
+    second = pytest_run(EXTRA="1", args=["-p", "ran_tests", "--skip-ran", str(ran)])
+    assert "3 passed, 1 deselected" in second.stdout, second.stdout + second.stderr
+    assert ran.read_text() == "test_cases.py::test_passes\n"  # recorded only when asked
 
 
 def test_ci_builds_the_site_as_the_readme_says():
