@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -112,7 +113,7 @@ def test_ci_runs_the_readme_as_written_first_then_every_test():
     ci = (ROOT / ".ci" / "run").read_text()
     steps = [line for line in ci.splitlines() if line and not line.startswith((" ", "#", "}"))]
     venv = steps.index("python3 -m venv .venv")
-    readme_run = 'PYTHONPATH="$PWD/.ci" PYTEST_ADDOPTS="-p ran_tests --record-ran $RAN" readme test'
+    readme_run = 'PYTHONPATH="$PWD/.ci" PYTEST_ADDOPTS="-p ran_tests --record-ran=$RAN" readme test'
     assert steps[venv + 1 : venv + 4] == [". .venv/bin/activate", 'phase "the README\'s test command"', readme_run]
     assert 'line="$(python3 .ci/readme_commands.py "$1")"' in ci and 'bash -euo pipefail -c "$line"' in ci
     # before it only the second PyTorch's environment, in the background, into a venv of its own
@@ -120,7 +121,7 @@ def test_ci_runs_the_readme_as_written_first_then_every_test():
     assert before == [], before
     assert ci.index(". .venv-torch2.14/bin/activate") < ci.index("python3 -m venv .venv\n")
     after_docs = steps[steps.index("readme docs") :]
-    rest = 'PYTHONPATH="$PWD/.ci" python -m pytest -p ran_tests --skip-ran "$RAN" -n 2'
+    rest = 'PYTHONPATH="$PWD/.ci" python -m pytest -p ran_tests --skip-ran="$RAN" -n 2'
     assert rest in after_docs  # no marker chosen: every test the README's run did not pass
     # the extras the README's install leaves out, into the same environment, after its test command
     extras = next(step for step in steps if "[flax,equinox]" in step)
@@ -133,10 +134,19 @@ def test_ci_runs_the_readme_as_written_first_then_every_test():
 
 
 def test_ci_runs_each_test_once(tmp_path):
-    """.ci/ran_tests.py: a run with ``--record-ran`` (given through the environment, as .ci/run
-    gives it to the README's command) lists the tests that passed and hides the option from the
-    tests' own child processes; a run with ``--skip-ran`` deselects exactly those."""
-    (tmp_path / "test_cases.py").write_text(
+    """.ci/ran_tests.py, with the options as .ci/run writes them: the README's run (the option
+    through the environment) lists the tests that passed, with the node ids of a run from the
+    project's root (a path among the options would move pytest's rootdir), and hides the option
+    from the tests' own child processes; the run with every extra deselects exactly those."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    record = re.search(r'PYTEST_ADDOPTS="([^"]*)" readme test', ci).group(1)
+    skip = re.search(r"python -m pytest (-p ran_tests [^\n]*) -n 2", ci).group(1)
+    project, ran = tmp_path / "project", tmp_path / "ci" / "ran.txt"
+    project.mkdir()
+    ran.parent.mkdir()
+    ran.write_text("")  # .ci/run's mktemp: the file exists from the start
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "test_cases.py").write_text(
         "import os, subprocess, sys\n"
         "import pytest\n"
         "def test_passes():\n"
@@ -149,20 +159,20 @@ def test_ci_runs_each_test_once(tmp_path):
         "def test_fails_first():\n"
         "    assert 'EXTRA' in os.environ\n"
     )
-    ran = tmp_path / "ran.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = str(ROOT / ".ci")
 
-    def pytest_run(**variables):
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_cases.py"]
-        more = variables.pop("args", [])
-        return subprocess.run(command + more, cwd=tmp_path, env={**env, **variables}, capture_output=True, text=True)
+    def pytest_run(args=(), **variables):
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+        return subprocess.run(command, cwd=project, env={**env, **variables}, capture_output=True, text=True)
 
-    first = pytest_run(PYTEST_ADDOPTS=f"-p ran_tests --record-ran {ran}")
+    first = pytest_run(PYTEST_ADDOPTS=record.replace("$RAN", str(ran)))
     assert "1 failed, 1 passed, 2 skipped" in first.stdout, first.stdout + first.stderr
+    assert f"rootdir: {project}" in first.stdout
     assert ran.read_text() == "test_cases.py::test_passes\n"
-    second = pytest_run(EXTRA="1", args=["-p", "ran_tests", "--skip-ran", str(ran)])
+    second = pytest_run(shlex.split(skip.replace("$RAN", str(ran))), EXTRA="1")
     assert "3 passed, 1 deselected" in second.stdout, second.stdout + second.stderr
+    assert f"rootdir: {project}" in second.stdout
     assert ran.read_text() == "test_cases.py::test_passes\n"  # recorded only when asked
 
 
