@@ -1,9 +1,9 @@
 """A pytest plugin of `.ci/run`'s (``-p ran_tests`` with ``.ci`` on ``PYTHONPATH``): every test runs
 once, and the README's test command still runs exactly as written.
 
-* ``--record-ran FILE``: append the node id of each test that passes to FILE (the README's quick
+* ``--record-ran=FILE``: append the node id of each test that passes to FILE (the README's quick
   run, before the extras are installed);
-* ``--skip-ran FILE``: deselect the tests FILE names (the run with every extra: the slow set, and
+* ``--skip-ran=FILE``: deselect the tests FILE names (the run with every extra: the slow set, and
   the quick tests the first run did not pass: those it skipped for an extra it lacked, and those
   an extra adds, such as the Flax and Equinox cases of the benchmarks).
 
@@ -12,6 +12,9 @@ Standard library and pytest only.
 
 import os
 from pathlib import Path
+
+#: The file the node ids of passing tests go to (``--record-ran``), or None.
+_record = None
 
 
 def pytest_addoption(parser):
@@ -25,9 +28,6 @@ def pytest_runtest_logreport(report):
     if path is not None and report.when == "call" and report.passed:
         with open(path, "a") as file:
             file.write(report.nodeid + "\n")
-
-
-_record = None
 
 
 def pytest_configure(config):
