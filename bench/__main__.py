@@ -14,8 +14,9 @@ against the plain framework's, timed the same way.
 
 The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
 rounds until the median of the rounds' paired speed-ups is known (its distribution-free 95%
-interval) or the case's time budget runs out; a row whose spread is wider than ``--max-spread``
-is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
+interval) or the case's time budget runs out; a row whose median is not known to within
+``--max-spread`` (that interval's half-width; a busy machine's wide spread of rounds is
+narrowed by more of them) is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
 (other processes hold the cores), both sides run on one thread, kernel against kernel
 (``--threads``: a fixed count instead, and rows timed while parallel calls stall are marked
 stalled, without a verdict). The report prints when the run ends (progress goes
@@ -52,7 +53,7 @@ from fastbwd.kernels._jit import threading_layer
 from . import targets, to_table
 from .bandwidth import parallel_copy, parallel_stream_fill
 from .cases import OPS
-from .timing import Settings, alternating_rounds, parallel_stall, spread
+from .timing import Settings, alternating_rounds, median_error, parallel_stall, spread
 
 #: The checkout's root: where --publish writes bench/results.json, README.md and docs/benchmarks.md.
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,10 +200,18 @@ class Run:
     # ---- the rows' spread, target and verdict ---------------------------------------------
 
     def finish_row(self, row, series, timing, stall, threads):
-        """Add the spread of ``series`` (the row's per-round values), its round count, whether
+        """Add the spread of ``series`` (the row's per-round values), how well their median is known
+        (``error``: the half-width of its 95% interval, relative), its round count, whether
         the case's rounds settled, the case's parallel stall, the thread count both sides ran on,
         and (``--full``) the verdict; store and return the row."""
-        row.update(spread=spread(series), rounds=len(series), settled=timing.settled, stall=stall, threads=threads)
+        row.update(
+            spread=spread(series),
+            error=median_error(series),
+            rounds=len(series),
+            settled=timing.settled,
+            stall=stall,
+            threads=threads,
+        )
         row.setdefault("target", None)
         if self.full:
             row["verdict"] = targets.verdict(row, self.max_spread)
@@ -890,7 +899,7 @@ class Run:
             return f"Machine: BUSY, other processes hold the cores ({state}); every row is trustworthy all the same."
         return (
             f"Machine: BUSY, other processes hold the cores ({state}): {unsure} of {rows} rows are untrustworthy "
-            f"(a spread wider than {targets.spread_text(self.max_spread)}, or timed while parallel calls stalled "
+            f"(a median not known to within {targets.spread_text(self.max_spread)}, or timed while parallel calls stalled "
             f"above {targets.STALL_LIMIT:g}x), marked below and left out of the standing and the verdicts."
         )
 
@@ -949,8 +958,9 @@ class Run:
             f"Each row below: alternating rounds of fastbwd and its baseline (until the median is known to within "
             f"{100 * self.settings.tolerance:g}% or {self.settings.budget:g} s per case): ms, medians; speed-up, the "
             "median of the rounds' paired ratios, with its 95% interval (distribution-free); spread: half the "
-            "interquartile range of the rounds' speed-ups (or times) over their median, 'noisy' above "
-            f"{targets.spread_text(self.max_spread)}; 'stalled': timed on several threads while parallel calls waited "
+            "interquartile range of the rounds' speed-ups (or times) over their median; 'noisy': a median not known to "
+            f"within {targets.spread_text(self.max_spread)} (its 95% interval's half-width, or the spread with fewer "
+            "than 6 rounds); 'stalled': timed on several threads while parallel calls waited "
             "for descheduled threads; thr: the threads of each side. A first run compiles each kernel it calls (seconds per "
             "operator; `python -m fastbwd --precompile` compiles them all ahead); the checks include that time, "
             "the timings do not."
@@ -1025,7 +1035,8 @@ def main(argv=None):
         "--max-spread",
         type=float,
         default=to_table.DEFAULT_MAX_SPREAD,
-        help="a row whose spread is wider than this fraction is noisy, its target unjudged (default %(default)g)",
+        help="a row whose median is not known to within this fraction (its 95%% interval's half-width, or with "
+        "fewer than 6 rounds their spread) is noisy, its target unjudged (default %(default)g)",
     )
     args = parser.parse_args(argv)
     if args.publish:

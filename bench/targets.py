@@ -4,9 +4,9 @@ and ``bench/to_table.py``.
 A target is the text a case carries (``bench/cases.py``'s ``Case.targets``, the ``target`` of the
 PyTorch and JAX bridges' cases): the first ``>= N x`` in it (``≥ N×`` too) is the speed-up the
 row must reach; text without one (``report``, ``trains; report``) asks for the number alone and
-gets no verdict. A row whose spread is wider than the run's limit (noisy), or whose case was
-timed while parallel calls stalled, gets no verdict either: its speed-up cannot be trusted this
-run, whichever side of the target it fell.
+gets no verdict. A row whose median is not known to within the run's limit (noisy: see
+:func:`uncertainty`), or whose case was timed while parallel calls stalled, gets no verdict
+either: its speed-up cannot be trusted this run, whichever side of the target it fell.
 """
 
 import re
@@ -44,10 +44,20 @@ def overhead_limit(target):
     return float(match.group(1)) if match else None
 
 
+def uncertainty(row):
+    """How well the row's median is known, as a fraction of it: the half-width of the 95% interval
+    of its rounds' median (``error``), or without one (fewer than 6 rounds, or a row saved before
+    the main job kept it) the rounds' spread; None when neither was measured. A busy machine
+    widens the spread of the rounds; more rounds narrow the interval all the same."""
+    error = row.get("error")
+    return row.get("spread") if error is None else error
+
+
 def noisy(row, max_spread):
-    """The row's spread is wider than ``max_spread`` (rows saved before spreads were measured: never)."""
-    spread = row.get("spread")
-    return spread is not None and spread > max_spread
+    """The row's median is not known to within ``max_spread`` (:func:`uncertainty`; rows saved
+    before spreads were measured: never)."""
+    known = uncertainty(row)
+    return known is not None and known > max_spread
 
 
 def stalled(row):
@@ -130,8 +140,8 @@ def spread_text(spread):
 
 def summarize(rows, max_spread, judge=True):
     """``{"met": [...], "missed": [...], "untrusted": [...], "noisy": [...], "rows": n, "judged": judge}``:
-    the rows (as :func:`row_name` and numbers) of each verdict, and every row whose spread is too
-    wide. ``judge=False`` (a run on small shapes, to which the targets do not apply): no verdicts."""
+    the rows (as :func:`row_name` and numbers) of each verdict, and every row whose median is not
+    known well enough (:func:`noisy`). ``judge=False`` (a run on small shapes, to which the targets do not apply): no verdicts."""
     result = {"met": [], "missed": [], "untrusted": [], "noisy": [], "stalled": [], "rows": len(rows)}
     result["judged"] = judge
     result["measured"] = any(row.get("spread") is not None for row in rows)
@@ -144,10 +154,10 @@ def summarize(rows, max_spread, judge=True):
             result["missed"].append(f"{name}: {judged_text(row)}, target {row['target']}")
         elif outcome == UNTRUSTED:
             result["untrusted"].append(
-                f"{name}: {judged_text(row)} {spread_text(row['spread'])} {trust_text(row, max_spread)}"
+                f"{name}: {judged_text(row)} {spread_text(uncertainty(row))} {trust_text(row, max_spread)}"
             )
         if noisy(row, max_spread):
-            result["noisy"].append(f"{name} {spread_text(row['spread'])}")
+            result["noisy"].append(f"{name} {spread_text(uncertainty(row))}")
         if stalled(row):
             result["stalled"].append(name)
     return result
@@ -166,7 +176,7 @@ def summary_text(summary, max_spread):
             parts.append("none missed")
         if summary["untrusted"]:
             parts.append(
-                f"{len(summary['untrusted'])} not trustworthy this run, noisy (a spread wider than "
+                f"{len(summary['untrusted'])} not trustworthy this run, noisy (a median not known to within "
                 f"{spread_text(max_spread)}) or stalled ({'; '.join(summary['untrusted'])})"
             )
         text = ", ".join(parts) + "."
@@ -180,11 +190,12 @@ def summary_text(summary, max_spread):
         text += " Spreads were not measured (the run was saved before the main job measured them)."
     elif summary["noisy"]:
         text += (
-            f" {len(summary['noisy'])} of {summary['rows']} rows had a spread wider than {spread_text(max_spread)}"
+            f" {len(summary['noisy'])} of {summary['rows']} rows' medians were not known to within "
+            f"{spread_text(max_spread)}"
             f" ({', '.join(summary['noisy'])})."
         )
     else:
-        text += f" Every row's spread was within {spread_text(max_spread)}."
+        text += f" Every row's median was known to within {spread_text(max_spread)}."
     return text
 
 

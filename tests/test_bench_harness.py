@@ -70,6 +70,26 @@ def test_verdicts():
     assert targets.verdict(_row(6.0, ">= 5x", stall=70.0, threads=2), 0.1) == targets.UNTRUSTED
 
 
+def test_a_row_is_trusted_when_its_median_is_known():
+    """Noisy means a median not known to within the limit: the 95% interval's half-width (``error``)
+    where the rounds give one, however wide their spread (a busy machine; more rounds narrow the
+    interval), and the spread only where there is no interval."""
+    busy = _row(9.0, ">= 5x", spread=0.3, error=0.06)
+    assert targets.uncertainty(busy) == 0.06 and not targets.noisy(busy, 0.1)
+    assert targets.verdict(busy, 0.1) == targets.MET and targets.trust_text(busy, 0.1) == ""
+    assert targets.verdict(_row(4.0, ">= 5x", spread=0.3, error=0.06), 0.1) == targets.MISSED
+    few = _row(9.0, ">= 5x", spread=0.02, error=0.15)  # a steady spread, but too few rounds to know the median
+    assert targets.noisy(few, 0.1) and targets.verdict(few, 0.1) == targets.UNTRUSTED
+    assert targets.noisy(_row(9.0, ">= 5x", spread=0.02, error=0.1000001), 0.1)
+    assert not targets.noisy(_row(9.0, ">= 5x", spread=0.5, error=0.1), 0.1)
+    # no interval (fewer than 6 rounds, or saved before the main job kept it): the spread decides
+    assert targets.uncertainty(_row(9.0, ">= 5x", spread=0.3, error=None)) == 0.3
+    assert targets.noisy(_row(9.0, ">= 5x", spread=0.3), 0.1)
+    summary = targets.summarize([busy | {"case": "T1"}, few | {"case": "T2"}], 0.1)
+    assert summary["met"] == ["T1"] and summary["untrusted"] == ["T2: 9.00x ±15% noisy"]
+    assert summary["noisy"] == ["T2 ±15%"]
+
+
 def test_a_share_of_the_copy_bandwidth_as_a_target():
     """``>= 75% of copy`` (issue 53) judges a row's %bw column, with or without a speed-up."""
     assert targets.copy_share(">= 75% of copy") == 75.0 and targets.threshold(">= 75% of copy") is None
@@ -102,7 +122,7 @@ def test_summary_names_what_was_missed_and_what_cannot_be_trusted():
     assert summary["noisy"] == ["T3 ±25%", "T5 ±50%"] and summary["stalled"] == ["T2"]
     text = targets.summary_text(summary, 0.1)
     assert "5 rows have one; 1 met" in text and "2 missed" in text and "2 not trustworthy this run" in text
-    assert "2 of 6 rows had a spread wider than ±10%" in text
+    assert "2 of 6 rows' medians were not known to within ±10%" in text
     assert "1 of 6 rows were timed while parallel calls stalled" in text
     # small shapes: the targets do not apply, the noise is still reported
     quick = targets.summarize(rows, 0.1, judge=False)
@@ -426,6 +446,8 @@ def test_a_reduced_run_regenerates_copies_of_the_published_tables(tmp_path):
     results = json.loads(saved.read_text())
     assert results["quick"] and {row["case"] for row in results["rows"]} == {"P1q"}
     assert all(row["spread"] is not None and row["rounds"] >= 3 for row in results["rows"])
+    # a row's error is its median's 95% interval (from 6 rounds on), relative: the trust criterion
+    assert all((row["error"] is None) == (row["rounds"] < 6) for row in results["rows"])
     # each case measures the stall before it, until one stalls: from then on one thread on both sides
     assert all((row["stall"] or 0) > 0 or row["threads"] == 1 for row in results["rows"])
     assert all(row["speedup_interval"] is None or len(row["speedup_interval"]) == 2 for row in results["rows"])
