@@ -15,8 +15,8 @@ against the plain framework's, timed the same way.
 The run measures its own noise (``bench/timing.py``): a case's callables run in alternating
 rounds until the median of the rounds' paired speed-ups is known (its distribution-free 95%
 interval) or the case's time budget runs out; a row whose median is not known to within
-``--max-spread`` (that interval's half-width; a busy machine's wide spread of rounds is
-narrowed by more of them) is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
+``--max-spread`` (neither its rounds' spread nor that interval's half-width within it: a busy
+machine widens the spread, more rounds narrow the interval) is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
 (other processes hold the cores), both sides run on one thread, kernel against kernel
 (``--threads``: a fixed count instead, and rows timed while parallel calls stall are marked
 stalled, without a verdict). The report prints when the run ends (progress goes
@@ -78,6 +78,10 @@ XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_thread
 #: The main job's timing settings, per size (``--budget``, ``--tolerance`` override theirs).
 FULL = Settings(round_seconds=0.05, min_rounds=7, tolerance=0.02, budget=12.0)
 QUICK = Settings(round_seconds=0.01, min_rounds=5, tolerance=0.03, budget=1.0)
+#: From the case that finds parallel calls stalling on (a busy machine) each case gets this many
+#: times its budget, unless ``--budget`` set one: the noise widens the rounds' spread, and more
+#: rounds narrow the interval of their median all the same (``targets.uncertainty``).
+BUSY_BUDGET = 3
 
 
 def say(text="", end="\n"):
@@ -200,8 +204,8 @@ class Run:
     # ---- the rows' spread, target and verdict ---------------------------------------------
 
     def finish_row(self, row, series, timing, stall, threads):
-        """Add the spread of ``series`` (the row's per-round values), how well their median is known
-        (``error``: the half-width of its 95% interval, relative), its round count, whether
+        """Add the spread of ``series`` (the row's per-round values), the half-width of their
+        median's 95% interval relative to it (``error``; :func:`targets.uncertainty`), its round count, whether
         the case's rounds settled, the case's parallel stall, the thread count both sides ran on,
         and (``--full``) the verdict; store and return the row."""
         row.update(
@@ -255,6 +259,8 @@ class Run:
         self.stalls.append(stall)
         if stall > targets.STALL_LIMIT and self.auto_threads and self.threads > 1:
             self.threads, self.one_thread_since = 1, case_id
+            if self.args.budget is None:
+                self.settings = dataclasses.replace(self.settings, budget=self.settings.budget * BUSY_BUDGET)
         return stall
 
     @contextlib.contextmanager
@@ -911,8 +917,10 @@ class Run:
         since = "from the start" if self.one_thread_since == "the start" else f"from {self.one_thread_since} on"
         return [
             f"Parallel calls stalled, so {since} the run timed kernel against kernel on ONE thread on both sides "
-            f"(fastbwd's and PyTorch's or JAX's; {ones} of {len(self.rows)} rows, 'thr' 1 below): the two-thread "
-            "figures need a quiet machine (the published ones: docs/benchmarks.md; `--threads 2` forces two here)."
+            f"(fastbwd's and PyTorch's or JAX's; {ones} of {len(self.rows)} rows, 'thr' 1 below)"
+            + ("" if self.args.budget is not None else f", each case for up to {self.settings.budget:g} s")
+            + ": the two-thread figures need a quiet machine (the published ones: docs/benchmarks.md; "
+            "`--threads 2` forces two here)."
         ]
 
     def summary_lines(self):
@@ -959,8 +967,8 @@ class Run:
             f"{100 * self.settings.tolerance:g}% or {self.settings.budget:g} s per case): ms, medians; speed-up, the "
             "median of the rounds' paired ratios, with its 95% interval (distribution-free); spread: half the "
             "interquartile range of the rounds' speed-ups (or times) over their median; 'noisy': a median not known to "
-            f"within {targets.spread_text(self.max_spread)} (its 95% interval's half-width, or the spread with fewer "
-            "than 6 rounds); 'stalled': timed on several threads while parallel calls waited "
+            f"within {targets.spread_text(self.max_spread)} (neither the spread nor the half-width of the median's 95% "
+            "interval within it); 'stalled': timed on several threads while parallel calls waited "
             "for descheduled threads; thr: the threads of each side. A first run compiles each kernel it calls (seconds per "
             "operator; `python -m fastbwd --precompile` compiles them all ahead); the checks include that time, "
             "the timings do not."
@@ -1035,8 +1043,8 @@ def main(argv=None):
         "--max-spread",
         type=float,
         default=to_table.DEFAULT_MAX_SPREAD,
-        help="a row whose median is not known to within this fraction (its 95%% interval's half-width, or with "
-        "fewer than 6 rounds their spread) is noisy, its target unjudged (default %(default)g)",
+        help="a row whose median is not known to within this fraction (neither its rounds' spread nor the "
+        "half-width of their median's 95%% interval within it) is noisy, its target unjudged (default %(default)g)",
     )
     args = parser.parse_args(argv)
     if args.publish:

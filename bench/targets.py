@@ -45,12 +45,13 @@ def overhead_limit(target):
 
 
 def uncertainty(row):
-    """How well the row's median is known, as a fraction of it: the half-width of the 95% interval
-    of its rounds' median (``error``), or without one (fewer than 6 rounds, or a row saved before
-    the main job kept it) the rounds' spread; None when neither was measured. A busy machine
-    widens the spread of the rounds; more rounds narrow the interval all the same."""
-    error = row.get("error")
-    return row.get("spread") if error is None else error
+    """How well the row's median is known, as a fraction of it: the narrower of the rounds' spread
+    and the half-width of their median's 95% interval (``error``; none below 6 rounds, nor in rows
+    saved before the main job kept it); None when neither was measured. Rounds that agree (a
+    quiet machine) show it, and so do enough rounds on a busy machine, whose noise widens the
+    spread of the rounds but not the interval of their median, which more rounds narrow."""
+    known = [value for value in (row.get("spread"), row.get("error")) if value is not None]
+    return min(known) if known else None
 
 
 def noisy(row, max_spread):

@@ -71,23 +71,27 @@ def test_verdicts():
 
 
 def test_a_row_is_trusted_when_its_median_is_known():
-    """Noisy means a median not known to within the limit: the 95% interval's half-width (``error``)
-    where the rounds give one, however wide their spread (a busy machine; more rounds narrow the
-    interval), and the spread only where there is no interval."""
+    """Noisy means a median not known to within the limit: neither do the rounds agree (their
+    spread) nor were there enough of them to pin the median down (the half-width of its 95%
+    interval, ``error``): a busy machine widens the spread, more rounds narrow the interval."""
     busy = _row(9.0, ">= 5x", spread=0.3, error=0.06)
     assert targets.uncertainty(busy) == 0.06 and not targets.noisy(busy, 0.1)
     assert targets.verdict(busy, 0.1) == targets.MET and targets.trust_text(busy, 0.1) == ""
     assert targets.verdict(_row(4.0, ">= 5x", spread=0.3, error=0.06), 0.1) == targets.MISSED
-    few = _row(9.0, ">= 5x", spread=0.02, error=0.15)  # a steady spread, but too few rounds to know the median
-    assert targets.noisy(few, 0.1) and targets.verdict(few, 0.1) == targets.UNTRUSTED
-    assert targets.noisy(_row(9.0, ">= 5x", spread=0.02, error=0.1000001), 0.1)
+    # few rounds that agree: a wide interval (the 2nd and 9th of 10 rounds), a narrow spread
+    few = _row(80.0, ">= 5x", spread=0.03, error=0.12)
+    assert targets.uncertainty(few) == 0.03 and targets.verdict(few, 0.1) == targets.MET
+    both = _row(9.0, ">= 5x", spread=0.12, error=0.15)
+    assert targets.noisy(both, 0.1) and targets.verdict(both, 0.1) == targets.UNTRUSTED
+    assert targets.noisy(_row(9.0, ">= 5x", spread=0.3, error=0.1000001), 0.1)
     assert not targets.noisy(_row(9.0, ">= 5x", spread=0.5, error=0.1), 0.1)
     # no interval (fewer than 6 rounds, or saved before the main job kept it): the spread decides
     assert targets.uncertainty(_row(9.0, ">= 5x", spread=0.3, error=None)) == 0.3
     assert targets.noisy(_row(9.0, ">= 5x", spread=0.3), 0.1)
-    summary = targets.summarize([busy | {"case": "T1"}, few | {"case": "T2"}], 0.1)
-    assert summary["met"] == ["T1"] and summary["untrusted"] == ["T2: 9.00x ±15% noisy"]
-    assert summary["noisy"] == ["T2 ±15%"]
+    assert targets.uncertainty(_row(9.0, ">= 5x", spread=None)) is None
+    summary = targets.summarize([busy | {"case": "T1"}, both | {"case": "T2"}], 0.1)
+    assert summary["met"] == ["T1"] and summary["untrusted"] == ["T2: 9.00x ±12% noisy"]
+    assert summary["noisy"] == ["T2 ±12%"]
 
 
 def test_a_share_of_the_copy_bandwidth_as_a_target():
@@ -185,7 +189,10 @@ def test_the_run_times_one_thread_on_both_sides_from_the_first_stall(monkeypatch
     run = _run()
     threads = numba.get_num_threads()
     assert run.case_threads("U1q float32") == (1.1, threads)
+    assert run.settings.budget == main_job.QUICK.budget
     assert run.case_threads("A1q float32") == (5.0, 1)
+    # a busy machine: more rounds per case, whose median's interval they narrow
+    assert run.settings.budget == main_job.BUSY_BUDGET * main_job.QUICK.budget
     assert run.case_threads("T1") == (None, 1)  # measured no more
     assert run.one_thread_since == "A1q float32" and run.stalls == [1.1, 5.0]
     torch = pytest.importorskip("torch")
@@ -196,7 +203,16 @@ def test_the_run_times_one_thread_on_both_sides_from_the_first_stall(monkeypatch
     run.rows = [_row(3.0, None, threads=1), _row(2.0, None, stall=1.1, threads=threads)]
     (line,) = run.threads_lines()
     assert line.startswith("Parallel calls stalled, so from A1q float32 on the run timed kernel against kernel on ONE")
-    assert "1 of 2 rows" in line
+    assert "1 of 2 rows" in line and f"each case for up to {3 * main_job.QUICK.budget:g} s" in line
+
+
+@pytest.mark.skipif(numba.get_num_threads() < 2, reason="one thread already")
+def test_a_budget_given_stays_on_a_busy_machine(monkeypatch):
+    monkeypatch.setattr(main_job, "parallel_stall", lambda: 5.0)
+    run = main_job.Run(argparse.Namespace(**vars(_run().args) | {"budget": 0.5}))
+    assert run.case_threads("U1q float32") == (5.0, 1) and run.settings.budget == 0.5
+    run.rows = [_row(3.0, None, threads=1)]
+    assert "each case for up to" not in run.threads_lines()[0]
 
 
 @pytest.mark.skipif(numba.get_num_threads() < 2, reason="one thread already")
@@ -205,6 +221,7 @@ def test_fixed_threads_keep_their_count_and_mark_stalled_rows(monkeypatch):
     run = _run(str(numba.get_num_threads()))
     assert run.case_threads("U1q float32") == (9.0, numba.get_num_threads())
     assert run.one_thread_since is None and run.threads_lines() == []
+    assert run.settings.budget == main_job.QUICK.budget  # the run chose its threads: nor is its budget changed
     assert targets.stalled(_row(3.0, None, stall=9.0, threads=numba.get_num_threads()))
 
 
