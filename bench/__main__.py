@@ -16,10 +16,11 @@ The run measures its own noise (``bench/timing.py``): a case's callables run in 
 rounds until the median of the rounds' paired speed-ups is known (its distribution-free 95%
 interval) or the case's time budget runs out; a row whose median is not known to within
 ``--max-spread`` (neither its rounds' spread nor that interval's half-width within it: a busy
-machine widens the spread, more rounds narrow the interval) is marked noisy and gets no verdict. From the first case timed while parallel calls stall on
-(other processes hold the cores), both sides run on one thread, kernel against kernel
-(``--threads``: a fixed count instead, and rows timed while parallel calls stall are marked
-stalled, without a verdict). The report prints when the run ends (progress goes
+machine widens the spread, more rounds narrow the interval) is marked noisy and gets no
+verdict. From the first case timed while parallel calls stall on (other processes hold the
+cores), both sides run on one thread, kernel against kernel, each case for three times its
+budget (``--threads``: a fixed count instead, and rows timed while parallel calls stall are
+marked stalled, without a verdict). The report prints when the run ends (progress goes
 to stderr meanwhile): the machine, what its load did in one line, a summary per operator and
 bridge (``bench/targets.py``'s ``group_summaries``), then the rows, then the targets met, missed
 and not trustworthy (docs/design.md, "The main job on a shared machine").
@@ -205,9 +206,9 @@ class Run:
 
     def finish_row(self, row, series, timing, stall, threads):
         """Add the spread of ``series`` (the row's per-round values), the half-width of their
-        median's 95% interval relative to it (``error``; :func:`targets.uncertainty`), its round count, whether
-        the case's rounds settled, the case's parallel stall, the thread count both sides ran on,
-        and (``--full``) the verdict; store and return the row."""
+        median's 95% interval relative to it (``error``; :func:`targets.uncertainty`), its round
+        count, whether the case's rounds settled, the case's parallel stall, the thread count both
+        sides ran on, and (``--full``) the verdict; store and return the row."""
         row.update(
             spread=spread(series),
             error=median_error(series),

@@ -142,7 +142,8 @@ def spread_text(spread):
 def summarize(rows, max_spread, judge=True):
     """``{"met": [...], "missed": [...], "untrusted": [...], "noisy": [...], "rows": n, "judged": judge}``:
     the rows (as :func:`row_name` and numbers) of each verdict, and every row whose median is not
-    known well enough (:func:`noisy`). ``judge=False`` (a run on small shapes, to which the targets do not apply): no verdicts."""
+    known well enough (:func:`noisy`). ``judge=False`` (a run on small shapes, to which the
+    targets do not apply): no verdicts."""
     result = {"met": [], "missed": [], "untrusted": [], "noisy": [], "stalled": [], "rows": len(rows)}
     result["judged"] = judge
     result["measured"] = any(row.get("spread") is not None for row in rows)
