@@ -24,7 +24,7 @@ import fastbwd.jax as fj  # noqa: E402
 from fastbwd.jax import _ffi  # noqa: E402
 from fastbwd.testing.checks import bitwise_equal  # noqa: E402
 
-from conftest import random  # noqa: E402
+from conftest import child_environment, random  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,8 +116,8 @@ def test_nested_vmap_loops_each_axis_over_its_own_operands():
 @pytest.mark.slow
 def test_on_two_cpu_devices():
     """tests/jax_two_devices.py in a process with two CPU devices: every case passes."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env = child_environment(XLA_FLAGS=flags)  # a pytest of its own, not one of pytest-xdist's workers
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/jax_two_devices.py"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
