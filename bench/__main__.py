@@ -18,7 +18,8 @@ interval) or the case's time budget runs out; a row whose median is not known to
 ``--max-spread`` (neither its rounds' spread nor that interval's half-width within it: a busy
 machine widens the spread, more rounds narrow the interval) is marked noisy and gets no
 verdict. From the first case timed while parallel calls stall on (other processes hold the
-cores), both sides run on one thread, kernel against kernel, each case for three times its
+cores), or whose two-thread rows come out noisy (a load that came after the check; that case is
+timed again), both sides run on one thread, kernel against kernel, each case for three times its
 budget (``--threads``: a fixed count instead, and rows timed while parallel calls stall are
 marked stalled, without a verdict). The report prints when the run ends (progress goes
 to stderr meanwhile): the machine, what its load did in one line, a summary per operator and
@@ -176,6 +177,8 @@ class Run:
         self.threads = numba.get_num_threads() if self.auto_threads else int(args.threads)
         #: The case from which on the run timed one thread against one thread (None: it did not).
         self.one_thread_since = None
+        #: Why it did: "stalled" or "noisy" (:meth:`switch_to_one_thread`).
+        self.one_thread_why = None
         #: Every parallel stall measured (timing.parallel_stall), before the cases.
         self.stalls = []
 
@@ -259,10 +262,40 @@ class Run:
         stall = parallel_stall()
         self.stalls.append(stall)
         if stall > targets.STALL_LIMIT and self.auto_threads and self.threads > 1:
-            self.threads, self.one_thread_since = 1, case_id
-            if self.args.budget is None:
-                self.settings = dataclasses.replace(self.settings, budget=self.settings.budget * BUSY_BUDGET)
+            self.switch_to_one_thread(case_id, "stalled")
         return stall
+
+    def switch_to_one_thread(self, case_id, why):
+        """From ``case_id`` on, one thread on both sides, each case with ``BUSY_BUDGET`` times its
+        budget unless ``--budget`` set one; ``why``: "stalled" (a parallel copy waited) or "noisy"
+        (a case's two-thread rounds disagreed, the load having come after the stall check)."""
+        self.threads, self.one_thread_since, self.one_thread_why = 1, case_id, why
+        if self.args.budget is None:
+            self.settings = dataclasses.replace(self.settings, budget=self.settings.budget * BUSY_BUDGET)
+
+    def timed(self, case_id, functions, series, rows=None):
+        """``(timing, stall, threads)``: ``alternating_rounds(functions, series)`` on the case's
+        thread count (:meth:`case_threads`). With --threads auto, a case whose two-thread rows (the
+        pairs ``rows``, by default all of ``series``) come out untrustworthy (a load that started
+        after the stall check) switches the run to one thread, and is timed again there: its rows
+        are the one-thread ones."""
+        stall, threads = self.case_threads(case_id)
+        with self.on_threads(threads):
+            timing = alternating_rounds(functions, series, self.settings)
+        if threads > 1 and self.auto_threads and self.unsure_rounds(timing, series if rows is None else rows):
+            self.switch_to_one_thread(case_id, "noisy")
+            stall, threads = None, 1
+            with self.on_threads(threads):
+                timing = alternating_rounds(functions, series, self.settings)
+        return timing, stall, threads
+
+    def unsure_rounds(self, timing, series):
+        """Any of ``series``' rows (pairs as :func:`alternating_rounds` takes them) whose median is
+        not known to within the run's ``max_spread`` (:func:`targets.noisy`)."""
+        return any(
+            targets.noisy({"spread": spread(values), "error": median_error(values)}, self.max_spread)
+            for values in (timing.series(index, baseline) for index, baseline in series)
+        )
 
     @contextlib.contextmanager
     def on_threads(self, threads):
@@ -402,9 +435,7 @@ class Run:
         series = [(index[variant], None if baseline is None else index[baseline]) for variant, baseline in pairs]
         # fastbwd's variants and the baselines in alternating rounds: the load of a shared
         # machine moves within a case, and sequential medians put a change on one side
-        stall, threads = self.case_threads(f"{case.id} {case.dtype}")
-        with self.on_threads(threads):
-            timing = alternating_rounds([function for _, function in named], series, self.settings)
+        timing, stall, threads = self.timed(f"{case.id} {case.dtype}", [function for _, function in named], series)
         shown = set()
         for (variant, baseline), (i, b) in zip(pairs, series):
             seconds = timing.median(i)
@@ -468,13 +499,14 @@ class Run:
             self.bridge_checks += 1
             baseline = getattr(case, baseline_attribute)
             functions = [case.fastbwd] + ([baseline] if baseline is not None else [])
+            pairs = [(0, 1 if baseline is not None else None)]
             if threads_for is None:
-                stall, threads = self.case_threads(case.id)
+                timing, stall, threads = self.timed(case.id, functions, pairs)
             else:  # measured, to mark the row, but never switching: the thread count is the caller's
                 threads, stall = threads_for, parallel_stall() if threads_for > 1 else None
                 self.stalls += [stall] if stall is not None else []
-            with self.on_threads(threads):
-                timing = alternating_rounds(functions, [(0, 1 if baseline is not None else None)], self.settings)
+                with self.on_threads(threads):
+                    timing = alternating_rounds(functions, pairs, self.settings)
             seconds = timing.median(0)
             base_seconds = timing.median(1) if baseline is not None else None
             speedup, interval = timing.speedup(0, 1) if baseline is not None else (None, None)
@@ -523,9 +555,9 @@ class Run:
         )
         for case in self.wanted(cases):
             case.check()
-            stall, threads = self.case_threads(case.id)
-            with self.on_threads(threads):
-                timing = alternating_rounds([case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], self.settings)
+            timing, stall, threads = self.timed(
+                case.id, [case.fastbwd, case.torch, case.kernel], [(0, 1), (0, None)], rows=[(0, 1)]
+            )
             seconds, base_seconds, kernel_seconds = (timing.median(index) for index in range(3))
             speedup, interval = timing.speedup(0, 1)
             row = self.finish_row(
@@ -862,7 +894,7 @@ class Run:
         report += [*self.summary_lines(), ""]
         report += self.reading_lines() + self.details + ["", targets.summary_text(summary, self.max_spread)]
         say("\n".join(report))
-        machine["one_thread_since"] = self.one_thread_since
+        machine["one_thread_since"], machine["one_thread_why"] = self.one_thread_since, self.one_thread_why
         results = dict(
             machine=machine,
             **measured,
@@ -916,8 +948,13 @@ class Run:
             return []
         ones = sum(1 for row in self.rows if row.get("threads") == 1)
         since = "from the start" if self.one_thread_since == "the start" else f"from {self.one_thread_since} on"
+        cause = (
+            "Parallel calls stalled"
+            if self.one_thread_why == "stalled"
+            else f"{self.one_thread_since}'s two-thread rounds disagreed (a load that came after the check for stalls)"
+        )
         return [
-            f"Parallel calls stalled, so {since} the run timed kernel against kernel on ONE thread on both sides "
+            f"{cause}, so {since} the run timed kernel against kernel on ONE thread on both sides "
             f"(fastbwd's and PyTorch's or JAX's; {ones} of {len(self.rows)} rows, 'thr' 1 below)"
             + ("" if self.args.budget is not None else f", each case for up to {self.settings.budget:g} s")
             + ": the two-thread figures need a quiet machine (the published ones: docs/benchmarks.md; "
@@ -1020,8 +1057,8 @@ def main(argv=None):
         choices=["auto"] + [str(count) for count in range(1, numba.config.NUMBA_NUM_THREADS + 1)],
         help=(
             "the thread count of both sides (fastbwd's and PyTorch's or JAX's); auto (the default without "
-            "--publish): all of Numba's, and one from the first case timed while parallel calls stall (a busy "
-            "machine); with --publish all of Numba's, rows timed while parallel calls stall marked"
+            "--publish): all of Numba's, and one from the first case timed while parallel calls stall or whose "
+            "two-thread rows are noisy (a busy machine); with --publish all of Numba's, rows timed while parallel calls stall marked"
         ),
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines and cases")

@@ -237,12 +237,16 @@ def table(results):
 
 def _one_thread_note(machine):
     """`` Parallel calls stalled: from <case> on, one thread on both sides.`` for a run that timed
-    kernel against kernel on one thread (``python3 -m bench``'s --threads auto), else ""."""
+    kernel against kernel on one thread (``python3 -m bench``'s --threads auto; or "A case's
+    two-thread rounds disagreed" when that switched it), else ""."""
     since = machine.get("one_thread_since")
     if not since:
         return ""
+    cause = (
+        "A case's two-thread rounds disagreed" if machine.get("one_thread_why") == "noisy" else "Parallel calls stalled"
+    )
     since = "from the start" if since == "the start" else f"from {since} on"
-    return f" Parallel calls stalled: {since}, one thread on both sides (kernel against kernel)."
+    return f" {cause}: {since}, one thread on both sides (kernel against kernel)."
 
 
 def headline(results):
@@ -268,7 +272,8 @@ def headline(results):
     )
     load = machine.get("load_average")
     load_text = f"; load average {load[0]:.2f} on {machine['cpus']} CPUs at its start" if load else ""
-    load_text += _one_thread_note(machine).rstrip(".").replace(" Parallel", "; parallel", 1)
+    note = _one_thread_note(machine).rstrip(".")
+    load_text += f"; {note[1].lower()}{note[2:]}" if note else ""
     command = "python3 -m bench --full" if judge else "python3 -m bench` (small shapes, not `--full`"
     lines += [
         "",

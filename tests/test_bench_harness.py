@@ -225,6 +225,79 @@ def test_fixed_threads_keep_their_count_and_mark_stalled_rows(monkeypatch):
     assert targets.stalled(_row(3.0, None, stall=9.0, threads=numba.get_num_threads()))
 
 
+class _Rounds:
+    """A stand-in for timing.Timing: every pair's per-round values."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def series(self, index, baseline=None):
+        return list(self.values)
+
+
+def _timings(monkeypatch, *rounds):
+    """``alternating_rounds`` answering with ``rounds`` in turn; returns the thread counts and
+    budgets it was called with."""
+    answers, calls = iter(rounds), []
+
+    def fake(functions, series, settings):
+        calls.append((numba.get_num_threads(), settings.budget))
+        return _Rounds(next(answers))
+
+    monkeypatch.setattr(main_job, "alternating_rounds", fake)
+    return calls
+
+
+NOISY = [1.0, 1.5, 0.6, 1.4, 0.7, 1.3, 0.8]  # spread and interval both wider than 10%
+STEADY = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
+
+
+@pytest.mark.skipif(numba.get_num_threads() < 2, reason="one thread already")
+def test_a_case_noisy_on_two_threads_is_timed_again_on_one_and_the_run_stays_there(monkeypatch):
+    """--threads auto: the stall check passed, but a load that came after it made the case's
+    two-thread rounds disagree; the case is timed again on one thread (3x the budget), its rows are
+    those, and so is every case after it."""
+    monkeypatch.setattr(main_job, "parallel_stall", lambda: 1.1)
+    threads = numba.get_num_threads()
+    calls = _timings(monkeypatch, STEADY, NOISY, STEADY, NOISY)
+    run = _run()
+    budget = main_job.QUICK.budget
+    assert run.timed("U1q float32", [None, None], [(0, 1)])[1:] == (1.1, threads)  # steady: kept
+    assert run.one_thread_since is None and calls == [(threads, budget)]
+    timing, stall, used = run.timed("A1q float32", [None, None], [(0, 1), (0, None)])
+    assert (stall, used) == (None, 1) and timing.values == STEADY
+    assert calls[1:] == [(threads, budget), (1, main_job.BUSY_BUDGET * budget)]
+    assert run.one_thread_since == "A1q float32" and run.one_thread_why == "noisy"
+    assert run.timed("P1q float32", [None, None], [(0, 1)])[1:] == (None, 1)  # one thread from now on,
+    assert calls[3:] == [(1, main_job.BUSY_BUDGET * budget)]  # noisy or not: no third try
+    run.rows = [_row(3.0, None, threads=1)]
+    (line,) = run.threads_lines()
+    assert line.startswith("A1q float32's two-thread rounds disagreed (a load that came after the check for stalls), "
+                           "so from A1q float32 on the run timed kernel against kernel on ONE thread")  # fmt: skip
+
+
+@pytest.mark.skipif(numba.get_num_threads() < 2, reason="one thread already")
+def test_only_the_rows_a_case_prints_decide_whether_it_is_timed_again(monkeypatch):
+    """A prepared call's rounds of its bare kernel (no row of their own) may scatter; its row, the
+    speed-up over PyTorch, decides. Fixed thread counts are never switched."""
+    monkeypatch.setattr(main_job, "parallel_stall", lambda: 1.1)
+    threads = numba.get_num_threads()
+
+    class Split(_Rounds):
+        def series(self, index, baseline=None):
+            return STEADY if baseline is not None else NOISY
+
+    monkeypatch.setattr(main_job, "alternating_rounds", lambda functions, series, settings: Split(None))
+    run = _run()
+    assert run.timed("O1p", [None] * 3, [(0, 1), (0, None)], rows=[(0, 1)])[1:] == (1.1, threads)
+    assert run.one_thread_since is None
+    assert run.timed("O1p", [None] * 3, [(0, 1), (0, None)])[1:] == (None, 1)
+    fixed = _run(str(threads))
+    calls = _timings(monkeypatch, NOISY)
+    assert fixed.timed("U1q float32", [None, None], [(0, 1)])[1:] == (1.1, threads) and len(calls) == 1
+    assert fixed.one_thread_since is None
+
+
 def test_interval_and_threads_texts():
     assert targets.interval_text((1.8, 12.0)) == "1.80x-12.0x" and targets.interval_text(None) == "-"
     assert targets.threads_text({2}) == "2" and targets.threads_text({1, 2}) == "1-2"
@@ -301,6 +374,10 @@ def test_tables_say_when_the_run_timed_one_thread_on_both_sides():
     note = "Parallel calls stalled: from P1 float32 on, one thread on both sides (kernel against kernel)."
     assert note in to_table.table(results)
     assert "; parallel calls stalled: from P1 float32 on, one thread on both sides" in to_table.headline(results)
+    results["machine"]["one_thread_why"] = "noisy"
+    note = "A case's two-thread rounds disagreed: from P1 float32 on, one thread on both sides (kernel against kernel)."
+    assert note in to_table.table(results)
+    assert "; a case's two-thread rounds disagreed: from P1 float32 on, one" in to_table.headline(results)
 
 
 def test_regenerated_replaces_only_the_generated_regions():
