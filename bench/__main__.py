@@ -694,11 +694,11 @@ class Run:
                     note=case.note,
                     sweep_op=case.op,
                     shape=list(case.shape),
-                    threads=case.threads,
                 ),
                 timing.series(0, 1),
                 timing,
                 stall,
+                case.threads,
             )
             rows.append(row)
             self.say(
@@ -835,11 +835,11 @@ class Run:
                         note=found["note"],
                         sweep_op=found["op"],
                         shape=found["shape"],
-                        threads=found["threads"],
                     ),
                     found["series"],
                     types.SimpleNamespace(settled=found["settled"]),
                     found["stall"],
+                    found["threads"],
                 )
                 rows.append(row)
                 self.say(

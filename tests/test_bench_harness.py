@@ -487,6 +487,53 @@ def test_the_jax_sweep_has_its_table_and_worst_row():
     assert "sweep: JAX" in {group["name"] for group in targets.group_summaries(rows, 0.1)}
 
 
+def test_the_sweeps_make_their_rows_and_tables(monkeypatch):
+    """``python3 -m bench --full``'s sweeps end to end, on stand-in cases: each row carries the
+    thread count it ran on, and each sweep prints its table (the sweeps once called the row
+    maker with arguments it no longer took, and the whole --full run ended there)."""
+    pytest.importorskip("torch")
+    from bench import sweep
+
+    def torch_case(op, shape, threads):
+        return sweep.SweepCase(id=f"SE.{op}.{shape[1]}.{threads}t", label=op, op=op, shape=shape, threads=threads,
+                               fastbwd=lambda: None, torch=lambda: None, check=lambda: None, target=">= 0.97x")  # fmt: skip
+
+    monkeypatch.setattr(sweep, "cases", lambda compiled: [torch_case("pad", (2, 8, 4, 4), t) for t in (1, 2)])
+    monkeypatch.setattr(main_job, "parallel_stall", lambda: 1.0)
+    monkeypatch.setattr(main_job, "alternating_rounds", lambda *args: _TwoSides([2.0] * 7, [1.0] * 7))
+    run = _run()
+    run.full = True
+    run.sweep(compiled=False)
+    assert [(row["case"], row["threads"], row["speedup"]) for row in run.rows] == [
+        ("SE.pad.8.1t", 1, 0.5),
+        ("SE.pad.8.2t", 2, 0.5),
+    ]
+    assert "| replicate pad (2,2,1,1) | 1 | 0.50x |" in "\n".join(run.details)
+    pytest.importorskip("jax")
+    from bench import jax_sweep
+
+    found = dict(id="SJ.up.8.1t", label="up", op="up", shape=[2, 8, 4, 4], seconds=1.0, base_seconds=2.0,
+                 target=">= 0.97x", note="", series=[2.0] * 7, settled=True, stall=None)  # fmt: skip
+    monkeypatch.setattr(jax_sweep, "operations", lambda: ["up"])
+    monkeypatch.setattr(jax_sweep, "in_child", lambda threads, settings, ops: [found | {"threads": threads}])
+    run.jax_sweep()
+    assert [(row["case"], row["threads"]) for row in run.rows[2:]] == [("SJ.up.8.1t", 1), ("SJ.up.8.1t", 2)]
+    assert "fastbwd.jax.upsample_bilinear2d x2" in "\n".join(run.details)
+
+
+class _TwoSides:
+    """A stand-in for timing.Timing of two callables: their per-round times."""
+
+    def __init__(self, first, second):
+        self.rounds, self.settled = [first, second], True
+
+    def median(self, index):
+        return float(np.median(self.rounds[index]))
+
+    def series(self, index, baseline=None):
+        return timing.Timing.series(self, index, baseline)
+
+
 def test_group_standing_uses_trustworthy_rows_that_are_not_tiny_calls():
     rows = _results()["rows"]
     groups = {group["name"]: group for group in targets.group_summaries(rows, 0.1)}
