@@ -66,7 +66,7 @@ OPS = ("upsample_bilinear2d", "avg_pool2d", "replication_pad2d", "group_norm_swi
 DEFAULTS = {
     # eager routing of F.interpolate (bilinear x2), F.avg_pool2d (k3 s2 p1), F.pad (replicate)
     "torch/routed/upsample_bilinear2d/1": 16384,
-    "torch/routed/upsample_bilinear2d/2": 16384,
+    "torch/routed/upsample_bilinear2d/2": 32768,
     "torch/routed/avg_pool2d/1": 65536,
     "torch/routed/avg_pool2d/2": 131072,
     "torch/routed/replication_pad2d/1": 131072,

@@ -162,6 +162,23 @@ def function_cases():
     return cases
 
 
+#: Every case's name, whichever libraries are installed (:func:`case` skips one whose library is not);
+#: the models first (a quick set's cover of the libraries takes the first case of each).
+NAMES = ["linen", "nnx", "equinox", "jnp.pad", "jax.image.resize", "jax.nn.silu", "nn.avg_pool", "nnx.avg_pool"]
+
+
+def case(name):
+    """``(loss, args)`` of one case of :data:`NAMES`; skips (pytest) when its library is not installed."""
+    if name in ("jnp.pad", "jax.image.resize", "jax.nn.silu") or (FLAX and name in ("nn.avg_pool", "nnx.avg_pool")):
+        return function_cases()[name]
+    made = {"linen": (FLAX, linen_case), "nnx": (FLAX, nnx_case), "equinox": (EQUINOX, equinox_case)}
+    if name in made and made[name][0]:
+        return made[name][1]()
+    import pytest
+
+    pytest.skip(f"{name}: its library (Flax or Equinox) is not installed")
+
+
 def cases():
     """``{name: (loss, args)}``: a scalar loss and its arguments; its gradient is the program."""
     found = function_cases()

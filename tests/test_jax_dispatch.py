@@ -161,6 +161,12 @@ def _explicit(name):
     return op, f, args, argnums
 
 
+def _operator_and_layout(name):
+    """A case's features for the quick set's cover (tests/_covering.py): its operator and layout."""
+    return EXPLICIT[name][0], "NHWC" if "NHWC" in name else "NCHW"
+
+
+@pytest.mark.covering(key=_operator_and_layout, strength=1)  # each case traces and compiles its own programs
 @pytest.mark.parametrize("name", list(EXPLICIT))
 def test_explicit_functions_decide_at_their_threshold(name):
     """At its threshold (the input's size) a function's program holds its fastbwd calls (those
@@ -315,26 +321,42 @@ def test_dropins_decide_at_their_threshold(name):
         assert_bitwise(jit(ours)(*args), jit(theirs)(*args))
 
 
-def test_reach_below_the_thresholds_is_the_libraries_program():
-    """Every case of tests/jax_reach_cases.py (Flax linen and NNX blocks, an Equinox block under
+def _library(name):
+    """A reach case's library, for the quick set's cover: JAX's own functions, linen, NNX or Equinox."""
+    return ("linen" if name.startswith("nn.") else name.split(".")[0].replace("jnp", "jax"),)
+
+
+@pytest.mark.covering(key=_library, strength=1)  # each case compiles four programs
+@pytest.mark.parametrize("name", cases.NAMES)
+def test_reach_below_the_thresholds_is_the_libraries_program(name):
+    """Each case of tests/jax_reach_cases.py (Flax linen and NNX blocks, an Equinox block under
     vmap, the library functions) traced inside reach with every call below its threshold is
     the program traced outside reach: the same jaxpr, compiled instructions and bits; with the
     thresholds at 0, fastbwd's (the policy "always"'s) program."""
-    for name, (loss, args) in cases.cases().items():
-        step = jax.grad(loss)
-        outside = jit(step).lower(*args).compile()
-        with auto(everything=NEVER), fj.reach():
-            inside = jit(step).lower(*args).compile()
-            jaxpr = str(jax.make_jaxpr(step)(*args))
-        assert jaxpr == str(jax.make_jaxpr(step)(*args)), name
-        assert _instructions(inside.as_text()) == _instructions(outside.as_text()), name
-        assert_bitwise(inside(*args), outside(*args))
-        with fj.reach(policy="always"):
-            always = _instructions(jit(step).lower(*args).compile().as_text())
-        with auto(everything=0), fj.reach():
-            assert _instructions(jit(step).lower(*args).compile().as_text()) == always, name
-        if name != "jax.nn.silu":
-            assert 'custom_call_target="fastbwd_' in always, name
+    loss, args = cases.case(name)
+    step = jax.grad(loss)
+    outside = jit(step).lower(*args).compile()
+    with auto(everything=NEVER), fj.reach():
+        inside = jit(step).lower(*args).compile()
+        jaxpr = str(jax.make_jaxpr(step)(*args))
+    assert jaxpr == str(jax.make_jaxpr(step)(*args)), name
+    assert _instructions(inside.as_text()) == _instructions(outside.as_text()), name
+    assert_bitwise(inside(*args), outside(*args))
+    with fj.reach(policy="always"):
+        always = _instructions(jit(step).lower(*args).compile().as_text())
+    with auto(everything=0), fj.reach():
+        assert _instructions(jit(step).lower(*args).compile().as_text()) == always, name
+    if name != "jax.nn.silu":
+        assert 'custom_call_target="fastbwd_' in always, name
+
+
+def test_every_reach_case_is_named():
+    """The parametrised test above takes its cases by name: none of tests/jax_reach_cases.py's left out."""
+    found = cases.cases()
+    assert set(found) <= set(cases.NAMES)
+    for name in found:
+        loss, args = cases.case(name)
+        assert loss.__code__ == found[name][0].__code__, name
 
 
 def test_reach_decides_each_call_by_its_size():
