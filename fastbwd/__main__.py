@@ -6,7 +6,8 @@ is 1 when one differs. The benchmark harness lives beside the package, in the ch
 ``bench/`` (``python3 -m bench``).
 
 ``python -m fastbwd --precompile [--ops ...] [--dtypes ...] [--layouts ...]`` instead
-compiles every kernel into Numba's disk cache (``fastbwd.precompile``) and exits.
+compiles the kernels (float32's unless ``--dtypes`` says more, or all) into Numba's disk cache
+(``fastbwd.precompile``) and exits.
 """
 
 import argparse
@@ -148,17 +149,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m fastbwd",
         description="A self-check of every operator against the float64 reference; --precompile instead "
-        "compiles every kernel into the disk cache.",
+        "compiles the kernels into the disk cache.",
     )
     parser.add_argument("--ops", nargs="+", metavar="OP", choices=list(OPERATORS), help=ops_help())
     group = parser.add_argument_group("precompiling", "fill the disk cache instead of checking")
     group.add_argument(
         "--precompile",
         action="store_true",
-        help="compile every kernel (of --ops, --dtypes, --layouts) into the disk cache and exit",
+        help="compile the kernels of --ops, --dtypes (default: float32) and --layouts into the disk cache and exit",
     )
     group.add_argument(
-        "--dtypes", nargs="+", metavar="DTYPE", choices=list(BY_NAME), help=f"only these dtypes: {', '.join(BY_NAME)}"
+        "--dtypes",
+        nargs="+",
+        metavar="DTYPE",
+        choices=[*BY_NAME, "all"],
+        help=f"these dtypes: {', '.join(BY_NAME)}, or all (default: float32)",
     )
     group.add_argument(
         "--layouts", nargs="+", metavar="LAYOUT", choices=["NCHW", "NHWC"], help="only these layouts: NCHW, NHWC"

@@ -1,6 +1,7 @@
-"""Fill Numba's disk cache with every kernel the public functions can dispatch to.
+"""Fill Numba's disk cache with the kernels the public functions can dispatch to.
 
-``fastbwd.precompile()`` and ``python -m fastbwd --precompile`` run the :data:`TABLE` below in
+``fastbwd.precompile()`` and ``python -m fastbwd --precompile`` run the :data:`TABLE` below (its
+float32 entries unless other dtypes, or all, are asked for) in
 worker processes (one per core): each entry calls one public function on tiny inputs chosen to
 reach one kernel path, for one dtype and one memory layout, so that the kernel behind that call
 compiles (or loads) and lands in the disk cache. The calls are the kernel paths of the
@@ -134,6 +135,22 @@ def cache_folder():
     return path, None
 
 
+#: What :func:`precompile` compiles when no dtypes are named: the dtype models train and infer
+#: in by default in both frameworks. The whole table (every dtype) costs about five times its CPU
+#: (docs/runtime.md); ``dtypes="all"`` asks for it.
+DEFAULT_DTYPES = ("float32",)
+
+
+def precompile_dtypes(dtypes):
+    """The dtype names :func:`select` gets for ``precompile(dtypes=...)``: :data:`DEFAULT_DTYPES`
+    for None, every dtype (None) for "all" (alone or in a list), else ``dtypes`` as given."""
+    if dtypes is None:
+        return DEFAULT_DTYPES
+    if dtypes == "all" or (not isinstance(dtypes, str) and "all" in tuple(dtypes)):
+        return None
+    return dtypes
+
+
 #: The two ways every entry runs (``api._plans.launching``'s modes).
 TWINS = ("parallel", "serial")
 
@@ -193,8 +210,8 @@ def _run_entry(index, twin):
 
 
 def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=True):
-    """Compile every kernel the public functions can dispatch to into Numba's disk cache: the
-    parallel kernel and the serial twin (small calls run it) of each.
+    """Compile the kernels the public functions can dispatch to into Numba's disk cache, float32's
+    unless ``dtypes`` says more: the parallel kernel and the serial twin (small calls run it) of each.
 
     Parameters
     ----------
@@ -206,8 +223,9 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         ``fastbwd.jax.roi_align``); the same names as ``--ops`` in ``python -m fastbwd`` and
         ``python3 -m bench``.
     dtypes : str or sequence of str, optional
-        dtype names: "float32", "float16", "bfloat16", "float64", "complex64", "complex128"
-        (default: every dtype each operator accepts).
+        dtype names: "float32", "float16", "bfloat16", "float64", "complex64", "complex128",
+        or "all": every dtype each operator accepts (default: float32, :data:`DEFAULT_DTYPES`;
+        a dtype not precompiled compiles on its first call, as without a precompile).
     layouts : str or sequence of str, optional
         "NCHW" and/or "NHWC" (channels-last memory, however it is asked for; default: both).
     workers : int, optional
@@ -225,6 +243,7 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         Never changes any result.
     """
     say = print if verbose else (lambda *args, **kwargs: None)
+    dtypes = precompile_dtypes(dtypes)
     entries = select(ops, dtypes, layouts)
     folder, reason = cache_folder()
     if folder is None:
@@ -238,6 +257,12 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         f"fastbwd precompile: {len(entries)} kernel paths, each parallel and as its serial twin ({len(runs)} runs "
         f"in {len(batches)} groups), with {workers} worker process(es) into {folder}"
     )
+    if dtypes == DEFAULT_DTYPES:
+        others = sorted({entry.dtype for entry in select(ops, None, layouts)} - set(DEFAULT_DTYPES))
+        say(
+            f"  {', '.join(DEFAULT_DTYPES)} only (the default): {', '.join(others)} compile on their first call, "
+            "or here with --dtypes (a list, or all)"
+        )
     import multiprocessing
 
     start = time.perf_counter()

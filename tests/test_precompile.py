@@ -129,3 +129,35 @@ def test_table_covers_every_operator_dtype_and_layout():
     with pytest.raises(ValueError, match="unknown dtype"):
         _precompile.select(dtypes=["int8"])
     assert fastbwd.precompile is _precompile.precompile
+
+
+def test_float32_unless_more_dtypes_are_asked_for(monkeypatch):
+    """The default is the float32 entries (a fifth of the table's CPU); "all", alone or in a list,
+    is every dtype; ``python -m fastbwd --precompile`` passes --dtypes through as given."""
+    assert _precompile.precompile_dtypes(None) == ("float32",) == _precompile.DEFAULT_DTYPES
+    assert _precompile.precompile_dtypes("all") is None and _precompile.precompile_dtypes(["all"]) is None
+    assert _precompile.precompile_dtypes(["bfloat16"]) == ["bfloat16"]
+    default = _precompile.select(dtypes=_precompile.precompile_dtypes(None))
+    assert {entry.dtype for entry in default} == {"float32"}
+    assert {entry.op for entry in default} == {entry.op for entry in _precompile.TABLE}
+    assert len(_precompile.select(dtypes=_precompile.precompile_dtypes("all"))) == len(_precompile.TABLE)
+    seen = []
+    monkeypatch.setattr(fastbwd, "precompile", lambda *args, **kwargs: seen.append(args) or {"errors": []})
+    from fastbwd import __main__ as fastbwd_main
+
+    assert fastbwd_main.main(["--precompile"]) == 0 and fastbwd_main.main(["--precompile", "--dtypes", "all"]) == 0
+    assert [dtypes for _, dtypes, _ in seen] == [None, ["all"]]
+    with pytest.raises(SystemExit):
+        fastbwd_main.main(["--precompile", "--dtypes", "int8"])
+
+
+def test_the_default_says_what_it_left_out(tmp_path, capsys, monkeypatch):
+    """The default's report names the dtypes it did not compile, and how to ask for them."""
+    monkeypatch.setattr(_precompile, "cache_folder", lambda: (str(tmp_path), None))
+    monkeypatch.setattr(_precompile, "select", lambda ops, dtypes, layouts: [] if dtypes else _precompile.TABLE)
+    result = fastbwd.precompile(ops="replication_pad2d_backward")
+    out = capsys.readouterr().out
+    assert result["entries"] == 0
+    line = next(line for line in out.splitlines() if "only (the default)" in line)
+    assert line.strip().startswith("float32 only (the default): bfloat16, complex128")
+    assert "--dtypes (a list, or all)" in line

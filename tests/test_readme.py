@@ -186,12 +186,15 @@ def test_ci_builds_the_site_as_the_readme_says():
 
 
 def test_readme_counts_are_the_programs():
-    """The kernel paths the README counts are those --precompile runs."""
+    """The kernel paths the README and docs/runtime.md count are those --precompile runs: by
+    default (float32) and with --dtypes all."""
     count = len(_precompile.TABLE)
-    paths = int(re.search(r"compiles all (\d+) kernel paths", README).group(1))
+    default = len(_precompile.select(dtypes=_precompile.DEFAULT_DTYPES))
+    paths = int(re.search(r"`--dtypes all`:\s+all (\d+) kernel paths", README).group(1))
     assert paths == count, f"README.md says {paths} kernel paths, --precompile runs {count}: say {count}"
     runtime = (ROOT / "docs" / "runtime.md").read_text()
     assert f"{count} kernel paths" in runtime, f"docs/runtime.md: say {count} kernel paths"
+    assert f"float32 kernel path\nof every operator and layout into the cache: {default} kernel paths" in runtime
 
 
 @pytest.mark.parametrize(
