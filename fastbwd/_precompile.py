@@ -243,7 +243,7 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         Never changes any result.
     """
     say = print if verbose else (lambda *args, **kwargs: None)
-    dtypes = precompile_dtypes(dtypes)
+    default, dtypes = dtypes is None, precompile_dtypes(dtypes)
     entries = select(ops, dtypes, layouts)
     folder, reason = cache_folder()
     if folder is None:
@@ -257,8 +257,8 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         f"fastbwd precompile: {len(entries)} kernel paths, each parallel and as its serial twin ({len(runs)} runs "
         f"in {len(batches)} groups), with {workers} worker process(es) into {folder}"
     )
-    if dtypes == DEFAULT_DTYPES:
-        others = sorted({entry.dtype for entry in select(ops, None, layouts)} - set(DEFAULT_DTYPES))
+    others = sorted({entry.dtype for entry in select(ops, None, layouts)} - set(DEFAULT_DTYPES))
+    if default and others:
         say(
             f"  {', '.join(DEFAULT_DTYPES)} only (the default): {', '.join(others)} compile on their first call, "
             "or here with --dtypes (a list, or all)"
