@@ -257,8 +257,8 @@ def precompile(ops=None, dtypes=None, layouts=None, *, workers=None, verbose=Tru
         f"fastbwd precompile: {len(entries)} kernel paths, each parallel and as its serial twin ({len(runs)} runs "
         f"in {len(batches)} groups), with {workers} worker process(es) into {folder}"
     )
-    others = sorted({entry.dtype for entry in select(ops, None, layouts)} - set(DEFAULT_DTYPES))
-    if default and others:
+    others = sorted({entry.dtype for entry in select(ops, None, layouts)} - set(DEFAULT_DTYPES)) if default else []
+    if others:
         say(
             f"  {', '.join(DEFAULT_DTYPES)} only (the default): {', '.join(others)} compile on their first call, "
             "or here with --dtypes (a list, or all)"
