@@ -12,6 +12,7 @@ from fastbwd import avg_pool2d_backward as pool_bwd
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+import kernel_twins
 from _covering import float32_quick
 from conftest import BF16, DTYPES, channels_last, raises_param_error, random
 
@@ -524,8 +525,9 @@ def test_serial_twin_equals_parallel():
 
     grad_output = random((40,), np.float32, 8)
     parallel, serial = np.empty((40, 30), np.float32), np.empty((40, 30), np.float32)
-    kernels.global_avg_pool2d_bwd_nchw.parallel(grad_output, parallel, np.float32(30), NATIVE)
-    kernels.global_avg_pool2d_bwd_nchw.serial(grad_output, serial, np.float32(30), NATIVE)
+    parallel_kernel, serial_twin = kernel_twins.twins(kernels.global_avg_pool2d_bwd_nchw)
+    parallel_kernel(grad_output, parallel, np.float32(30), NATIVE)
+    serial_twin(grad_output, serial, np.float32(30), NATIVE)
     assert bitwise_equal(parallel, serial)
 
 

@@ -16,6 +16,7 @@ from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+import kernel_twins
 from _covering import float32_quick
 from conftest import BF16, assert_thread_invariant, raises_param_error, to_nhwc
 
@@ -518,7 +519,7 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
     for groups_per_task, streaming in itertools.product((1, 2, 4, 5, 6), (False, True)):
         dx = np.empty_like(x)
         sum_g, sum_gx = np.empty((3, 24), F32), np.empty((3, 24), F32)
-        kernels.group_norm_swish_bwd_nhwc(
+        kernel_twins.parallel(kernels.group_norm_swish_bwd_nhwc, kernels.BACKWARD_READ_ONLY)(
             dy.reshape(3, -1, 24),
             x.reshape(3, -1, 24),
             mean,
@@ -543,7 +544,7 @@ def test_serial_twin_equals_parallel():
 
     dy, mean, rstd, x, gamma, beta = inputs((2, 6, 300), 3, F32, seed=17)
     results = []
-    for run in (kernels.group_norm_swish_bwd_nchw.parallel, kernels.group_norm_swish_bwd_nchw.serial):
+    for run in kernel_twins.twins(kernels.group_norm_swish_bwd_nchw, kernels.BACKWARD_READ_ONLY):
         dx, sum_g, sum_gx = np.empty_like(x), np.empty((2, 6), F32), np.empty((2, 6), F32)
         run(dy, x, mean, rstd, gamma, beta, np.float32(1.0), dx, sum_g, sum_gx, NATIVE)
         results.append((dx, sum_g, sum_gx))

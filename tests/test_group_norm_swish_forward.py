@@ -11,6 +11,7 @@ from fastbwd.kernels import group_norm_swish as kernels
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+import kernel_twins
 from _covering import float32_quick
 from conftest import BF16, raises_param_error, to_nhwc
 
@@ -167,7 +168,7 @@ def test_non_finite_in_the_second_group_of_a_paired_task(value, where):
     results = []
     for groups_per_task in (1, 2):  # group 1 of image 0 is the second group of task 0 when paired
         y, mean, rstd = np.empty_like(x), np.empty((2, groups), F32), np.empty((2, groups), F32)
-        kernels.group_norm_swish_fwd_nchw.serial(
+        kernel_twins.serial(kernels.group_norm_swish_fwd_nchw, kernels.FORWARD_READ_ONLY)(
             x.reshape(2, 8, 30),
             gamma,
             beta,
@@ -249,7 +250,7 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
         assert all(bitwise_equal(a, b) for a, b in zip(gns(x, gamma, beta, 6, "NHWC"), first))
     for groups_per_task in (1, 4, 6):  # the kernel itself, runs of every width
         y, mean, rstd = np.empty_like(x), np.empty((3, 6), F32), np.empty((3, 6), F32)
-        kernels.group_norm_swish_fwd_nhwc(
+        kernel_twins.parallel(kernels.group_norm_swish_fwd_nhwc, kernels.FORWARD_READ_ONLY)(
             x.reshape(3, -1, 24),
             gamma,
             beta,
@@ -277,7 +278,7 @@ def test_serial_twin_and_paired_groups_equal_parallel():
     for shape, groups in (((2, 6, 300), 3), ((3, 4, kernels.BLOCK + 50), 2)):
         x, gamma, beta = inputs(shape, groups, F32, seed=12)
         results = []
-        for kernel in (kernels.group_norm_swish_fwd_nchw.parallel, kernels.group_norm_swish_fwd_nchw.serial):
+        for kernel in kernel_twins.twins(kernels.group_norm_swish_fwd_nchw, kernels.FORWARD_READ_ONLY):
             for groups_per_task in (1, 2):
                 y, mean, rstd = np.empty_like(x), np.empty((shape[0], groups), F32), np.empty((shape[0], groups), F32)
                 kernel(

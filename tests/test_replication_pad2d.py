@@ -11,6 +11,7 @@ from fastbwd import replication_pad2d_backward as pad_bwd
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+import kernel_twins
 from _covering import float32_quick
 from conftest import BF16, COMPLEX, DTYPES, channels_last, raises_param_error, random
 
@@ -237,8 +238,9 @@ def test_serial_twin_equals_parallel(read_ahead):
 
     grad_output = random((6, 40, 33), np.float32, 8)
     parallel, serial = np.empty((6, 33, 30), np.float32), np.empty((6, 33, 30), np.float32)
-    kernels.replication_pad2d_bwd_nchw.parallel(grad_output, parallel, 3, 2, read_ahead, NATIVE)
-    kernels.replication_pad2d_bwd_nchw.serial(grad_output, serial, 3, 2, read_ahead, NATIVE)
+    parallel_kernel, serial_twin = kernel_twins.twins(kernels.replication_pad2d_bwd_nchw)
+    parallel_kernel(grad_output, parallel, 3, 2, read_ahead, NATIVE)
+    serial_twin(grad_output, serial, 3, 2, read_ahead, NATIVE)
     assert bitwise_equal(parallel, serial)
 
 

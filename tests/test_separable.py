@@ -8,6 +8,7 @@ from fastbwd import _dtypes as d
 from fastbwd.kernels import _separable as S
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
+import kernel_twins
 from _covering import float32_quick
 from conftest import assert_thread_invariant
 
@@ -144,8 +145,9 @@ def test_plane_lanes_and_row_blocks_agree(dtype):
     fmt = d.storage_format(dtype)
     by_planes = np.empty((planes, height, width), dtype)
     by_rows = np.empty((planes, height, width), dtype)
-    S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt)
-    S._separable_bwd_nchw(
+    by_planes_kernel = kernel_twins.parallel(S._separable_bwd_planes)
+    by_planes_kernel(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt)
+    kernel_twins.parallel(S._separable_bwd_nchw)(
         d.kernel_view(grad),
         d.kernel_view(by_rows),
         *S.gather_table(*tables[:2], height),
@@ -159,5 +161,5 @@ def test_plane_lanes_and_row_blocks_agree(dtype):
     S.plan(False, grad.shape, public.shape, *tables, fmt).run(d.kernel_view(grad), d.kernel_view(public))
     assert bitwise_equal(public, by_planes)
     assert_thread_invariant(
-        lambda: S._separable_bwd_planes(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy()
+        lambda: by_planes_kernel(d.kernel_view(grad), d.kernel_view(by_planes), *tables, fmt) or by_planes.copy()
     )

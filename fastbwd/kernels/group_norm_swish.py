@@ -82,6 +82,10 @@ NCHW_PAIRED_TASKS_PER_THREAD = 4
 #: them. The floor is kept above the size where streaming starts to win, so that a smaller dx
 #: stays in cache for whatever reads it next (docs/history.md).
 NHWC_STREAM_MIN_BYTES = 4 << 20
+#: The arguments each direction's kernel only reads (typed read-only: one compiled signature
+#: serves read-only and writeable arrays): dy, x, mean, rstd, gamma, beta; x, gamma, beta.
+BACKWARD_READ_ONLY = (0, 1, 2, 3, 4, 5)
+FORWARD_READ_ONLY = (0, 1, 2)
 
 
 class Geometry(NamedTuple):
@@ -184,7 +188,7 @@ class BackwardPlan(NamedTuple):
 
 def _backward_plan(g):
     work = g.batch * g.channels * g.positions
-    dx = Launch(group_norm_swish_bwd_nhwc if g.nhwc else group_norm_swish_bwd_nchw, work, read_only=(0, 1, 2, 3, 4, 5))
+    dx = Launch(group_norm_swish_bwd_nhwc if g.nhwc else group_norm_swish_bwd_nchw, work, read_only=BACKWARD_READ_ONLY)
     if g.nhwc:
         threads = g.threads if dx.parallel else 1
         streaming = work * g.itemsize >= NHWC_STREAM_MIN_BYTES  # only a half-format dx is streamed
@@ -239,7 +243,9 @@ class ForwardPlan(NamedTuple):
 
 def _forward_plan(g):
     work = g.batch * g.channels * g.positions
-    launch = Launch(group_norm_swish_fwd_nhwc if g.nhwc else group_norm_swish_fwd_nchw, work, read_only=(0, 1, 2))
+    launch = Launch(
+        group_norm_swish_fwd_nhwc if g.nhwc else group_norm_swish_fwd_nchw, work, read_only=FORWARD_READ_ONLY
+    )
     threads = g.threads if launch.parallel else 1
     if g.nhwc:
         groups_per_task = nhwc_groups_per_task(g.groups, g.channels // g.groups, g.batch, threads)
