@@ -428,6 +428,15 @@ def big_case(dtype=np.float32):
     return grad_output, boxes, input_shape, 5, 4, 0.5, 0, True
 
 
+def small_case(dtype=np.float32):
+    """A call small enough for the serial twin (the kernel the contract's small cases compile)."""
+    rng = np.random.default_rng(9)
+    input_shape = (2, 5, 9, 11)
+    boxes = random_boxes(rng, 6, 2, 9, 11, 0.5).astype(dtype)
+    grad_output = rng.standard_normal((6, 5, 3, 2)).astype(dtype)
+    return grad_output, boxes, input_shape, 3, 2, 0.5, 0, True
+
+
 def test_task_partition_does_not_change_bits(monkeypatch, replan):
     args = big_case()
     expected = check_against_reference(args)
@@ -453,10 +462,11 @@ def test_register_tiles_and_their_edges_every_dtype(dtype, monkeypatch, replan):
     assert bitwise_equal(roi_bwd(*args), expected)
 
 
-def test_serial_twin_equals_parallel(monkeypatch):
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64]))
+def test_serial_twin_equals_parallel(monkeypatch, dtype):
     from fastbwd.kernels import _jit
 
-    args = big_case(np.float64)
+    args = big_case(dtype)
     parallel = roi_bwd(*args)
     monkeypatch.setattr(_jit, "_serial_only", True)
     assert bitwise_equal(roi_bwd(*args), parallel)
@@ -503,7 +513,7 @@ def test_lists_and_numpy_scalars_are_accepted():
 
 def test_torch_tensors_are_accepted():
     torch = pytest.importorskip("torch")
-    grad, boxes, *rest = big_case()
+    grad, boxes, *rest = small_case()
     result = roi_bwd(torch.from_numpy(grad).to(torch.bfloat16), torch.from_numpy(boxes).to(torch.bfloat16), *rest)
     assert result.dtype == BF16
     expected = ref.roi_align_backward(grad.astype(BF16), boxes.astype(BF16), *rest)
@@ -716,15 +726,16 @@ def test_forward_layout_and_channel_blocks_do_not_change_bits(dtype, monkeypatch
         assert bitwise_equal(roi_fwd(x_cl, *rest), expected)
 
 
-def test_forward_serial_twin_strides_out_and_inputs():
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64]))
+def test_forward_serial_twin_strides_out_and_inputs(dtype):
     from fastbwd.kernels import _jit
 
-    x, boxes, *rest = forward_big_case(np.float64)
+    x, boxes, *rest = forward_big_case(dtype)
     snapshot = (x.copy(), boxes.copy())
     expected = roi_fwd(x, boxes, *rest)
     strided = np.asfortranarray(x)[:, ::-1][:, ::-1]
     assert bitwise_equal(roi_fwd(strided, np.asfortranarray(boxes), *rest), expected)
-    out = np.full(expected.shape, np.nan)
+    out = np.full(expected.shape, np.nan, dtype)
     assert roi_fwd(x, boxes, *rest, out=out) is out and bitwise_equal(out, expected)
     assert bitwise_equal(x, snapshot[0]) and bitwise_equal(boxes, snapshot[1])
     with pytest.MonkeyPatch.context() as m:
@@ -937,13 +948,14 @@ def test_nhwc_thread_count_and_partition_do_not_change_bits(dtype, monkeypatch, 
         assert bitwise_equal(roi_fwd(x_nhwc, *forward_rest, layout="NHWC"), forward_expected)
 
 
-def test_nhwc_serial_twin_strides_inputs_and_out():
+@pytest.mark.parametrize("dtype", float32_quick([np.float32, np.float64]))
+def test_nhwc_serial_twin_strides_inputs_and_out(dtype):
     from fastbwd.kernels import _jit
 
-    grad_output, boxes, input_shape, *rest = big_case(np.float64)
+    grad_output, boxes, input_shape, *rest = big_case(dtype)
     g = nhwc(grad_output)
     expected = roi_bwd(g, boxes, input_shape, *rest, layout="NHWC")
-    x, _, *forward_rest = forward_big_case(np.float64)
+    x, _, *forward_rest = forward_big_case(dtype)
     x_nhwc = nhwc(x)
     forward_expected = roi_fwd(x_nhwc, boxes, *forward_rest, layout="NHWC")
     snapshot = (g.copy(), x_nhwc.copy(), boxes.copy())
@@ -953,9 +965,9 @@ def test_nhwc_serial_twin_strides_inputs_and_out():
     strided = np.asfortranarray(x_nhwc)
     assert bitwise_equal(roi_fwd(strided, boxes, *forward_rest, layout="NHWC"), forward_expected)
     # out=: overwritten and returned
-    out = np.full(expected.shape, np.nan)
+    out = np.full(expected.shape, np.nan, dtype)
     assert roi_bwd(g, boxes, input_shape, *rest, layout="NHWC", out=out) is out and bitwise_equal(out, expected)
-    out = np.full(forward_expected.shape, np.nan)
+    out = np.full(forward_expected.shape, np.nan, dtype)
     assert roi_fwd(x_nhwc, boxes, *forward_rest, layout="NHWC", out=out) is out
     assert bitwise_equal(out, forward_expected)
     for array, kept in zip((g, x_nhwc, boxes), snapshot):
