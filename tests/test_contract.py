@@ -261,14 +261,37 @@ def _small(name, dtype):
     return next(iter(CONTRACTS[name].cases.values()))(np.dtype(dtype))
 
 
+#: The operators whose channels-last calls run kernels of their own (RoIAlign's run the NCHW
+#: ones). In any dtype but float32 such a case compiles a channels-last twin for the contract
+#: tests alone (3-6 s each in a cold run): the slow set's. The quick cover then meets these
+#: operators on channels_last in float32 and the other dtypes on channels_last in RoIAlign.
+_OWN_CHANNELS_LAST_KERNELS = {
+    "upsample_bilinear2d_backward",
+    "avg_pool2d_backward",
+    "replication_pad2d_backward",
+    "group_norm_swish_backward",
+    "group_norm_swish",
+}
+
+
 def _matrix(*axes):
     """(name, dtype, ...) for every contract and each of its dtypes, then the other axes."""
     return [
-        pytest.param(name, dtype, *rest, id="-".join([name, str(dtype), *map(str, rest)]))
+        pytest.param(
+            name,
+            dtype,
+            *rest,
+            id="-".join([name, str(dtype), *map(str, rest)]),
+            marks=[pytest.mark.slow] if _channels_last_twin(name, dtype, rest) else [],
+        )
         for name, contract in CONTRACTS.items()
         for dtype in contract.dtypes
         for rest in itertools.product(*axes)
     ]
+
+
+def _channels_last_twin(name, dtype, rest):
+    return "channels_last" in rest and name in _OWN_CHANNELS_LAST_KERNELS and np.dtype(dtype) != np.float32
 
 
 def test_every_registered_operator_has_a_contract():
