@@ -419,22 +419,24 @@ def test_large_sampling_ratio_thread_count_does_not_change_bits(dtype):
 # --------------------------------------------------------------------------------------------
 
 
+def _backward_case(seed, input_shape, num_boxes, pooled_height, pooled_width, dtype):
+    """A backward call's arguments: random boxes over the input (scale 0.5, some partly outside
+    it) and a random gradient, adaptive sampling, aligned."""
+    rng = np.random.default_rng(seed)
+    batch, channels, height, width = input_shape
+    boxes = random_boxes(rng, num_boxes, batch, height, width, 0.5).astype(dtype)
+    grad_output = rng.standard_normal((num_boxes, channels, pooled_height, pooled_width)).astype(dtype)
+    return grad_output, boxes, input_shape, pooled_height, pooled_width, 0.5, 0, True
+
+
 def big_case(dtype=np.float32):
     """Several images, channel blocks and row bands of the scatter kernel."""
-    rng = np.random.default_rng(8)
-    input_shape = (3, 37, 45, 61)
-    boxes = random_boxes(rng, 40, 3, 45, 61, 0.5).astype(dtype)
-    grad_output = rng.standard_normal((40, 37, 5, 4)).astype(dtype)
-    return grad_output, boxes, input_shape, 5, 4, 0.5, 0, True
+    return _backward_case(8, (3, 37, 45, 61), 40, 5, 4, dtype)
 
 
 def small_case(dtype=np.float32):
     """A call small enough for the serial twin (the kernel the contract's small cases compile)."""
-    rng = np.random.default_rng(9)
-    input_shape = (2, 5, 9, 11)
-    boxes = random_boxes(rng, 6, 2, 9, 11, 0.5).astype(dtype)
-    grad_output = rng.standard_normal((6, 5, 3, 2)).astype(dtype)
-    return grad_output, boxes, input_shape, 3, 2, 0.5, 0, True
+    return _backward_case(9, (2, 5, 9, 11), 6, 3, 2, dtype)
 
 
 def test_task_partition_does_not_change_bits(monkeypatch, replan):
