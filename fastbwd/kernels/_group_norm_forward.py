@@ -14,7 +14,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ._group_norm_math import (
     BLOCK,
@@ -381,12 +381,35 @@ def _nhwc_normalise(x, y, channels, start, center, scale, beta, activate_swish, 
             _swish_run(scratch, swish_scale, y[row + piece :], count, fmt)
 
 
-@leaf_helper
 def _swish_run(scratch, swish_scale, out, count, fmt):
     """:func:`swish_rows` of ``scratch[0]``'s first ``count`` elements into ``out``, for an NHWC
-    run: over a whole number of STAGE_ALIGN elements into a scratch row (vector loop
-    bodies alone: the run starts where the task's channels do, which follows the thread count),
-    then copied out (:func:`store_rows`)."""
+    run: over a whole number of STAGE_ALIGN elements (vector loop bodies alone: the run starts
+    where the task's channels do, which follows the thread count), into a scratch row copied
+    out (:func:`store_rows`), or, for a float32 or float64 ``out`` and a whole number already,
+    straight into ``out`` (njit only)."""
+    raise NotImplementedError("_swish_run() is only callable from @njit code")
+
+
+@overload(_swish_run, inline="always")
+def _swish_run_overload(scratch, swish_scale, out, count, fmt):
+    if fmt.format_name == "native":
+        return lambda scratch, swish_scale, out, count, fmt: _swish_run_native(scratch, swish_scale, out, count)
+    return lambda scratch, swish_scale, out, count, fmt: _swish_run_copied(scratch, swish_scale, out, count, fmt)
+
+
+@leaf_helper
+def _swish_run_copied(scratch, swish_scale, out, count, fmt):
     wide_vectors()
     swish_rows(scratch, swish_scale, scratch[STAGE_OUT], aligned(count), NATIVE)
     store_rows(scratch[STAGE_OUT], out, count, fmt)
+
+
+@leaf_helper
+def _swish_run_native(scratch, swish_scale, out, count):
+    # out has the scratch rows' type: the same compiled loop either way, so the same bits (a
+    # NaN's sign too) whichever the thread count makes the run's length
+    wide_vectors()
+    if count == aligned(count):
+        swish_rows(scratch, swish_scale, out, count, NATIVE)
+    else:
+        _swish_run_copied(scratch, swish_scale, out, count, NATIVE)
