@@ -340,12 +340,12 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
 
 
 @leaf_helper
-def _nhwc_affine(x, y, count, center, scale, beta, fmt):
+def _nhwc_affine(x, y, count, center, scale, beta, fmt, out_fmt):
     """``y[k] = fma(x[k] - center[k], scale[k], beta[k])`` for ``k < count`` (``x`` decoded with
-    ``fmt``, ``y`` compute-type)."""
+    ``fmt``, ``y`` stored with ``out_fmt``)."""
     wide_vectors()
     for k in range(count):
-        y[k] = fma(load(x[k], fmt) - center[k], scale[k], beta[k])
+        y[k] = store(fma(load(x[k], fmt) - center[k], scale[k], beta[k]), out_fmt)
 
 
 @leaf_helper
@@ -360,8 +360,7 @@ def _nhwc_normalise(x, y, channels, start, center, scale, beta, activate_swish, 
     if not activate_swish:
         for i in range(hw):
             row = i * channels + start
-            for k in range(width):
-                y[row + k] = store(fma(load(x[row + k], fmt) - center[k], scale[k], beta[k]), fmt)
+            _nhwc_affine(x[row : row + width], y[row : row + width], width, center, scale, beta, fmt, fmt)
         return
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, center)
     values = scratch[0]
@@ -371,13 +370,15 @@ def _nhwc_normalise(x, y, channels, start, center, scale, beta, activate_swish, 
         if per_chunk > 1:
             for i in range(first, last):
                 row = i * channels
-                _nhwc_affine(x[row : row + width], values[(i - first) * width :], width, center, scale, beta, fmt)
+                _nhwc_affine(
+                    x[row : row + width], values[(i - first) * width :], width, center, scale, beta, fmt, NATIVE
+                )
             _swish_run(scratch, swish_scale, y[first * channels :], (last - first) * width, fmt)
             continue
         row = first * channels + start
         for piece in range(0, width, STAGE_CHUNK):
             count = min(STAGE_CHUNK, width - piece)
-            _nhwc_affine(x[row + piece :], values, count, center[piece:], scale[piece:], beta[piece:], fmt)
+            _nhwc_affine(x[row + piece :], values, count, center[piece:], scale[piece:], beta[piece:], fmt, NATIVE)
             _swish_run(scratch, swish_scale, y[row + piece :], count, fmt)
 
 
