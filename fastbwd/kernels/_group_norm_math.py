@@ -265,7 +265,8 @@ def _swish(y, swish_scale):
 # the problem alone, never on the task partition (which follows the thread count): the NCHW
 # kernels cut chunks from each group's start; the NHWC ones, whose channel runs follow the
 # thread count, run the last stage over a whole number of STAGE_ALIGN elements (the scratch
-# rows' tails computed and ignored: vector bodies only) and copy the chunk out.
+# rows' tails computed and ignored: vector bodies only) and copy the chunk out, or write it in
+# place when it is such a whole number already and the output has the scratch's type.
 
 #: Elements per chunk of the staged loops: their scratch rows (2 KB each in float32) stay in L1.
 STAGE_CHUNK = 512
