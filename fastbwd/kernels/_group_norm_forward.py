@@ -386,14 +386,15 @@ def _swish_run(scratch, swish_scale, out, count, fmt):
     """:func:`swish_rows` of ``scratch[0]``'s first ``count`` elements into ``out``, for an NHWC
     run: over a whole number of STAGE_ALIGN elements (vector loop bodies alone: the run starts
     where the task's channels do, which follows the thread count), into a scratch row copied
-    out (:func:`store_rows`), or, for a float32 or float64 ``out`` and a whole number already,
-    straight into ``out`` (njit only)."""
+    out (:func:`store_rows`), or, for an ``out`` of the scratch rows' type (float32 or float64,
+    aligned) and a whole number already, straight into ``out`` (njit only)."""
     raise NotImplementedError("_swish_run() is only callable from @njit code")
 
 
 @overload(_swish_run, inline="always")
 def _swish_run_overload(scratch, swish_scale, out, count, fmt):
-    if fmt.format_name == "native":
+    # in place only into an output of the scratch rows' very type (not a misaligned out=, say)
+    if fmt.format_name == "native" and out == scratch.copy(ndim=1):
         return lambda scratch, swish_scale, out, count, fmt: _swish_run_native(scratch, swish_scale, out, count)
     return lambda scratch, swish_scale, out, count, fmt: _swish_run_copied(scratch, swish_scale, out, count, fmt)
 
