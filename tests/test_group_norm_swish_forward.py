@@ -266,6 +266,29 @@ def test_nhwc_task_partition_does_not_change_bits(monkeypatch, replan):
         assert all(bitwise_equal(a, b) for a, b in zip((y, mean, rstd), first)), groups_per_task
 
 
+@pytest.mark.parametrize(
+    "dtype", [F32, BF16, pytest.param(F64, marks=pytest.mark.slow), pytest.param(F16, marks=pytest.mark.slow)], ids=str
+)
+@pytest.mark.parametrize("activate", [True, False])
+def test_nhwc_runs_of_every_width_match_the_reference_and_each_other(monkeypatch, replan, dtype, activate):
+    """Task runs of 16, 48, 64 and all 384 channels, a position at a time: Swish through a scratch
+    row copied out (runs of 16 and 48) or written in place (64 and 384: whole numbers of
+    STAGE_ALIGN; the half formats always copy, rounding), and without Swish the affine part
+    alone, at each run's own channels. Every width gives the same bits and the reference's values."""
+    shape, groups = (2, 384, 8, 6), 24
+    x, gamma, beta = inputs(shape, groups, dtype, seed=13)
+    reference = expected(x, gamma, beta, groups, scale=1.25, activate=activate)
+    monkeypatch.setattr(kernels, "NHWC_TASKS_PER_THREAD", 1)  # runs as wide as NHWC_TASK_CHANNELS asks
+    first = None
+    for channels in (16, 48, 64, 512):
+        monkeypatch.setattr(kernels, "NHWC_TASK_CHANNELS", channels)
+        replan()
+        results = run(x, gamma, beta, groups, "NHWC", swish_scale=1.25, activate_swish=activate)
+        assert_all_match(results, reference)
+        first = first or results
+        assert all(bitwise_equal(a, b) for a, b in zip(results, first)), channels
+
+
 def kernels_native():
     from fastbwd.kernels._halfbits import NATIVE
 
