@@ -5,6 +5,7 @@ gradients; the per-element formulas and the block sums they share (module doc of
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._group_norm_math import (
@@ -18,6 +19,7 @@ from ._group_norm_math import (
     WHOLE_ROWS_MAX_CHANNELS,
     aligned,
     fma,
+    for_each_row,
     lane_sums,
     swish_argument,
     swish_derivative,
@@ -73,31 +75,53 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 
 
 @intrinsic
-def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
-    """``(sum of gnew, sum of gnew * xhat)`` over positions ``[start, stop)`` of one block, in
-    the fixed order of the module doc: position ``start + i`` goes to lane ``i % LANES``
-    (vectors of LANES consecutive positions added in order, each lane from +0.0), then the
-    lanes are folded by halving. ``xhat = (decode(x) - mean) * rstd`` as in
-    :func:`_gnew_xhat`. Both rows are 1-D and C-contiguous; a last partial vector loads only
-    its positions (masked loads) and leaves the other lanes untouched.
+def _channel_sums(typingctx, gnew, x, sums_g, sums_gx, first, stop, hw, gnew_first, mean, rstd, fmt):
+    """``sums_g[c]``, ``sums_gx[c]`` = the sums of ``gnew`` and of ``gnew * xhat`` over channel
+    row ``c`` of one image, for the whole rows in ``[first, stop)`` (flat positions; ``x`` the
+    image's flat rows, ``gnew[i - gnew_first]`` position ``i``'s gnew, ``sums_g``, ``sums_gx``
+    the image's (C,) sums), in the fixed order of the module doc: blocks of :data:`BLOCK`
+    positions from the row's start, in each position ``start + i`` of a block to lane ``i %
+    LANES`` (vectors of LANES consecutive positions added in order, each lane from +0.0), the
+    lanes folded by halving, the block sums added in order to +0.0. ``xhat = (decode(x) -
+    mean) * rstd`` as in :func:`_gnew_xhat`. A last partial vector loads only its positions
+    (masked loads) and leaves the other lanes untouched.
     """
-    sig = types.UniTuple(mean, 2)(gnew_row, x_row, types.intp, types.intp, mean, rstd, fmt)
+    sig = types.void(gnew, x, sums_g, sums_gx, types.intp, types.intp, types.intp, types.intp, mean, rstd, fmt)
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        gnew, x = array_structs(context, builder, signature, args, 0, 1)
-        start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
-        vector = ir.VectorType(context.get_data_type(signature.args[4]), LANES)
+        gnew_struct, x_struct, g_struct, gx_struct = array_structs(context, builder, signature, args, 0, 1, 2, 3)
+        first, stop, hw, gnew_first, mean_value, rstd_value = args[4:10]
+        element = context.get_data_type(signature.args[8])
+        vector = ir.VectorType(element, LANES)
         mean_lanes = splat(builder, vector, mean_value)
         rstd_lanes = splat(builder, vector, rstd_value)
+        block = ir.Constant(hw.type, BLOCK)
+        totals = [cgutils.alloca_once(builder, element) for _ in range(2)]
 
         def terms(position, used):
-            g = decode_lanes(builder, builder.gep(gnew.data, [position]), "native", vector, used)
-            x_value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
+            at = builder.sub(position, gnew_first)
+            g = decode_lanes(builder, builder.gep(gnew_struct.data, [at]), "native", vector, used)
+            x_value = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
             return g, builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
 
-        totals = lane_sums(builder, vector, start, stop, terms, 2)
-        return context.make_tuple(builder, signature.return_type, totals)
+        def row(c, row_start, row_stop):
+            for total in totals:
+                builder.store(ir.Constant(element, 0.0), total)
+            blocks = builder.sdiv(builder.add(builder.sub(row_stop, row_start), ir.Constant(hw.type, BLOCK - 1)), block)
+            with cgutils.for_range(builder, blocks) as loop:
+                block_start = builder.add(row_start, builder.mul(loop.index, block))
+                block_stop = builder.add(block_start, block)
+                block_stop = builder.select(builder.icmp_signed(">", block_stop, row_stop), row_stop, block_stop)
+                for total, value in zip(
+                    totals, lane_sums(builder, vector, block_start, block_stop, terms, 2, unroll=False)
+                ):
+                    builder.store(builder.fadd(builder.load(total), value), total)
+            for total, out in zip(totals, (g_struct, gx_struct)):
+                builder.store(builder.load(total), builder.gep(out.data, [c]))
+
+        for_each_row(builder, first, stop, hw, row)
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -125,42 +149,48 @@ def _fold_lanes(lanes, width, used):
 
 
 @intrinsic
-def _swish_argument_lanes(
-    typingctx, x, dy, start, stop, z, dy_values, z_start, mean, rstd, gamma, beta, swish_scale, fmt
-):
-    """For ``i`` in ``[start, stop)``: ``z[z_start + i - start] = clamp(s * fma((x[i] - mean) *
-    rstd, gamma, beta))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
+def _swish_argument_rows(typingctx, x, dy, first, stop, hw, z, dy_values, mean, rstd, gamma, beta, swish_scale, fmt):
+    """For ``i`` in ``[first, stop)``, flat positions of one image (``x``, ``dy``: its flat rows
+    in ``fmt``; channel ``c = i // hw``): ``z[i - first] = clamp(s * fma((x[i] - mean) * rstd,
+    gamma[c], beta[c]))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
     ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32``, ``SWISH_CLAMP64`` in float64)
-    and ``dy_values[z_start + i - start] = dy[i]`` (decoded): ``x`` and ``dy`` in ``fmt``, ``z``
-    and ``dy_values`` in the compute type, all 1-D and C-contiguous. LANES elements per step
-    and one masked step at the end (no loop remainder): a short channel row costs a few vector
-    operations."""
-    sig = types.void(x, dy, types.intp, types.intp, z, dy_values, types.intp, mean, mean, mean, mean, mean, fmt)
+    and ``dy_values[i - first] = dy[i]`` (decoded): ``z``, ``dy_values``, ``gamma`` and
+    ``beta`` in the compute type, all 1-D and C-contiguous. Row by row (:func:`for_each_row`),
+    LANES elements per step and one masked step at a row's end (no loop remainder): a short
+    channel row costs a few vector operations."""
+    sig = types.void(x, dy, types.intp, types.intp, types.intp, z, dy_values, mean, mean, gamma, beta, mean, fmt)
     format_name = fmt.format_name
     limit_value = float(SWISH_CLAMP64 if mean == types.float64 else SWISH_CLAMP32)
 
     def codegen(context, builder, signature, args):
-        x_struct, dy_struct, z_struct, dy_out = array_structs(context, builder, signature, args, 0, 1, 4, 5)
-        start, stop, z_start = args[2], args[3], args[6]
+        x_struct, dy_struct, z_struct, dy_out, gamma_struct, beta_struct = array_structs(
+            context, builder, signature, args, 0, 1, 5, 6, 9, 10
+        )
+        first, stop, hw = args[2], args[3], args[4]
         vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
-        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[7:12])
+        mean_lanes, rstd_lanes, scale_lanes = (splat(builder, vector, args[i]) for i in (7, 8, 11))
         limit = ir.Constant(vector, [limit_value] * LANES)
         negative_limit = ir.Constant(vector, [-limit_value] * LANES)
-        offset = builder.sub(z_start, start)
 
-        def body(position, used):
-            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
-            argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
-            # as _clamp: a NaN fails both comparisons and stays
-            argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
-            argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
-            at = builder.add(position, offset)
-            store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
-            gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
-            store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
+        def row(c, row_start, row_stop):
+            gamma_lanes = splat(builder, vector, builder.load(builder.gep(gamma_struct.data, [c])))
+            beta_lanes = splat(builder, vector, builder.load(builder.gep(beta_struct.data, [c])))
 
-        for_each_vector(builder, start, stop, body)
+            def body(position, used):
+                values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+                xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+                argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
+                # as _clamp: a NaN fails both comparisons and stays
+                argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
+                argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
+                at = builder.sub(position, first)
+                store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
+                gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
+                store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
+
+            for_each_vector(builder, row_start, row_stop, body, unroll=False)
+
+        for_each_row(builder, first, stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -172,34 +202,16 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
     stop)`` of one image's group (``dy``, ``x``: the image's flat ``(C*HxW,)`` rows; ``gnew``
     compute-type): in chunks of whole rows (or of :data:`STAGE_CHUNK` elements of a longer
     row) cut from the group's start, each row's argument ``z`` and its dy into scratch rows
-    (:func:`_swish_argument_lanes`), then the staged derivative over the whole chunk
+    (:func:`_swish_argument_rows`), then the staged derivative over the whole chunk
     (:func:`swish_gradient_rows`)."""
     wide_vectors()
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
     step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
     for chunk in range(first, stop, step):
         chunk_stop = min(chunk + step, stop)
-        position = chunk
-        c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
-        while position < chunk_stop:
-            row_stop = min((c + 1) * hw, chunk_stop)
-            _swish_argument_lanes(
-                x,
-                dy,
-                position,
-                row_stop,
-                scratch[0],
-                scratch[3],
-                position - chunk,
-                mean,
-                rstd,
-                gamma[c],
-                beta[c],
-                swish_scale,
-                fmt,
-            )
-            position = row_stop
-            c += 1
+        _swish_argument_rows(
+            x, dy, chunk, chunk_stop, hw, scratch[0], scratch[3], mean, rstd, gamma, beta, swish_scale, fmt
+        )
         swish_gradient_rows(scratch, gnew[chunk - first : chunk_stop - first], chunk_stop - chunk)
 
 
@@ -414,13 +426,15 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
     gnew_first = start if in_place else 0
     flat_x = flat_rows(x, n, n + 1)
     flat_gnew = flat_rows(gnew_rows, gnew_first, gnew_first + group_size)
+    first = start * hw  # the group's flat positions [first, stop) in the image
+    stop = first + group_size * hw
     _gnew_run(
         flat_rows(dy, n, n + 1),
         flat_x,
         flat_gnew,
         hw,
-        start * hw,
-        (start + group_size) * hw,
+        first,
+        stop,
         group_mean,
         group_rstd,
         gamma,
@@ -428,56 +442,50 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
         swish_scale,
         fmt,
     )
-    for k in range(group_size):
-        c = start + k
-        x_row = x[n, c]
-        gnew_row = gnew_rows[gnew_first + k]
-        total_g = sum_g.dtype.type(0)
-        total_gx = total_g
-        for block_start in range(0, hw, BLOCK):
-            block_stop = min(block_start + BLOCK, hw)
-            block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
-            total_g += block_g
-            total_gx += block_gx
-        sum_g[n, c] = total_g
-        sum_gx[n, c] = total_gx
-    c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
-    flat_dx = flat_rows(dx, n, n + 1)
-    for k in range(group_size):
-        c = start + k
-        _dx_lanes(
-            flat_gnew, flat_x, flat_dx, c * hw, (c + 1) * hw, start * hw, group_mean, group_rstd, gamma[c], c1, c2, fmt
-        )
+    sums_g = sum_g[n]
+    sums_gx = sum_gx[n]
+    _channel_sums(flat_gnew, flat_x, sums_g, sums_gx, first, stop, hw, first, group_mean, group_rstd, fmt)
+    c1, c2 = _group_coefficients(sums_g, sums_gx, gamma, start, start + group_size, count)
+    _dx_rows(
+        flat_gnew, flat_x, flat_rows(dx, n, n + 1), first, stop, hw, first, group_mean, group_rstd, gamma, c1, c2, fmt
+    )
 
 
 @intrinsic
-def _dx_lanes(typingctx, gnew, x, dx, start, stop, gnew_first, mean, rstd, gamma, c1, c2, fmt):
-    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma, -fma(xhat, c2, c1))`` with ``xhat = (x[i] -
-    mean) * rstd`` (:func:`_dx`), for ``i`` in ``[start, stop)``: ``x`` and ``dx`` in ``fmt``,
-    ``gnew`` in the compute type, all 1-D and C-contiguous. LANES elements per step and one
-    masked step at the end: a short channel row costs a few vector operations."""
-    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, mean, mean, mean, mean, mean, fmt)
+def _dx_rows(typingctx, gnew, x, dx, first, stop, hw, gnew_first, mean, rstd, gamma, c1, c2, fmt):
+    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma[c], -fma(xhat, c2, c1))`` with ``xhat =
+    (x[i] - mean) * rstd`` (:func:`_dx`), for ``i`` in ``[first, stop)``, flat positions of one
+    image (channel ``c = i // hw``): ``x`` and ``dx`` in ``fmt``, ``gnew`` and ``gamma`` in the
+    compute type, all 1-D and C-contiguous. Row by row (:func:`for_each_row`), LANES elements
+    per step and one masked step at a row's end: a short channel row costs a few vector
+    operations."""
+    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, types.intp, mean, mean, gamma, mean, mean, fmt)
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        gnew_struct, x_struct, dx_struct = array_structs(context, builder, signature, args, 0, 1, 2)
-        start, stop, gnew_first = args[3], args[4], args[5]
-        vector = ir.VectorType(context.get_data_type(signature.args[6]), LANES)
-        mean_lanes, rstd_lanes, gamma_lanes, c1_lanes, c2_lanes = (splat(builder, vector, v) for v in args[6:11])
+        gnew_struct, x_struct, dx_struct, gamma_struct = array_structs(context, builder, signature, args, 0, 1, 2, 9)
+        first, stop, hw, gnew_first = args[3], args[4], args[5], args[6]
+        vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
+        mean_lanes, rstd_lanes, c1_lanes, c2_lanes = (splat(builder, vector, args[i]) for i in (7, 8, 10, 11))
         negative_zero = ir.Constant(vector, [-0.0] * LANES)
 
-        def body(position, used):
-            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-            g = decode_lanes(
-                builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
-            )
-            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
-            # -fma(...) as Numba negates a float: -0.0 - value
-            inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
-            result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
-            store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+        def row(c, row_start, row_stop):
+            gamma_lanes = splat(builder, vector, builder.load(builder.gep(gamma_struct.data, [c])))
 
-        for_each_vector(builder, start, stop, body)
+            def body(position, used):
+                values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+                g = decode_lanes(
+                    builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
+                )
+                xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+                # -fma(...) as Numba negates a float: -0.0 - value
+                inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
+                result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
+                store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+
+            for_each_vector(builder, row_start, row_stop, body, unroll=False)
+
+        for_each_row(builder, first, stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -150,20 +150,38 @@ def store_lanes(builder, pointer, vector, format_name, mask=None):
     builder.call(function, [stored, pointer, _I32(align), mask])
 
 
-def for_each_vector(builder, start, stop, body):
+def for_each_vector(builder, start, stop, body, unroll=True):
     """Emit ``body(position, mask)`` for the vectors of LANES consecutive positions from
     ``start`` to ``stop`` (i64 values), in order: whole vectors with ``mask`` None (a loop), then
     a last partial one, if any, with a ``<LANES x i1>`` mask of its positions (so that a row of
-    any length takes one loop and at most one masked step, without a scalar remainder)."""
+    any length takes one loop and at most one masked step, without a scalar remainder).
+    ``unroll=False`` keeps LLVM from unrolling the loop (:func:`no_unroll`)."""
     length = builder.sub(stop, start)
     whole = builder.sdiv(length, _I64(LANES))
     with cgutils.for_range(builder, whole) as loop:
         body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
+    if not unroll:
+        no_unroll(builder, loop)
     tail = builder.add(start, builder.mul(whole, _I64(LANES)))
     remaining = builder.sub(stop, tail)
     with builder.if_then(builder.icmp_signed(">", remaining, _I64(0))):
         lane_numbers = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
         body(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(_I64, LANES), remaining)))
+
+
+def no_unroll(builder, loop):
+    """Mark the loop of ``cgutils.for_range`` whose ``loop`` this is (just closed) as one LLVM
+    neither unrolls nor vectorises (``llvm.loop`` metadata on its latch)."""
+    module = builder.module
+    options = [
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)]),
+    ]
+    # a loop ID is a distinct node whose first operand is itself
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
+    loop_id.operands = (loop_id, *options)
+    latch = loop.index.incomings[-1][1]
+    latch.terminator.set_metadata("llvm.loop", loop_id)
 
 
 def fold_lanes_by_halving(builder, vector):

@@ -18,7 +18,7 @@ inside a block position ``i`` is added (in order) to lane ``i % PARTIAL_SUMS``, 
 by halving (:func:`_fold_lanes`), and the block sums are added to the total in block order.
 The lanes make the sums vectorise without fastmath (each lane is its own sequential sum): the
 NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
-(:func:`_block_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
+(:func:`_channel_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
 then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
