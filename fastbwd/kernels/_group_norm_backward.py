@@ -21,6 +21,7 @@ from ._group_norm_math import (
     fma,
     for_each_row,
     lane_sums,
+    lane_vectors,
     swish_argument,
     swish_derivative,
     swish_gradient_rows,
@@ -28,7 +29,16 @@ from ._group_norm_math import (
 )
 from ._halfbits import load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._lanes import (
+    LANES,
+    array_structs,
+    decode_lanes,
+    fma_lanes,
+    fold_rows_by_halving,
+    for_each_vector,
+    splat,
+    store_lanes,
+)
 from ._memory import copy_out, flat_rows, stack_array, store_fence
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
@@ -120,7 +130,33 @@ def _channel_sums(typingctx, gnew, x, sums_g, sums_gx, first, stop, hw, gnew_fir
             for total, out in zip(totals, (g_struct, gx_struct)):
                 builder.store(builder.load(total), builder.gep(out.data, [c]))
 
-        for_each_row(builder, first, stop, hw, row)
+        # Rows of one block (hw <= BLOCK) in batches of LANES/2: each row's lanes kept, then the
+        # batch's folds together (fold_rows_by_halving), each total +0.0 + its block's sum.
+        batch = LANES // 2
+        kept = [cgutils.alloca_once(builder, ir.ArrayType(vector, batch)) for _ in range(2)]
+        zero = ir.Constant(hw.type, 0)
+        one_block = builder.and_(builder.icmp_signed(">", hw, zero), builder.icmp_signed("<=", hw, block))
+        width = builder.select(one_block, hw, ir.Constant(hw.type, 1))
+        first_row = builder.sdiv(first, width)
+        rows = builder.sub(builder.sdiv(stop, width), first_row)
+        batches = builder.select(one_block, builder.sdiv(rows, ir.Constant(hw.type, batch)), zero)
+        with cgutils.for_range(builder, batches) as batch_loop:
+            batch_row = builder.add(first_row, builder.mul(batch_loop.index, ir.Constant(hw.type, batch)))
+            with cgutils.for_range(builder, ir.Constant(hw.type, batch)) as row_loop:
+                row_start = builder.mul(builder.add(batch_row, row_loop.index), width)
+                lanes = lane_vectors(builder, vector, row_start, builder.add(row_start, width), terms, 2, unroll=False)
+                for rows_lanes, value in zip(kept, lanes):
+                    builder.store(value, builder.gep(rows_lanes, [zero, row_loop.index]))
+            for rows_lanes, out in zip(kept, (g_struct, gx_struct)):
+                folded = fold_rows_by_halving(
+                    builder,
+                    [builder.load(builder.gep(rows_lanes, [zero, ir.Constant(hw.type, r)])) for r in range(batch)],
+                )
+                totals_vector = builder.fadd(ir.Constant(folded.type, None), folded)  # +0.0 + the block sum
+                pointer = builder.bitcast(builder.gep(out.data, [batch_row]), folded.type.as_pointer())
+                builder.store(totals_vector, pointer, align=context.get_abi_sizeof(element))
+        batched = builder.mul(builder.mul(batches, ir.Constant(hw.type, batch)), width)
+        for_each_row(builder, builder.add(first, batched), stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen

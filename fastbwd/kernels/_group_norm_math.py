@@ -185,12 +185,11 @@ def _swish_derivative(z):
 # ---- the fixed-order reduction ----------------------------------------------------------------
 
 
-def lane_sums(builder, vector, start, stop, terms, count, unroll=True):
-    """Code for ``count`` sums over positions ``[start, stop)`` in the fixed order of the module
-    doc: ``terms(position, used)`` gives the ``count`` vectors that LANES consecutive positions
-    add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
-    None), each lane summed from +0.0 in order, then the lanes folded by halving. Returns the
-    totals. The sums are independent chains of adds, so several of them run side by side."""
+def lane_vectors(builder, vector, start, stop, terms, count, unroll=True):
+    """The lanes of :func:`lane_sums` before their fold: ``count`` vectors, lane ``j`` the sum
+    (from +0.0, in order) of the terms of the positions ``start + j``, ``start + j + LANES``,
+    ... below ``stop``. The sums are independent chains of adds, so several of them run side by
+    side."""
     sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(count)]
     for total in sums:
         builder.store(ir.Constant(vector, None), total)
@@ -204,7 +203,17 @@ def lane_sums(builder, vector, start, stop, terms, count, unroll=True):
             builder.store(new, total)
 
     for_each_vector(builder, start, stop, add, unroll)
-    return [fold_lanes_by_halving(builder, builder.load(total)) for total in sums]
+    return [builder.load(total) for total in sums]
+
+
+def lane_sums(builder, vector, start, stop, terms, count, unroll=True):
+    """Code for ``count`` sums over positions ``[start, stop)`` in the fixed order of the module
+    doc: ``terms(position, used)`` gives the ``count`` vectors that LANES consecutive positions
+    add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
+    None), each lane summed from +0.0 in order (:func:`lane_vectors`), then the lanes folded by
+    halving. Returns the totals."""
+    lanes = lane_vectors(builder, vector, start, stop, terms, count, unroll)
+    return [fold_lanes_by_halving(builder, vector) for vector in lanes]
 
 
 def for_each_row(builder, first, stop, hw, body):

@@ -196,3 +196,34 @@ def fold_lanes_by_halving(builder, vector):
         vector = builder.fadd(vector, shifted)
         half //= 2
     return builder.extract_element(vector, _I32(0))
+
+
+def fold_rows_by_halving(builder, vectors):
+    """:func:`fold_lanes_by_halving` of LANES/2 vectors (the rows' lanes) at once: a vector of
+    LANES/2 lanes, lane ``r`` row ``r``'s lane 0 after the same adds (lane ``j + h`` into lane
+    ``j``, h = LANES/2, ..., 2, 1). The first level adds each row's high half to its low half;
+    each further level adds, for two vectors of rows, the high halves of all their rows' lanes
+    to the low halves in one vector add, so a row's share is a fraction of an add and of a
+    shuffle where its own fold took one of each per level, each waiting on the one before."""
+    half = LANES // 2
+    assert len(vectors) == half
+    low = ir.Constant(ir.VectorType(_I32, half), list(range(half)))
+    high = ir.Constant(ir.VectorType(_I32, half), list(range(half, LANES)))
+    undefined = ir.Constant(vectors[0].type, ir.Undefined)
+    level = [
+        builder.fadd(builder.shuffle_vector(v, undefined, low), builder.shuffle_vector(v, undefined, high))
+        for v in vectors
+    ]
+    segment = half  # lanes of each row still to fold, rows side by side in each vector
+    while segment > 1:
+        step = segment // 2
+        rows = half // segment  # rows per vector
+        low_lanes = [vector * half + row * segment + j for vector in (0, 1) for row in range(rows) for j in range(step)]
+        low_mask = ir.Constant(ir.VectorType(_I32, half), low_lanes)
+        high_mask = ir.Constant(ir.VectorType(_I32, half), [lane + step for lane in low_lanes])
+        level = [
+            builder.fadd(builder.shuffle_vector(x, y, low_mask), builder.shuffle_vector(x, y, high_mask))
+            for x, y in zip(level[0::2], level[1::2])
+        ]
+        segment = step
+    return level[0]
