@@ -6,6 +6,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from ._group_norm_math import (
@@ -404,20 +405,44 @@ def _gnew_storage_overload(flat_dx, like, size, in_place):
     return lambda flat_dx, like, size, in_place: np.empty(size, like.dtype)
 
 
-def _gnew_rows(dx, like, n, group_size, in_place):
-    """The rows an NCHW task keeps its gnew in: ``dx[n]`` itself when ``in_place`` (only ever
-    true when :func:`_gnew_in_dx`; the task's rows start at its first channel), else a new
-    compute-type ``(group_size, HxW)`` array."""
-    raise NotImplementedError("_gnew_rows() is only callable from @njit code")
+#: An NCHW task whose dx cannot hold its gnew (float16, bfloat16) keeps it in a stack array when
+#: its group has at most this many elements (16 KB in float32), else in an array of its own.
+GNEW_STACK = 4096
 
 
-@overload(_gnew_rows, inline="always")
-def _gnew_rows_overload(dx, like, n, group_size, in_place):
-    if dx.dtype == like.dtype:
-        return lambda dx, like, n, group_size, in_place: (
-            dx[n] if in_place else np.empty((group_size, dx.shape[2]), like.dtype)
-        )
-    return lambda dx, like, n, group_size, in_place: np.empty((group_size, dx.shape[2]), like.dtype)
+@intrinsic
+def _task_gnew(typingctx, dx, n, first, stop, stacked, own):
+    """The compute-type span (1-D, ``stop - first`` elements) an NCHW task keeps the gnew of
+    image ``n``'s flat positions ``[first, stop)`` in: those dx elements themselves when dx has
+    the compute type (a choice of the types), else ``stacked[0]`` (its ``(1, GNEW_STACK)`` stack
+    array) when the group fits it, else ``own`` (the ``(D, HxW)`` array the kernel allocated for
+    the task). A view built in place: no reference count, no run-time call."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (dx, stacked, own)):
+        return None
+    if stacked.ndim != 2 or own.ndim != 2 or stacked.dtype != own.dtype or dx.ndim != 3:
+        return None
+    result = types.Array(stacked.dtype, 1, "C")
+    in_place = dx.dtype == stacked.dtype
+
+    def codegen(context, builder, signature, args):
+        dx_struct, stacked_struct, own_struct = array_structs(context, builder, signature, args, 0, 4, 5)
+        n_value, first_value, stop_value = args[1], args[2], args[3]
+        size = builder.sub(stop_value, first_value)
+        if in_place:
+            _, channels, hw = cgutils.unpack_tuple(builder, dx_struct.shape, 3)
+            at = builder.add(builder.mul(n_value, builder.mul(channels, hw)), first_value)
+            data, meminfo = builder.gep(dx_struct.data, [at]), dx_struct.meminfo
+        else:
+            room = cgutils.unpack_tuple(builder, stacked_struct.shape, 2)[1]
+            fits = builder.icmp_signed("<=", size, room)
+            data = builder.select(fits, stacked_struct.data, own_struct.data)
+            meminfo = builder.select(fits, stacked_struct.meminfo, own_struct.meminfo)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(stacked.dtype)))
+        view = context.make_array(result)(context, builder)
+        context.populate_array(view, data=data, shape=[size], strides=[itemsize], itemsize=itemsize, meminfo=meminfo)
+        return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+    return result(dx, types.intp, types.intp, types.intp, stacked, own), codegen
 
 
 # ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
@@ -432,26 +457,32 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
     ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
     two passes in those dx elements themselves when dx has the compute type (the second pass
-    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements).
+    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements: on
+    the task's stack up to GNEW_STACK, else allocated for the task). Nothing per task touches a
+    reference count: at 4 x 4 a view's two atomic operations or an allocation cost as much as a
+    row's arithmetic.
     """
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
-    in_place = _gnew_in_dx(dx, sum_g)
+    # an array per task only for a half-format dx and a group too large for the task's stack
+    own_arrays = not _gnew_in_dx(dx, sum_g) and group_size * hw > GNEW_STACK
     for task in prange(batch * groups):
         wide_vectors()
         n = task // groups
         g = task - n * groups
-        gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
-        _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt)
+        if own_arrays:
+            own = np.empty((group_size, hw), sum_g.dtype)
+            _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, own, fmt)
+        else:  # sum_g: an array of own's type, not used
+            _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, sum_g, fmt)
 
 
 @leaf_helper
-def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt):
-    """Task ``(n, g)`` of the NCHW kernel, its gnew in ``gnew_rows`` (``dx[n]``, from the group's
-    first channel, when ``in_place``; else a ``(D, HxW)`` scratch). A leaf helper (no reference
-    counting): a row view in the kernel's body costs two atomic operations, much of a short
-    row's time."""
+def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, own, fmt):
+    """Task ``(n, g)`` of the NCHW kernel, its gnew in its dx elements, a stack array or ``own``
+    (:func:`_task_gnew`). A leaf helper (no reference counting): a row view in the kernel's body
+    costs two atomic operations, much of a short row's time."""
     wide_vectors()
     _, channels, hw = x.shape
     group_size = channels // mean.shape[1]
@@ -459,11 +490,10 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
     start = g * group_size
     group_mean = mean[n, g]
     group_rstd = rstd[n, g]
-    gnew_first = start if in_place else 0
     flat_x = flat_rows(x, n, n + 1)
-    flat_gnew = flat_rows(gnew_rows, gnew_first, gnew_first + group_size)
     first = start * hw  # the group's flat positions [first, stop) in the image
     stop = first + group_size * hw
+    flat_gnew = _task_gnew(dx, n, first, stop, stack_array(1, GNEW_STACK, sum_g), own)
     _gnew_run(
         flat_rows(dy, n, n + 1),
         flat_x,
