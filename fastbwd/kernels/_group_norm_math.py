@@ -17,7 +17,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, store, uint32_as_float32
-from ._jit import helper, leaf_helper, wide_vectors
+from ._jit import always_inline, helper, leaf_helper, wide_vectors
 from ._lanes import LANES, fold_lanes_by_halving, for_each_vector
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
@@ -329,6 +329,7 @@ def _swish_reduction_rows(y, swish_scale, shifted, r, count):
 def _exp_reduction_rows(z, shifted, r, count):
     """Stage 1 of the Swish derivative: :func:`_exp_reduction` of ``-|z|``."""
     wide_vectors()
+    always_inline()
     for i in range(count):
         shifted_i, r_i = _exp_reduction(-abs(z[i]))
         shifted[i] = shifted_i
@@ -359,6 +360,7 @@ def _swish_gradient_finish_rows(z, shifted, exp_r, dy, out, count):
     """Stage 3 of the derivative: ``out[i] = dy[i] * swish_derivative_float32(z[i])`` (``z``
     already clamped, ``dy`` decoded)."""
     wide_vectors()
+    always_inline()
     for i in range(count):
         z_i = z[i]
         e = _exp_scaled(-abs(z_i), shifted[i], exp_r[i])
@@ -394,6 +396,7 @@ def _swish_rows_float64(scratch, swish_scale, out, count, fmt):
 @leaf_helper
 def _swish_gradient_rows_float32(scratch, out, count):
     wide_vectors()
+    always_inline()
     whole = aligned(count)
     _exp_reduction_rows(scratch[0], scratch[1], scratch[2], whole)
     _exp_polynomial_rows(scratch[2], whole)
