@@ -42,6 +42,11 @@ from ._lanes import (
 )
 from ._memory import copy_out, flat_rows, stack_array, store_fence
 
+#: Channel rows up to this many positions have their sums folded eight rows at a time
+#: (:func:`_channel_sums`); longer rows spend little in their folds.
+FOLD_ROWS_MAX = 256
+assert FOLD_ROWS_MAX <= BLOCK
+
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
 
@@ -131,12 +136,14 @@ def _channel_sums(typingctx, gnew, x, sums_g, sums_gx, first, stop, hw, gnew_fir
             for total, out in zip(totals, (g_struct, gx_struct)):
                 builder.store(builder.load(total), builder.gep(out.data, [c]))
 
-        # Rows of one block (hw <= BLOCK) in batches of LANES/2: each row's lanes kept, then the
-        # batch's folds together (fold_rows_by_halving), each total +0.0 + its block's sum.
+        # Short rows (one block) in batches of LANES/2: each row's lanes kept, then the batch's
+        # folds together (fold_rows_by_halving), each total +0.0 + its block's sum.
         batch = LANES // 2
         kept = [cgutils.alloca_once(builder, ir.ArrayType(vector, batch)) for _ in range(2)]
         zero = ir.Constant(hw.type, 0)
-        one_block = builder.and_(builder.icmp_signed(">", hw, zero), builder.icmp_signed("<=", hw, block))
+        one_block = builder.and_(
+            builder.icmp_signed(">", hw, zero), builder.icmp_signed("<=", hw, ir.Constant(hw.type, FOLD_ROWS_MAX))
+        )
         width = builder.select(one_block, hw, ir.Constant(hw.type, 1))
         first_row = builder.sdiv(first, width)
         rows = builder.sub(builder.sdiv(stop, width), first_row)

@@ -22,6 +22,8 @@ from numba.core import cgutils
 
 #: Elements per vector operation (one 512-bit vector of float32, two of float64).
 LANES = 16
+#: Vectors up to which :func:`for_each_vector` (``unroll=False``) runs a loop LLVM does not unroll.
+SHORT_LOOP = 4
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -155,13 +157,25 @@ def for_each_vector(builder, start, stop, body, unroll=True):
     ``start`` to ``stop`` (i64 values), in order: whole vectors with ``mask`` None (a loop), then
     a last partial one, if any, with a ``<LANES x i1>`` mask of its positions (so that a row of
     any length takes one loop and at most one masked step, without a scalar remainder).
-    ``unroll=False`` keeps LLVM from unrolling the loop (:func:`no_unroll`)."""
+    ``unroll=False`` emits the loop twice: for up to :data:`SHORT_LOOP` vectors one LLVM does not
+    unroll (:func:`no_unroll`: a short row skips the unrolled loop's checks and remainder), for
+    more one it may unroll (a long row's loop overhead)."""
     length = builder.sub(stop, start)
     whole = builder.sdiv(length, _I64(LANES))
-    with cgutils.for_range(builder, whole) as loop:
-        body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
-    if not unroll:
-        no_unroll(builder, loop)
+
+    def vectors():
+        with cgutils.for_range(builder, whole) as loop:
+            body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
+        return loop
+
+    if unroll:
+        vectors()
+    else:
+        with builder.if_else(builder.icmp_signed("<=", whole, _I64(SHORT_LOOP))) as (short, long):
+            with short:
+                no_unroll(builder, vectors())
+            with long:
+                vectors()
     tail = builder.add(start, builder.mul(whole, _I64(LANES)))
     remaining = builder.sub(stop, tail)
     with builder.if_then(builder.icmp_signed(">", remaining, _I64(0))):
