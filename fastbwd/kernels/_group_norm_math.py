@@ -360,7 +360,6 @@ def _swish_gradient_finish_rows(z, shifted, exp_r, dy, out, count):
     """Stage 3 of the derivative: ``out[i] = dy[i] * swish_derivative_float32(z[i])`` (``z``
     already clamped, ``dy`` decoded)."""
     wide_vectors()
-    always_inline()
     for i in range(count):
         z_i = z[i]
         e = _exp_scaled(-abs(z_i), shifted[i], exp_r[i])
