@@ -165,27 +165,57 @@ def test_gradient_rows_over_a_whole_number_of_vectors_give_the_same_bits(count):
 
 
 @numba.njit
-def _affine_both_ways(x, start, stop, mean, scale, beta, fmt, out_lanes, out_loop):
-    forward._affine_lanes(x, start, stop, out_lanes, 3, mean, scale, beta, fmt, NATIVE)
+def _affine_both_ways(x, start, stop, hw, mean, rstd, gamma, beta, fmt, out_lanes, out_loop):
+    forward._affine_rows(x, start, stop, hw, out_lanes, 3, mean, rstd, gamma, beta, fmt, NATIVE)
     for i in range(start, stop):
-        out_loop[3 + i - start] = math_.fma(load(x[i], fmt) - mean, scale, beta)
+        c = i // hw
+        out_loop[3 + i - start] = math_.fma(load(x[i], fmt) - mean, rstd * gamma[c], beta[c])
 
 
 @numba.njit
-def _argument_both_ways(x, dy, start, stop, mean, rstd, gamma, beta, scale, fmt, z_lanes, dy_lanes, z_loop, dy_loop):
-    backward._swish_argument_lanes(x, dy, start, stop, z_lanes, dy_lanes, 2, mean, rstd, gamma, beta, scale, fmt)
+def _argument_both_ways(
+    x, dy, start, stop, hw, mean, rstd, gamma, beta, scale, fmt, z_lanes, dy_lanes, z_loop, dy_loop
+):
+    backward._swish_argument_rows(
+        x, dy, start, stop, hw, z_lanes[2:], dy_lanes[2:], mean, rstd, gamma, beta, scale, fmt
+    )
     for i in range(start, stop):
+        c = i // hw
         xhat = (load(x[i], fmt) - mean) * rstd
-        z_loop[2 + i - start] = math_.swish_argument(math_.fma(xhat, gamma, beta), scale)
+        z_loop[2 + i - start] = math_.swish_argument(math_.fma(xhat, gamma[c], beta[c]), scale)
         dy_loop[2 + i - start] = load(dy[i], fmt)
 
 
 @numba.njit
-def _dx_both_ways(gnew, x, start, stop, mean, rstd, gamma, c1, c2, fmt, dx_lanes, dx_loop):
-    backward._dx_lanes(gnew, x, dx_lanes, start, stop, -2, mean, rstd, gamma, c1, c2, fmt)
+def _dx_both_ways(gnew, x, start, stop, hw, mean, rstd, gamma, c1, c2, fmt, dx_lanes, dx_loop):
+    backward._dx_rows(gnew, x, dx_lanes, start, stop, hw, -2, mean, rstd, gamma, c1, c2, fmt)
     for i in range(start, stop):
         xhat = (load(x[i], fmt) - mean) * rstd
-        dx_loop[i] = store(backward._dx(gnew[i + 2], xhat, rstd, gamma, c1, c2), fmt)
+        dx_loop[i] = store(backward._dx(gnew[i + 2], xhat, rstd, gamma[i // hw], c1, c2), fmt)
+
+
+@numba.njit
+def _sums_both_ways(gnew, x, start, stop, hw, mean, rstd, fmt, sums_rows, sums_loop):
+    backward._channel_sums(gnew, x, sums_rows[0], sums_rows[1], start, stop, hw, -2, mean, rstd, fmt)
+    for c in range(start // hw, stop // hw):
+        total_g = sums_loop.dtype.type(0)
+        total_gx = total_g
+        for block_start in range(c * hw, (c + 1) * hw, math_.BLOCK):
+            lanes = np.zeros((2, math_.PARTIAL_SUMS), sums_loop.dtype)
+            for i in range(block_start, min(block_start + math_.BLOCK, (c + 1) * hw)):
+                g = gnew[i + 2]
+                lanes[0, (i - block_start) % math_.PARTIAL_SUMS] += g
+                lanes[1, (i - block_start) % math_.PARTIAL_SUMS] += g * ((load(x[i], fmt) - mean) * rstd)
+            h = math_.PARTIAL_SUMS // 2
+            while h >= 1:
+                for j in range(h):
+                    lanes[0, j] += lanes[0, j + h]
+                    lanes[1, j] += lanes[1, j + h]
+                h //= 2
+            total_g += lanes[0, 0]
+            total_gx += lanes[1, 0]
+        sums_loop[0, c] = total_g
+        sums_loop[1, c] = total_gx
 
 
 def _stored(values, dtype):
@@ -194,26 +224,36 @@ def _stored(values, dtype):
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=str)
 @pytest.mark.parametrize("start, stop", [(0, 1), (5, 21), (16, 32), (3, 50), (0, 128), (7, 7)])
-def test_row_vector_steps_give_the_loops_bits(dtype, start, stop):
-    """The intrinsics that handle a channel row in vectors of LANES with a masked last step (no
-    loop remainder: a 4 x 4 row is one step) give exactly the scalar loops' bits, and write
-    nothing outside their range."""
+@pytest.mark.parametrize("hw", [16, 7, 200])
+def test_row_vector_steps_give_the_loops_bits(dtype, start, stop, hw):
+    """The intrinsics that handle channel rows of ``hw`` positions in vectors of LANES with a
+    masked last step per row (no loop remainder: a 4 x 4 row is one step) give exactly the
+    scalar loops' bits, with each row's channel constants, and write nothing outside their
+    range."""
     compute = F64 if dtype == F64 else F32
     fmt = FORMATS[dtype]
     x = _stored(special_values(F64, 140, seed=start + stop), dtype)
     dy = _stored(special_values(F64, 140, seed=start + stop + 1), dtype)
-    c = [compute.type(v) for v in (0.3, 1.7, -0.8, 0.25, 1.0)]
+    c = [compute.type(v) for v in (0.3, 1.7, 0.25, 1.0, -0.6)]
+    rng = np.random.default_rng(hw)
+    gamma, beta = (rng.standard_normal(160).astype(compute) for _ in range(2))
     a = np.full(160, 7.0, compute)
     b = a.copy()
-    _affine_both_ways(x, start, stop, c[0], c[1], c[2], fmt, a, b)
+    _affine_both_ways(x, start, stop, hw, c[0], c[1], gamma, beta, fmt, a, b)
     assert same_values(a, b, compute)
     z_lanes, dy_lanes, z_loop, dy_loop = (np.full(160, 7.0, compute) for _ in range(4))
-    _argument_both_ways(x, dy, start, stop, c[0], c[1], c[2], c[3], c[4], fmt, z_lanes, dy_lanes, z_loop, dy_loop)
+    _argument_both_ways(x, dy, start, stop, hw, c[0], c[1], gamma, beta, c[3], fmt, z_lanes, dy_lanes, z_loop, dy_loop)
     assert same_values(z_lanes, z_loop, compute) and bitwise_equal(dy_lanes, dy_loop)
     gnew = special_values(compute, 160, seed=start)
     dx_lanes, dx_loop = np.full(150, 5, x.dtype), np.full(150, 5, x.dtype)
-    _dx_both_ways(gnew, x, start, stop, c[0], c[1], c[2], c[3], c[4], fmt, dx_lanes, dx_loop)
+    _dx_both_ways(gnew, x, start, stop, hw, c[0], c[1], gamma, c[2], c[4], fmt, dx_lanes, dx_loop)
     assert same_values(dx_lanes, dx_loop, dtype)
+    # the channel sums over the whole rows in [start, stop)
+    first, end = -(-start // hw) * hw, stop // hw * hw
+    if first < end:
+        sums_rows, sums_loop = np.full((2, 160), 3.0, compute), np.full((2, 160), 3.0, compute)
+        _sums_both_ways(gnew, x, first, end, hw, c[0], c[1], fmt, sums_rows, sums_loop)
+        assert same_values(sums_rows, sums_loop, compute)
 
 
 # ---- scratch rows on the stack ----------------------------------------------------------------

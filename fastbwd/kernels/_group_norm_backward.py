@@ -5,6 +5,8 @@ gradients; the per-element formulas and the block sums they share (module doc of
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from ._group_norm_math import (
@@ -18,7 +20,9 @@ from ._group_norm_math import (
     WHOLE_ROWS_MAX_CHANNELS,
     aligned,
     fma,
+    for_each_row,
     lane_sums,
+    lane_vectors,
     swish_argument,
     swish_derivative,
     swish_gradient_rows,
@@ -26,8 +30,22 @@ from ._group_norm_math import (
 )
 from ._halfbits import load, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
-from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
+from ._lanes import (
+    LANES,
+    array_structs,
+    decode_lanes,
+    fma_lanes,
+    fold_rows_by_halving,
+    for_each_vector,
+    splat,
+    store_lanes,
+)
 from ._memory import copy_out, flat_rows, stack_array, store_fence
+
+#: Channel rows up to this many positions have their sums folded eight rows at a time
+#: (:func:`_channel_sums`); longer rows spend little in their folds.
+FOLD_ROWS_MAX = 256
+assert FOLD_ROWS_MAX <= BLOCK
 
 # ---- the per-element formulas, shared by both layouts and both passes ------------------------
 
@@ -73,31 +91,81 @@ def _group_coefficients(sum_g, sum_gx, gamma, start, stop, count):
 
 
 @intrinsic
-def _block_sums(typingctx, gnew_row, x_row, start, stop, mean, rstd, fmt):
-    """``(sum of gnew, sum of gnew * xhat)`` over positions ``[start, stop)`` of one block, in
-    the fixed order of the module doc: position ``start + i`` goes to lane ``i % LANES``
-    (vectors of LANES consecutive positions added in order, each lane from +0.0), then the
-    lanes are folded by halving. ``xhat = (decode(x) - mean) * rstd`` as in
-    :func:`_gnew_xhat`. Both rows are 1-D and C-contiguous; a last partial vector loads only
-    its positions (masked loads) and leaves the other lanes untouched.
+def _channel_sums(typingctx, gnew, x, sums_g, sums_gx, first, stop, hw, gnew_first, mean, rstd, fmt):
+    """``sums_g[c]``, ``sums_gx[c]`` = the sums of ``gnew`` and of ``gnew * xhat`` over channel
+    row ``c`` of one image, for the whole rows in ``[first, stop)`` (flat positions; ``x`` the
+    image's flat rows, ``gnew[i - gnew_first]`` position ``i``'s gnew, ``sums_g``, ``sums_gx``
+    the image's (C,) sums), in the fixed order of the module doc: blocks of :data:`BLOCK`
+    positions from the row's start, in each position ``start + i`` of a block to lane ``i %
+    LANES`` (vectors of LANES consecutive positions added in order, each lane from +0.0), the
+    lanes folded by halving, the block sums added in order to +0.0. ``xhat = (decode(x) -
+    mean) * rstd`` as in :func:`_gnew_xhat`. A last partial vector loads only its positions
+    (masked loads) and leaves the other lanes untouched.
     """
-    sig = types.UniTuple(mean, 2)(gnew_row, x_row, types.intp, types.intp, mean, rstd, fmt)
+    sig = types.void(gnew, x, sums_g, sums_gx, types.intp, types.intp, types.intp, types.intp, mean, rstd, fmt)
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        gnew, x = array_structs(context, builder, signature, args, 0, 1)
-        start, stop, mean_value, rstd_value = args[2], args[3], args[4], args[5]
-        vector = ir.VectorType(context.get_data_type(signature.args[4]), LANES)
+        gnew_struct, x_struct, g_struct, gx_struct = array_structs(context, builder, signature, args, 0, 1, 2, 3)
+        first, stop, hw, gnew_first, mean_value, rstd_value = args[4:10]
+        element = context.get_data_type(signature.args[8])
+        vector = ir.VectorType(element, LANES)
         mean_lanes = splat(builder, vector, mean_value)
         rstd_lanes = splat(builder, vector, rstd_value)
+        block = ir.Constant(hw.type, BLOCK)
+        totals = [cgutils.alloca_once(builder, element) for _ in range(2)]
 
         def terms(position, used):
-            g = decode_lanes(builder, builder.gep(gnew.data, [position]), "native", vector, used)
-            x_value = decode_lanes(builder, builder.gep(x.data, [position]), format_name, vector, used)
+            at = builder.sub(position, gnew_first)
+            g = decode_lanes(builder, builder.gep(gnew_struct.data, [at]), "native", vector, used)
+            x_value = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
             return g, builder.fmul(g, builder.fmul(builder.fsub(x_value, mean_lanes), rstd_lanes))
 
-        totals = lane_sums(builder, vector, start, stop, terms, 2)
-        return context.make_tuple(builder, signature.return_type, totals)
+        def row(c, row_start, row_stop):
+            for total in totals:
+                builder.store(ir.Constant(element, 0.0), total)
+            blocks = builder.sdiv(builder.add(builder.sub(row_stop, row_start), ir.Constant(hw.type, BLOCK - 1)), block)
+            with cgutils.for_range(builder, blocks) as loop:
+                block_start = builder.add(row_start, builder.mul(loop.index, block))
+                block_stop = builder.add(block_start, block)
+                block_stop = builder.select(builder.icmp_signed(">", block_stop, row_stop), row_stop, block_stop)
+                for total, value in zip(
+                    totals, lane_sums(builder, vector, block_start, block_stop, terms, 2, unroll=False)
+                ):
+                    builder.store(builder.fadd(builder.load(total), value), total)
+            for total, out in zip(totals, (g_struct, gx_struct)):
+                builder.store(builder.load(total), builder.gep(out.data, [c]))
+
+        # Short rows (one block) in batches of LANES/2: each row's lanes kept, then the batch's
+        # folds together (fold_rows_by_halving), each total +0.0 + its block's sum.
+        batch = LANES // 2
+        kept = [cgutils.alloca_once(builder, ir.ArrayType(vector, batch)) for _ in range(2)]
+        zero = ir.Constant(hw.type, 0)
+        one_block = builder.and_(
+            builder.icmp_signed(">", hw, zero), builder.icmp_signed("<=", hw, ir.Constant(hw.type, FOLD_ROWS_MAX))
+        )
+        width = builder.select(one_block, hw, ir.Constant(hw.type, 1))
+        first_row = builder.sdiv(first, width)
+        rows = builder.sub(builder.sdiv(stop, width), first_row)
+        batches = builder.select(one_block, builder.sdiv(rows, ir.Constant(hw.type, batch)), zero)
+        with cgutils.for_range(builder, batches) as batch_loop:
+            batch_row = builder.add(first_row, builder.mul(batch_loop.index, ir.Constant(hw.type, batch)))
+            with cgutils.for_range(builder, ir.Constant(hw.type, batch)) as row_loop:
+                row_start = builder.mul(builder.add(batch_row, row_loop.index), width)
+                lanes = lane_vectors(builder, vector, row_start, builder.add(row_start, width), terms, 2, unroll=False)
+                for rows_lanes, value in zip(kept, lanes):
+                    builder.store(value, builder.gep(rows_lanes, [zero, row_loop.index]))
+            for rows_lanes, out in zip(kept, (g_struct, gx_struct)):
+                folded = fold_rows_by_halving(
+                    builder,
+                    [builder.load(builder.gep(rows_lanes, [zero, ir.Constant(hw.type, r)])) for r in range(batch)],
+                )
+                totals_vector = builder.fadd(ir.Constant(folded.type, None), folded)  # +0.0 + the block sum
+                pointer = builder.bitcast(builder.gep(out.data, [batch_row]), folded.type.as_pointer())
+                builder.store(totals_vector, pointer, align=context.get_abi_sizeof(element))
+        batched = builder.mul(builder.mul(batches, ir.Constant(hw.type, batch)), width)
+        for_each_row(builder, builder.add(first, batched), stop, hw, row)
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -125,42 +193,48 @@ def _fold_lanes(lanes, width, used):
 
 
 @intrinsic
-def _swish_argument_lanes(
-    typingctx, x, dy, start, stop, z, dy_values, z_start, mean, rstd, gamma, beta, swish_scale, fmt
-):
-    """For ``i`` in ``[start, stop)``: ``z[z_start + i - start] = clamp(s * fma((x[i] - mean) *
-    rstd, gamma, beta))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
+def _swish_argument_rows(typingctx, x, dy, first, stop, hw, z, dy_values, mean, rstd, gamma, beta, swish_scale, fmt):
+    """For ``i`` in ``[first, stop)``, flat positions of one image (``x``, ``dy``: its flat rows
+    in ``fmt``; channel ``c = i // hw``): ``z[i - first] = clamp(s * fma((x[i] - mean) * rstd,
+    gamma[c], beta[c]))`` (the argument of the Swish derivative as :func:`_gnew_xhat` and
     ``swish_derivative`` form it, clamped to +-``SWISH_CLAMP32``, ``SWISH_CLAMP64`` in float64)
-    and ``dy_values[z_start + i - start] = dy[i]`` (decoded): ``x`` and ``dy`` in ``fmt``, ``z``
-    and ``dy_values`` in the compute type, all 1-D and C-contiguous. LANES elements per step
-    and one masked step at the end (no loop remainder): a short channel row costs a few vector
-    operations."""
-    sig = types.void(x, dy, types.intp, types.intp, z, dy_values, types.intp, mean, mean, mean, mean, mean, fmt)
+    and ``dy_values[i - first] = dy[i]`` (decoded): ``z``, ``dy_values``, ``gamma`` and
+    ``beta`` in the compute type, all 1-D and C-contiguous. Row by row (:func:`for_each_row`),
+    LANES elements per step and one masked step at a row's end (no loop remainder): a short
+    channel row costs a few vector operations."""
+    sig = types.void(x, dy, types.intp, types.intp, types.intp, z, dy_values, mean, mean, gamma, beta, mean, fmt)
     format_name = fmt.format_name
     limit_value = float(SWISH_CLAMP64 if mean == types.float64 else SWISH_CLAMP32)
 
     def codegen(context, builder, signature, args):
-        x_struct, dy_struct, z_struct, dy_out = array_structs(context, builder, signature, args, 0, 1, 4, 5)
-        start, stop, z_start = args[2], args[3], args[6]
+        x_struct, dy_struct, z_struct, dy_out, gamma_struct, beta_struct = array_structs(
+            context, builder, signature, args, 0, 1, 5, 6, 9, 10
+        )
+        first, stop, hw = args[2], args[3], args[4]
         vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
-        mean_lanes, rstd_lanes, gamma_lanes, beta_lanes, scale_lanes = (splat(builder, vector, v) for v in args[7:12])
+        mean_lanes, rstd_lanes, scale_lanes = (splat(builder, vector, args[i]) for i in (7, 8, 11))
         limit = ir.Constant(vector, [limit_value] * LANES)
         negative_limit = ir.Constant(vector, [-limit_value] * LANES)
-        offset = builder.sub(z_start, start)
 
-        def body(position, used):
-            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
-            argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
-            # as _clamp: a NaN fails both comparisons and stays
-            argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
-            argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
-            at = builder.add(position, offset)
-            store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
-            gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
-            store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
+        def row(c, row_start, row_stop):
+            gamma_lanes = splat(builder, vector, builder.load(builder.gep(gamma_struct.data, [c])))
+            beta_lanes = splat(builder, vector, builder.load(builder.gep(beta_struct.data, [c])))
 
-        for_each_vector(builder, start, stop, body)
+            def body(position, used):
+                values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+                xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+                argument = builder.fmul(scale_lanes, fma_lanes(builder, xhat, gamma_lanes, beta_lanes))
+                # as _clamp: a NaN fails both comparisons and stays
+                argument = builder.select(builder.fcmp_ordered(">", argument, limit), limit, argument)
+                argument = builder.select(builder.fcmp_ordered("<", argument, negative_limit), negative_limit, argument)
+                at = builder.sub(position, first)
+                store_lanes(builder, builder.gep(z_struct.data, [at]), argument, "native", used)
+                gradient = decode_lanes(builder, builder.gep(dy_struct.data, [position]), format_name, vector, used)
+                store_lanes(builder, builder.gep(dy_out.data, [at]), gradient, "native", used)
+
+            for_each_vector(builder, row_start, row_stop, body, unroll=False)
+
+        for_each_row(builder, first, stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -172,34 +246,16 @@ def _gnew_staged(dy, x, gnew, hw, first, stop, mean, rstd, gamma, beta, swish_sc
     stop)`` of one image's group (``dy``, ``x``: the image's flat ``(C*HxW,)`` rows; ``gnew``
     compute-type): in chunks of whole rows (or of :data:`STAGE_CHUNK` elements of a longer
     row) cut from the group's start, each row's argument ``z`` and its dy into scratch rows
-    (:func:`_swish_argument_lanes`), then the staged derivative over the whole chunk
+    (:func:`_swish_argument_rows`), then the staged derivative over the whole chunk
     (:func:`swish_gradient_rows`)."""
     wide_vectors()
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
     step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
     for chunk in range(first, stop, step):
         chunk_stop = min(chunk + step, stop)
-        position = chunk
-        c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
-        while position < chunk_stop:
-            row_stop = min((c + 1) * hw, chunk_stop)
-            _swish_argument_lanes(
-                x,
-                dy,
-                position,
-                row_stop,
-                scratch[0],
-                scratch[3],
-                position - chunk,
-                mean,
-                rstd,
-                gamma[c],
-                beta[c],
-                swish_scale,
-                fmt,
-            )
-            position = row_stop
-            c += 1
+        _swish_argument_rows(
+            x, dy, chunk, chunk_stop, hw, scratch[0], scratch[3], mean, rstd, gamma, beta, swish_scale, fmt
+        )
         swish_gradient_rows(scratch, gnew[chunk - first : chunk_stop - first], chunk_stop - chunk)
 
 
@@ -356,20 +412,44 @@ def _gnew_storage_overload(flat_dx, like, size, in_place):
     return lambda flat_dx, like, size, in_place: np.empty(size, like.dtype)
 
 
-def _gnew_rows(dx, like, n, group_size, in_place):
-    """The rows an NCHW task keeps its gnew in: ``dx[n]`` itself when ``in_place`` (only ever
-    true when :func:`_gnew_in_dx`; the task's rows start at its first channel), else a new
-    compute-type ``(group_size, HxW)`` array."""
-    raise NotImplementedError("_gnew_rows() is only callable from @njit code")
+#: An NCHW task whose dx cannot hold its gnew (float16, bfloat16) keeps it in a stack array when
+#: its group has at most this many elements (16 KB in float32), else in an array of its own.
+GNEW_STACK = 4096
 
 
-@overload(_gnew_rows, inline="always")
-def _gnew_rows_overload(dx, like, n, group_size, in_place):
-    if dx.dtype == like.dtype:
-        return lambda dx, like, n, group_size, in_place: (
-            dx[n] if in_place else np.empty((group_size, dx.shape[2]), like.dtype)
-        )
-    return lambda dx, like, n, group_size, in_place: np.empty((group_size, dx.shape[2]), like.dtype)
+@intrinsic
+def _task_gnew(typingctx, dx, n, first, stop, stacked, own):
+    """The compute-type span (1-D, ``stop - first`` elements) an NCHW task keeps the gnew of
+    image ``n``'s flat positions ``[first, stop)`` in: those dx elements themselves when dx has
+    the compute type (a choice of the types), else ``stacked[0]`` (its ``(1, GNEW_STACK)`` stack
+    array) when the group fits it, else ``own`` (the ``(D, HxW)`` array the kernel allocated for
+    the task). A view built in place: no reference count, no run-time call."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (dx, stacked, own)):
+        return None
+    if stacked.ndim != 2 or own.ndim != 2 or stacked.dtype != own.dtype or dx.ndim != 3:
+        return None
+    result = types.Array(stacked.dtype, 1, "C")
+    in_place = dx.dtype == stacked.dtype
+
+    def codegen(context, builder, signature, args):
+        dx_struct, stacked_struct, own_struct = array_structs(context, builder, signature, args, 0, 4, 5)
+        n_value, first_value, stop_value = args[1], args[2], args[3]
+        size = builder.sub(stop_value, first_value)
+        if in_place:
+            _, channels, hw = cgutils.unpack_tuple(builder, dx_struct.shape, 3)
+            at = builder.add(builder.mul(n_value, builder.mul(channels, hw)), first_value)
+            data, meminfo = builder.gep(dx_struct.data, [at]), dx_struct.meminfo
+        else:
+            room = cgutils.unpack_tuple(builder, stacked_struct.shape, 2)[1]
+            fits = builder.icmp_signed("<=", size, room)
+            data = builder.select(fits, stacked_struct.data, own_struct.data)
+            meminfo = builder.select(fits, stacked_struct.meminfo, own_struct.meminfo)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(stacked.dtype)))
+        view = context.make_array(result)(context, builder)
+        context.populate_array(view, data=data, shape=[size], strides=[itemsize], itemsize=itemsize, meminfo=meminfo)
+        return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+    return result(dx, types.intp, types.intp, types.intp, stacked, own), codegen
 
 
 # ---- NCHW family: x, dy, dx as (N, C, HxW) ----------------------------------------------------
@@ -384,26 +464,32 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
     ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
     two passes in those dx elements themselves when dx has the compute type (the second pass
-    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements).
+    overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements: on
+    the task's stack up to GNEW_STACK, else allocated for the task). Nothing per task touches a
+    reference count: at 4 x 4 a view's two atomic operations or an allocation cost as much as a
+    row's arithmetic.
     """
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
-    in_place = _gnew_in_dx(dx, sum_g)
+    # an array per task only for a half-format dx and a group too large for the task's stack
+    own_arrays = not _gnew_in_dx(dx, sum_g) and group_size * hw > GNEW_STACK
     for task in prange(batch * groups):
         wide_vectors()
         n = task // groups
         g = task - n * groups
-        gnew_rows = _gnew_rows(dx, sum_g, n, group_size, in_place)
-        _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt)
+        if own_arrays:
+            own = np.empty((group_size, hw), sum_g.dtype)
+            _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, own, fmt)
+        else:  # sum_g: an array of own's type, not used
+            _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, sum_g, fmt)
 
 
 @leaf_helper
-def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, gnew_rows, in_place, fmt):
-    """Task ``(n, g)`` of the NCHW kernel, its gnew in ``gnew_rows`` (``dx[n]``, from the group's
-    first channel, when ``in_place``; else a ``(D, HxW)`` scratch). A leaf helper (no reference
-    counting): a row view in the kernel's body costs two atomic operations, much of a short
-    row's time."""
+def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, own, fmt):
+    """Task ``(n, g)`` of the NCHW kernel, its gnew in its dx elements, a stack array or ``own``
+    (:func:`_task_gnew`). A leaf helper (no reference counting): a row view in the kernel's body
+    costs two atomic operations, much of a short row's time."""
     wide_vectors()
     _, channels, hw = x.shape
     group_size = channels // mean.shape[1]
@@ -411,16 +497,17 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
     start = g * group_size
     group_mean = mean[n, g]
     group_rstd = rstd[n, g]
-    gnew_first = start if in_place else 0
     flat_x = flat_rows(x, n, n + 1)
-    flat_gnew = flat_rows(gnew_rows, gnew_first, gnew_first + group_size)
+    first = start * hw  # the group's flat positions [first, stop) in the image
+    stop = first + group_size * hw
+    flat_gnew = _task_gnew(dx, n, first, stop, stack_array(1, GNEW_STACK, sum_g), own)
     _gnew_run(
         flat_rows(dy, n, n + 1),
         flat_x,
         flat_gnew,
         hw,
-        start * hw,
-        (start + group_size) * hw,
+        first,
+        stop,
         group_mean,
         group_rstd,
         gamma,
@@ -428,56 +515,50 @@ def _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n
         swish_scale,
         fmt,
     )
-    for k in range(group_size):
-        c = start + k
-        x_row = x[n, c]
-        gnew_row = gnew_rows[gnew_first + k]
-        total_g = sum_g.dtype.type(0)
-        total_gx = total_g
-        for block_start in range(0, hw, BLOCK):
-            block_stop = min(block_start + BLOCK, hw)
-            block_g, block_gx = _block_sums(gnew_row, x_row, block_start, block_stop, group_mean, group_rstd, fmt)
-            total_g += block_g
-            total_gx += block_gx
-        sum_g[n, c] = total_g
-        sum_gx[n, c] = total_gx
-    c1, c2 = _group_coefficients(sum_g[n], sum_gx[n], gamma, start, start + group_size, count)
-    flat_dx = flat_rows(dx, n, n + 1)
-    for k in range(group_size):
-        c = start + k
-        _dx_lanes(
-            flat_gnew, flat_x, flat_dx, c * hw, (c + 1) * hw, start * hw, group_mean, group_rstd, gamma[c], c1, c2, fmt
-        )
+    sums_g = sum_g[n]
+    sums_gx = sum_gx[n]
+    _channel_sums(flat_gnew, flat_x, sums_g, sums_gx, first, stop, hw, first, group_mean, group_rstd, fmt)
+    c1, c2 = _group_coefficients(sums_g, sums_gx, gamma, start, start + group_size, count)
+    _dx_rows(
+        flat_gnew, flat_x, flat_rows(dx, n, n + 1), first, stop, hw, first, group_mean, group_rstd, gamma, c1, c2, fmt
+    )
 
 
 @intrinsic
-def _dx_lanes(typingctx, gnew, x, dx, start, stop, gnew_first, mean, rstd, gamma, c1, c2, fmt):
-    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma, -fma(xhat, c2, c1))`` with ``xhat = (x[i] -
-    mean) * rstd`` (:func:`_dx`), for ``i`` in ``[start, stop)``: ``x`` and ``dx`` in ``fmt``,
-    ``gnew`` in the compute type, all 1-D and C-contiguous. LANES elements per step and one
-    masked step at the end: a short channel row costs a few vector operations."""
-    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, mean, mean, mean, mean, mean, fmt)
+def _dx_rows(typingctx, gnew, x, dx, first, stop, hw, gnew_first, mean, rstd, gamma, c1, c2, fmt):
+    """``dx[i] = rstd * fma(gnew[i - gnew_first], gamma[c], -fma(xhat, c2, c1))`` with ``xhat =
+    (x[i] - mean) * rstd`` (:func:`_dx`), for ``i`` in ``[first, stop)``, flat positions of one
+    image (channel ``c = i // hw``): ``x`` and ``dx`` in ``fmt``, ``gnew`` and ``gamma`` in the
+    compute type, all 1-D and C-contiguous. Row by row (:func:`for_each_row`), LANES elements
+    per step and one masked step at a row's end: a short channel row costs a few vector
+    operations."""
+    sig = types.void(gnew, x, dx, types.intp, types.intp, types.intp, types.intp, mean, mean, gamma, mean, mean, fmt)
     format_name = fmt.format_name
 
     def codegen(context, builder, signature, args):
-        gnew_struct, x_struct, dx_struct = array_structs(context, builder, signature, args, 0, 1, 2)
-        start, stop, gnew_first = args[3], args[4], args[5]
-        vector = ir.VectorType(context.get_data_type(signature.args[6]), LANES)
-        mean_lanes, rstd_lanes, gamma_lanes, c1_lanes, c2_lanes = (splat(builder, vector, v) for v in args[6:11])
+        gnew_struct, x_struct, dx_struct, gamma_struct = array_structs(context, builder, signature, args, 0, 1, 2, 9)
+        first, stop, hw, gnew_first = args[3], args[4], args[5], args[6]
+        vector = ir.VectorType(context.get_data_type(signature.args[7]), LANES)
+        mean_lanes, rstd_lanes, c1_lanes, c2_lanes = (splat(builder, vector, args[i]) for i in (7, 8, 10, 11))
         negative_zero = ir.Constant(vector, [-0.0] * LANES)
 
-        def body(position, used):
-            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-            g = decode_lanes(
-                builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
-            )
-            xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
-            # -fma(...) as Numba negates a float: -0.0 - value
-            inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
-            result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
-            store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+        def row(c, row_start, row_stop):
+            gamma_lanes = splat(builder, vector, builder.load(builder.gep(gamma_struct.data, [c])))
 
-        for_each_vector(builder, start, stop, body)
+            def body(position, used):
+                values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+                g = decode_lanes(
+                    builder, builder.gep(gnew_struct.data, [builder.sub(position, gnew_first)]), "native", vector, used
+                )
+                xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
+                # -fma(...) as Numba negates a float: -0.0 - value
+                inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
+                result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
+                store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
+
+            for_each_vector(builder, row_start, row_stop, body, unroll=False)
+
+        for_each_row(builder, first, stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen

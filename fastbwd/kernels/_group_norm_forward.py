@@ -23,6 +23,7 @@ from ._group_norm_math import (
     STAGE_ROWS,
     aligned,
     fma,
+    for_each_row,
     lane_sums,
     store_rows,
     swish_rows,
@@ -39,7 +40,7 @@ def _block_moments(typingctx, row, start, stop, offset, center, other_center, fm
     """``(sum of d, sum of d^2, other sum of d, other sum of d^2)``: ``d = x - center`` over
     ``row[start:stop]`` (1-D, C-contiguous, decoded with ``fmt``), and ``x - other_center`` over
     the same positions ``offset`` elements on (a second group's block; offset 0 repeats the
-    first). Each sum in the order of the backward's :func:`_block_sums`: element ``start + i``
+    first). Each sum in the order of the backward's :func:`_channel_sums`: element ``start + i``
     goes to lane ``i % LANES`` (each lane from +0.0, in order), then the lanes are folded by
     halving; a last partial vector reads only its elements (masked loads). The two groups' adds
     are independent chains that run side by side, where one group's sums would wait on each
@@ -67,28 +68,37 @@ def _block_moments(typingctx, row, start, stop, offset, center, other_center, fm
 
 
 @intrinsic
-def _affine_lanes(typingctx, x, start, stop, out, out_start, mean, scale, beta, fmt, out_fmt):
-    """``out[out_start + i - start] = fma(x[i] - mean, scale, beta)`` for ``i`` in
-    ``[start, stop)``: ``x`` decoded with ``fmt``, the result stored in ``out_fmt`` (both 1-D,
-    C-contiguous), LANES elements per step and one masked step at the end, so that a short
-    channel row costs a few vector operations and no loop remainder."""
-    sig = types.void(x, types.intp, types.intp, out, types.intp, mean, mean, mean, fmt, out_fmt)
+def _affine_rows(typingctx, x, first, stop, hw, out, out_start, mean, rstd, gamma, beta, fmt, out_fmt):
+    """``out[out_start + i - first] = fma(x[i] - mean, rstd * gamma[c], beta[c])`` for ``i`` in
+    ``[first, stop)``, flat positions of one image (channel ``c = i // hw``): ``x`` decoded
+    with ``fmt``, the result stored in ``out_fmt`` (both 1-D, C-contiguous; ``gamma``, ``beta``
+    in the compute type). Row by row (:func:`for_each_row`), LANES elements per step and one
+    masked step at a row's end, so that a short channel row costs a few vector operations and
+    no loop remainder."""
+    sig = types.void(x, types.intp, types.intp, types.intp, out, types.intp, mean, mean, gamma, beta, fmt, out_fmt)
     format_name, out_format_name = fmt.format_name, out_fmt.format_name
 
     def codegen(context, builder, signature, args):
-        x_struct, out_struct = array_structs(context, builder, signature, args, 0, 3)
-        start, stop, out_start = args[1], args[2], args[4]
-        vector = ir.VectorType(context.get_data_type(signature.args[5]), LANES)
-        mean_lanes, scale_lanes, beta_lanes = (splat(builder, vector, value) for value in args[5:8])
-        offset = builder.sub(out_start, start)
+        x_struct, out_struct, gamma_struct, beta_struct = array_structs(context, builder, signature, args, 0, 4, 8, 9)
+        first, stop, hw, out_start = args[1], args[2], args[3], args[5]
+        vector = ir.VectorType(context.get_data_type(signature.args[6]), LANES)
+        mean_lanes = splat(builder, vector, args[6])
+        offset = builder.sub(out_start, first)
 
-        def body(position, used):
-            values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-            result = fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
-            pointer = builder.gep(out_struct.data, [builder.add(position, offset)])
-            store_lanes(builder, pointer, result, out_format_name, used)
+        def row(c, row_start, row_stop):
+            scale = builder.fmul(args[7], builder.load(builder.gep(gamma_struct.data, [c])))
+            scale_lanes = splat(builder, vector, scale)
+            beta_lanes = splat(builder, vector, builder.load(builder.gep(beta_struct.data, [c])))
 
-        for_each_vector(builder, start, stop, body)
+            def body(position, used):
+                values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
+                result = fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
+                pointer = builder.gep(out_struct.data, [builder.add(position, offset)])
+                store_lanes(builder, pointer, result, out_format_name, used)
+
+            for_each_vector(builder, row_start, row_stop, body, unroll=False)
+
+        for_each_row(builder, first, stop, hw, row)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -129,21 +139,13 @@ def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta
         group_stop = (group + 1) * size
         for chunk in range(group * size, group_stop, step):
             chunk_stop = min(chunk + step, group_stop)
-            position = chunk
-            c = chunk // hw  # one division per chunk: a row's costs as much as a short row's arithmetic
-            while position < chunk_stop:
-                row_stop = min((c + 1) * hw, chunk_stop)
-                scale = rstd[group] * gamma[c]
-                if activate_swish:
-                    _affine_lanes(
-                        x, position, row_stop, scratch[0], position - chunk, mean[group], scale, beta[c], fmt, NATIVE
-                    )
-                else:
-                    _affine_lanes(x, position, row_stop, y, position, mean[group], scale, beta[c], fmt, fmt)
-                position = row_stop
-                c += 1
             if activate_swish:
+                _affine_rows(
+                    x, chunk, chunk_stop, hw, scratch[0], 0, mean[group], rstd[group], gamma, beta, fmt, NATIVE
+                )
                 swish_rows(scratch, swish_scale, y[chunk:chunk_stop], chunk_stop - chunk, fmt)
+            else:
+                _affine_rows(x, chunk, chunk_stop, hw, y, chunk, mean[group], rstd[group], gamma, beta, fmt, fmt)
 
 
 @leaf_helper

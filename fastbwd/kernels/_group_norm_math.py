@@ -17,7 +17,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._halfbits import float32_as_uint32, store, uint32_as_float32
-from ._jit import helper, leaf_helper, wide_vectors
+from ._jit import always_inline, helper, leaf_helper, wide_vectors
 from ._lanes import LANES, fold_lanes_by_halving, for_each_vector
 
 #: Spatial positions per block of every per-(n, c) reduction (a multiple of PARTIAL_SUMS).
@@ -185,12 +185,11 @@ def _swish_derivative(z):
 # ---- the fixed-order reduction ----------------------------------------------------------------
 
 
-def lane_sums(builder, vector, start, stop, terms, count):
-    """Code for ``count`` sums over positions ``[start, stop)`` in the fixed order of the module
-    doc: ``terms(position, used)`` gives the ``count`` vectors that LANES consecutive positions
-    add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
-    None), each lane summed from +0.0 in order, then the lanes folded by halving. Returns the
-    totals. The sums are independent chains of adds, so several of them run side by side."""
+def lane_vectors(builder, vector, start, stop, terms, count, unroll=True):
+    """The lanes of :func:`lane_sums` before their fold: ``count`` vectors, lane ``j`` the sum
+    (from +0.0, in order) of the terms of the positions ``start + j``, ``start + j + LANES``,
+    ... below ``stop``. The sums are independent chains of adds, so several of them run side by
+    side."""
     sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(count)]
     for total in sums:
         builder.store(ir.Constant(vector, None), total)
@@ -203,8 +202,37 @@ def lane_sums(builder, vector, start, stop, terms, count):
         for total, new in zip(sums, news):
             builder.store(new, total)
 
-    for_each_vector(builder, start, stop, add)
-    return [fold_lanes_by_halving(builder, builder.load(total)) for total in sums]
+    for_each_vector(builder, start, stop, add, unroll)
+    return [builder.load(total) for total in sums]
+
+
+def lane_sums(builder, vector, start, stop, terms, count, unroll=True):
+    """Code for ``count`` sums over positions ``[start, stop)`` in the fixed order of the module
+    doc: ``terms(position, used)`` gives the ``count`` vectors that LANES consecutive positions
+    add (lane ``i`` from position ``position + i``; ``used`` masks a last partial vector, else
+    None), each lane summed from +0.0 in order (:func:`lane_vectors`), then the lanes folded by
+    halving. Returns the totals."""
+    lanes = lane_vectors(builder, vector, start, stop, terms, count, unroll)
+    return [fold_lanes_by_halving(builder, vector) for vector in lanes]
+
+
+def for_each_row(builder, first, stop, hw, body):
+    """Emit ``body(channel, row_start, row_stop)`` for the channel rows that meet the flat
+    positions ``[first, stop)`` of an image (channel ``c`` holds ``[c*hw, (c+1)*hw)``), in
+    channel order, each cut to ``[first, stop)``: one loop over a group's rows inside an
+    intrinsic, where a loop of intrinsic calls paid each row's setup (views, bounds, vector
+    constants) in many more instructions than a 4 x 4 row's arithmetic."""
+    one = ir.Constant(hw.type, 1)
+    width = builder.select(builder.icmp_signed(">", hw, ir.Constant(hw.type, 0)), hw, one)  # no rows when hw is 0
+    first_row = builder.sdiv(first, width)
+    end_row = builder.sdiv(builder.add(stop, builder.sub(width, one)), width)
+    with cgutils.for_range(builder, builder.sub(end_row, first_row)) as loop:
+        c = builder.add(first_row, loop.index)
+        row_start = builder.mul(c, width)
+        row_stop = builder.add(row_start, width)
+        row_start = builder.select(builder.icmp_signed("<", row_start, first), first, row_start)
+        row_stop = builder.select(builder.icmp_signed(">", row_stop, stop), stop, row_stop)
+        body(c, row_start, row_stop)
 
 
 @helper
@@ -302,6 +330,7 @@ def _swish_reduction_rows(y, swish_scale, shifted, r, count):
 def _exp_reduction_rows(z, shifted, r, count):
     """Stage 1 of the Swish derivative: :func:`_exp_reduction` of ``-|z|``."""
     wide_vectors()
+    always_inline()
     for i in range(count):
         shifted_i, r_i = _exp_reduction(-abs(z[i]))
         shifted[i] = shifted_i
@@ -367,6 +396,7 @@ def _swish_rows_float64(scratch, swish_scale, out, count, fmt):
 @leaf_helper
 def _swish_gradient_rows_float32(scratch, out, count):
     wide_vectors()
+    always_inline()
     whole = aligned(count)
     _exp_reduction_rows(scratch[0], scratch[1], scratch[2], whole)
     _exp_polynomial_rows(scratch[2], whole)

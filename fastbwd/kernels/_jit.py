@@ -352,6 +352,18 @@ def wide_vectors(typingctx):
     return signature, codegen
 
 
+@numba.extending.intrinsic
+def always_inline(typingctx):
+    """Mark the function this is called in for LLVM to inline into its callers."""
+    signature = numba.core.types.none()
+
+    def codegen(context, builder, signature, args):
+        builder.function.attributes.add("alwaysinline")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 def leaf_helper(py_func):
     """:func:`helper` for code that allocates nothing: compiled without reference counting, so
     the array views it takes cost no atomic operation. The arrays it passes on should go to

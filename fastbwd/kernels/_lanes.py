@@ -22,6 +22,8 @@ from numba.core import cgutils
 
 #: Elements per vector operation (one 512-bit vector of float32, two of float64).
 LANES = 16
+#: Vectors up to which :func:`for_each_vector` (``unroll=False``) runs a loop LLVM does not unroll.
+SHORT_LOOP = 4
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -150,20 +152,50 @@ def store_lanes(builder, pointer, vector, format_name, mask=None):
     builder.call(function, [stored, pointer, _I32(align), mask])
 
 
-def for_each_vector(builder, start, stop, body):
+def for_each_vector(builder, start, stop, body, unroll=True):
     """Emit ``body(position, mask)`` for the vectors of LANES consecutive positions from
     ``start`` to ``stop`` (i64 values), in order: whole vectors with ``mask`` None (a loop), then
     a last partial one, if any, with a ``<LANES x i1>`` mask of its positions (so that a row of
-    any length takes one loop and at most one masked step, without a scalar remainder)."""
+    any length takes one loop and at most one masked step, without a scalar remainder).
+    ``unroll=False`` emits the loop twice: for up to :data:`SHORT_LOOP` vectors one LLVM does not
+    unroll (:func:`no_unroll`: a short row skips the unrolled loop's checks and remainder), for
+    more one it may unroll (a long row's loop overhead)."""
     length = builder.sub(stop, start)
     whole = builder.sdiv(length, _I64(LANES))
-    with cgutils.for_range(builder, whole) as loop:
-        body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
+
+    def vectors():
+        with cgutils.for_range(builder, whole) as loop:
+            body(builder.add(start, builder.mul(loop.index, _I64(LANES))), None)
+        return loop
+
+    if unroll:
+        vectors()
+    else:
+        with builder.if_else(builder.icmp_signed("<=", whole, _I64(SHORT_LOOP))) as (short, long):
+            with short:
+                no_unroll(builder, vectors())
+            with long:
+                vectors()
     tail = builder.add(start, builder.mul(whole, _I64(LANES)))
     remaining = builder.sub(stop, tail)
     with builder.if_then(builder.icmp_signed(">", remaining, _I64(0))):
         lane_numbers = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
         body(tail, builder.icmp_signed("<", lane_numbers, splat(builder, ir.VectorType(_I64, LANES), remaining)))
+
+
+def no_unroll(builder, loop):
+    """Mark the loop of ``cgutils.for_range`` whose ``loop`` this is (just closed) as one LLVM
+    neither unrolls nor vectorises (``llvm.loop`` metadata on its latch)."""
+    module = builder.module
+    options = [
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
+        module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)]),
+    ]
+    # a loop ID is a distinct node whose first operand is itself
+    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
+    loop_id.operands = (loop_id, *options)
+    latch = loop.index.incomings[-1][1]
+    latch.terminator.set_metadata("llvm.loop", loop_id)
 
 
 def fold_lanes_by_halving(builder, vector):
@@ -178,3 +210,34 @@ def fold_lanes_by_halving(builder, vector):
         vector = builder.fadd(vector, shifted)
         half //= 2
     return builder.extract_element(vector, _I32(0))
+
+
+def fold_rows_by_halving(builder, vectors):
+    """:func:`fold_lanes_by_halving` of LANES/2 vectors (the rows' lanes) at once: a vector of
+    LANES/2 lanes, lane ``r`` row ``r``'s lane 0 after the same adds (lane ``j + h`` into lane
+    ``j``, h = LANES/2, ..., 2, 1). The first level adds each row's high half to its low half;
+    each further level adds, for two vectors of rows, the high halves of all their rows' lanes
+    to the low halves in one vector add, so a row's share is a fraction of an add and of a
+    shuffle where its own fold took one of each per level, each waiting on the one before."""
+    half = LANES // 2
+    assert len(vectors) == half
+    low = ir.Constant(ir.VectorType(_I32, half), list(range(half)))
+    high = ir.Constant(ir.VectorType(_I32, half), list(range(half, LANES)))
+    undefined = ir.Constant(vectors[0].type, ir.Undefined)
+    level = [
+        builder.fadd(builder.shuffle_vector(v, undefined, low), builder.shuffle_vector(v, undefined, high))
+        for v in vectors
+    ]
+    segment = half  # lanes of each row still to fold, rows side by side in each vector
+    while segment > 1:
+        step = segment // 2
+        rows = half // segment  # rows per vector
+        low_lanes = [vector * half + row * segment + j for vector in (0, 1) for row in range(rows) for j in range(step)]
+        low_mask = ir.Constant(ir.VectorType(_I32, half), low_lanes)
+        high_mask = ir.Constant(ir.VectorType(_I32, half), [lane + step for lane in low_lanes])
+        level = [
+            builder.fadd(builder.shuffle_vector(x, y, low_mask), builder.shuffle_vector(x, y, high_mask))
+            for x, y in zip(level[0::2], level[1::2])
+        ]
+        segment = step
+    return level[0]

@@ -18,7 +18,7 @@ inside a block position ``i`` is added (in order) to lane ``i % PARTIAL_SUMS``, 
 by halving (:func:`_fold_lanes`), and the block sums are added to the total in block order.
 The lanes make the sums vectorise without fastmath (each lane is its own sequential sum): the
 NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
-(:func:`_block_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
+(:func:`_channel_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
 then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
 
@@ -169,7 +169,9 @@ class BackwardPlan(NamedTuple):
         sum_g = np.empty(self.sums, self.compute)
         sum_gx = np.empty(self.sums, self.compute)
         shape = self.shape
-        self.dx(
+        dx_launch = self.dx
+        # a serial launch's resolved entry point, called directly (Launch.call)
+        (dx_launch.call or dx_launch)(
             dy.reshape(shape),
             x.reshape(shape),
             mean,
@@ -182,8 +184,9 @@ class BackwardPlan(NamedTuple):
             sum_gx,
             *self.arguments,
         )
-        if self.parameter_grads is not None:
-            self.parameter_grads(sum_g, sum_gx, dgamma, dbeta, *self.wants)
+        parameter_grads = self.parameter_grads
+        if parameter_grads is not None:
+            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *self.wants)
 
 
 def _backward_plan(g):
@@ -226,7 +229,8 @@ class ForwardPlan(NamedTuple):
         """y, mean and rstd from the kernel views of x and y (C-contiguous in the plan's layout,
         any shape holding it); gamma, beta ``(C,)``, ``eps`` and ``swish_scale`` in the compute
         type; mean and rstd ``(N, G)`` compute-type outputs, C-contiguous."""
-        self.launch(
+        launch = self.launch
+        (launch.call or launch)(
             x.reshape(self.shape),
             gamma,
             beta,
