@@ -13,6 +13,7 @@ from bench.inputs import group_norm_swish_inputs
 from fastbwd import group_norm_swish_backward as gns_bwd
 from fastbwd.api import _plans
 from fastbwd.kernels import group_norm_swish as kernels
+from fastbwd.kernels._group_norm_backward import GNEW_STACK
 from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
@@ -154,6 +155,19 @@ def test_half_formats_round_once(dtype):
     results = gns_bwd(*args, groups, "NCHW", 1.5)
     assert all(r.dtype == dtype for r in results)
     assert_all_match(results, expected(args, groups, 1.5))
+
+
+@pytest.mark.parametrize("dtype", float32_quick(HALVES, BF16), ids=str)
+@pytest.mark.parametrize(
+    "shape, groups", [((2, 4, 64, 64), 4), ((1, 1, 1, 4097), 1), ((2, 4, 48, 48), 2)], ids=["4096", "4097", "4608"]
+)
+def test_half_formats_gnew_on_either_side_of_the_stack_scratch(dtype, shape, groups):
+    """A float16/bfloat16 NCHW task keeps its gnew in a stack array for groups of up to
+    GNEW_STACK elements and in an array of its own above: groups of 4096, 4097 and 4608
+    elements, each within 1 ulp of the reference."""
+    assert GNEW_STACK == 4096  # the sizes straddle it
+    args = inputs(shape, groups, dtype, seed=5)
+    assert_all_match(gns_bwd(*args, groups, "NCHW", 1.5), expected(args, groups, 1.5))
 
 
 def test_mixed_precision_float32_parameters():
