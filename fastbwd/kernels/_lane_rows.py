@@ -9,7 +9,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._lanes import (
-    _I1,
     _I32,
     _I64,
     LANES,
@@ -19,6 +18,7 @@ from ._lanes import (
     array_structs,
     decode_lanes,
     encode_lanes,
+    no_unroll,
     splat,
 )
 
@@ -53,16 +53,7 @@ def _loop(builder, count):
     LLVM copies of a parallel kernel then optimise again (compile time)."""
     with cgutils.for_range(builder, count) as loop:
         yield loop
-    module = builder.module
-    options = [
-        module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")]),
-        module.add_metadata([ir.MetaDataString(module, "llvm.loop.vectorize.enable"), _I1(0)]),
-    ]
-    # a loop ID is a distinct node whose first operand is itself
-    loop_id = ir.values.MDValue(module, [], name=str(len(module.metadata)))
-    loop_id.operands = (loop_id, *options)
-    latch = loop.index.incomings[-1][1]
-    latch.terminator.set_metadata("llvm.loop", loop_id)
+    no_unroll(builder, loop)
 
 
 def _outlined(builder, name, arrays, scalars, emit):
