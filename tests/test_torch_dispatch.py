@@ -167,6 +167,9 @@ def test_the_decision_takes_the_thread_count():
         lambda x: F.avg_pool2d(x, 3, stride=[], divisor_override=5),
         lambda x: F.avg_pool2d(x, kernel_size=2, padding=1, count_include_pad=False),
         lambda x: F.pad(x, [1, -1, 2, 0], "replicate"),
+        lambda x: F.pad(input=x, pad=(1, 2, 1, 0), mode="replicate"),
+        lambda x: F.pad(x, (1, 1, 0, 2), "replicate", None),
+        lambda x: F.interpolate(x, None, 2.0, "bilinear", False, None, False),
         lambda x: F.pad(x.contiguous(memory_format=torch.channels_last), (1, 1, 1, 1), mode="replicate"),
         lambda x: F.interpolate(x.contiguous(memory_format=torch.channels_last), scale_factor=2, mode="bilinear"),
     ],
@@ -200,6 +203,13 @@ def test_a_routed_call_gives_what_the_aten_kernels_give(forward):
         lambda x: F.avg_pool2d(x, 2.0),
         lambda x: F.avg_pool2d(x, 3, 2, 1, False, True, None, "extra"),
         lambda x: F.avg_pool2d(x, 3, 2, padding=1, bogus=1),
+        # fastbwd's pad and interpolate take PyTorch's parameters: a wrong call's own message
+        lambda x: F.pad(x, (1, 1), mode="replicate", bogus=1),
+        lambda x: F.pad(x, (1, 1, 1, 1), "replicate", None, "extra"),
+        lambda x: F.pad(x, pad=(1, 1, 1, 1), input=x, mode="replicate"),
+        lambda x: F.pad(),
+        lambda x: F.interpolate(x, None, 2.0, "bilinear", False, None, False, "extra"),
+        lambda x: F.interpolate(input=x, scale_factor=2.0, mode="bilinear", bogus=1),
     ],
 )
 def test_the_functions_in_torch_nn_functional_behave_as_pytorchs(call):

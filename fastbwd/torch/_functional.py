@@ -29,6 +29,7 @@ TorchScript reads: ``torch.jit.script`` compiles the replaced function, as befor
 """
 
 import functools
+import inspect
 import types
 from typing import Optional
 
@@ -201,27 +202,30 @@ def _route(name, function, input, args, kwargs):
 
 def _function(name, replaced):
     """The function fastbwd puts in ``torch.nn.functional.<name>`` in place of ``replaced``."""
-    # every name it reads is its own (a closure): its globals are torch.nn.functional's (below)
-    compiling, switch, tensor, grad_enabled = torch.compiler.is_compiling, _switch, torch.Tensor, torch.is_grad_enabled
-    tracing = torch.jit.is_tracing  # first: torch.jit.trace would record reading a size
-    floors, floor, key, route = _dispatch.floors, _dispatch.floor, ("torch", "routed", _NAMES[name]), _route
-
-    def function(*args, **kwargs):
-        # compiling first: torch.compile folds it and traces the replaced function alone. Then
-        # what declines most calls, cheapest first (a declined call pays these few reads): a
-        # call below every threshold of its operator is PyTorch's by one comparison.
-        if compiling() or not switch._active or switch._policy != "auto":
-            return replaced(*args, **kwargs)
-        input = args[0] if args else kwargs.get("input")
-        if type(input) is not tensor or not input.requires_grad or tracing():
-            return replaced(*args, **kwargs)
-        least = floors.get(key)
-        if input.numel() < (floor(*key) if least is None else least) or not grad_enabled():
-            return replaced(*args, **kwargs)
-        return route(name, replaced, input, args, kwargs)
-
+    parameters = _parameters(replaced)
+    namespace = {}
+    exec(_function_code(name, parameters and tuple((p.name, p.default is not p.empty) for p in parameters)), namespace)
+    function = namespace["make"](
+        replaced,
+        _route,
+        (
+            torch.compiler.is_dynamo_compiling,
+            torch.compiler.is_compiling,
+            torch.jit.is_tracing,
+            torch.is_grad_enabled,
+            _switch,
+            torch.Tensor,
+            _dispatch.floors,
+            _dispatch.floor,
+            ("torch", "routed", _NAMES[name]),
+        ),
+        parameters and tuple(p.default for p in parameters if p.default is not p.empty),
+    )
+    code = function.__code__
+    if hasattr(code, "co_qualname"):  # its own name in messages: a wrong call's TypeError reads as PyTorch's
+        code = code.replace(co_qualname=name)
     # torch.nn.functional's globals: TorchScript resolves the replaced function's names in them
-    made = types.FunctionType(function.__code__, vars(F), name, None, function.__closure__)
+    made = types.FunctionType(code, vars(F), name, function.__defaults__, function.__closure__)
     functools.update_wrapper(made, replaced)
     # torch.jit.script compiles the replaced function (TorchScript's own mark of such a wrapper),
     # or for a builtin (avg_pool2d) a function of its signature calling it
@@ -229,6 +233,78 @@ def _function(name, replaced):
     scripted = replaced if type(replaced) is types.FunctionType else _SCRIPTED.get(name)
     setattr(made, "__original_fn", scripted)
     return made
+
+
+def _parameters(replaced):
+    """The replaced function's parameters, which fastbwd's then takes as its own (measured: a
+    declined call bound by name costs a training step about 2 us less than through ``*args,
+    **kwargs``), or None: fastbwd's takes ``*args, **kwargs`` (a builtin, whose wrong calls get
+    its own messages, or a signature of other kinds of parameters)."""
+    if type(replaced) is not types.FunctionType:
+        return None
+    try:
+        parameters = tuple(inspect.signature(replaced, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not parameters or any(
+        p.kind is not p.POSITIONAL_OR_KEYWORD or p.name.startswith("_fastbwd") for p in parameters
+    ):
+        return None
+    return parameters
+
+
+@functools.cache
+def _function_code(name, parameters):
+    """The compiled source of fastbwd's function for ``name`` taking ``parameters`` (``(name,
+    has a default)`` of each, all positional-or-keyword) or, for None, ``*args, **kwargs``."""
+    if parameters is None:
+        signature = call = "*args, **kwargs"
+        routed = "args, kwargs"
+        input = '(args[0] if args else kwargs.get("input"))'
+    else:
+        defaults = iter(range(len(parameters)))
+        signature = ", ".join(
+            f"{parameter}=_fastbwd_defaults[{next(defaults)}]" if has_default else parameter
+            for parameter, has_default in parameters
+        )
+        call = ", ".join(parameter for parameter, _ in parameters)
+        routed = f"({call},), {{}}"
+        input = parameters[0][0]
+    source = f"""\
+def make(_fastbwd_replaced, _fastbwd_route, _fastbwd_checks, _fastbwd_defaults):
+    (
+        _fastbwd_dynamo,
+        _fastbwd_compiling,
+        _fastbwd_tracing,
+        _fastbwd_grad_enabled,
+        _fastbwd_switch,
+        _fastbwd_tensor,
+        _fastbwd_floors,
+        _fastbwd_floor,
+        _fastbwd_key,
+    ) = _fastbwd_checks
+
+    def {name}({signature}):
+        # Dynamo first: torch.compile folds it and traces the replaced function alone. Then what
+        # declines most calls, cheapest first (a declined call pays these few reads); tracing
+        # before the size: torch.jit.trace would record reading it.
+        if _fastbwd_dynamo() or not _fastbwd_switch._active or _fastbwd_switch._policy != "auto":
+            return _fastbwd_replaced({call})
+        _fastbwd_input = {input}
+        if type(_fastbwd_input) is not _fastbwd_tensor or not _fastbwd_input.requires_grad or _fastbwd_tracing():
+            return _fastbwd_replaced({call})
+        _fastbwd_least = _fastbwd_floors.get(_fastbwd_key)
+        if (
+            _fastbwd_input.numel() < (_fastbwd_floor(*_fastbwd_key) if _fastbwd_least is None else _fastbwd_least)
+            or _fastbwd_compiling()
+            or not _fastbwd_grad_enabled()
+        ):
+            return _fastbwd_replaced({call})
+        return _fastbwd_route({name!r}, _fastbwd_replaced, _fastbwd_input, {routed})
+
+    return {name}
+"""
+    return compile(source, f"<fastbwd's torch.nn.functional.{name}>", "exec")
 
 
 _AVG_POOL2D = F.avg_pool2d  # PyTorch's builtin (this module is imported before any install)
