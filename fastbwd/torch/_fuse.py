@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _ops, _private
+from fastbwd import _dispatch
+
+from . import _ops, _private, _switch
 from ._group_norm_swish import GroupNormSwish
 
 # ---- the report -----------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def _group_norm_swish(norm):
 # ---- FusedGroupNorm -------------------------------------------------------------------------
 
 _PENDING, _OBSERVING, _FUSED, _SKIPPED = "pending", "observing", "fused", "skipped"
-_dynamo = torch.compiler.is_dynamo_compiling
+_dynamo, _floors, _FUSED_FLOOR = torch.compiler.is_dynamo_compiling, _dispatch.floors, _ops.FLOOR_KEYS["fused"]
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -314,15 +316,12 @@ class FusedGroupNorm(nn.GroupNorm):
     def forward(self, input):
         if torch.jit.is_scripting():
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
-        # An armed norm's call PyTorch runs faster by its size alone, in this frame (each frame
-        # more costs a declined call's training step about 1 us); Dynamo goes on to F.group_norm.
-        if (
-            self.fusion_state == _FUSED
-            and not _dynamo()
-            and type(input) is torch.Tensor
-            and _ops.below_floor("fused", input)
-        ):
-            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        # An armed norm's call PyTorch runs faster by its size alone (_ops.below_floor, written
+        # out: the call costs a declined training step 1.5 us); Dynamo goes on to F.group_norm.
+        if self.fusion_state == _FUSED and not _dynamo() and type(input) is torch.Tensor and _switch._policy == "auto":
+            least = _floors.get(_FUSED_FLOOR)
+            if input.numel() < (_dispatch.floor(*_FUSED_FLOOR) if least is None else least):
+                return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         return self._fused_forward(input)
 
     @torch.jit.unused

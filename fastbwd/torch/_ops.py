@@ -558,12 +558,12 @@ def below_floor(path, input):
     comparison, before anything else is looked at. ``input`` a plain tensor."""
     if _switch._policy != "auto":
         return False
-    key = _FLOOR_KEYS[path]
+    key = FLOOR_KEYS[path]
     least = _dispatch.floors.get(key)
     return input.numel() < (_dispatch.floor(*key) if least is None else least)
 
 
-_FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
+FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
 
 
 def _sizes(input):
