@@ -12,6 +12,7 @@ from numba.extending import intrinsic, overload
 from ._group_norm_math import (
     BLOCK,
     PARTIAL_SUMS,
+    STAGE_ALIGN,
     STAGE_CHUNK,
     STAGE_OUT,
     STAGE_ROWS,
@@ -296,39 +297,41 @@ def _swish_argument_tiled(dy, x, z, dy_values, tile_mean, tile_rstd, tile_gamma,
 
 
 @leaf_helper
-def _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
-    """``scratch[STAGE_OUT][j] = gnew`` of the piece's ``j < count`` elements (NHWC, with the
-    tiles' constants): the staged derivative over a whole number of STAGE_ALIGN elements (the
-    piece starts where the task's channel run does, which follows the thread count)."""
+def _piece_gnew_staged(dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """``out[j] = gnew`` of the piece's ``j < count`` elements (NHWC, with the tiles' constants):
+    the staged derivative over a whole number of STAGE_ALIGN elements (the piece starts where
+    the task's channel run does, which follows the thread count), so ``out`` is
+    ``scratch[STAGE_OUT]`` unless ``count`` is such a whole number already."""
     wide_vectors()
     _swish_argument_tiled(
         dy, x, scratch[0], scratch[3], tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt
     )
-    swish_gradient_rows(scratch, scratch[STAGE_OUT], aligned(count))
+    swish_gradient_rows(scratch, out, aligned(count))
 
 
 @leaf_helper
-def _piece_gnew_plain(dy, scratch, count, fmt):
+def _piece_gnew_plain(dy, out, count, fmt):
     wide_vectors()
-    values = scratch[STAGE_OUT]
     for j in range(count):
-        values[j] = load(dy[j], fmt)
+        out[j] = load(dy[j], fmt)
 
 
-def _piece_gnew(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
-    """gnew of an NHWC piece into ``scratch[STAGE_OUT]``: :func:`_piece_gnew_staged`, or dy itself when
-    ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit only)."""
+def _piece_gnew(dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+    """gnew of an NHWC piece into ``out`` (``scratch[STAGE_OUT]``, or the piece's own gnew when
+    ``count`` is a whole number of STAGE_ALIGN elements): :func:`_piece_gnew_staged`, or dy
+    itself when ``swish_scale`` is None (no Swish); a choice made when the kernel compiles (njit
+    only)."""
     raise NotImplementedError("_piece_gnew() is only callable from @njit code")
 
 
 @overload(_piece_gnew, inline="always")
-def _piece_gnew_overload(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
+def _piece_gnew_overload(dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt):
     if isinstance(swish_scale, types.NoneType):
-        return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
-            _piece_gnew_plain(dy, scratch, count, fmt)
+        return lambda dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+            _piece_gnew_plain(dy, out, count, fmt)
         )
-    return lambda dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
-        _piece_gnew_staged(dy, x, scratch, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt)
+    return lambda dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt: (
+        _piece_gnew_staged(dy, x, scratch, out, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, count, fmt)
     )
 
 
@@ -337,18 +340,23 @@ def _nhwc_step_first_pass(
     dy, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rstd, tile_gamma, tile_beta, swish_scale, size, fmt
 ):
     """An NHWC step's first pass (all 1-D, from the step's first element; ``lanes_g``,
-    ``lanes_gx`` from the step's lane): in pieces of :data:`STAGE_CHUNK`, gnew into a scratch
-    row (:func:`_piece_gnew`), then per element gnew stored and added to its lanes
-    (``gnew`` and ``gnew * xhat``)."""
+    ``lanes_gx`` from the step's lane), in pieces of :data:`STAGE_CHUNK`: a piece of a whole
+    number of STAGE_ALIGN elements gets its gnew straight into ``gnew`` (the staged
+    derivative's last stage stores it, as the NCHW kernel's does) and then added to its lanes
+    (:func:`_add_lanes`); another piece gets it into a scratch row (the stages run past its
+    end), then stored and added (:func:`_store_and_add_lanes`). Either way the same compiled
+    stages give each element the same bits."""
     wide_vectors()
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, gnew)
     values = scratch[STAGE_OUT]
     for piece in range(0, size, STAGE_CHUNK):
         count = min(STAGE_CHUNK, size - piece)
+        whole = count % STAGE_ALIGN == 0
         _piece_gnew(
             dy[piece:],
             x[piece:],
             scratch,
+            gnew[piece : piece + count] if whole else values,
             tile_mean[piece:],
             tile_rstd[piece:],
             tile_gamma[piece:],
@@ -357,17 +365,29 @@ def _nhwc_step_first_pass(
             count,
             fmt,
         )
-        _store_and_add_lanes(
-            values,
-            x[piece:],
-            gnew[piece:],
-            lanes_g[piece:],
-            lanes_gx[piece:],
-            tile_mean[piece:],
-            tile_rstd[piece:],
-            count,
-            fmt,
-        )
+        if whole:
+            _add_lanes(
+                gnew[piece:],
+                x[piece:],
+                lanes_g[piece:],
+                lanes_gx[piece:],
+                tile_mean[piece:],
+                tile_rstd[piece:],
+                count,
+                fmt,
+            )
+        else:
+            _store_and_add_lanes(
+                values,
+                x[piece:],
+                gnew[piece:],
+                lanes_g[piece:],
+                lanes_gx[piece:],
+                tile_mean[piece:],
+                tile_rstd[piece:],
+                count,
+                fmt,
+            )
 
 
 @leaf_helper
@@ -378,6 +398,18 @@ def _store_and_add_lanes(values, x, gnew, lanes_g, lanes_gx, tile_mean, tile_rst
     for j in range(count):
         g = values[j]
         gnew[j] = g
+        xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
+        lanes_g[j] += g
+        lanes_gx[j] += g * xhat
+
+
+@leaf_helper
+def _add_lanes(gnew, x, lanes_g, lanes_gx, tile_mean, tile_rstd, count, fmt):
+    """:func:`_store_and_add_lanes` for a gnew already stored: ``lanes_g[j] += gnew[j]``,
+    ``lanes_gx[j] += gnew[j] * xhat`` for ``j < count``."""
+    wide_vectors()
+    for j in range(count):
+        g = gnew[j]
         xhat = (load(x[j], fmt) - tile_mean[j]) * tile_rstd[j]
         lanes_g[j] += g
         lanes_gx[j] += g * xhat
