@@ -202,6 +202,7 @@ class _Plan(NamedTuple):
     compute: np.dtype
     want_dgamma: bool
     want_dbeta: bool
+    unwanted: np.ndarray  # an empty kernel view of gamma's dtype: the kernels' dgamma or dbeta when not wanted
 
     def out_entries(self, out):
         return _out_entries(out)
@@ -214,10 +215,8 @@ class _Plan(NamedTuple):
         results = self.results
         if out is None:
             dx, dx_phys = d.new(results[0])
-            dgamma = dbeta = dgamma_phys = dbeta_phys = None
-            if self.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
-                dgamma, dgamma_phys = d.new(results[1])
-                dbeta, dbeta_phys = d.new(results[2])
+            dgamma, dgamma_phys = d.new(results[1]) if self.want_dgamma else (None, self.unwanted)
+            dbeta, dbeta_phys = d.new(results[2]) if self.want_dbeta else (None, self.unwanted)
         else:
             (dx, dgamma, dbeta), (dx_phys, dgamma_phys, dbeta_phys) = d.allocate_all(
                 FUNC, results, _out_entries(out), _INPUT_NAMES, (dy, mean, rstd, x, gamma, beta)
@@ -305,7 +304,8 @@ def _plan(
         d.operand(gamma, dtype=compute),
         d.operand(beta, dtype=compute),
     )
-    return _Plan(kernels.plan(geometry), results, operands, compute, want_dgamma, want_dbeta)
+    unwanted = d.new(d.result((0,), gamma.dtype))[1]  # never written: safe to share between calls
+    return _Plan(kernels.plan(geometry), results, operands, compute, want_dgamma, want_dbeta, unwanted)
 
 
 def _results(func, out, x, layout, parameter_shape, parameter_dtype, names):
