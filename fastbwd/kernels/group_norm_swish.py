@@ -168,11 +168,10 @@ class BackwardPlan(NamedTuple):
         and ``swish_scale`` in the compute type, C-contiguous (ignored without Swish); dgamma,
         dbeta ``(C,)`` kernel views in the parameters' dtype (one that is not wanted is not
         written: an empty array of that dtype will do)."""
-        shape = self.shape
-        dx_launch = self.dx
-        swish_scale = swish_scale if self.activate_swish else None  # None: the kernels compiled without Swish
+        dx_launch, shape, arguments, parameter_grads, wants, sums, compute, activate_swish = self  # one lookup
+        swish_scale = swish_scale if activate_swish else None  # None: the kernels compiled without Swish
         # a serial launch's resolved entry point, called directly (Launch.call)
-        if self.sums is None:
+        if sums is None:
             (dx_launch.call or dx_launch)(
                 dy.reshape(shape),
                 x.reshape(shape),
@@ -184,11 +183,11 @@ class BackwardPlan(NamedTuple):
                 dx.reshape(shape),
                 dgamma,
                 dbeta,
-                *self.arguments,
+                *arguments,
             )
             return
-        sum_g = np.empty(self.sums, self.compute)
-        sum_gx = np.empty(self.sums, self.compute)
+        sum_g = np.empty(sums, compute)
+        sum_gx = np.empty(sums, compute)
         (dx_launch.call or dx_launch)(
             dy.reshape(shape),
             x.reshape(shape),
@@ -200,11 +199,10 @@ class BackwardPlan(NamedTuple):
             dx.reshape(shape),
             sum_g,
             sum_gx,
-            *self.arguments,
+            *arguments,
         )
-        parameter_grads = self.parameter_grads
         if parameter_grads is not None:
-            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *self.wants)
+            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *wants)
 
 
 def _backward_plan(g):
@@ -257,19 +255,19 @@ class ForwardPlan(NamedTuple):
         """y, mean and rstd from the kernel views of x and y (C-contiguous in the plan's layout,
         any shape holding it); gamma, beta ``(C,)``, ``eps`` and ``swish_scale`` in the compute
         type; mean and rstd ``(N, G)`` compute-type outputs, C-contiguous."""
-        launch = self.launch
+        launch, shape, activate_swish, groups_per_task, fmt = self  # one lookup
         (launch.call or launch)(
-            x.reshape(self.shape),
+            x.reshape(shape),
             gamma,
             beta,
             eps,
-            self.activate_swish,
+            activate_swish,
             swish_scale,
-            y.reshape(self.shape),
+            y.reshape(shape),
             mean,
             rstd,
-            self.groups_per_task,
-            self.fmt,
+            groups_per_task,
+            fmt,
         )
 
 
