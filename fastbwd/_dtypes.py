@@ -269,9 +269,9 @@ def nhwc_result(shape, dtype):
 def new(spec):
     """``(result, kernel view)`` of a new array for one :class:`Result` (:func:`empty` from the
     result cache's floor, ``np.empty`` below it: uninitialised, the kernels write every element)."""
-    phys = np.empty(spec.physical, spec.dtype) if spec.small else empty(spec.physical, spec.dtype)
-    array = phys if spec.layout == NCHW else phys.transpose(0, 3, 1, 2)
-    return array, (phys.view(np.uint16) if spec.half else phys)
+    _, dtype, layout, _, physical, _, half, small = spec  # one unpacking: a small call notices each lookup
+    phys = np.empty(physical, dtype) if small else empty(physical, dtype)
+    return (phys if layout == NCHW else phys.transpose(0, 3, 1, 2)), (phys.view(np.uint16) if half else phys)
 
 
 def allocate(func, spec, out, names, inputs):

@@ -559,9 +559,9 @@ def test_serial_twin_equals_parallel():
     dy, mean, rstd, x, gamma, beta = inputs((2, 6, 300), 3, F32, seed=17)
     results = []
     for run in kernel_twins.twins(kernels.group_norm_swish_bwd_nchw, kernels.BACKWARD_READ_ONLY):
-        dx, sum_g, sum_gx = np.empty_like(x), np.empty((2, 6), F32), np.empty((2, 6), F32)
-        run(dy, x, mean, rstd, gamma, beta, np.float32(1.0), dx, sum_g, sum_gx, NATIVE)
-        results.append((dx, sum_g, sum_gx))
+        dx, dgamma, dbeta = np.empty_like(x), np.empty(6, F32), np.empty(6, F32)
+        run(dy, x, mean, rstd, gamma, beta, np.float32(1.0), dx, dgamma, dbeta, True, True, NATIVE, NATIVE)
+        results.append((dx, dgamma, dbeta))
     assert all(bitwise_equal(a, b) for a, b in zip(*results))
 
 

@@ -297,8 +297,9 @@ def kernels_native():
 
 def test_serial_twin_and_paired_groups_equal_parallel():
     """The serial twin, and NCHW tasks of one group or of two (sums interleaved, an odd group
-    count leaving a task of one), give the same bits; blocks of BLOCK elements included."""
-    for shape, groups in (((2, 6, 300), 3), ((3, 4, kernels.BLOCK + 50), 2)):
+    count leaving a task of one), give the same bits; blocks of BLOCK elements included, and
+    groups of 256 and 64 elements, whose pairs share one staged Swish pass."""
+    for shape, groups in (((2, 6, 300), 3), ((3, 4, kernels.BLOCK + 50), 2), ((2, 12, 64), 3), ((3, 8, 16), 2)):
         x, gamma, beta = inputs(shape, groups, F32, seed=12)
         results = []
         for kernel in kernel_twins.twins(kernels.group_norm_swish_fwd_nchw, kernels.FORWARD_READ_ONLY):

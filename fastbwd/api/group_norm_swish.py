@@ -202,6 +202,7 @@ class _Plan(NamedTuple):
     compute: np.dtype
     want_dgamma: bool
     want_dbeta: bool
+    unwanted: np.ndarray  # an empty kernel view of gamma's dtype: the kernels' dgamma or dbeta when not wanted
 
     def out_entries(self, out):
         return _out_entries(out)
@@ -211,30 +212,35 @@ class _Plan(NamedTuple):
         (``swish_scale`` a float, ``out`` as the public function takes it): the outputs
         (``out`` entries checked to overlap no input), then the kernels. Returns
         ``(dx, dgamma, dbeta)``."""
-        results = self.results
+        kernel_plan, results, operands, compute, want_dgamma, want_dbeta, unwanted = self  # one lookup
         if out is None:
             dx, dx_phys = d.new(results[0])
-            dgamma = dbeta = dgamma_phys = dbeta_phys = None
-            if self.kernels.parameter_grads is not None:  # one is wanted: the other is a dummy
-                dgamma, dgamma_phys = d.new(results[1])
-                dbeta, dbeta_phys = d.new(results[2])
+            dgamma, dgamma_phys = d.new(results[1]) if want_dgamma else (None, unwanted)
+            dbeta, dbeta_phys = d.new(results[2]) if want_dbeta else (None, unwanted)
         else:
             (dx, dgamma, dbeta), (dx_phys, dgamma_phys, dbeta_phys) = d.allocate_all(
                 FUNC, results, _out_entries(out), _INPUT_NAMES, (dy, mean, rstd, x, gamma, beta)
             )
-        self.kernels.run(
-            *d.kernel_operands((dy, mean, rstd, x, gamma, beta), self.operands),
+        if operands is not None:
+            dy, mean, rstd, x, gamma, beta = d.kernel_operands((dy, mean, rstd, x, gamma, beta), operands)
+        kernel_plan.run(
+            dy,
+            mean,
+            rstd,
+            x,
+            gamma,
+            beta,
             dx_phys,
             dgamma_phys,
             dbeta_phys,
-            d.compute_scalar(swish_scale, self.compute),  # a huge scale: an infinity, a valid step
+            d.compute_scalar(swish_scale, compute),  # a huge scale: an infinity, a valid step
         )
         # A gradient that is not required: None, and an out= array given for it is zero-filled.
-        if not self.want_dgamma:
+        if not want_dgamma:
             if out is not None:
                 dgamma_phys.fill(0)
             dgamma = None
-        if not self.want_dbeta:
+        if not want_dbeta:
             if out is not None:
                 dbeta_phys.fill(0)
             dbeta = None
@@ -305,7 +311,8 @@ def _plan(
         d.operand(gamma, dtype=compute),
         d.operand(beta, dtype=compute),
     )
-    return _Plan(kernels.plan(geometry), results, operands, compute, want_dgamma, want_dbeta)
+    unwanted = d.new(d.result((0,), gamma.dtype))[1]  # never written: safe to share between calls
+    return _Plan(kernels.plan(geometry), results, operands, compute, want_dgamma, want_dbeta, unwanted)
 
 
 def _results(func, out, x, layout, parameter_shape, parameter_dtype, names):
@@ -496,6 +503,7 @@ class _ForwardPlan(NamedTuple):
     results: tuple  # the _dtypes.Result of y, mean and rstd
     operands: tuple  # the _dtypes.Operand of x, gamma and beta (_dtypes.operands)
     compute: np.dtype
+    statistics: tuple  # (N, G) when mean and rstd are rounded from compute-type ones, else None
 
     def out_entries(self, out):
         return _out_entries(out, FORWARD, _FORWARD_OUT_NAMES)
@@ -504,27 +512,31 @@ class _ForwardPlan(NamedTuple):
         """The forward call on NumPy arrays with the metadata the plan was made for (``eps`` and
         ``swish_scale`` as :func:`forward_scalars` returns them, ``out`` as the public function
         takes it). Returns ``(y, mean, rstd)``."""
-        compute = self.compute
+        kernel_plan, results, operands, compute, statistics = self  # one lookup
         if out is None:
-            (y, y_phys), (mean, _), (rstd, _) = map(d.new, self.results)
+            y, y_phys = d.new(results[0])
+            mean = d.new(results[1])[0]
+            rstd = d.new(results[2])[0]
         else:
             (y, mean, rstd), (y_phys, _, _) = d.allocate_all(
-                FORWARD, self.results, self.out_entries(out), ("x", "gamma", "beta"), (x, gamma, beta)
+                FORWARD, results, self.out_entries(out), ("x", "gamma", "beta"), (x, gamma, beta)
             )
+        if operands is not None:
+            x, gamma, beta = d.kernel_operands((x, gamma, beta), operands)
         # the kernel writes the statistics in the compute type; other dtypes are rounded once here
-        direct = gamma.dtype == compute
-        statistics = self.results[1].shape
-        mean_c = mean if direct else np.empty(statistics, compute)
-        rstd_c = rstd if direct else np.empty(statistics, compute)
-        self.kernels.run(
-            *d.kernel_operands((x, gamma, beta), self.operands),
+        mean_c = mean if statistics is None else np.empty(statistics, compute)
+        rstd_c = rstd if statistics is None else np.empty(statistics, compute)
+        kernel_plan.run(
+            x,
+            gamma,
+            beta,
             y_phys,
             mean_c,
             rstd_c,
             d.compute_scalar(eps, compute),
             d.compute_scalar(swish_scale, compute),  # beyond float32's range: an infinity
         )
-        if not direct:
+        if statistics is not None:
             mean[...] = mean_c
             rstd[...] = rstd_c
         return y, mean, rstd
@@ -557,7 +569,8 @@ def _forward_plan(threads, x, gamma, beta, num_groups, data_format, activate_swi
         threads,
     )
     operands = d.operands(d.operand(x, layout), d.operand(gamma, dtype=compute), d.operand(beta, dtype=compute))
-    return _ForwardPlan(kernels.plan(geometry), results, operands, compute)
+    statistics = None if gamma.dtype == compute else (batch, groups)
+    return _ForwardPlan(kernels.plan(geometry), results, operands, compute, statistics)
 
 
 def _bind(arguments):

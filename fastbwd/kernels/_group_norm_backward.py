@@ -488,14 +488,19 @@ def _task_gnew(typingctx, dx, n, first, stop, stacked, own):
 
 
 @parallel_kernel
-def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, fmt):
+def group_norm_swish_bwd_nchw(
+    dy, x, mean, rstd, gamma, beta, swish_scale, dx, dgamma, dbeta, want_dgamma, want_dbeta, fmt, parameter_fmt
+):
     """dy, x -> dx, all (N, C, HxW) C-contiguous; mean, rstd (N, G), gamma, beta (C,) and
     swish_scale in the compute type (None: no Swish, gnew = dy: the plain GroupNorm backward);
-    sum_g, sum_gx (N, C) compute-type outputs.
+    dgamma, dbeta (C,) in ``parameter_fmt``, each written only when wanted (the other may be an
+    empty array).
 
     Parallel over the N*G (n, group) pairs; task ``(n, g)`` writes only ``dx[n, gD:(g+1)D]`` and
-    ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]``. It keeps its group's ``gnew`` between the
-    two passes in those dx elements themselves when dx has the compute type (the second pass
+    its per-(n, c) sums ``sum_g[n, gD:(g+1)D]``, ``sum_gx[n, gD:(g+1)D]`` (the kernel's own
+    arrays); then the calling thread adds the sums over n into dgamma and dbeta
+    (:func:`_parameter_grads`), in the same launch. A task keeps its group's ``gnew`` between
+    the two passes in its dx elements themselves when dx has the compute type (the second pass
     overwrites each gnew with its dx), else in a scratch array (D*HxW compute-type elements: on
     the task's stack up to GNEW_STACK, else allocated for the task). Nothing per task touches a
     reference count: at 4 x 4 a view's two atomic operations or an allocation cost as much as a
@@ -504,6 +509,9 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
     batch, channels, hw = x.shape
     groups = mean.shape[1]
     group_size = channels // groups
+    # allocated here rather than by the caller: at 4 x 4 two arrays fewer to allocate and unbox
+    sum_g = np.empty((batch, channels), mean.dtype)
+    sum_gx = np.empty((batch, channels), mean.dtype)
     # an array per task only for a half-format dx and a group too large for the task's stack
     own_arrays = not _gnew_in_dx(dx, sum_g) and group_size * hw > GNEW_STACK
     for task in prange(batch * groups):
@@ -515,6 +523,7 @@ def group_norm_swish_bwd_nchw(dy, x, mean, rstd, gamma, beta, swish_scale, dx, s
             _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, own, fmt)
         else:  # sum_g: an array of own's type, not used
             _nchw_task(dy, x, mean, rstd, gamma, beta, swish_scale, dx, sum_g, sum_gx, n, g, sum_g, fmt)
+    _parameter_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, parameter_fmt)
 
 
 @leaf_helper
@@ -749,21 +758,32 @@ def _nhwc_task(
 
 @parallel_kernel
 def group_norm_swish_param_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt):
-    """dgamma[c] = sum_n sum_gx[n, c], dbeta[c] = sum_n sum_g[n, c], n ascending, stored once.
+    """The NHWC kernel's dgamma and dbeta from its per-(n, c) sums (:func:`_parameter_grads`,
+    which the NCHW kernel calls in its own launch); the plans run it on the calling thread."""
+    _parameter_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt)
 
-    Parallel over channels; iteration ``c`` writes only ``dgamma[c]`` and ``dbeta[c]`` (each
-    only when wanted: the other may be a dummy array).
-    """
-    batch, channels = sum_g.shape
-    for c in prange(channels):
-        wide_vectors()
-        if want_dgamma:
-            acc = sum_gx[0, c]
-            for n in range(1, batch):
-                acc += sum_gx[n, c]
-            dgamma[c] = store(acc, fmt)
-        if want_dbeta:
-            acc = sum_g[0, c]
-            for n in range(1, batch):
-                acc += sum_g[n, c]
-            dbeta[c] = store(acc, fmt)
+
+@leaf_helper
+def _parameter_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt):
+    """dgamma[c] = sum_n sum_gx[n, c], dbeta[c] = sum_n sum_g[n, c], n ascending, stored once
+    (each only when wanted: the other may be an empty array). The sums are scratch: row 0 takes
+    each row in turn, a loop along c that vectorises (a loop over n per channel did not)."""
+    wide_vectors()
+    if want_dgamma:
+        _add_rows(sum_gx, dgamma, fmt)
+    if want_dbeta:
+        _add_rows(sum_g, dbeta, fmt)
+
+
+@leaf_helper
+def _add_rows(sums, total, fmt):
+    """``total[c] = store(sums[0, c] + sums[1, c] + ...)``, added in row order into ``sums[0]``."""
+    wide_vectors()
+    batch, channels = sums.shape
+    first = sums[0]
+    for n in range(1, batch):
+        row = sums[n]
+        for c in range(channels):
+            first[c] += row[c]
+    for c in range(channels):
+        total[c] = store(first[c], fmt)

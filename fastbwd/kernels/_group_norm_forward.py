@@ -24,6 +24,7 @@ from ._group_norm_math import (
     aligned,
     fma,
     for_each_row,
+    groups_share_a_stage,
     lane_sums,
     store_rows,
     swish_rows,
@@ -130,11 +131,19 @@ def _normalise_groups(x, y, hw, first, last, group_size, mean, rstd, gamma, beta
     (:func:`swish_rows`), so that short rows (4 x 4, 8 x 8) cost no loop of their own in the
     Swish's stages. The chunks depend on the group alone, not on the task's groups: any NaN comes
     out the same wherever the loops' vector and scalar code split (the task partition follows the
-    thread count)."""
+    thread count), but for two groups that share one (:func:`groups_share_a_stage`: at 4 x 4 half
+    the stage loops)."""
     wide_vectors()
     scratch = stack_array(STAGE_ROWS, STAGE_CHUNK, mean)
     step = STAGE_CHUNK if hw >= STAGE_CHUNK else (STAGE_CHUNK // hw) * hw
     size = group_size * hw
+    if activate_swish and last - first == 2 and groups_share_a_stage(size):
+        for group in range(first, last):
+            start = group * size
+            at = start - first * size
+            _affine_rows(x, start, start + size, hw, scratch[0], at, mean[group], rstd[group], gamma, beta, fmt, NATIVE)
+        swish_rows(scratch, swish_scale, y[first * size : last * size], 2 * size, fmt)
+        return
     for group in range(first, last):
         group_stop = (group + 1) * size
         for chunk in range(group * size, group_stop, step):

@@ -310,6 +310,14 @@ STAGE_OUT = 4
 
 
 @helper
+def groups_share_a_stage(size):
+    """Whether two groups of ``size`` elements take one staged Swish pass together: both fit a
+    chunk and each is a whole number of :data:`STAGE_ALIGN` elements, so every element goes
+    through the same vector code as in a pass of its own group (the same bits)."""
+    return 2 * size <= STAGE_CHUNK and size % STAGE_ALIGN == 0
+
+
+@helper
 def aligned(count):
     """``count`` rounded up to a multiple of :data:`STAGE_ALIGN` (at most STAGE_CHUNK when
     ``count`` is)."""

@@ -20,7 +20,8 @@ The lanes make the sums vectorise without fastmath (each lane is its own sequent
 NCHW kernel keeps its PARTIAL_SUMS = 16 lanes in a vector register
 (:func:`_channel_sums`, an intrinsic: accumulators in memory made the loop store-bound), while
 the NHWC loop vectorises along channels with one row of lanes per channel. dgamma and dbeta
-then add the per-(n, c) sums over n in order (:func:`group_norm_swish_param_grads`).
+then add the per-(n, c) sums over n in order (``_parameter_grads``: the NCHW kernel in its own
+launch, the NHWC path by :func:`group_norm_swish_param_grads`).
 
 NHWC tasks read whole rows (all C channels of a position) wherever they can: a narrow channel
 strip of an NHWC array streams from memory several times slower than whole rows, which ruled out
@@ -148,15 +149,16 @@ def nchw_groups_per_task(groups, batch, threads):
 
 
 class BackwardPlan(NamedTuple):
-    """The plan of a backward call: the dx kernel's launch, shape and last arguments, and the
-    launch of the parameter gradients' kernel (None when neither is wanted)."""
+    """The plan of a backward call: the dx kernel's launch, shape and last arguments, and, for
+    the NHWC kernel, the launch of the parameter gradients' kernel (None when neither is wanted:
+    the NCHW kernel adds them in its own launch) and the shape of the per-(n, c) sums it takes."""
 
     dx: Launch
     shape: tuple  # (N, C, HxW) or (N, HxW, C)
-    arguments: tuple  # the dx kernel's arguments after sum_gx
+    arguments: tuple  # the dx kernel's arguments after dbeta (NCHW) or sum_gx (NHWC)
     parameter_grads: Launch
     wants: tuple  # (want_dgamma, want_dbeta, parameter_fmt): the last arguments of parameter_grads
-    sums: tuple  # the shape of the per-(n, c) sums
+    sums: tuple  # NHWC: the shape of the per-(n, c) sums; None for NCHW (the kernel's own)
     compute: np.dtype
     activate_swish: bool
 
@@ -165,12 +167,27 @@ class BackwardPlan(NamedTuple):
         in the plan's layout, any shape holding it); mean, rstd ``(N, G)``, gamma, beta ``(C,)``
         and ``swish_scale`` in the compute type, C-contiguous (ignored without Swish); dgamma,
         dbeta ``(C,)`` kernel views in the parameters' dtype (one that is not wanted is not
-        written)."""
-        sum_g = np.empty(self.sums, self.compute)
-        sum_gx = np.empty(self.sums, self.compute)
-        shape = self.shape
-        dx_launch = self.dx
+        written: an empty array of that dtype will do)."""
+        dx_launch, shape, arguments, parameter_grads, wants, sums, compute, activate_swish = self  # one lookup
+        swish_scale = swish_scale if activate_swish else None  # None: the kernels compiled without Swish
         # a serial launch's resolved entry point, called directly (Launch.call)
+        if sums is None:
+            (dx_launch.call or dx_launch)(
+                dy.reshape(shape),
+                x.reshape(shape),
+                mean,
+                rstd,
+                gamma,
+                beta,
+                swish_scale,
+                dx.reshape(shape),
+                dgamma,
+                dbeta,
+                *arguments,
+            )
+            return
+        sum_g = np.empty(sums, compute)
+        sum_gx = np.empty(sums, compute)
         (dx_launch.call or dx_launch)(
             dy.reshape(shape),
             x.reshape(shape),
@@ -178,38 +195,47 @@ class BackwardPlan(NamedTuple):
             rstd,
             gamma,
             beta,
-            swish_scale if self.activate_swish else None,  # None: the kernels compiled without Swish
+            swish_scale,
             dx.reshape(shape),
             sum_g,
             sum_gx,
-            *self.arguments,
+            *arguments,
         )
-        parameter_grads = self.parameter_grads
         if parameter_grads is not None:
-            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *self.wants)
+            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *wants)
 
 
 def _backward_plan(g):
     work = g.batch * g.channels * g.positions
     dx = Launch(group_norm_swish_bwd_nhwc if g.nhwc else group_norm_swish_bwd_nchw, work, read_only=BACKWARD_READ_ONLY)
-    if g.nhwc:
-        threads = g.threads if dx.parallel else 1
-        streaming = work * g.itemsize >= NHWC_STREAM_MIN_BYTES  # only a half-format dx is streamed
-        groups_per_task = nhwc_groups_per_task(g.groups, g.channels // g.groups, g.batch, threads)
-        shape, arguments = (g.batch, g.positions, g.channels), (groups_per_task, streaming, g.fmt)
-    else:
-        shape, arguments = (g.batch, g.channels, g.positions), (g.fmt,)
+    wants = (g.want_dgamma, g.want_dbeta, g.parameter_fmt)
+    if not g.nhwc:
+        shape = (g.batch, g.channels, g.positions)
+        return BackwardPlan(
+            dx,
+            shape,
+            (g.want_dgamma, g.want_dbeta, g.fmt, g.parameter_fmt),
+            None,
+            wants,
+            None,
+            g.compute,
+            g.activate_swish,
+        )
+    threads = g.threads if dx.parallel else 1
+    streaming = work * g.itemsize >= NHWC_STREAM_MIN_BYTES  # only a half-format dx is streamed
+    groups_per_task = nhwc_groups_per_task(g.groups, g.channels // g.groups, g.batch, threads)
+    shape, arguments = (g.batch, g.positions, g.channels), (groups_per_task, streaming, g.fmt)
     # the serial twin: only N*C additions, and building the parallel one cost ~1.3 s (of
     # ~7.7 s CPU on a loaded machine) in the first call's compile
     parameter_grads = None
     if g.want_dgamma or g.want_dbeta:
-        parameter_grads = Launch(group_norm_swish_param_grads, None, read_only=(0, 1))
+        parameter_grads = Launch(group_norm_swish_param_grads, None, read_only=())
     return BackwardPlan(
         dx,
         shape,
         arguments,
         parameter_grads,
-        (g.want_dgamma, g.want_dbeta, g.parameter_fmt),
+        wants,
         (g.batch, g.channels),
         g.compute,
         g.activate_swish,
@@ -229,19 +255,19 @@ class ForwardPlan(NamedTuple):
         """y, mean and rstd from the kernel views of x and y (C-contiguous in the plan's layout,
         any shape holding it); gamma, beta ``(C,)``, ``eps`` and ``swish_scale`` in the compute
         type; mean and rstd ``(N, G)`` compute-type outputs, C-contiguous."""
-        launch = self.launch
+        launch, shape, activate_swish, groups_per_task, fmt = self  # one lookup
         (launch.call or launch)(
-            x.reshape(self.shape),
+            x.reshape(shape),
             gamma,
             beta,
             eps,
-            self.activate_swish,
+            activate_swish,
             swish_scale,
-            y.reshape(self.shape),
+            y.reshape(shape),
             mean,
             rstd,
-            self.groups_per_task,
-            self.fmt,
+            groups_per_task,
+            fmt,
         )
 
 
