@@ -11,18 +11,27 @@ import pytest
 
 import fastbwd
 from fastbwd import _result_cache as cache
+from fastbwd.api import _plans
 
 from conftest import child_environment
 
 
 @pytest.fixture
 def small_cache(monkeypatch):
-    """The cache for results of 1 KiB and more, at most 64 KiB kept, empty at the start and end."""
+    """The cache for results of 1 KiB and more, at most 64 KiB kept, empty at the start and end;
+    no plan made before (a plan keeps the floor its results were planned under)."""
     monkeypatch.setattr(cache, "SMALLEST", 1024)
     monkeypatch.setattr(cache, "LIMIT", 64 * 1024)
+    _clear_plans()
     cache.clear_result_cache()
     yield cache
+    _clear_plans()
     cache.clear_result_cache()
+
+
+def _clear_plans():
+    for table in list(_plans._TABLES):
+        table.clear()
 
 
 def _kept():
@@ -208,6 +217,7 @@ def test_a_forked_child_allocates_even_if_the_lock_was_held_at_the_fork():
     code = """
 import os, threading, numpy as np
 from fastbwd import _result_cache as cache
+from fastbwd.api import _plans
 cache.SMALLEST = 1024
 held, release = threading.Event(), threading.Event()
 def hold():
@@ -309,6 +319,7 @@ def test_a_result_dying_while_its_thread_holds_the_cache_lock_does_not_deadlock(
     code = """
 import numpy as np
 from fastbwd import _result_cache as cache
+from fastbwd.api import _plans
 cache.SMALLEST = 1024
 result = cache.empty((1024,), np.float32)
 with cache._lock:
