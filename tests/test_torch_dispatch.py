@@ -4,6 +4,7 @@ side from its threshold on and PyTorch's below it, with PyTorch's bits there; un
 fastbwd's as before."""
 
 import contextlib
+import inspect
 import os
 import subprocess
 import sys
@@ -210,6 +211,10 @@ def test_a_routed_call_gives_what_the_aten_kernels_give(forward):
         lambda x: F.pad(),
         lambda x: F.interpolate(x, None, 2.0, "bilinear", False, None, False, "extra"),
         lambda x: F.interpolate(input=x, scale_factor=2.0, mode="bilinear", bogus=1),
+        # the last parameters reach PyTorch's function (antialias matters when downsampling)
+        lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True),
+        lambda x: F.pad(x, (1, 1, 1, 1), "constant", 2.0),
+        lambda x: F.pad(x, (1, 1, 1, 1), value=-3.0),
     ],
 )
 def test_the_functions_in_torch_nn_functional_behave_as_pytorchs(call):
@@ -284,6 +289,95 @@ def test_a_function_the_user_puts_in_torch_nn_functional_stays_theirs():
         assert not _functional.installed()
     finally:
         F.pad = original
+
+
+def _own_parameters(function):
+    """(name, kind, default) of each parameter of ``function`` itself (not of its __wrapped__)."""
+    parameters = inspect.signature(function, follow_wrapped=False).parameters.values()
+    return [(p.name, p.kind, p.default) for p in parameters]
+
+
+def test_fastbwds_pad_and_interpolate_take_the_replaced_functions_own_parameters():
+    """fastbwd's F.pad and F.interpolate are generated with PyTorch's parameters and defaults (a
+    declined call is bound by name, not repacked); avg_pool2d, a builtin, takes *args, **kwargs."""
+    originals = {name: getattr(F, name) for name in ("interpolate", "pad")}
+    with ft.enabled(policy="auto"):
+        for name, original in originals.items():
+            made = getattr(F, name)
+            assert made is not original and made.__wrapped__ is original
+            assert _own_parameters(made) == _own_parameters(original)
+            assert made.__defaults__ == original.__defaults__
+        kinds = [kind for _, kind, _ in _own_parameters(F.avg_pool2d)]
+        assert kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+
+
+def _users_pad_keyword_only(original):
+    def users_pad(input, pad, *, mode="constant", value=None):
+        return original(input, pad, mode=mode, value=value)
+
+    return users_pad
+
+
+def _users_pad_named_as_fastbwds(original):
+    def users_pad(input, pad, mode="constant", value=None, _fastbwd_replaced=None):
+        return original(input, pad, mode, value)
+
+    return users_pad
+
+
+@pytest.mark.parametrize("users", [_users_pad_keyword_only, _users_pad_named_as_fastbwds])
+def test_a_users_function_of_other_parameters_is_wrapped_generically(users):
+    """A user's F.pad whose parameters a generated signature cannot take (keyword-only ones, a
+    name of fastbwd's generated code) gets the ``*args, **kwargs`` function: calls, served and
+    declined, behave as without fastbwd, and the user's own refusals stay theirs."""
+    original = F.pad
+    users_pad = users(original)
+    x = _input()
+
+    def forward(x):
+        return F.pad(x, (2, 2, 1, 1), mode="replicate")
+
+    try:
+        F.pad = users_pad
+        plain_y, plain_grad = _gradient(forward, x)
+        with ft.enabled(policy="auto"), _everything_served():
+            assert F.pad.__wrapped__ is users_pad
+            y, grad = _gradient(forward, x)
+            assert type(y.grad_fn).__name__ == "RoutedBackward"
+            assert torch.equal(y, plain_y) and torch.allclose(grad, plain_grad, atol=1e-6)
+            assert torch.equal(F.pad(x, (1, 1, 1, 1), value=2.0), original(x, (1, 1, 1, 1), value=2.0))
+            if users is _users_pad_keyword_only:
+                with pytest.raises(TypeError, match="positional"):
+                    F.pad(x, (1, 1, 1, 1), "replicate")
+    finally:
+        F.pad = original
+        ft.disable()
+
+
+def test_fastbwds_function_held_after_disable_runs_pytorchs_code():
+    """A reference to fastbwd's F.pad taken while enabled (a name bound then, a partial) and
+    called after disable(), the policy still "auto", is PyTorch's: no Routed node, nothing
+    served."""
+    before = ft.policy()
+    x = _input()
+
+    def step(function):
+        return _gradient(lambda x: function(x, (2, 2, 1, 1), mode="replicate"), x)[0]
+
+    try:
+        ft.set_policy("auto")
+        with _everything_served():
+            ft.enable()
+            held = F.pad
+            assert type(step(held).grad_fn).__name__ == "RoutedBackward"  # fastbwd's while enabled
+            ft.disable()
+            assert ft.policy() == "auto"
+            served = sum(_routing.SERVED.values())
+            assert type(step(held).grad_fn).__name__ != "RoutedBackward"
+            assert sum(_routing.SERVED.values()) == served
+    finally:
+        ft.disable()
+        ft.set_policy(before)
 
 
 @pytest.mark.parametrize("name", ["no grad required", "no_grad", "inference_mode"])

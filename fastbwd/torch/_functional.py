@@ -221,12 +221,9 @@ def _function(name, replaced):
         ),
         parameters and tuple(p.default for p in parameters if p.default is not p.empty),
     )
-    code = function.__code__
-    if hasattr(code, "co_qualname"):  # its own name in messages: a wrong call's TypeError reads as PyTorch's
-        code = code.replace(co_qualname=name)
     # torch.nn.functional's globals: TorchScript resolves the replaced function's names in them
-    made = types.FunctionType(code, vars(F), name, function.__defaults__, function.__closure__)
-    functools.update_wrapper(made, replaced)
+    made = types.FunctionType(function.__code__, vars(F), name, function.__defaults__, function.__closure__)
+    functools.update_wrapper(made, replaced)  # (its __qualname__: a wrong call's TypeError reads as PyTorch's)
     # torch.jit.script compiles the replaced function (TorchScript's own mark of such a wrapper),
     # or for a builtin (avg_pool2d) a function of its signature calling it
     setattr(made, "__script_if_tracing_wrapper", True)
