@@ -170,24 +170,13 @@ class BackwardPlan(NamedTuple):
         written: an empty array of that dtype will do)."""
         dx_launch, shape, arguments, parameter_grads, wants, sums, compute, activate_swish = self  # one lookup
         swish_scale = swish_scale if activate_swish else None  # None: the kernels compiled without Swish
-        # a serial launch's resolved entry point, called directly (Launch.call)
+        # the dx kernel's two arrays after dx: dgamma and dbeta for NCHW (whose kernel keeps its
+        # own sums), the per-(n, c) sums sum_g and sum_gx for NHWC
         if sums is None:
-            (dx_launch.call or dx_launch)(
-                dy.reshape(shape),
-                x.reshape(shape),
-                mean,
-                rstd,
-                gamma,
-                beta,
-                swish_scale,
-                dx.reshape(shape),
-                dgamma,
-                dbeta,
-                *arguments,
-            )
-            return
-        sum_g = np.empty(sums, compute)
-        sum_gx = np.empty(sums, compute)
+            first, second = dgamma, dbeta
+        else:
+            first, second = np.empty(sums, compute), np.empty(sums, compute)
+        # a serial launch's resolved entry point, called directly (Launch.call)
         (dx_launch.call or dx_launch)(
             dy.reshape(shape),
             x.reshape(shape),
@@ -197,12 +186,12 @@ class BackwardPlan(NamedTuple):
             beta,
             swish_scale,
             dx.reshape(shape),
-            sum_g,
-            sum_gx,
+            first,
+            second,
             *arguments,
         )
         if parameter_grads is not None:
-            (parameter_grads.call or parameter_grads)(sum_g, sum_gx, dgamma, dbeta, *wants)
+            (parameter_grads.call or parameter_grads)(first, second, dgamma, dbeta, *wants)
 
 
 def _backward_plan(g):
