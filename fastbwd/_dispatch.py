@@ -114,7 +114,9 @@ _lock = threading.Lock()
 _stored = None  # the stored table's thresholds, once read ({} when there is none or it is ignored)
 _status = None  # what reading the stored table found (status())
 _cache = {}  # (bridge, path, op, threads, dtype, layout) -> threshold: a few dozen entries at most
-#: (bridge, path, op) -> floor(): a bridge may read it directly (a missing key: call floor()).
+#: (bridge, path, op) -> {thread count: floor()}: a bridge may hold one of these dicts (which stay
+#: the same objects, emptied when the table is read again) and read it directly with the thread
+#: count it runs on (a missing key: call floor()).
 floors = {}
 #: Counts the readings of the stored table (forget()): a bridge that keeps decisions keys them by it.
 generation = 0
@@ -176,18 +178,33 @@ def decide(policy, bridge, path, op, elements, dtype="float32", layout="NCHW", t
     return elements >= threshold(bridge, path, op, dtype, layout, threads)
 
 
-def floor(bridge, path, op):
-    """The smallest threshold of ``op`` on ``path`` over every thread count, dtype and layout the
-    tables hold: a call with fewer elements runs the framework's code under ``"auto"``, whatever
-    else it is (a bridge may test this first, with one comparison)."""
-    memo = (bridge, path, op)
-    found = floors.get(memo)
+def floor(bridge, path, op, threads):
+    """The smallest threshold of ``op`` on ``path`` for ``threads`` threads over every dtype and
+    layout the tables hold: a call with fewer elements runs the framework's code under
+    ``"auto"``, whatever else it is (a bridge may test this first, with one comparison). Kept in
+    :func:`floors_of`'s dict under ``threads``."""
+    found = floors_of(bridge, path, op).get(threads)
     if found is None:
-        prefix = f"{bridge}/{path}/{op}/"
+        name = key(bridge, path, op, threads)
         table = stored()
-        values = [value for name, value in {**DEFAULTS, **table}.items() if name.startswith(prefix)]
-        found = floors[memo] = min(values) if values else 0
+        entries = {**DEFAULTS, **table}.items()
+        values = [value for entry, value in entries if entry == name or entry.startswith(f"{name}/")]
+        found = floors[bridge, path, op][threads] = min(values) if values else 0
     return found
+
+
+def floors_of(bridge, path, op):
+    """The dict of :func:`floor`'s values of ``op`` on ``path`` by thread count: the same object
+    for the life of the process (a bridge may keep it), emptied whenever the table is read again."""
+    found = floors.get((bridge, path, op))
+    if found is None:
+        found = floors.setdefault((bridge, path, op), {})
+    return found
+
+
+def _forget_floors():
+    for found in floors.values():
+        found.clear()
 
 
 # ---- the stored table (python -m fastbwd --calibrate) -------------------------------------------
@@ -297,7 +314,7 @@ def forget():
     with _lock:
         _stored, _status = None, None
         _cache.clear()
-        floors.clear()
+        _forget_floors()
         generation += 1
 
 
@@ -312,7 +329,7 @@ def using(thresholds):
         saved = _stored, _status
         _stored, _status = dict(thresholds), "set by _dispatch.using()"
         _cache.clear()
-        floors.clear()
+        _forget_floors()
         generation += 1
     try:
         yield
@@ -320,7 +337,7 @@ def using(thresholds):
         with _lock:
             _stored, _status = saved
             _cache.clear()
-            floors.clear()
+            _forget_floors()
             generation += 1
 
 

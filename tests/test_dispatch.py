@@ -76,15 +76,29 @@ def test_a_key_refined_by_dtype_and_layout_wins(table_folder):
         assert _dispatch.threshold("torch", "routed", "avg_pool2d", "float32", "NCHW", 1) == 100
         assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NCHW", 1) == 10
         assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NHWC", 1) == 1
-        assert _dispatch.floor("torch", "routed", "avg_pool2d") == 1
+        assert _dispatch.floor("torch", "routed", "avg_pool2d", 1) == 1
+        assert _dispatch.floor("torch", "routed", "avg_pool2d", 2) == POOL_2
     assert _dispatch.threshold("torch", "routed", "avg_pool2d", "bfloat16", "NHWC", 1) == POOL_1
 
 
-def test_floor_is_the_least_threshold_of_a_path(table_folder):
+def test_floor_is_the_least_threshold_of_a_path_and_thread_count(table_folder):
     for path in ("routed", "fused", "compiled"):
         for op in _dispatch.OPS:
-            values = [v for k, v in _dispatch.DEFAULTS.items() if k.startswith(f"torch/{path}/{op}/")]
-            assert _dispatch.floor("torch", path, op) == (min(values) if values else 0)
+            for threads in (1, 2, 3):
+                values = [v for k, v in _dispatch.DEFAULTS.items() if k == _dispatch.key("torch", path, op, threads)]
+                assert _dispatch.floor("torch", path, op, threads) == (min(values) if values else 0)
+
+
+def test_a_floor_takes_the_refined_keys_of_its_thread_count_only(table_folder):
+    thresholds = {"torch/routed/avg_pool2d/1": 100, "torch/routed/avg_pool2d/2": 300}
+    thresholds["torch/routed/avg_pool2d/2/bfloat16"] = 200
+    thresholds["torch/routed/avg_pool2d/1/float16/NHWC"] = 50
+    with _dispatch.using(thresholds):
+        floors = _dispatch.floors_of("torch", "routed", "avg_pool2d")
+        assert [_dispatch.floor("torch", "routed", "avg_pool2d", t) for t in (1, 2, 4)] == [50, 200, 200]
+        assert floors == {1: 50, 2: 200, 4: 200}  # kept for a bridge's own reading, by thread count
+    assert floors == {} and _dispatch.floors_of("torch", "routed", "avg_pool2d") is floors  # the same dict, emptied
+    assert _dispatch.floor("torch", "routed", "avg_pool2d", 2) == POOL_2
 
 
 def test_a_call_nothing_was_measured_for_stays_fastbwds(table_folder):
@@ -259,7 +273,7 @@ def test_using_sets_thresholds_for_a_block_and_restores_the_table(table_folder):
     _write(table_folder, _table())
     with _dispatch.using({"torch/routed/avg_pool2d/1": 0}):
         assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 1, threads=1)
-        assert _dispatch.floor("torch", "routed", "avg_pool2d") == 0
+        assert _dispatch.floor("torch", "routed", "avg_pool2d", 1) == 0
     assert _dispatch.threshold("torch", "routed", "avg_pool2d", threads=1) == 7
     assert _dispatch.status().startswith("used")
 

@@ -156,6 +156,72 @@ def test_the_decision_takes_the_thread_count():
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def _threads(count):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("path", ["routed", "fused", "dropin"])
+def test_a_call_under_its_thread_counts_threshold_is_declined_by_its_size_alone(path, monkeypatch):
+    """A call below the threshold of the thread count it runs on goes no further than one size
+    comparison (a two-thread call between the one- and two-thread thresholds paid the whole
+    decision: docs/history.md), whichever thread count's threshold is the larger."""
+    decided = []
+    if path == "routed":
+        op, module, x = "avg_pool2d", ROUTED["avg_pool2d"][1], _input()
+        elements, served = ELEMENTS, "RoutedBackward"
+        real = _functional._bind
+        monkeypatch.setattr(_functional, "_bind", lambda *args: decided.append(args) or real(*args))
+    else:
+        op, (plain, module), x = "group_norm_swish", _norm_modules(), _input(GN_SHAPE)
+        elements, served = GN_ELEMENTS, "EagerGroupNormSwishBackward"
+        if path == "fused":
+            module = _Block(plain[0])
+            with ft.enabled(policy="always"):
+                assert ft.fuse_group_norm_swish(module, (x,)).count == 1
+            real = _fuse.FusedGroupNorm._fused_forward
+            monkeypatch.setattr(_fuse.FusedGroupNorm, "_fused_forward", lambda *a: decided.append(a) or real(*a))
+        else:
+            real = _ops.use_eager_path
+            monkeypatch.setattr(_ops, "use_eager_path", lambda *args: decided.append(args) or real(*args))
+    name = f"torch/{path}/{op}"
+    for low, high in ((1, 2), (2, 1)):
+        thresholds = {f"{name}/{low}": elements, f"{name}/{high}": elements + 1}
+        with _dispatch.using(thresholds), ft.enabled(policy="auto"):
+            with _threads(high):
+                del decided[:]
+                assert type(module(x).grad_fn).__name__ != served
+                assert not decided
+            with _threads(low):
+                assert type(module(x).grad_fn).__name__ == served
+                assert decided
+
+
+def test_every_path_decides_on_pytorchs_thread_count_when_numbas_pool_is_smaller():
+    """With Numba's pool smaller than PyTorch's thread count (NUMBA_NUM_THREADS=1, PyTorch on
+    two), the GroupNorm+Swish paths decide on PyTorch's count, as the routed calls and the size
+    floors do: a call at the two-thread threshold (the one-thread one above it) is fastbwd's."""
+    code = """if True:
+    import torch
+    import fastbwd.torch as ft
+    from fastbwd import _dispatch
+    torch.set_num_threads(2)
+    x = torch.randn(2, 16, 3, 5, requires_grad=True)
+    key = "torch/dropin/group_norm_swish"
+    with _dispatch.using({f"{key}/1": x.numel() + 1, f"{key}/2": x.numel()}), ft.enabled(policy="auto"):
+        print(type(ft.GroupNormSwish(4, 16)(x).grad_fn).__name__)
+"""
+    env = child_environment(NUMBA_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "EagerGroupNormSwishBackward"
+
+
 @pytest.mark.parametrize(
     "forward",
     [
@@ -565,7 +631,7 @@ def test_a_geometry_decides_again_under_a_new_table():
         # float32's threshold one above the call; bfloat16's keeps the floor at the call's size
         later = {f"{key}/1": GN_ELEMENTS + 1, f"{key}/2": GN_ELEMENTS + 1, f"{key}/1/bfloat16": GN_ELEMENTS}
         with _dispatch.using(later):
-            assert _dispatch.floor("torch", "dropin", "group_norm_swish") == GN_ELEMENTS
+            assert _dispatch.floor("torch", "dropin", "group_norm_swish", 1) == GN_ELEMENTS
             assert type(drop_in(x).grad_fn).__name__ == "SiluBackward0"
 
 

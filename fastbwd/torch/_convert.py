@@ -127,13 +127,15 @@ def empty(shape, dtype, memory_format=torch.contiguous_format):
 
 def match_torch_threads():
     """Set Numba's thread count (for the calling thread) to PyTorch's, within Numba's pool, and
-    return it. In a training step PyTorch's ops and fastbwd's kernels alternate on the same cores,
-    each with its own pool: sized alike (``torch.set_num_threads`` sizes both), neither pool
-    oversubscribes the cores the other was given."""
-    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    return PyTorch's (the count the decisions take, as :func:`decide`). In a training step
+    PyTorch's ops and fastbwd's kernels alternate on the same cores, each with its own pool: sized
+    alike (``torch.set_num_threads`` sizes both), neither pool oversubscribes the cores the other
+    was given."""
+    threads = torch.get_num_threads()
+    wanted = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     if api.get_num_threads() != wanted:
         api.set_num_threads(wanted)
-    return wanted
+    return threads
 
 
 def decide(policy, path, op, tensor, elements=None):

@@ -215,8 +215,9 @@ def _function(name, replaced):
             torch.is_grad_enabled,
             _switch,
             torch.Tensor,
-            _dispatch.floors,
+            _dispatch.floors_of("torch", "routed", _NAMES[name]),
             _dispatch.floor,
+            torch.get_num_threads,
             ("torch", "routed", _NAMES[name]),
         ),
         parameters and tuple(p.default for p in parameters if p.default is not p.empty),
@@ -278,6 +279,7 @@ def make(_fastbwd_replaced, _fastbwd_route, _fastbwd_checks, _fastbwd_defaults):
         _fastbwd_tensor,
         _fastbwd_floors,
         _fastbwd_floor,
+        _fastbwd_threads,
         _fastbwd_key,
     ) = _fastbwd_checks
 
@@ -290,9 +292,13 @@ def make(_fastbwd_replaced, _fastbwd_route, _fastbwd_checks, _fastbwd_defaults):
         _fastbwd_input = {input}
         if type(_fastbwd_input) is not _fastbwd_tensor or not _fastbwd_input.requires_grad or _fastbwd_tracing():
             return _fastbwd_replaced({call})
-        _fastbwd_least = _fastbwd_floors.get(_fastbwd_key)
+        # the floor of the thread count the call runs on: below it the whole decision is PyTorch's
+        _fastbwd_count = _fastbwd_threads()
+        _fastbwd_least = _fastbwd_floors.get(_fastbwd_count)
+        if _fastbwd_least is None:
+            _fastbwd_least = _fastbwd_floor(*_fastbwd_key, _fastbwd_count)
         if (
-            _fastbwd_input.numel() < (_fastbwd_floor(*_fastbwd_key) if _fastbwd_least is None else _fastbwd_least)
+            _fastbwd_input.numel() < _fastbwd_least
             or _fastbwd_compiling()
             or not _fastbwd_grad_enabled()
         ):

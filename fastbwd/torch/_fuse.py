@@ -287,7 +287,9 @@ def _group_norm_swish(norm):
 # ---- FusedGroupNorm -------------------------------------------------------------------------
 
 _PENDING, _OBSERVING, _FUSED, _SKIPPED = "pending", "observing", "fused", "skipped"
-_dynamo, _floors, _FUSED_FLOOR = torch.compiler.is_dynamo_compiling, _dispatch.floors, _ops.FLOOR_KEYS["fused"]
+_dynamo, _threads = torch.compiler.is_dynamo_compiling, torch.get_num_threads
+_FUSED_FLOOR = _ops.FLOOR_KEYS["fused"]
+_floors = _dispatch.floors_of(*_FUSED_FLOOR)
 
 
 class FusedGroupNorm(nn.GroupNorm):
@@ -319,8 +321,9 @@ class FusedGroupNorm(nn.GroupNorm):
         # An armed norm's call PyTorch runs faster by its size alone (_ops.below_floor, written
         # out: the call costs a declined training step 1.5 us); Dynamo goes on to F.group_norm.
         if self.fusion_state == _FUSED and not _dynamo() and type(input) is torch.Tensor and _switch._policy == "auto":
-            least = _floors.get(_FUSED_FLOOR)
-            if input.numel() < (_dispatch.floor(*_FUSED_FLOOR) if least is None else least):
+            threads = _threads()
+            least = _floors.get(threads)
+            if input.numel() < (_dispatch.floor(*_FUSED_FLOOR, threads) if least is None else least):
                 return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         return self._fused_forward(input)
 

@@ -499,8 +499,9 @@ def geometry_of(input, weight, bias, num_groups, eps, swish_scale):
     """The :class:`_Geometry` of a call on CPU tensors (``eps`` None for the backward alone), made
     on its first call; None when :func:`refusal` (or the api's validation) refuses the call. The
     key holds everything both read: each tensor's metadata and the other arguments' values, with
-    their types (``True`` and ``1`` differ), and the thread count, set here to PyTorch's (it sizes
-    the kernels' tasks: a geometry's prepared calls are made for it)."""
+    their types (``True`` and ``1`` differ), and PyTorch's thread count (Numba's is set here from
+    it, which sizes the kernels' tasks: a geometry's prepared calls are made for it; the decision
+    takes it, as every path's does)."""
     threads = c.match_torch_threads()
     key = (
         threads,
@@ -555,12 +556,13 @@ def _fastbwd_geometry(input, weight, bias, num_groups, eps, swish_scale, follows
 def below_floor(path, input):
     """True when the decision for a GroupNorm + Swish call on ``path`` is the framework's code
     by its size alone (under ``"auto"``, fewer elements than any threshold of the path): one
-    comparison, before anything else is looked at. ``input`` a plain tensor."""
+    comparison, before anything else is looked at (the floor of the thread count the call runs
+    on). ``input`` a plain tensor."""
     if _switch._policy != "auto":
         return False
-    key = FLOOR_KEYS[path]
-    least = _dispatch.floors.get(key)
-    return input.numel() < (_dispatch.floor(*key) if least is None else least)
+    key, threads = FLOOR_KEYS[path], torch.get_num_threads()
+    least = _dispatch.floors_of(*key).get(threads)
+    return input.numel() < (_dispatch.floor(*key, threads) if least is None else least)
 
 
 FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
