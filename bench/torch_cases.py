@@ -87,18 +87,26 @@ def _assert_close(actual, expected, rtol, atol, what):
 
 
 def _routed_backward(id, label, forward, input_shape, target, seed):
-    """T1/T2: the autograd backward of one routed op, enabled vs plain PyTorch."""
+    """T1/T2: the autograd backward of one routed op, enabled vs plain PyTorch: the forward made
+    while enabled (under "auto" a call is routed when it is made, and its backward is then
+    fastbwd's; the aten backward of a graph made without fastbwd stays PyTorch's)."""
     x = _randn(input_shape, seed, requires_grad=True)
     y = forward(x)
+    with ft.enabled():
+        y_routed = forward(x)
     g = _randn(y.shape, seed + 1)
 
     def backward():
         return torch.autograd.grad(y, x, g, retain_graph=True)
 
-    def check():
-        _assert_close(_routed(backward)(), backward(), 2e-5, 2e-6, id)
+    def routed_backward():
+        return torch.autograd.grad(y_routed, x, g, retain_graph=True)
 
-    return TorchCase(id, label, _routed(backward), backward, check, target)
+    def check():
+        assert type(y_routed.grad_fn).__name__ == "RoutedBackward", f"{id}: the forward was not routed"
+        _assert_close(_routed(routed_backward)(), backward(), 2e-5, 2e-6, id)
+
+    return TorchCase(id, label, _routed(routed_backward), backward, check, target)
 
 
 def _group_norm_swish_case(shape, groups, target):
