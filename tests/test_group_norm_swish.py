@@ -824,3 +824,15 @@ def test_none_for_optional_scalars_is_an_error():
     for name in ("data_format", "swish_scale", "dgamma_is_require", "dbeta_is_require", "activate_swish"):
         with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
             call(**{name: None})
+
+
+def test_nhwc_tasks_take_whole_images_up_to_the_whole_rows_width():
+    """Up to WHOLE_ROWS_MAX_CHANNELS an NHWC task takes a whole image, also with fewer images than
+    threads (narrow runs of those rows read by several threads were 2-7x slower); wider images
+    are cut into runs of about NHWC_TASK_CHANNELS, narrower while the batch leaves threads idle."""
+    assert kernels.WHOLE_ROWS_MAX_CHANNELS == 320
+    for batch, threads in ((1, 2), (1, 8), (4, 2), (3, 64)):
+        assert kernels.nhwc_groups_per_task(32, 4, batch, threads) == 32, (batch, threads)
+        assert kernels.nhwc_groups_per_task(32, 10, batch, threads) == 32, (batch, threads)
+    assert kernels.nhwc_groups_per_task(32, 16, 1, 2) == 8  # 512 channels, 4 runs for 2 threads
+    assert kernels.nhwc_groups_per_task(32, 16, 8, 2) == 32

@@ -447,3 +447,20 @@ def test_errors(changes, message, param):
 def test_none_is_nullptr(name):
     with raises_param_error(rf"{name} is required, but got None", status=161001, param=name):
         gns(**dict(GOOD, **{name: None}))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_nchw_statistics_of_a_group_with_nan_are_the_positive_nan(dtype):
+    """A group's NaN mean and rstd are stored with one sign (positive, quiet), whichever NaN
+    the group held: a sum's NaN sign would follow the compiled code's operand order (AVX-512
+    and AVX2 builds of the same loops disagreed)."""
+    x, gamma, beta = inputs((2, 8, 3, 5), 4, dtype, seed=21)
+    x[0, 0, 1, 2] = -np.nan  # group 0 of image 0: a negative NaN alone
+    x[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan  # group 1 of image 1: both signs
+    x[1, 6, 0, 1], x[1, 7, 1, 1] = np.inf, -np.inf  # group 3 of image 1: inf - inf
+    _, mean, rstd = gns(x, gamma, beta, 4)
+    bits = np.dtype(f"u{mean.itemsize}")
+    positive_nan = np.array(np.nan, mean.dtype).view(bits)
+    for n, g in ((0, 0), (1, 1), (1, 3)):
+        assert mean[n, g].view(bits) == rstd[n, g].view(bits) == positive_nan, (n, g)
+    assert np.isfinite(mean[0, 1:]).all() and np.isfinite(mean[1, [0, 2]]).all()

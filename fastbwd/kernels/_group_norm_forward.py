@@ -113,6 +113,15 @@ def _shift_of(first, zero):
 
 
 @helper
+def _one_nan(value, nan):
+    """``value``, or ``nan`` (a quiet NaN of positive sign) when it is a NaN: a sum over NaN of
+    both signs gets its sign from the order instruction selection gives a commutative
+    operation's operands, which differs between code shapes (a group summed alone or beside
+    another, on AVX-512 or not), so a NaN statistic is stored with one sign whatever summed it."""
+    return value if value == value else nan
+
+
+@helper
 def _group_rstd(t1, t2, count, eps, zero, one):
     """``1/sqrt(var + eps)`` from the centred sums: ``var = (t2 - t1*t1/M) / M``, and +0 where
     rounding leaves it below 0 (NaN stays NaN)."""
@@ -232,11 +241,12 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
     group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
         flat_rows(x, n, n + 1), g * size, size, offset, count, eps, zero, one, fmt
     )
-    mean[n, g] = group_mean
-    rstd[n, g] = group_rstd
+    nan = mean.dtype.type(math.nan)
+    mean[n, g] = _one_nan(group_mean, nan)
+    rstd[n, g] = _one_nan(group_rstd, nan)
     if offset:
-        mean[n, g + 1] = other_mean
-        rstd[n, g + 1] = other_rstd
+        mean[n, g + 1] = _one_nan(other_mean, nan)
+        rstd[n, g + 1] = _one_nan(other_rstd, nan)
     _normalise_groups(
         flat_rows(x, n, n + 1),
         flat_rows(y, n, n + 1),

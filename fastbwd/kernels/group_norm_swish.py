@@ -134,8 +134,10 @@ def nhwc_groups_per_task(groups, group_size, batch, threads):
     """Consecutive groups one NHWC task handles: about :data:`NHWC_TASK_CHANNELS` channels, fewer
     only until there are :data:`NHWC_TASKS_PER_THREAD` tasks per thread, never fewer than one
     group. Any choice gives the same bits (every per-(n, c) sum has a fixed order)."""
-    if groups * group_size <= WHOLE_ROWS_MAX_CHANNELS and batch >= threads:
-        return groups  # a whole image per task: steps of PARTIAL_SUMS positions (narrow runs are slower)
+    if groups * group_size <= WHOLE_ROWS_MAX_CHANNELS:
+        # A whole image per task (steps of PARTIAL_SUMS positions), even with fewer images than
+        # threads: runs of such narrow rows, read by several threads, are 2-7x slower (history.md)
+        return groups
     by_width = -(-NHWC_TASK_CHANNELS // group_size)
     runs_per_image = -(-NHWC_TASKS_PER_THREAD * threads // batch)
     by_tasks = -(-groups // runs_per_image)
