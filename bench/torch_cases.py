@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 import fastbwd
 import fastbwd.torch as ft
+from fastbwd.torch import _routing
 
 from .inputs import roi_boxes
 from .roi_baselines import torch_roi_align
@@ -86,10 +87,11 @@ def _assert_close(actual, expected, rtol, atol, what):
         )
 
 
-def _routed_backward(id, label, forward, input_shape, target, seed):
-    """T1/T2: the autograd backward of one routed op, enabled vs plain PyTorch: the forward made
-    while enabled (under "auto" a call is routed when it is made, and its backward is then
-    fastbwd's; the aten backward of a graph made without fastbwd stays PyTorch's)."""
+def _routed_backward(id, label, forward, input_shape, target, seed, name):
+    """T1/T2: the autograd backward of one routed op (``name``, fastbwd's function), enabled vs
+    plain PyTorch: the forward made while enabled (under "auto" a call is routed when it is
+    made, and its backward is then fastbwd's; the aten backward of a graph made without fastbwd
+    stays PyTorch's unless the policy is "always")."""
     x = _randn(input_shape, seed, requires_grad=True)
     y = forward(x)
     with ft.enabled():
@@ -103,8 +105,10 @@ def _routed_backward(id, label, forward, input_shape, target, seed):
         return torch.autograd.grad(y_routed, x, g, retain_graph=True)
 
     def check():
-        assert type(y_routed.grad_fn).__name__ == "RoutedBackward", f"{id}: the forward was not routed"
-        _assert_close(_routed(routed_backward)(), backward(), 2e-5, 2e-6, id)
+        served = _routing.SERVED[name]
+        ours = _routed(routed_backward)()
+        assert _routing.SERVED[name] == served + 1, f"{id}: fastbwd did not serve the backward"
+        _assert_close(ours, backward(), 2e-5, 2e-6, id)
 
     return TorchCase(id, label, _routed(routed_backward), backward, check, target)
 
@@ -503,6 +507,7 @@ def _case_builders(quick):
                     up,
                     ">= 5x",
                     21,
+                    "upsample_bilinear2d_backward",
                 )
             ],
         ),
@@ -516,6 +521,7 @@ def _case_builders(quick):
                     pool,
                     ">= 3x",
                     23,
+                    "avg_pool2d_backward",
                 )
             ],
         ),
