@@ -101,6 +101,14 @@ def test_a_floor_takes_the_refined_keys_of_its_thread_count_only(table_folder):
     assert _dispatch.floor("torch", "routed", "avg_pool2d", 2) == POOL_2
 
 
+def test_a_stored_calibration_empties_the_floors_the_bridges_hold(table_folder):
+    floors = _dispatch.floors_of("torch", "routed", "avg_pool2d")
+    assert _dispatch.floor("torch", "routed", "avg_pool2d", 1) == POOL_1 and floors == {1: POOL_1}
+    _dispatch.store({"torch/routed/avg_pool2d/1": 480})
+    assert floors == {}  # the same dict, which a bridge reads directly
+    assert _dispatch.floor("torch", "routed", "avg_pool2d", 1) == 480 and floors == {1: 480}
+
+
 def test_a_call_nothing_was_measured_for_stays_fastbwds(table_folder):
     assert _dispatch.threshold("torch", "routed", "roi_align", threads=1) == 0
     assert _dispatch.decide("auto", "torch", "routed", "roi_align", 1)

@@ -202,24 +202,58 @@ def test_a_call_under_its_thread_counts_threshold_is_declined_by_its_size_alone(
                 assert decided
 
 
+@pytest.mark.parametrize("path", ["routed", "fused"])
+def test_a_declined_call_reads_the_floor_its_bridge_holds(path, monkeypatch):
+    """A call below the floor costs one dict read and a comparison: the bridge holds the floors'
+    dict of its own operator (fastbwd._dispatch.floors_of), filled by the first call, and calls
+    no function of fastbwd._dispatch after it."""
+    with ft.enabled(policy="auto"):
+        if path == "routed":
+            for forward, _ in ROUTED.values():
+                forward(_input())
+            assert all(op in _dispatch.OPS for _, _, op in _dispatch.floors)  # the ops' own dicts
+            for op in ROUTED:
+                assert torch.get_num_threads() in _dispatch.floors_of("torch", "routed", op), op
+        else:
+            plain, _ = _norm_modules()
+            block, x = _Block(plain[0]), _input(GN_SHAPE)
+            with ft.enabled(policy="always"):
+                assert ft.fuse_group_norm_swish(block, (x,)).count == 1
+            block(x)  # declined, the floor filled
+            calls = []
+            real = _dispatch.floor
+            monkeypatch.setattr(_dispatch, "floor", lambda *args: calls.append(args) or real(*args))
+            assert type(block(x).grad_fn).__name__ == "SiluBackward0" and not calls
+
+
 def test_every_path_decides_on_pytorchs_thread_count_when_numbas_pool_is_smaller():
     """With Numba's pool smaller than PyTorch's thread count (NUMBA_NUM_THREADS=1, PyTorch on
     two), the GroupNorm+Swish paths decide on PyTorch's count, as the routed calls and the size
-    floors do: a call at the two-thread threshold (the one-thread one above it) is fastbwd's."""
+    floors do: a call at the two-thread threshold (the one-thread one above it) is fastbwd's, and
+    below it PyTorch's, even after the same call was fastbwd's on one thread."""
     code = """if True:
     import torch
     import fastbwd.torch as ft
     from fastbwd import _dispatch
-    torch.set_num_threads(2)
     x = torch.randn(2, 16, 3, 5, requires_grad=True)
-    key = "torch/dropin/group_norm_swish"
+    key, norm = "torch/dropin/group_norm_swish", ft.GroupNormSwish(4, 16)
     with _dispatch.using({f"{key}/1": x.numel() + 1, f"{key}/2": x.numel()}), ft.enabled(policy="auto"):
-        print(type(ft.GroupNormSwish(4, 16)(x).grad_fn).__name__)
+        torch.set_num_threads(2)
+        print(type(norm(x).grad_fn).__name__)
+    # the other way round, the floor let through (a bfloat16 key): the geometry of the same
+    # call on one thread does not decide for two
+    x = torch.randn(2, 16, 3, 6, requires_grad=True)  # a geometry made first on one thread
+    thresholds = {f"{key}/1": x.numel(), f"{key}/2": x.numel() + 1, f"{key}/2/bfloat16": 1}
+    with _dispatch.using(thresholds), ft.enabled(policy="auto"):
+        torch.set_num_threads(1)
+        print(type(norm(x).grad_fn).__name__)
+        torch.set_num_threads(2)
+        print(type(norm(x).grad_fn).__name__)
 """
     env = child_environment(NUMBA_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "EagerGroupNormSwishBackward"
+    assert done.stdout.split() == ["EagerGroupNormSwishBackward"] * 2 + ["SiluBackward0"]
 
 
 @pytest.mark.parametrize(
