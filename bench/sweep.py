@@ -124,7 +124,8 @@ def _step(forward, x, parameters, g):
 
 
 @contextlib.contextmanager
-def _threads(count):
+def torch_threads(count):
+    """PyTorch on ``count`` threads for the block, its thread count put back after it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -142,7 +143,7 @@ def _enabled(count):
             # the plain side's graphs are compiled while fastbwd is disabled, on purpose
             warnings.filterwarnings("ignore", "fastbwd.torch.enable", UserWarning)
             stack = contextlib.ExitStack()
-            stack.enter_context(_threads(count))
+            stack.enter_context(torch_threads(count))
             stack.enter_context(ft.enabled(policy="auto"))
         with stack:
             yield
@@ -151,7 +152,7 @@ def _enabled(count):
 
 
 def _plain(count):
-    return lambda: _threads(count)
+    return lambda: torch_threads(count)
 
 
 def _case(op, index, shape, threads, compiled):

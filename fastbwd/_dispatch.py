@@ -183,13 +183,14 @@ def floor(bridge, path, op, threads):
     layout the tables hold: a call with fewer elements runs the framework's code under
     ``"auto"``, whatever else it is (a bridge may test this first, with one comparison). Kept in
     :func:`floors_of`'s dict under ``threads``."""
-    found = floors_of(bridge, path, op).get(threads)
+    memo = floors_of(bridge, path, op)
+    found = memo.get(threads)
     if found is None:
         name = key(bridge, path, op, threads)
         table = stored()
         entries = {**DEFAULTS, **table}.items()
         values = [value for entry, value in entries if entry == name or entry.startswith(f"{name}/")]
-        found = floors[bridge, path, op][threads] = min(values) if values else 0
+        found = memo[threads] = min(values) if values else 0
     return found
 
 

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastbwd.torch as ft  # noqa: E402
+from bench.sweep import torch_threads as _threads  # noqa: E402
 from fastbwd import _dispatch  # noqa: E402
 from fastbwd.torch import _functional, _fuse, _ops, _routing  # noqa: E402
 
@@ -144,26 +145,12 @@ def test_routing_takes_fastbwds_side_from_the_threshold_on(op, module):
 def test_the_decision_takes_the_thread_count():
     forward = ROUTED["avg_pool2d"][0]
     x = _input()
-    previous = torch.get_num_threads()
     thresholds = {"torch/routed/avg_pool2d/1": ELEMENTS + 1, "torch/routed/avg_pool2d/2": ELEMENTS}
-    try:
-        with _dispatch.using(thresholds), ft.enabled(policy="auto"):
-            torch.set_num_threads(1)
+    with _dispatch.using(thresholds), ft.enabled(policy="auto"):
+        with _threads(1):
             assert type(forward(x).grad_fn).__name__ != "RoutedBackward"
-            torch.set_num_threads(2)
+        with _threads(2):
             assert type(forward(x).grad_fn).__name__ == "RoutedBackward"
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def _threads(count):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("path", ["routed", "fused", "dropin"])

@@ -560,12 +560,14 @@ def below_floor(path, input):
     on). ``input`` a plain tensor."""
     if _switch._policy != "auto":
         return False
-    key, threads = FLOOR_KEYS[path], torch.get_num_threads()
-    least = _dispatch.floors_of(*key).get(threads)
-    return input.numel() < (_dispatch.floor(*key, threads) if least is None else least)
+    threads = torch.get_num_threads()
+    least = _FLOORS[path].get(threads)
+    return input.numel() < (_dispatch.floor(*FLOOR_KEYS[path], threads) if least is None else least)
 
 
 FLOOR_KEYS = {path: ("torch", path, "group_norm_swish") for path in ("fused", "dropin")}
+#: The floors' dicts of FLOOR_KEYS, held (fastbwd._dispatch.floors_of): a call reads one directly.
+_FLOORS = {path: _dispatch.floors_of(*key) for path, key in FLOOR_KEYS.items()}
 
 
 def _sizes(input):
