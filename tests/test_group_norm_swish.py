@@ -836,3 +836,32 @@ def test_nhwc_tasks_take_whole_images_up_to_the_whole_rows_width():
         assert kernels.nhwc_groups_per_task(32, 10, batch, threads) == 32, (batch, threads)
     assert kernels.nhwc_groups_per_task(32, 16, 1, 2) == 8  # 512 channels, 4 runs for 2 threads
     assert kernels.nhwc_groups_per_task(32, 16, 8, 2) == 32
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_nan_gradients_are_the_positive_nan(dtype, layout):
+    """Every NaN of dx, dgamma and dbeta is stored as the quiet NaN of positive sign, whichever
+    NaN (dy's, x's, a sum's) reached it: which of two NaN an operation returns follows the
+    compiled code's operand order, so the signs would follow the task partition and the CPU."""
+    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs((2, 8, 3, 5), 4, dtype, seed=23)
+    dy[0, 0, 1, 2] = -np.nan  # group 0 of image 0: a negative NaN alone
+    dy[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan  # group 1 of image 1: both signs
+    if layout == "NHWC":
+        dy, x = to_nhwc(dy), to_nhwc(x)
+    dx, dgamma, dbeta = gns_bwd(dy, mean, rstd, x, gamma, beta, 4, layout)
+    if layout == "NHWC":
+        dx = np.moveaxis(dx, -1, 1)
+    bits = np.dtype(f"u{dtype.itemsize}")
+    positive_nan = np.array(np.nan, dtype).view(bits)
+    nan_groups = {(0, 0), (1, 1)}  # their sums are NaN, so every dx of theirs is
+    for n in range(2):
+        for g in range(4):
+            group = dx[n, 2 * g : 2 * g + 2]
+            if (n, g) in nan_groups:
+                assert (group.view(bits) == positive_nan).all(), (n, g)
+            else:
+                assert np.isfinite(group.astype(np.float64)).all(), (n, g)
+    for parameter_grad in (dgamma, dbeta):
+        assert (parameter_grad[[0, 2, 3]].view(bits) == positive_nan).all()  # channels of those groups
+        assert np.isfinite(parameter_grad[[4, 5, 6, 7]].astype(np.float64)).all()

@@ -464,3 +464,29 @@ def test_nchw_statistics_of_a_group_with_nan_are_the_positive_nan(dtype):
     for n, g in ((0, 0), (1, 1), (1, 3)):
         assert mean[n, g].view(bits) == rstd[n, g].view(bits) == positive_nan, (n, g)
     assert np.isfinite(mean[0, 1:]).all() and np.isfinite(mean[1, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("activate_swish", [True, False])
+def test_nan_outputs_are_the_positive_nan(dtype, layout, activate_swish):
+    """Every NaN of y is stored as the quiet NaN of positive sign: x's NaN meets its group's
+    NaN mean in ``x - mean`` (and Swish's ``-|z|`` flips a NaN's sign), so which NaN an operation
+    returned would follow the compiled code's operand order, which differs between CPUs."""
+    x, gamma, beta = inputs((2, 8, 3, 5), 4, dtype, seed=22)
+    x[0, 0, 1, 2] = -np.nan
+    x[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan
+    if layout == "NHWC":
+        x = to_nhwc(x)
+    y, _, _ = gns(x, gamma, beta, 4, layout, activate_swish=activate_swish)
+    if layout == "NHWC":
+        y = np.moveaxis(y, -1, 1)
+    bits = np.dtype(f"u{dtype.itemsize}")
+    positive_nan = np.array(np.nan, dtype).view(bits)
+    for n in range(2):
+        for g in range(4):
+            group = y[n, 2 * g : 2 * g + 2]
+            if (n, g) in {(0, 0), (1, 1)}:  # NaN mean and rstd: all of the group's y is NaN
+                assert (group.view(bits) == positive_nan).all(), (n, g)
+            else:
+                assert np.isfinite(group.astype(np.float64)).all(), (n, g)

@@ -120,12 +120,23 @@ def test_trunc_equals_the_hardware(loops):
 
 @pytest.mark.slow
 def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
-    """A float16 and a bfloat16 call of three kernels under NUMBA_CPU_NAME=generic, in a child
-    process, give the bits this process gets."""
+    """A float16 and a bfloat16 call of three kernels under NUMBA_CPU_NAME=generic and x86-64-v3,
+    in child processes, give the bits this process gets; so do GroupNorm+Swish calls whose x
+    and dy hold NaN of both signs, in both layouts (every NaN result is the one NaN); and an
+    njit function of the test's own converting float16 compiles before any kernel is built."""
     program = textwrap.dedent("""
-        import ml_dtypes, numpy as np, fastbwd
+        import ml_dtypes, numba, numpy as np, fastbwd
+        from fastbwd.kernels._halfbits import FLOAT16, load, store
+
+        @numba.njit
+        def round_trip(values, fmt):  # compiled before any kernel: it needs the calls itself
+            out = np.empty(values.size, np.uint16)
+            for i in range(values.size):
+                out[i] = store(load(store(values[i], fmt), fmt) * np.float32(3), fmt)
+            return out
+
         rng = np.random.default_rng(5)
-        results = []
+        results = [round_trip(rng.uniform(-7e4, 7e4, 300).astype(np.float32), FLOAT16)]
         for dtype in (np.float16, ml_dtypes.bfloat16):
             x = rng.uniform(-3, 3, (2, 4, 6, 20)).astype(dtype)
             gamma, beta = rng.uniform(0.5, 2, 4).astype(dtype), rng.uniform(-1, 1, 4).astype(dtype)
@@ -133,10 +144,23 @@ def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
             dx, dgamma, dbeta = fastbwd.group_norm_swish_backward(y, mean, rstd, x, gamma, beta, 2)
             up = fastbwd.upsample_bilinear2d_backward(x, (6, 20), (2, 4, 3, 10), False)
             results += [a.view(np.uint16) for a in (y, mean, rstd, dx, dgamma, dbeta, up)]
+        for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+            for layout in ("NCHW", "NHWC"):
+                x = rng.uniform(-3, 3, (2, 4, 6, 20)).astype(dtype)
+                dy = rng.uniform(-3, 3, (2, 4, 6, 20)).astype(dtype)
+                x[0, 0, 1, 1], x[0, 1, 2, 3], x[1, 3, 4, 5] = np.nan, -np.nan, -np.nan
+                dy[0, 2, 1, 1], dy[1, 1, 0, 7], dy[1, 3, 4, 6] = -np.nan, np.nan, np.nan
+                if layout == "NHWC":
+                    x, dy = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (x, dy))
+                gamma, beta = rng.uniform(0.5, 2, 4).astype(dtype), rng.uniform(-1, 1, 4).astype(dtype)
+                y, mean, rstd = fastbwd.group_norm_swish(x, gamma, beta, 2, layout)
+                grads = fastbwd.group_norm_swish_backward(dy, mean, rstd, x, gamma, beta, 2, layout)
+                results += [a.view(np.uint8) for a in (y, mean, rstd, *grads)]
         np.savez(OUT, *results)
     """)
     outputs = {}
-    for name, env in (("host", {}), ("generic", {"NUMBA_CPU_NAME": "generic"})):
+    targets = (("host", {}), ("generic", {"NUMBA_CPU_NAME": "generic"}), ("v3", {"NUMBA_CPU_NAME": "x86-64-v3"}))
+    for name, env in targets:
         out = tmp_path / f"{name}.npz"
         child_env = dict(os.environ, **env)
         child_env.pop("NUMBA_CPU_FEATURES", None)
@@ -145,13 +169,15 @@ def test_generic_target_computes_float16_with_the_hosts_bits(tmp_path):
             env=child_env,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=900,
         )
         assert result.returncode == 0, result.stderr[-2000:]
         with np.load(out) as arrays:
             outputs[name] = [arrays[key] for key in sorted(arrays.files, key=lambda k: int(k.split("_")[1]))]
-    for host, generic in zip(outputs["host"], outputs["generic"]):
-        assert np.array_equal(host, generic)
+    assert len(outputs["host"]) == 1 + 14 + 36
+    for other in ("generic", "v3"):
+        for index, (host, theirs) in enumerate(zip(outputs["host"], outputs[other])):
+            assert np.array_equal(host, theirs), (other, index)
 
 
 @pytest.mark.parametrize(

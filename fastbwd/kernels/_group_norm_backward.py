@@ -24,6 +24,8 @@ from ._group_norm_math import (
     for_each_row,
     lane_sums,
     lane_vectors,
+    one_nan,
+    one_nan_ir,
     swish_argument,
     swish_derivative,
     swish_gradient_rows,
@@ -76,8 +78,9 @@ def _gnew_xhat(dy_value, x_value, mean, rstd, gamma, beta, swish_scale):
 
 @helper
 def _dx(gnew, xhat, rstd, gamma, c1, c2):
-    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (docs/semantics.md §5)."""
-    return rstd * fma(gnew, gamma, -fma(xhat, c2, c1))
+    """``rstd * (gnew*gamma - (xhat*c2 + c1))`` (docs/semantics.md §5), a NaN as the one NaN
+    (:func:`one_nan`: dy, x and the group's sums each bring their own)."""
+    return one_nan(rstd * fma(gnew, gamma, -fma(xhat, c2, c1)))
 
 
 @helper
@@ -594,7 +597,7 @@ def _dx_rows(typingctx, gnew, x, dx, first, stop, hw, gnew_first, mean, rstd, ga
                 xhat = builder.fmul(builder.fsub(values, mean_lanes), rstd_lanes)
                 # -fma(...) as Numba negates a float: -0.0 - value
                 inner = builder.fsub(negative_zero, fma_lanes(builder, xhat, c2_lanes, c1_lanes))
-                result = builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner))
+                result = one_nan_ir(builder, builder.fmul(rstd_lanes, fma_lanes(builder, g, gamma_lanes, inner)))
                 store_lanes(builder, builder.gep(dx_struct.data, [position]), result, format_name, used)
 
             for_each_vector(builder, row_start, row_stop, body, unroll=False)
@@ -777,7 +780,8 @@ def _parameter_grads(sum_g, sum_gx, dgamma, dbeta, want_dgamma, want_dbeta, fmt)
 
 @leaf_helper
 def _add_rows(sums, total, fmt):
-    """``total[c] = store(sums[0, c] + sums[1, c] + ...)``, added in row order into ``sums[0]``."""
+    """``total[c] = store(sums[0, c] + sums[1, c] + ...)``, added in row order into ``sums[0]``
+    (a NaN stored as the one NaN, :func:`one_nan`)."""
     wide_vectors()
     batch, channels = sums.shape
     first = sums[0]
@@ -786,4 +790,4 @@ def _add_rows(sums, total, fmt):
         for c in range(channels):
             first[c] += row[c]
     for c in range(channels):
-        total[c] = store(first[c], fmt)
+        total[c] = store(one_nan(first[c]), fmt)

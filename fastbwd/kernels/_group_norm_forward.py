@@ -26,6 +26,8 @@ from ._group_norm_math import (
     for_each_row,
     groups_share_a_stage,
     lane_sums,
+    one_nan,
+    one_nan_ir,
     store_rows,
     swish_rows,
     task_groups,
@@ -93,7 +95,9 @@ def _affine_rows(typingctx, x, first, stop, hw, out, out_start, mean, rstd, gamm
 
             def body(position, used):
                 values = decode_lanes(builder, builder.gep(x_struct.data, [position]), format_name, vector, used)
-                result = fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
+                result = one_nan_ir(
+                    builder, fma_lanes(builder, builder.fsub(values, mean_lanes), scale_lanes, beta_lanes)
+                )
                 pointer = builder.gep(out_struct.data, [builder.add(position, offset)])
                 store_lanes(builder, pointer, result, out_format_name, used)
 
@@ -110,15 +114,6 @@ def _shift_of(first, zero):
     """The shift a group's first pass sums from: its first element, or 0 when that is an
     infinity or NaN (which would turn every other element into NaN)."""
     return first if abs(first) < math.inf else zero
-
-
-@helper
-def _one_nan(value, nan):
-    """``value``, or ``nan`` (a quiet NaN of positive sign) when it is a NaN: a sum over NaN of
-    both signs gets its sign from the order instruction selection gives a commutative
-    operation's operands, which differs between code shapes (a group summed alone or beside
-    another, on AVX-512 or not), so a NaN statistic is stored with one sign whatever summed it."""
-    return value if value == value else nan
 
 
 @helper
@@ -241,12 +236,12 @@ def _nchw_forward_task(x, gamma, beta, eps, activate_swish, swish_scale, y, mean
     group_mean, group_rstd, other_mean, other_rstd = _group_statistics(
         flat_rows(x, n, n + 1), g * size, size, offset, count, eps, zero, one, fmt
     )
-    nan = mean.dtype.type(math.nan)
-    mean[n, g] = _one_nan(group_mean, nan)
-    rstd[n, g] = _one_nan(group_rstd, nan)
+    # a NaN statistic is stored as one NaN whatever summed it (one_nan)
+    mean[n, g] = one_nan(group_mean)
+    rstd[n, g] = one_nan(group_rstd)
     if offset:
-        mean[n, g + 1] = _one_nan(other_mean, nan)
-        rstd[n, g + 1] = _one_nan(other_rstd, nan)
+        mean[n, g + 1] = one_nan(other_mean)
+        rstd[n, g + 1] = one_nan(other_rstd)
     _normalise_groups(
         flat_rows(x, n, n + 1),
         flat_rows(y, n, n + 1),
@@ -366,7 +361,7 @@ def _nhwc_affine(x, y, count, center, scale, beta, fmt, out_fmt):
     ``fmt``, ``y`` stored with ``out_fmt``)."""
     wide_vectors()
     for k in range(count):
-        y[k] = store(fma(load(x[k], fmt) - center[k], scale[k], beta[k]), out_fmt)
+        y[k] = store(one_nan(fma(load(x[k], fmt) - center[k], scale[k], beta[k])), out_fmt)
 
 
 @leaf_helper

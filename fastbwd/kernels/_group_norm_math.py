@@ -76,6 +76,34 @@ def fma(typingctx, a, b, c):
     return sig, codegen
 
 
+def one_nan_ir(builder, value):
+    """``value`` (a float or a vector of them), each NaN replaced by the positive quiet NaN.
+
+    Which NaN an operation of two NaN operands returns (its sign, its payload) follows the order
+    instruction selection gives the operands, which differs between code shapes (a vector body
+    or its scalar tail, a group summed alone or beside another, AVX-512 or SSE), so that a
+    result computed from NaN of both signs would follow the task partition, hence the thread
+    count, and the target: the results a NaN can reach from several inputs are stored as this
+    one NaN (docs/semantics.md)."""
+    element = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    nan = ir.Constant(element, math.nan)
+    if isinstance(value.type, ir.VectorType):
+        nan = ir.Constant(value.type, [math.nan] * value.type.count)
+    return builder.select(builder.fcmp_unordered("uno", value, value), nan, value)
+
+
+@intrinsic
+def one_nan(typingctx, value):
+    """:func:`one_nan_ir` of one compute-type value (njit only)."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return one_nan_ir(builder, args[0])
+
+    return value(value), codegen
+
+
 # exp in three steps, so that the staged loops (below) can run each as a loop of its own; the
 # one-call exp_nonpositive_float32 chains them: the same operations, the same bits.
 
@@ -361,7 +389,7 @@ def _swish_finish_rows(y, swish_scale, shifted, exp_r, out, count, fmt):
         value = y[i]
         z = swish_scale * value
         e = _exp_scaled(-abs(z), shifted[i], exp_r[i])
-        out[i] = store((value if z >= 0 else value * e) / (_ONE32 + e), fmt)
+        out[i] = store(one_nan((value if z >= 0 else value * e) / (_ONE32 + e)), fmt)
 
 
 @leaf_helper
@@ -398,7 +426,7 @@ def _swish_rows_float64(scratch, swish_scale, out, count, fmt):
     wide_vectors()
     y = scratch[0]
     for i in range(count):
-        out[i] = store(swish_float64(y[i], swish_scale), fmt)
+        out[i] = store(one_nan(swish_float64(y[i], swish_scale)), fmt)
 
 
 @leaf_helper

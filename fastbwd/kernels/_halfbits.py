@@ -30,6 +30,8 @@ from numba.extending import (
     unbox,
 )
 
+from ._halfcalls import half_type
+
 __all__ = ["StorageFormat", "NATIVE", "FLOAT16", "BFLOAT16", "load", "store", "accumulator"]
 
 
@@ -141,7 +143,7 @@ def _format_name(fmt):
 def _decode_ir(builder, bits, format_name):
     """float32 from the 16 stored bits (exact)."""
     if format_name == "float16":
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+        return builder.fpext(builder.bitcast(bits, half_type()), ir.FloatType())
     word = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
     return builder.bitcast(word, ir.FloatType())
 
@@ -149,7 +151,7 @@ def _decode_ir(builder, bits, format_name):
 def _encode_ir(builder, value, format_name):
     """The 16 stored bits of a float32, rounded to nearest even (a bfloat16 NaN stays a quiet NaN)."""
     if format_name == "float16":
-        return builder.bitcast(builder.fptrunc(value, ir.HalfType()), ir.IntType(16))
+        return builder.bitcast(builder.fptrunc(value, half_type()), ir.IntType(16))
     word = ir.IntType(32)
     bits = builder.bitcast(value, word)
     top = builder.lshr(bits, word(16))

@@ -14,6 +14,7 @@ import functools
 import threading
 
 import llvmlite.binding as llvm
+from llvmlite import ir
 
 NAMES = ("__extendhfsf2", "__truncsfhf2")
 
@@ -102,6 +103,15 @@ def provide_if_needed():
     """:func:`provide` where :func:`needed`; nothing otherwise (no cost on F16C targets)."""
     if _engine is None and needed():
         provide()
+
+
+def half_type(lanes=None):
+    """LLVM's ``half`` (a vector of ``lanes`` of them), for code that converts float16: where the
+    target lacks F16C those conversions are calls to the two functions, so they are provided
+    first. Every float16 conversion is built with it (kernels, and any njit function using
+    ``_halfbits``' or ``_lanes``' conversions, such as the tests' own)."""
+    provide_if_needed()
+    return ir.HalfType() if lanes is None else ir.VectorType(ir.HalfType(), lanes)
 
 
 def provide():

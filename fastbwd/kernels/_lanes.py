@@ -20,6 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
+from ._halfcalls import half_type
+
 #: Elements per vector operation (one 512-bit vector of float32, two of float64).
 LANES = 16
 #: Vectors up to which :func:`for_each_vector` (``unroll=False``) runs a loop LLVM does not unroll.
@@ -91,7 +93,7 @@ def decode_lanes(builder, pointer, format_name, vector_type, mask=None):
     if native:
         return bits
     if format_name == "float16":
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), vector_type)
+        return builder.fpext(builder.bitcast(bits, half_type(LANES)), vector_type)
     words = builder.zext(bits, ir.VectorType(_I32, LANES))
     return builder.bitcast(builder.shl(words, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES)), vector_type)
 
@@ -104,7 +106,7 @@ def encode_lanes(builder, vector, format_name):
         return vector
     half_words = ir.VectorType(ir.IntType(16), LANES)
     if format_name == "float16":
-        return builder.bitcast(builder.fptrunc(vector, ir.VectorType(ir.HalfType(), LANES)), half_words)
+        return builder.bitcast(builder.fptrunc(vector, half_type(LANES)), half_words)
     words = ir.VectorType(_I32, LANES)
 
     def constant(value):
