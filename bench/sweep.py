@@ -10,7 +10,6 @@ fastbwd, what fastbwd's path gains. Only imported where torch is installed.
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import fastbwd.torch as ft
 from .inputs import roi_boxes
 from .roi_baselines import torch_roi_align
 from .targets import SWEEP_OPERATIONS, SWEEP_SIZES
+from .torch_cases import enabled_beside_plain_graphs
 
 #: The issue's six sizes (N, C, H, W), smallest first.
 SIZES = SWEEP_SIZES
@@ -139,13 +139,7 @@ def _enabled(count):
 
     @contextlib.contextmanager
     def context():
-        with warnings.catch_warnings():
-            # the plain side's graphs are compiled while fastbwd is disabled, on purpose
-            warnings.filterwarnings("ignore", "fastbwd.torch.enable", UserWarning)
-            stack = contextlib.ExitStack()
-            stack.enter_context(torch_threads(count))
-            stack.enter_context(ft.enabled(policy="auto"))
-        with stack:
+        with torch_threads(count), enabled_beside_plain_graphs(policy="auto"):
             yield
 
     return context

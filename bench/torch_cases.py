@@ -6,7 +6,9 @@ the same tensors: ``fastbwd`` (through :mod:`fastbwd.torch`) and ``torch`` (plai
 torch is installed.
 """
 
+import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,11 +41,24 @@ def _randn(shape, seed, dtype=torch.float32, requires_grad=False):
     return torch.randn(shape, generator=generator, dtype=dtype).requires_grad_(requires_grad)
 
 
+@contextlib.contextmanager
+def enabled_beside_plain_graphs(**options):
+    """``ft.enabled(**options)`` without enable()'s notice of frames torch.compile compiled while
+    fastbwd was disabled: the cases compile their plain side so, on purpose (each side under a
+    code object of its own, :func:`_compiled`)."""
+    with warnings.catch_warnings():  # only around entering: the notice is enable()'s
+        warnings.filterwarnings("ignore", "fastbwd.torch.enable", UserWarning)
+        stack = contextlib.ExitStack()
+        stack.enter_context(ft.enabled(**options))
+    with stack:
+        yield
+
+
 def _routed(function):
     """``function`` run with the routing enabled (and left disabled afterwards)."""
 
     def run(*args):
-        with ft.enabled():
+        with enabled_beside_plain_graphs():
             return function(*args)
 
     return run
