@@ -865,3 +865,28 @@ def test_nan_gradients_are_the_positive_nan(dtype, layout):
     for parameter_grad in (dgamma, dbeta):
         assert (parameter_grad[[0, 2, 3]].view(bits) == positive_nan).all()  # channels of those groups
         assert np.isfinite(parameter_grad[[4, 5, 6, 7]].astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_nan_gradients_of_a_negative_nan_rstd_or_one_image_are_the_positive_nan(dtype, layout):
+    """A NaN rstd of negative sign given by the caller, and the NaN sums of a single image, give
+    positive NaN too: the one NaN is taken of dx after its last product (``rstd * ...``), and of
+    dgamma/dbeta also when there is no second row of sums to add (tools/mutants/nan_audit.toml)."""
+    dy, mean, rstd, x, gamma, beta = group_norm_swish_inputs((1, 8, 3, 5), 4, dtype, seed=29)
+    rstd[0, 1] = -np.nan  # group 1: its every dx is NaN, rstd's sign last in the product
+    dy[0, 6, 1, 2] = -np.nan  # channel 6 (group 3): dgamma, dbeta NaN from one image's sums
+    assert np.signbit(rstd[0, 1].astype(np.float32)) and np.signbit(dy[0, 6, 1, 2].astype(np.float32))
+    if layout == "NHWC":
+        dy, x = to_nhwc(dy), to_nhwc(x)
+    dx, dgamma, dbeta = gns_bwd(dy, mean, rstd, x, gamma, beta, 4, layout)
+    if layout == "NHWC":
+        dx = np.moveaxis(dx, -1, 1)
+    bits = np.dtype(f"u{dtype.itemsize}")
+    positive_nan = np.array(np.nan, dtype).view(bits)
+    assert (dx[0, 2:4].view(bits) == positive_nan).all()
+    assert (dx[0, 6:8].view(bits) == positive_nan).all()
+    assert np.isfinite(dx[0, [0, 1, 4, 5]].astype(np.float64)).all()
+    for parameter_grad in (dgamma, dbeta):
+        assert (parameter_grad[[2, 3, 6]].view(bits) == positive_nan).all()
+        assert np.isfinite(parameter_grad[[0, 1, 4, 5, 7]].astype(np.float64)).all()

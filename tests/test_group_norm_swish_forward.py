@@ -490,3 +490,20 @@ def test_nan_outputs_are_the_positive_nan(dtype, layout, activate_swish):
                 assert (group.view(bits) == positive_nan).all(), (n, g)
             else:
                 assert np.isfinite(group.astype(np.float64)).all(), (n, g)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("activate_swish", [True, False])
+def test_nan_parameters_of_negative_sign_give_the_positive_nan(dtype, layout, activate_swish):
+    """A NaN gamma or beta of negative sign (finite x and statistics) gives y's positive NaN:
+    the one NaN is taken of the affine result, not of x (tools/mutants/nan_audit.toml)."""
+    x, gamma, beta = inputs((2, 8, 3, 5), 4, dtype, seed=27)
+    gamma[1], beta[6] = -np.nan, -np.nan
+    assert np.signbit(gamma[1].astype(np.float32)) and np.signbit(beta[6].astype(np.float32))
+    y, mean, rstd = run(x, gamma, beta, 4, layout, activate_swish=activate_swish)
+    assert np.isfinite(mean.astype(np.float64)).all() and np.isfinite(rstd.astype(np.float64)).all()
+    bits = np.dtype(f"u{dtype.itemsize}")
+    positive_nan = np.array(np.nan, dtype).view(bits)
+    assert (y[:, [1, 6]].view(bits) == positive_nan).all()
+    assert np.isfinite(y[:, [0, 2, 3, 4, 5, 7]].astype(np.float64)).all()

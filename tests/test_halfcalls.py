@@ -240,3 +240,53 @@ def test_provide_defines_only_the_symbol_that_is_missing(present):
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_LANES_PROGRAM = textwrap.dedent("""
+    import numba, numpy as np
+    from fastbwd.kernels import _group_norm_forward as forward
+    from fastbwd.kernels._halfbits import FLOAT16, store
+
+    @numba.njit
+    def stored(values, fmt):  # _halfbits' float16 store alone (no load to provide the calls)
+        out = np.empty(values.size, np.uint16)
+        for i in range(values.size):
+            out[i] = store(values[i], fmt)
+        return out
+
+    @numba.njit
+    def affine(x, mean, rstd, gamma, beta, fmt):  # _lanes' float16 vectors, before any kernel
+        out = np.empty(x.size, np.uint16)
+        forward._affine_rows(x, 0, x.size, 37, out, 0, mean, rstd, gamma, beta, fmt, fmt)
+        return out
+
+    def result(which):  # one of them per process: the first compiled provides for both
+        rng = np.random.default_rng(11)
+        if which == "stored":
+            return stored(rng.uniform(-7e4, 7e4, 50).astype(np.float32), FLOAT16)
+        x = rng.uniform(-3, 3, 74).astype(np.float16).view(np.uint16)
+        gamma, beta = rng.uniform(-2, 2, 2).astype(np.float32), rng.uniform(-1, 1, 2).astype(np.float32)
+        return affine(x, np.float32(0.25), np.float32(1.5), gamma, beta, FLOAT16)
+""")
+
+
+@pytest.mark.parametrize("which", ["stored", "affine"])
+def test_generic_target_compiles_float16_conversions_before_any_kernel(tmp_path, which):
+    """njit functions of one's own storing float16 (_halfbits' store alone) and using _lanes'
+    float16 vector conversions (a kernel's row step), compiled under NUMBA_CPU_NAME=generic before
+    any kernel is built, run and give this process's bits: every half_type, scalar or vector,
+    provides the F16C-less calls (tools/mutants/nan_audit.toml)."""
+    out = tmp_path / "generic.npy"
+    child_env = dict(os.environ, NUMBA_CPU_NAME="generic")
+    child_env.pop("NUMBA_CPU_FEATURES", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _LANES_PROGRAM + f"np.save({str(out)!r}, result({which!r}))\n"],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    namespace = {}
+    exec(_LANES_PROGRAM, namespace)
+    assert np.array_equal(np.load(out), namespace["result"](which))
