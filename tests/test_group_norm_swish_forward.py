@@ -478,7 +478,7 @@ def test_nan_outputs_are_the_positive_nan(dtype, layout, activate_swish):
     x[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan
     if layout == "NHWC":
         x = to_nhwc(x)
-    y, _, _ = gns(x, gamma, beta, 4, layout, activate_swish=activate_swish)
+    y, mean, rstd = gns(x, gamma, beta, 4, layout, activate_swish=activate_swish)
     if layout == "NHWC":
         y = np.moveaxis(y, -1, 1)
     bits = np.dtype(f"u{dtype.itemsize}")
@@ -488,6 +488,7 @@ def test_nan_outputs_are_the_positive_nan(dtype, layout, activate_swish):
             group = y[n, 2 * g : 2 * g + 2]
             if (n, g) in {(0, 0), (1, 1)}:  # NaN mean and rstd: all of the group's y is NaN
                 assert (group.view(bits) == positive_nan).all(), (n, g)
+                assert mean[n, g].view(bits) == rstd[n, g].view(bits) == positive_nan, (n, g)
             else:
                 assert np.isfinite(group.astype(np.float64)).all(), (n, g)
 

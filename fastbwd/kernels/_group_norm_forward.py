@@ -337,8 +337,8 @@ def _nhwc_forward_run(x, gamma, beta, eps, activate_swish, swish_scale, y, mean,
             t1 += total_d[k]
             t2 += total_dd[k]
         group_rstd = _group_rstd(t1, t2, count, eps, zero, one)
-        mean[n, g] = center[first]
-        rstd[n, g] = group_rstd
+        mean[n, g] = one_nan(center[first])  # one NaN whatever summed it, as NCHW's
+        rstd[n, g] = one_nan(group_rstd)
         for k in range(first, first + group_size):
             scale[k] = group_rstd * gamma[start + k]
     _nhwc_normalise(
