@@ -85,6 +85,26 @@ def random(shape, dtype, seed):
     return values.astype(dtype)
 
 
+def with_signed_nan(array, seed, where=None):
+    """A copy of ``array`` with NaN of both signs and infinities in about one cell of 12 (of the
+    cells ``where`` selects, if given; at least four of them): -NaN, NaN, -inf, inf in turn."""
+    rng = np.random.default_rng(seed)
+    values = np.array(array, np.float64)
+    allowed = np.ones(values.shape, bool) if where is None else np.broadcast_to(where, values.shape)
+    picked = np.flatnonzero(allowed & (rng.random(values.shape) < 1 / 12))
+    if picked.size < 4:
+        picked = np.flatnonzero(allowed)[:4]
+    values.reshape(-1)[picked] = np.resize([-np.nan, np.nan, -np.inf, np.inf], picked.size)
+    return values.astype(array.dtype)
+
+
+def nan_cells_are_the_positive_nan(result):
+    """Whether every NaN of ``result`` is the quiet NaN of positive sign (and there is one)."""
+    bits = np.dtype(f"u{result.dtype.itemsize}")
+    nan = np.isnan(result.astype(np.float64))
+    return bool(nan.any()) and bool((result[nan].view(bits) == np.array(np.nan, result.dtype).view(bits)).all())
+
+
 def to_nhwc(array):
     """An NCHW-family array's values as a C-contiguous NHWC array (channels moved last)."""
     return np.ascontiguousarray(np.moveaxis(array, 1, -1))

@@ -14,7 +14,16 @@ from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
 import kernel_twins
 from _covering import float32_quick
-from conftest import BF16, DTYPES, channels_last, raises_param_error, random
+from conftest import (
+    BF16,
+    DTYPES,
+    channels_last,
+    nan_cells_are_the_positive_nan,
+    raises_param_error,
+    random,
+    to_nhwc,
+    with_signed_nan,
+)
 
 
 def pair(value):
@@ -807,3 +816,34 @@ def test_channels_last_torch_input_gives_a_channels_last_result():
         torch.from_numpy(g), tensor, [3, 3], [3, 3], [0, 0], False, True, None
     )
     assert reference.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(
+    "shape, kernel, stride, padding",
+    [
+        ((2, 6, 19, 70), 3, 2, 1),  # rows of at least LANES cells: the whole-rows kernel, stride 2
+        ((2, 6, 19, 40), 3, 1, 0),  # the whole-rows kernel, stride 1
+        ((2, 5, 9, 11), 3, 2, 1),  # narrow rows: the shared engine
+        ((4, 40, 9, 11), 3, 2, 1),  # NCHW: many small planes, LANES of them at a time
+        ((3, 40, 6, 6), 6, 6, 0),  # one window over the whole input
+    ],
+)
+def test_nan_sums_are_the_positive_nan(dtype, layout, shape, kernel, stride, padding):
+    """Every NaN of grad_input is the positive quiet NaN, whichever NaN (of either sign) its
+    windows' sum met (docs/semantics.md §0.2)."""
+    out_h = (shape[2] + 2 * padding - kernel) // stride + 1
+    out_w = (shape[3] + 2 * padding - kernel) // stride + 1
+    go = with_signed_nan(random((shape[0], shape[1], out_h, out_w), dtype, 43), 44)
+    if layout == "NHWC":
+        go = to_nhwc(go)
+    grad = pool_bwd(
+        go,
+        shape if layout == "NCHW" else (shape[0], shape[2], shape[3], shape[1]),
+        kernel,
+        stride,
+        padding,
+        layout=layout,
+    )
+    assert nan_cells_are_the_positive_nan(grad)

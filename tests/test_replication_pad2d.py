@@ -13,7 +13,17 @@ from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
 import kernel_twins
 from _covering import float32_quick
-from conftest import BF16, COMPLEX, DTYPES, channels_last, raises_param_error, random
+from conftest import (
+    BF16,
+    COMPLEX,
+    DTYPES,
+    channels_last,
+    nan_cells_are_the_positive_nan,
+    raises_param_error,
+    random,
+    to_nhwc,
+    with_signed_nan,
+)
 
 F = "replication_pad2d_backward"
 
@@ -446,3 +456,32 @@ def test_param_error_is_value_and_type_error():
         call(padding=(9, 9, 9, 9))
     with pytest.raises(TypeError):
         call(padding=(9, 9, 9, 9))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("padding", [(3, 4, 2, 3), (1, 1, 5, 0), (2, -1, -1, 2)])
+def test_nan_sums_are_the_positive_nan_and_copies_keep_their_bits(dtype, layout, padding):
+    """A grad_input cell that sums several grad_output cells (edges, corners, rows the pad
+    repeats) stores a NaN as the positive quiet NaN, whichever NaN it met; a cell with one
+    source is that cell's copy, its NaN's bits included (docs/semantics.md §0.2)."""
+    left, right, top, bottom = padding
+    shape = (2, 3, 6, 20)
+    out = (2, 3, 6 + top + bottom, 20 + left + right)
+    rows, cols = np.arange(out[2])[:, None], np.arange(out[3])[None, :]
+    # the cells the edge rows and columns sum (only where the pad repeats them: a positive pad)
+    border = (top > 0) & (rows <= top) | (bottom > 0) & (rows >= top + 5)
+    border = border | (left > 0) & (cols <= left) | (right > 0) & (cols >= left + 19)
+    go = with_signed_nan(random(out, dtype, 45), 46, where=border)
+    interior = (slice(None), slice(None), slice(max(top, 0) + 2, top + 4), slice(max(left, 0) + 2, left + 18))
+    go[interior][:, :, 0, 0] = -np.nan  # a copied cell: its NaN stays negative
+    args = (to_nhwc(go), (2, 6, 20, 3), padding) if layout == "NHWC" else (go, shape, padding)
+    grad = pad_bwd(*args, layout=layout)
+    if layout == "NHWC":
+        grad = np.moveaxis(grad, -1, 1)
+    copied = grad[:, :, max(-top, 0) + 2, max(-left, 0) + 2]
+    bits = np.dtype(f"u{dtype.itemsize}")
+    assert (copied.view(bits) == np.array(-np.nan, dtype).view(bits)).all()
+    sums = grad.copy()
+    sums[:, :, max(-top, 0) + 2, max(-left, 0) + 2] = 0
+    assert nan_cells_are_the_positive_nan(sums)

@@ -8,7 +8,7 @@ from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
 from _covering import float32_quick
-from conftest import BF16, raises_param_error
+from conftest import BF16, DTYPES, nan_cells_are_the_positive_nan, raises_param_error, random, to_nhwc, with_signed_nan
 
 F = fastbwd.upsample_bilinear2d_backward
 
@@ -366,3 +366,25 @@ def test_random_shapes_every_dtype_and_layout():
         assert bitwise_equal(
             np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2)), F(grad, output_size, input_size, align_corners)
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ((2, 5, 7, 9), (14, 18)),
+        ((1, 20, 5, 40), (9, 80)),
+        ((2, 3, 30, 17), (11, 40)),
+        ((4, 40, 5, 6), (10, 12)),  # NCHW: many small planes, LANES of them at a time
+    ],
+)
+def test_nan_sums_are_the_positive_nan(dtype, layout, sizes):
+    """Every NaN of grad_input is the positive quiet NaN, whichever NaN (of either sign) its sum
+    met: which of two NaN an addition returns follows the compiled code's operand order, which
+    differs between CPUs (docs/semantics.md §0.2)."""
+    input_size, output_size = sizes
+    go = with_signed_nan(random((input_size[0], input_size[1], *output_size), dtype, 41), 42)
+    for align_corners in (False, True):
+        args = (to_nhwc(go) if layout == "NHWC" else go, output_size, input_size, align_corners)
+        assert nan_cells_are_the_positive_nan(F(*args, layout=layout))

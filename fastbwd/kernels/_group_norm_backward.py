@@ -24,14 +24,12 @@ from ._group_norm_math import (
     for_each_row,
     lane_sums,
     lane_vectors,
-    one_nan,
-    one_nan_ir,
     swish_argument,
     swish_derivative,
     swish_gradient_rows,
     task_groups,
 )
-from ._halfbits import load, store
+from ._halfbits import load, one_nan, one_nan_ir, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import (
     LANES,

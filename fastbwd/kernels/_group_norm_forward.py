@@ -26,13 +26,11 @@ from ._group_norm_math import (
     for_each_row,
     groups_share_a_stage,
     lane_sums,
-    one_nan,
-    one_nan_ir,
     store_rows,
     swish_rows,
     task_groups,
 )
-from ._halfbits import NATIVE, load, store
+from ._halfbits import NATIVE, load, one_nan, one_nan_ir, store
 from ._jit import helper, leaf_helper, parallel_kernel, wide_vectors
 from ._lanes import LANES, array_structs, decode_lanes, fma_lanes, for_each_vector, splat, store_lanes
 from ._memory import flat_rows, stack_array

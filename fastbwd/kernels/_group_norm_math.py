@@ -16,7 +16,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._halfbits import float32_as_uint32, store, uint32_as_float32
+from ._halfbits import float32_as_uint32, one_nan, store, uint32_as_float32
 from ._jit import always_inline, helper, leaf_helper, wide_vectors
 from ._lanes import LANES, fold_lanes_by_halving, for_each_vector
 
@@ -74,34 +74,6 @@ def fma(typingctx, a, b, c):
         return builder.fma(*args)
 
     return sig, codegen
-
-
-def one_nan_ir(builder, value):
-    """``value`` (a float or a vector of them), each NaN replaced by the positive quiet NaN.
-
-    Which NaN an operation of two NaN operands returns (its sign, its payload) follows the order
-    instruction selection gives the operands, which differs between code shapes (a vector body
-    or its scalar tail, a group summed alone or beside another, AVX-512 or SSE), so that a
-    result computed from NaN of both signs would follow the task partition, hence the thread
-    count, and the target: the results a NaN can reach from several inputs are stored as this
-    one NaN (docs/semantics.md)."""
-    element = value.type.element if isinstance(value.type, ir.VectorType) else value.type
-    nan = ir.Constant(element, math.nan)
-    if isinstance(value.type, ir.VectorType):
-        nan = ir.Constant(value.type, [math.nan] * value.type.count)
-    return builder.select(builder.fcmp_unordered("uno", value, value), nan, value)
-
-
-@intrinsic
-def one_nan(typingctx, value):
-    """:func:`one_nan_ir` of one compute-type value (njit only)."""
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return one_nan_ir(builder, args[0])
-
-    return value(value), codegen
 
 
 # exp in three steps, so that the staged loops (below) can run each as a loop of its own; the

@@ -18,6 +18,8 @@ Kernel-facing API (all usable only inside ``@njit`` code):
 float32, float64 for float64, the complex type for complex arrays).
 """
 
+import math
+
 from llvmlite import ir
 from numba import types
 from numba.core.imputils import lower_constant
@@ -32,7 +34,7 @@ from numba.extending import (
 
 from ._halfcalls import half_type
 
-__all__ = ["StorageFormat", "NATIVE", "FLOAT16", "BFLOAT16", "load", "store", "accumulator"]
+__all__ = ["StorageFormat", "NATIVE", "FLOAT16", "BFLOAT16", "load", "store", "accumulator", "one_nan"]
 
 
 class StorageFormat:
@@ -197,6 +199,37 @@ def store(typingctx, value, fmt):
         return _encode_ir(builder, single, name)
 
     return types.uint16(value, fmt), codegen
+
+
+def one_nan_ir(builder, value):
+    """``value`` (a float or a vector of them), each NaN replaced by the positive quiet NaN.
+
+    Which NaN an operation of two NaN operands returns (its sign, its payload) follows the order
+    instruction selection gives the operands, which differs between code shapes (a vector body
+    or its scalar tail, a group summed alone or beside another, AVX-512 or SSE), so that a
+    result computed from NaN of both signs would follow the task partition, hence the thread
+    count, and the target: results that sum several inputs (or, in GroupNorm+Swish, meet NaN
+    from several) are stored as this one NaN (docs/semantics.md §0.2)."""
+    element = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    nan = ir.Constant(element, math.nan)
+    if isinstance(value.type, ir.VectorType):
+        nan = ir.Constant(value.type, [math.nan] * value.type.count)
+    return builder.select(builder.fcmp_unordered("uno", value, value), nan, value)
+
+
+@intrinsic
+def one_nan(typingctx, value):
+    """:func:`one_nan_ir` of one compute-type value (njit only); a complex value (the pad's
+    complex gradients) is returned as it is."""
+    if isinstance(value, types.Complex):
+        return value(value), _identity
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return one_nan_ir(builder, args[0])
+
+    return value(value), codegen
 
 
 def _compute_type(array, fmt):

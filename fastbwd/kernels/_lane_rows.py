@@ -8,6 +8,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._halfbits import one_nan_ir
 from ._lanes import (
     _I32,
     _I64,
@@ -297,8 +298,10 @@ def lanes_shifted_sum(
 
 
 def _store_interleaved(builder, destination, row, column, even, odd, format_name, stored_type, align):
-    """``destination[row, column + 2 j] = encode(even[j])``, ``... + 2 j + 1] = encode(odd[j])``."""
+    """``destination[row, column + 2 j] = encode(even[j])``, ``... + 2 j + 1] = encode(odd[j])``,
+    each NaN as the one NaN (``_halfbits.one_nan_ir``: they are sums)."""
     mask_type = ir.VectorType(_I32, LANES)
+    even, odd = one_nan_ir(builder, even), one_nan_ir(builder, odd)
     for half in range(2):
         lanes = [half * LANES // 2 + j // 2 + (LANES if j % 2 else 0) for j in range(LANES)]
         pair = builder.shuffle_vector(even, odd, ir.Constant(mask_type, lanes))

@@ -51,7 +51,7 @@ import math
 import numpy as np
 from numba import prange
 
-from ._halfbits import NATIVE, accumulator, load, store
+from ._halfbits import NATIVE, accumulator, load, one_nan, store
 from ._jit import Launch, Plan, helper, parallel_kernel
 from ._lane_tiles import gather_transpose_lanes, lanes_axpy, lanes_gather_sum, transpose_lanes
 from ._lanes import LANES
@@ -282,7 +282,7 @@ def _separable_bwd_nchw(grad_output, grad_input, start_h, source_h, weight_h, st
                 destination = grad_input[plane, row_start + r]
                 values = result[r]
                 for w in range(width):
-                    destination[w] = store(values[w], fmt)
+                    destination[w] = store(one_nan(values[w]), fmt)
 
 
 @parallel_kernel
@@ -340,7 +340,7 @@ def _separable_bwd_planes(grad_output, grad_input, index_h, weight_h, index_w, w
             destination = grad_input[first + lane].reshape(in_size)
             values = planes_in[lane]
             for k in range(in_size):
-                destination[k] = store(values[k], fmt)
+                destination[k] = store(one_nan(values[k]), fmt)
 
 
 @helper
@@ -418,4 +418,4 @@ def _separable_bwd_nhwc(grad_output, grad_input, start_h, source_h, weight_h, st
         destination = grad_input[n, h]
         for w in range(width):
             for k in range(channels):
-                destination[w, k] = store(result[w, k], fmt)
+                destination[w, k] = store(one_nan(result[w, k]), fmt)

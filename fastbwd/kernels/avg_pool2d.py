@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange
 
 from . import _memory, _separable
-from ._halfbits import StorageFormat, load, store
+from ._halfbits import StorageFormat, load, one_nan, store
 from ._jit import Launch, Plan, parallel_kernel
 from ._lane_rows import interleaved_shifted_rows, lanes_scaled_rows, lanes_scaled_window_sums, lanes_shifted_sum
 from ._lanes import LANES
@@ -44,7 +44,7 @@ def global_avg_pool2d_bwd_nchw(grad_output, grad_input, divisor, fmt):
     """
     planes, plane_size = grad_input.shape
     for p in prange(planes):
-        value = store(load(grad_output[p], fmt) / divisor, fmt)
+        value = store(one_nan(load(grad_output[p], fmt) / divisor), fmt)
         dst = grad_input[p]
         for i in range(plane_size):
             dst[i] = value
@@ -62,7 +62,7 @@ def global_avg_pool2d_bwd_nhwc(grad_output, grad_input, divisor, fmt):
         src = grad_output[n]
         first = grad_input[n, 0]
         for c in range(channels):
-            first[c] = store(load(src[c], fmt) / divisor, fmt)
+            first[c] = store(one_nan(load(src[c], fmt) / divisor), fmt)
         for i in range(1, plane_size):
             dst = grad_input[n, i]
             for c in range(channels):
@@ -188,7 +188,7 @@ def avg_pool2d_bwd_rows_nchw(
                             for k in range(0, residue_width, LANES):
                                 lanes_shifted_sum(sums, residue, k, columns, 0, start + k, taps)
                             for k in range((width - residue + stride_w - 1) // stride_w):
-                                flat_block[r * width + stride_w * k + residue] = store(sums[residue, k], fmt)
+                                flat_block[r * width + stride_w * k + residue] = store(one_nan(sums[residue, k]), fmt)
                 else:
                     interleaved_shifted_rows(
                         block,

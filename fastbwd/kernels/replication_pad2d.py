@@ -13,7 +13,7 @@ import numpy as np
 from numba import prange
 
 from . import _memory
-from ._halfbits import StorageFormat, accumulator, load, store
+from ._halfbits import StorageFormat, accumulator, load, one_nan, store
 from ._index import replicate_source_range
 from ._jit import Launch, Plan, leaf_helper, parallel_kernel
 from ._memory import (
@@ -45,7 +45,7 @@ def _gather_cell(plane, row_start, row_stop, col_start, col_stop, fmt):
     for i in range(row_start, row_stop):
         for j in range(col_start, col_stop):
             acc += load(plane[i, j], fmt)
-    return store(acc, fmt)
+    return store(one_nan(acc), fmt)
 
 
 @leaf_helper
@@ -62,14 +62,14 @@ def _edge_cells(row, width, pad_left, fmt):
         acc = accumulator(row, fmt)
         for j in range(first_stop):
             acc += load(row[j], fmt)
-        first = store(acc, fmt)
+        first = store(one_nan(acc), fmt)
     if out_width - last_start == 1:
         last = row[last_start]
     else:
         acc = accumulator(row, fmt)
         for j in range(last_start, out_width):
             acc += load(row[j], fmt)
-        last = store(acc, fmt)
+        last = store(one_nan(acc), fmt)
     return first, last
 
 
@@ -115,7 +115,7 @@ def _pad_row(src, dst, row_start, row_stop, pad_left, column_sums, read_ahead, f
         for k in range(copy_stop - copy_start):
             sums[k] += load(row[k], fmt)
     for k in range(copy_stop - copy_start):
-        interior[k] = store(sums[k], fmt)
+        interior[k] = store(one_nan(sums[k]), fmt)
     for w in range(copy_start):
         col_start, col_stop = replicate_source_range(w, width, out_width, pad_left)
         dst[w] = _gather_cell(src, row_start, row_stop, col_start, col_stop, fmt)
@@ -283,7 +283,7 @@ def replication_pad2d_bwd_nhwc(grad_output, grad_input, pad_top, pad_left, fmt):
                     for c in range(channels):
                         acc[c] += load(src[c], fmt)
             for c in range(channels):
-                dst[w, c] = store(acc[c], fmt)
+                dst[w, c] = store(one_nan(acc[c]), fmt)
 
 
 class Geometry(NamedTuple):
