@@ -98,11 +98,18 @@ def with_signed_nan(array, seed, where=None):
     return values.astype(array.dtype)
 
 
+def has_the_bits_of(values, number):
+    """Elementwise: whether each of ``values`` has the bits of ``number`` in their dtype (a NaN's
+    sign and payload included; ``np.nan`` is the quiet NaN of positive sign)."""
+    values = np.asarray(values)
+    bits = np.dtype(f"u{values.dtype.itemsize}")
+    return values.view(bits) == np.array(number, values.dtype).view(bits)
+
+
 def nan_cells_are_the_positive_nan(result):
     """Whether every NaN of ``result`` is the quiet NaN of positive sign (and there is one)."""
-    bits = np.dtype(f"u{result.dtype.itemsize}")
     nan = np.isnan(result.astype(np.float64))
-    return bool(nan.any()) and bool((result[nan].view(bits) == np.array(np.nan, result.dtype).view(bits)).all())
+    return bool(nan.any()) and bool(has_the_bits_of(result[nan], np.nan).all())
 
 
 def to_nhwc(array):

@@ -13,7 +13,7 @@ from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
 import kernel_twins
 from _covering import float32_quick
-from conftest import BF16, raises_param_error, to_nhwc
+from conftest import BF16, has_the_bits_of, raises_param_error, to_nhwc
 
 F = "group_norm_swish"
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -459,10 +459,8 @@ def test_nchw_statistics_of_a_group_with_nan_are_the_positive_nan(dtype):
     x[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan  # group 1 of image 1: both signs
     x[1, 6, 0, 1], x[1, 7, 1, 1] = np.inf, -np.inf  # group 3 of image 1: inf - inf
     _, mean, rstd = gns(x, gamma, beta, 4)
-    bits = np.dtype(f"u{mean.itemsize}")
-    positive_nan = np.array(np.nan, mean.dtype).view(bits)
     for n, g in ((0, 0), (1, 1), (1, 3)):
-        assert mean[n, g].view(bits) == rstd[n, g].view(bits) == positive_nan, (n, g)
+        assert has_the_bits_of(mean[n, g], np.nan) and has_the_bits_of(rstd[n, g], np.nan), (n, g)
     assert np.isfinite(mean[0, 1:]).all() and np.isfinite(mean[1, [0, 2]]).all()
 
 
@@ -476,19 +474,13 @@ def test_nan_outputs_are_the_positive_nan(dtype, layout, activate_swish):
     x, gamma, beta = inputs((2, 8, 3, 5), 4, dtype, seed=22)
     x[0, 0, 1, 2] = -np.nan
     x[1, 2, 0, 0], x[1, 3, 2, 4] = np.nan, -np.nan
-    if layout == "NHWC":
-        x = to_nhwc(x)
-    y, mean, rstd = gns(x, gamma, beta, 4, layout, activate_swish=activate_swish)
-    if layout == "NHWC":
-        y = np.moveaxis(y, -1, 1)
-    bits = np.dtype(f"u{dtype.itemsize}")
-    positive_nan = np.array(np.nan, dtype).view(bits)
+    y, mean, rstd = run(x, gamma, beta, 4, layout, activate_swish=activate_swish)
     for n in range(2):
         for g in range(4):
             group = y[n, 2 * g : 2 * g + 2]
             if (n, g) in {(0, 0), (1, 1)}:  # NaN mean and rstd: all of the group's y is NaN
-                assert (group.view(bits) == positive_nan).all(), (n, g)
-                assert mean[n, g].view(bits) == rstd[n, g].view(bits) == positive_nan, (n, g)
+                assert has_the_bits_of(group, np.nan).all(), (n, g)
+                assert has_the_bits_of(mean[n, g], np.nan) and has_the_bits_of(rstd[n, g], np.nan), (n, g)
             else:
                 assert np.isfinite(group.astype(np.float64)).all(), (n, g)
 
@@ -504,7 +496,5 @@ def test_nan_parameters_of_negative_sign_give_the_positive_nan(dtype, layout, ac
     assert np.signbit(gamma[1].astype(np.float32)) and np.signbit(beta[6].astype(np.float32))
     y, mean, rstd = run(x, gamma, beta, 4, layout, activate_swish=activate_swish)
     assert np.isfinite(mean.astype(np.float64)).all() and np.isfinite(rstd.astype(np.float64)).all()
-    bits = np.dtype(f"u{dtype.itemsize}")
-    positive_nan = np.array(np.nan, dtype).view(bits)
-    assert (y[:, [1, 6]].view(bits) == positive_nan).all()
+    assert has_the_bits_of(y[:, [1, 6]], np.nan).all()
     assert np.isfinite(y[:, [0, 2, 3, 4, 5, 7]].astype(np.float64)).all()

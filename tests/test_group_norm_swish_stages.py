@@ -24,7 +24,7 @@ from fastbwd.testing import reference as ref
 from fastbwd.testing.checks import assert_matches_reference, bitwise_equal
 
 import kernel_twins
-from conftest import BF16, assert_thread_invariant, to_nhwc
+from conftest import BF16, assert_thread_invariant, has_the_bits_of, to_nhwc
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 FORMATS = {F32: NATIVE, F64: NATIVE, F16: FLOAT16, BF16: BFLOAT16}
@@ -58,9 +58,7 @@ def nans_are_positive(stored, dtype):
     """Whether every NaN of ``stored`` (``dtype``'s values or their uint16 bits) is the quiet NaN
     of positive sign."""
     values = np.asarray(stored).view(dtype)
-    bits = np.dtype(f"u{dtype.itemsize}")
-    nan = np.isnan(values.astype(np.float64))
-    return bool((values[nan].view(bits) == np.array(np.nan, dtype).view(bits)).all())
+    return bool(has_the_bits_of(values[np.isnan(values.astype(np.float64))], np.nan).all())
 
 
 @numba.njit
