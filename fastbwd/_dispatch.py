@@ -11,6 +11,8 @@ trace time in a compiled graph or a JAX program):
 * ``elements``: the number of elements of the forward's input (the size the thresholds count);
 * ``dtype`` (a NumPy dtype name), ``layout`` (``"NCHW"`` or ``"NHWC"``) and ``threads`` (the
   thread count the call runs on);
+* ``tasks``, where a bridge knows them: the parallel tasks fastbwd's kernels split the call into
+  (GroupNorm+Swish: ``fastbwd.api.group_norm_swish.parallel_tasks``);
 
 and :func:`decide` says True (fastbwd's whole path, the bridge's Python included, is the faster
 one) or False (the framework's own code runs, giving the framework's bits). Under the policy
@@ -169,12 +171,16 @@ def threshold(bridge, path, op, dtype="float32", layout="NCHW", threads=1):
     return found
 
 
-def decide(policy, bridge, path, op, elements, dtype="float32", layout="NCHW", threads=1):
+def decide(policy, bridge, path, op, elements, dtype="float32", layout="NCHW", threads=1, tasks=None):
     """True when the call should run on fastbwd (whose kernels must still accept it), False
     when the framework's own code should: under ``"always"`` True; under ``"auto"`` whether
-    ``elements`` reaches :func:`threshold`."""
+    ``elements`` reaches :func:`threshold`, and never when fastbwd's kernels split the call
+    into fewer ``tasks`` than ``threads`` (None: enough), so that threads the framework's code
+    would use stay idle (a channels-last GroupNorm+Swish of one image on two threads: 0.82x)."""
     if policy == "always":
         return True
+    if tasks is not None and tasks < threads:
+        return False
     return elements >= threshold(bridge, path, op, dtype, layout, threads)
 
 

@@ -61,6 +61,22 @@ def test_each_threshold_is_honoured_at_its_edge(table_folder):
         assert _dispatch.decide("always", bridge, path, op, 0, threads=threads), key
 
 
+def test_a_call_split_into_fewer_tasks_than_threads_is_the_frameworks(table_folder):
+    """Under "auto" a call whose kernels leave threads idle (fewer tasks than threads) runs the
+    framework's code whatever its size; enough tasks (or None: not known) leave the threshold
+    to decide; "always" takes fastbwd's side."""
+    for key, value in _dispatch.DEFAULTS.items():
+        bridge, path, op, threads = key.split("/")
+        threads = int(threads)
+        for size in (value, 10**9):
+            assert not _dispatch.decide("auto", bridge, path, op, size, threads=threads, tasks=threads - 1), key
+            assert _dispatch.decide("auto", bridge, path, op, size, threads=threads, tasks=threads), key
+            assert _dispatch.decide("auto", bridge, path, op, size, threads=threads, tasks=None), key
+            assert _dispatch.decide("always", bridge, path, op, size, threads=threads, tasks=0), key
+        assert not _dispatch.decide("auto", bridge, path, op, value - 1, threads=threads, tasks=threads + 5), key
+    assert not _dispatch.decide("auto", "torch", "dropin", "group_norm_swish", 10**9, threads=8, tasks=7)
+
+
 def test_more_threads_take_the_two_thread_thresholds(table_folder):
     with _dispatch.using({"torch/routed/avg_pool2d/1": 10, "torch/routed/avg_pool2d/2": 1000}):
         assert _dispatch.decide("auto", "torch", "routed", "avg_pool2d", 500, threads=1)

@@ -838,6 +838,42 @@ def test_nhwc_tasks_take_whole_images_up_to_the_whole_rows_width():
     assert kernels.nhwc_groups_per_task(32, 16, 8, 2) == 32
 
 
+def _planned_tasks(nhwc, batch, channels, groups, threads):
+    """The tasks the forward's and the backward's plans launch (the fewer), read from the plans."""
+    from fastbwd.kernels._halfbits import NATIVE
+
+    positions, compute = 4096, np.dtype(np.float32)  # enough work for the parallel launches
+    forward = kernels.plan(
+        kernels.ForwardGeometry(nhwc, batch, channels, positions, groups, NATIVE, compute, True, threads)
+    )
+    backward = kernels.plan(
+        kernels.Geometry(nhwc, batch, channels, positions, groups, 4, NATIVE, compute, NATIVE, True, True, threads)
+    )
+    assert forward.launch.parallel and backward.dx.parallel
+    backward_per_task = backward.arguments[0] if nhwc else 1
+    return batch * min(-(-groups // forward.groups_per_task), -(-groups // backward_per_task))
+
+
+def test_parallel_tasks_are_the_plans_tasks():
+    """What the bridges' decision counts (api ``parallel_tasks``) is what the kernels launch: an
+    NHWC image of up to WHOLE_ROWS_MAX_CHANNELS channels is one task, whatever the threads."""
+    from fastbwd.api import group_norm_swish as api
+
+    for nhwc, batch, channels, groups, threads in itertools.product(
+        (False, True), (1, 2, 3, 8), (16, 64, 320, 512, 1024), (1, 4, 8, 32), (1, 2, 3, 4, 16)
+    ):
+        if channels % groups:
+            continue
+        expected = _planned_tasks(nhwc, batch, channels, groups, threads)
+        data_format = "NHWC" if nhwc else "NCHW"
+        assert api.parallel_tasks(batch, channels, groups, data_format, threads) == expected
+    assert api.parallel_tasks(1, 128, 32, "NHWC", 2) == 1  # one image: one thread of two busy
+    assert api.parallel_tasks(1, 128, 32, "NCHW", 2) == 16  # the forward pairs groups
+    assert api.parallel_tasks(1, 512, 32, "NHWC", 2) == 4
+    assert api.parallel_tasks(2, 16, 3, "NCHW", 2) is None  # groups the kernels refuse
+    assert api.parallel_tasks(2, 16, 0, "NHWC", 2) is None
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_nan_gradients_are_the_positive_nan(dtype, layout):

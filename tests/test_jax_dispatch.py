@@ -383,6 +383,52 @@ def test_an_equinox_model_under_vmap_decides_on_the_batch():
         assert targets(step, model, x) == []
 
 
+def _one_task_calls():
+    """``(name, program's fastbwd targets of x, one image, two images)``: GroupNorm+Swish calls
+    whose one image is one task of fastbwd's kernels (one group channels first, a channels-last
+    image of up to 320 channels): the explicit function, and Equinox's and linen's where installed."""
+    weight, bias = jnp.ones(8), jnp.zeros(8)
+    nchw, nhwc = ((1, 8, 3, 5), (2, 8, 3, 5)), ((1, 3, 5, 8), (2, 3, 5, 8))
+    explicit = gradient(lambda x: fj.group_norm_swish(x, 1, weight, bias))
+    calls = [("explicit", lambda x: targets(explicit, x), nchw)]
+    try:
+        import equinox as eqx
+    except ImportError:
+        pass
+    else:
+        model = eqx.nn.GroupNorm(1, 8)
+        step = jax.grad(lambda model, x: jnp.sum(jax.vmap(jax.nn.silu)(jax.vmap(model)(x)) ** 2), argnums=1)
+        calls.append(("equinox", lambda x: targets(step, model, x), nchw))
+    try:
+        import flax.linen as nn
+
+        from fastbwd.jax import linen
+    except ImportError:
+        pass
+    else:
+        norm = linen.GroupNorm(num_groups=4, swish=True)
+        params = nn.GroupNorm(num_groups=4).init(jax.random.key(0), _randn(nhwc[0], 24))
+        calls.append(("linen", lambda x: targets(gradient(norm.apply, 1), params, x), nhwc))
+    return [(name, found, _randn(one, 20), _randn(two, 21)) for name, found, (one, two) in calls]
+
+
+def test_a_call_leaving_threads_idle_is_jaxs(monkeypatch):
+    """A GroupNorm+Swish call of one image that fastbwd's kernels take as one task: on two
+    threads JAX's, whatever its size; with two images, or on one thread, fastbwd's."""
+    served = ["group_norm_swish_backward", "group_norm_swish_forward"]
+    everything = {"dropin/group_norm_swish": 0, "traced/group_norm_swish": 0}
+    calls = _one_task_calls()
+    monkeypatch.setattr(_decide, "threads", lambda devices=1: 2)
+    for name, found, one_image, two_images in calls:
+        with auto(everything), fj.reach():
+            assert found(one_image) == [], name
+            assert found(two_images) == served, name
+    monkeypatch.setattr(_decide, "threads", lambda devices=1: 1)
+    for name, found, one_image, _ in calls:
+        with auto(everything), fj.reach():
+            assert found(one_image) == served, name
+
+
 def test_the_users_model_is_unchanged_below_the_thresholds():
     """An Equinox model reached below the thresholds: its class, pytree structure and leaves are
     the user's, and its gradients the library's bits."""

@@ -625,6 +625,49 @@ def test_the_fusion_takes_fastbwds_side_from_the_threshold_on():
     assert all(torch.equal(a, b) for a, b in zip(theirs, _grads(reference, x)))
 
 
+def _served(path, x):
+    """Whether fastbwd serves a GroupNorm(4, 16) + SiLU pair on ``x`` reached by ``path`` (under
+    "auto", every GroupNorm+Swish threshold at 0)."""
+    plain, drop_in = _norm_modules()
+    thresholds = {f"torch/{p}/group_norm_swish/{t}": 0 for p in ("dropin", "fused", "compiled") for t in (1, 2)}
+    with _dispatch.using(thresholds), ft.enabled(policy="auto"):
+        if path == "fused":
+            block = _Block(plain[0])
+            with ft.enabled(policy="always"):
+                assert ft.fuse_group_norm_swish(block, (x.detach(),)).count == 1
+            return type(block.norm(x)) is _fuse._LazyGroupNorm
+        if path == "dropin":
+            return type(drop_in(x).grad_fn).__name__ == "EagerGroupNormSwishBackward"
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append({str(node.target) for node in gm.graph.nodes})
+            return gm.forward
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(drop_in, backend=backend)(x)
+        finally:
+            torch._dynamo.reset()
+        return any("fastbwd.group_norm_swish" in target for target in graphs[-1])
+
+
+@pytest.mark.parametrize("path", ["dropin", "fused", "compiled"])
+def test_a_call_leaving_threads_idle_is_pytorchs(path):
+    """fastbwd's kernels take a channels-last image of up to 320 channels as one task: on two
+    threads PyTorch's pair, which uses both, is the faster (docs/history.md), so "auto" declines
+    it whatever its size; on one thread, with two images or channels first, fastbwd's."""
+    one_image = torch.randn((1, 16, 3, 5), generator=torch.Generator().manual_seed(3))
+    channels_last = one_image.contiguous(memory_format=torch.channels_last).requires_grad_()
+    two_images = torch.cat([one_image, one_image]).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with _threads(2):
+        assert not _served(path, channels_last)
+        assert _served(path, two_images)
+        assert _served(path, one_image.clone().requires_grad_())  # NCHW: a task per group
+    with _threads(1):
+        assert _served(path, channels_last)
+
+
 def test_a_geometry_keeps_its_decision_per_path_and_policy():
     x = _input(GN_SHAPE)
     geometry = _ops.geometry_of(x, None, None, 4, 1e-5, 1.0)

@@ -493,6 +493,16 @@ def forward_scalars(eps, swish_scale):
     return eps, v.float_value(FORWARD, "swish_scale", swish_scale)
 
 
+def parallel_tasks(batch, channels, num_groups, data_format, threads):
+    """The parallel tasks the kernels split a call of ``batch`` images of ``channels`` channels
+    in ``num_groups`` groups into, on ``threads`` threads, in ``data_format`` ("NCHW" or
+    "NHWC"; a rank above 4 as its flattened NCHW or NHWC): what the bridges tell their decision
+    (``fastbwd._dispatch.decide``'s ``tasks``). None for groups the kernels refuse."""
+    if num_groups < 1 or channels % num_groups:
+        return None
+    return kernels.parallel_tasks(data_format == "NHWC", batch, channels, num_groups, max(1, threads))
+
+
 _FORWARD_OUT_NAMES = "y, mean, rstd"
 
 

@@ -97,9 +97,11 @@ def programs(path, op, shape, threads):
     f, args, argnums = made
     name = f"jax/{path}/{op}/{_dispatch.thread_class(threads)}"
     compiled = []
-    for threshold in (0, NEVER):
+    # fastbwd's side under "always": the program "auto" traces for fastbwd (decided at trace
+    # time, nothing at run time), whatever else the decision would count (a call's tasks)
+    for policy, threshold in (("always", 0), ("auto", NEVER)):
         loss = jax.jit(jax.grad(lambda *args: jnp.sum(f(*args) ** 2), argnums=argnums))
-        with _decide.policy_block("auto"), _dispatch.using({name: threshold}):
+        with _decide.policy_block(policy), _dispatch.using({name: threshold}):
             compiled.append(loss.lower(*args).compile())
     return tuple(compiled), args
 

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from .. import _dispatch
+from ..api import group_norm_swish as gns_api
 from ..kernels import _jit
 
 BRIDGE = "jax"
@@ -156,13 +157,23 @@ def placement(x):
     return -(-elements // shards), min(math.prod(explicit.values()), jax.local_device_count())
 
 
-def serves(path, op, x, layout):
+def serves(path, op, x, layout, groups=None, batched=True):
     """True when the call of ``op`` on ``x`` (its forward input, in ``layout``) reached by
     ``path`` runs fastbwd's kernels: always under the policy ``"always"``; under ``"auto"``,
     where fastbwd's whole path is the faster one (``fastbwd._dispatch``). False: the caller
-    traces JAX's own code instead (no FFI call)."""
+    traces JAX's own code instead (no FFI call). ``groups``: a GroupNorm+Swish call's, whose
+    kernels' tasks the decision counts (``batched`` False: ``x`` is one image, as Equinox's,
+    its batch from ``jax.vmap``)."""
     current = _POLICY.value
     if current == "always":
         return True
     elements, devices = placement(x)
-    return _dispatch.decide(current, BRIDGE, path, op, elements, np.dtype(x.dtype).name, layout, threads(devices))
+    count = threads(devices)
+    tasks = None
+    if groups is not None:
+        image = x.shape[1:] if batched else x.shape
+        per_image = math.prod(image)
+        if image and per_image:
+            channels = image[0] if layout == "NCHW" else image[-1]
+            tasks = gns_api.parallel_tasks(elements // per_image, channels, groups, layout, count)
+    return _dispatch.decide(current, BRIDGE, path, op, elements, np.dtype(x.dtype).name, layout, count, tasks)

@@ -188,7 +188,7 @@ def group_norm_swish(
     compute = d.compute_dtype(x.dtype)
     # The kernels take the parameters in the compute type, and so give the statistics in it.
     weight, bias = weight.astype(compute), bias.astype(compute)
-    if not _decide.serves("traced", FUNC, x, layout):  # plain JAX: the reference, JAX's gradient
+    if not _decide.serves("traced", FUNC, x, layout, int(num_groups)):  # plain JAX: the reference, JAX's gradient
         return reference(x, weight, bias, int(num_groups), eps, swish_scale, layout, activate_swish)
     return _group_norm_swish(x, weight, bias, int(num_groups), eps, swish_scale, layout, activate_swish)
 

@@ -80,12 +80,13 @@ def swish(x):
     return swish_or(silu, x)
 
 
-def group_norm_served(x, layout):
+def group_norm_served(x, layout, groups, batched=True):
     """Whether fastbwd serves a library's GroupNorm of ``x`` (the library's own input, in
-    ``layout``); False: the library's own call runs (the policy "auto", fastbwd/jax/_decide.py).
+    ``layout``, in ``groups`` groups; ``batched`` False: one image, Equinox's); False: the
+    library's own call runs (the policy "auto", fastbwd/jax/_decide.py).
     An adapter asks before it promotes ``x`` or adds an axis, so that a call left to the library
     traces nothing of fastbwd's: the library's own jaxpr."""
-    return _decide.serves("dropin", gns.FUNC, x, layout)
+    return _decide.serves("dropin", gns.FUNC, x, layout, groups, batched)
 
 
 def group_norm(x, groups, eps, layout, result_dtype, shape, parameters, fallback, with_swish=False):

@@ -36,7 +36,7 @@ def group_norm(module, x, swish=False, call=_GROUP_NORM_CALL):
 
     if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or np.dtype(x.dtype) not in d.FLOATING:
         return _reach.swish(fallback()) if swish else fallback()
-    if not _reach.group_norm_served(x, "NCHW"):
+    if not _reach.group_norm_served(x, "NCHW", module.groups, batched=False):
         return _reach.swish(fallback()) if swish else fallback()
     channels = x.shape[0]
     if module.channelwise_affine:

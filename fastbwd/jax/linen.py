@@ -95,7 +95,7 @@ def group_norm(module, x, fallback, swish=False):
     ``fallback()`` (Flax's own call) for a call fastbwd cannot serve; ``swish``: followed by
     Swish. A GroupNorm alone is remembered with its fused pair (fastbwd.jax.reach's swish)."""
     plan = _plan(module, x)
-    if plan is None or not _reach.group_norm_served(x, "NHWC"):
+    if plan is None or not _reach.group_norm_served(x, "NHWC", plan[0]):
         return _reach.swish(fallback()) if swish else fallback()
     groups, kernel, result = plan
     images = jnp.asarray(x).astype(kernel)

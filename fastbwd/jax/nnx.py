@@ -37,7 +37,7 @@ def _plan(module, x, mask):
             return None
     if np.dtype(x.dtype) not in d.FLOATING or x.shape[-1] != module.num_groups * module.group_size:
         return None
-    if not _reach.group_norm_served(x, "NHWC"):  # NNX's call, before any promotion is traced
+    if not _reach.group_norm_served(x, "NHWC", module.num_groups):  # NNX's call, before any promotion is traced
         return None
     scale = module.scale[...] if module.scale else None
     bias = module.bias[...] if module.bias else None

@@ -150,6 +150,19 @@ def nchw_groups_per_task(groups, batch, threads):
     return 2 if batch * (groups // 2) >= NCHW_PAIRED_TASKS_PER_THREAD * threads else 1
 
 
+def parallel_tasks(nhwc, batch, channels, groups, threads):
+    """The tasks the forward's and the backward's kernels split a call into on a pool of
+    ``threads`` (the fewer of the two): NCHW an image's groups, one or two a task; NHWC its
+    runs of :func:`nhwc_groups_per_task` groups, the whole image when C <= WHOLE_ROWS_MAX_CHANNELS.
+    Fewer tasks than threads leave threads idle (the bridges' decision counts this:
+    ``fastbwd._dispatch.decide``'s ``tasks``)."""
+    if nhwc:
+        per_task = nhwc_groups_per_task(groups, channels // groups, batch, threads)
+    else:
+        per_task = nchw_groups_per_task(groups, batch, threads)  # the forward's (the backward's: one group)
+    return batch * -(-groups // per_task)
+
+
 class BackwardPlan(NamedTuple):
     """The plan of a backward call: the dx kernel's launch, shape and last arguments, and, for
     the NHWC kernel, the launch of the parameter gradients' kernel (None when neither is wanted:

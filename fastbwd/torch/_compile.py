@@ -296,7 +296,7 @@ def _refused(path, input, num_groups, weight, bias, eps):
     input, weight, bias = (next(values) if isinstance(a, torch.fx.Node) else a for a in tensors)
     if _ops.refusal(input, num_groups, weight, bias, eps) is not None:
         return True
-    return not c.decide(_switch._policy, "compiled", "group_norm_swish", input)
+    return not c.decide(_switch._policy, "compiled", "group_norm_swish", input, groups=num_groups)
 
 
 def _fusable(node):

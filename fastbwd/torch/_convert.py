@@ -138,12 +138,13 @@ def match_torch_threads():
     return threads
 
 
-def decide(policy, path, op, tensor, elements=None):
+def decide(policy, path, op, tensor, elements=None, groups=None):
     """``fastbwd._dispatch.decide`` for a call of ``op`` on ``path`` whose forward input is
     ``tensor`` (real, or fake at trace time; ``elements`` its size when ``tensor`` is another of
     the call's tensors, of the same dtype and layout), on PyTorch's thread count: True when
-    fastbwd's path runs it. A size known only at run time (symbolic) decides nothing: True, and
-    the call decides again when it runs."""
+    fastbwd's path runs it. ``groups``: a GroupNorm+Swish call's, whose kernels' tasks the
+    decision counts. A size known only at run time (symbolic) decides nothing: True, and the
+    call decides again when it runs."""
     if policy == "always":
         return True
     if elements is None:
@@ -155,4 +156,8 @@ def decide(policy, path, op, tensor, elements=None):
     dtype = ARRAY_DTYPES.get(tensor.dtype)
     dtype = dtype.name if dtype is not None else str(tensor.dtype)
     layout = "NHWC" if is_channels_last(tensor) else "NCHW"
-    return _dispatch.decide(policy, "torch", path, op, elements, dtype, layout, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    tasks = None
+    if groups is not None and all(isinstance(size, int) for size in tensor.shape[:2]):
+        tasks = api.group_norm_swish.parallel_tasks(*tensor.shape[:2], groups, layout, threads)
+    return _dispatch.decide(policy, "torch", path, op, elements, dtype, layout, threads, tasks)

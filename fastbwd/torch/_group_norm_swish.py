@@ -40,7 +40,7 @@ def group_norm_swish(
             if geometry is not None and geometry.serves("dropin"):
                 return _ops.EagerGroupNormSwish.apply(input, weight, bias, geometry)
         elif _ops.refusal(input, num_groups, weight, bias, eps, swish_scale) is None and c.decide(
-            _switch.policy(), "compiled" if compiling else "dropin", "group_norm_swish", input
+            _switch.policy(), "compiled" if compiling else "dropin", "group_norm_swish", input, groups=num_groups
         ):  # at trace time when compiled
             return torch.ops.fastbwd.group_norm_swish(input, weight, bias, num_groups, float(eps), float(swish_scale))[
                 0

@@ -383,7 +383,8 @@ class _Geometry:
         self.beta = None if bias is not None else c.as_array(torch.zeros(channels, dtype=dtype))
         self.eps, self.swish_scale = eps, swish_scale
         # the call's static description, for fastbwd._dispatch (serves), and its decisions
-        self.description = (math.prod(input.shape), c.ARRAY_DTYPES[input.dtype].name, self.data_format, threads)
+        tasks = gns_api.parallel_tasks(input.shape[0], channels, num_groups, self.data_format, threads)
+        self.description = (math.prod(input.shape), c.ARRAY_DTYPES[input.dtype].name, self.data_format, threads, tasks)
         self._decisions = {}
         # the backward's prepared calls, by 2 * need_weight + need_bias (made by their first call)
         self._backward = [None] * 4
@@ -400,8 +401,10 @@ class _Geometry:
         memo = (path, _switch._policy, _dispatch.generation)
         found = self._decisions.get(memo)
         if found is None:
-            elements, dtype, layout, threads = self.description
-            found = _dispatch.decide(memo[1], "torch", path, "group_norm_swish", elements, dtype, layout, threads)
+            elements, dtype, layout, threads, tasks = self.description
+            found = _dispatch.decide(
+                memo[1], "torch", path, "group_norm_swish", elements, dtype, layout, threads, tasks
+            )
             self._decisions[memo] = found
         return found
 
