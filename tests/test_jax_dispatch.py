@@ -386,7 +386,8 @@ def test_an_equinox_model_under_vmap_decides_on_the_batch():
 def _one_task_calls():
     """``(name, program's fastbwd targets of x, one image, two images)``: GroupNorm+Swish calls
     whose one image is one task of fastbwd's kernels (one group channels first, a channels-last
-    image of up to 320 channels): the explicit function, and Equinox's and linen's where installed."""
+    image of up to 320 channels): the explicit function, and Equinox's, linen's and NNX's where
+    installed."""
     weight, bias = jnp.ones(8), jnp.zeros(8)
     nchw, nhwc = ((1, 8, 3, 5), (2, 8, 3, 5)), ((1, 3, 5, 8), (2, 3, 5, 8))
     explicit = gradient(lambda x: fj.group_norm_swish(x, 1, weight, bias))
@@ -409,6 +410,12 @@ def _one_task_calls():
         norm = linen.GroupNorm(num_groups=4, swish=True)
         params = nn.GroupNorm(num_groups=4).init(jax.random.key(0), _randn(nhwc[0], 24))
         calls.append(("linen", lambda x: targets(gradient(norm.apply, 1), params, x), nhwc))
+        from flax import nnx as flax_nnx
+
+        from fastbwd.jax import nnx
+
+        nnx_norm = nnx.GroupNorm(8, num_groups=4, swish=True, rngs=flax_nnx.Rngs(0))
+        calls.append(("nnx", lambda x: targets(gradient(lambda x: nnx_norm(x)), x), nhwc))
     return [(name, found, _randn(one, 20), _randn(two, 21)) for name, found, (one, two) in calls]
 
 
@@ -427,6 +434,19 @@ def test_a_call_leaving_threads_idle_is_jaxs(monkeypatch):
     for name, found, one_image, _ in calls:
         with auto(everything), fj.reach():
             assert found(one_image) == served, name
+
+
+def test_the_equinox_drop_in_with_swish_below_its_threshold_is_the_librarys_pair():
+    """fastbwd.jax.equinox.GroupNorm(swish=True) on a call JAX's code serves: Equinox's GroupNorm
+    and then jax.nn.swish, the library's bits."""
+    eqx = pytest.importorskip("equinox")
+    from fastbwd.jax import equinox as fastbwd_equinox
+
+    ours, theirs = fastbwd_equinox.GroupNorm(2, 8, swish=True), eqx.nn.GroupNorm(2, 8)
+    x = _randn((8, 5, 5), 26)
+    with auto(everything=NEVER):
+        assert targets(lambda x: ours(x), x) == []
+        assert_bitwise(jax.jit(lambda x: ours(x))(x), jax.jit(lambda x: jax.nn.swish(theirs(x)))(x))
 
 
 def test_the_users_model_is_unchanged_below_the_thresholds():

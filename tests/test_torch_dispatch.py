@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import fastbwd.torch as ft  # noqa: E402
 from bench.sweep import torch_threads as _threads  # noqa: E402
 from fastbwd import _dispatch  # noqa: E402
-from fastbwd.torch import _functional, _fuse, _ops, _routing  # noqa: E402
+from fastbwd.torch import _compile, _functional, _fuse, _ops, _routing  # noqa: E402
 
 from conftest import child_environment  # noqa: E402
 
@@ -638,6 +638,16 @@ def _served(path, x):
             return type(block.norm(x)) is _fuse._LazyGroupNorm
         if path == "dropin":
             return type(drop_in(x).grad_fn).__name__ == "EagerGroupNormSwishBackward"
+        if path == "compiled pair":  # the graph pass's trace-time answer (a fused node decides again when it runs)
+            answers, refused = [], _compile._refused
+            _compile._refused = lambda *args: answers.append(refused(*args)) or answers[-1]
+            try:
+                _compiled_counts(_Block(plain[0]), x)
+            finally:
+                _compile._refused = refused
+                torch._dynamo.reset()
+            assert answers
+            return not any(answers)
         graphs = []
 
         def backend(gm, inputs):
@@ -652,7 +662,7 @@ def _served(path, x):
         return any("fastbwd.group_norm_swish" in target for target in graphs[-1])
 
 
-@pytest.mark.parametrize("path", ["dropin", "fused", "compiled"])
+@pytest.mark.parametrize("path", ["dropin", "fused", "compiled", "compiled pair"])
 def test_a_call_leaving_threads_idle_is_pytorchs(path):
     """fastbwd's kernels take a channels-last image of up to 320 channels as one task: on two
     threads PyTorch's pair, which uses both, is the faster (docs/history.md), so "auto" declines
