@@ -176,7 +176,7 @@ def decide(policy, bridge, path, op, elements, dtype="float32", layout="NCHW", t
     when the framework's own code should: under ``"always"`` True; under ``"auto"`` whether
     ``elements`` reaches :func:`threshold`, and never when fastbwd's kernels split the call
     into fewer ``tasks`` than ``threads`` (None: enough), so that threads the framework's code
-    would use stay idle (a channels-last GroupNorm+Swish of one image on two threads: 0.82x)."""
+    would use stay idle (a channels-last GroupNorm+Swish of one image: docs/history.md)."""
     if policy == "always":
         return True
     if tasks is not None and tasks < threads:

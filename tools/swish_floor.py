@@ -14,16 +14,24 @@ the bound cannot be met on this machine by any kernel that computes Swish as the
 """
 
 import argparse
-import statistics
+import os
+import sys
 import time
 
 import numba
 import numpy as np
 
-from fastbwd.kernels._group_norm_math import STAGE_CHUNK, STAGE_ROWS, swish_gradient_rows, swish_rows
-from fastbwd.kernels._halfbits import NATIVE
-from fastbwd.kernels._jit import wide_vectors
-from fastbwd.kernels._memory import stack_array
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench, beside the package
+
+from bench.timing import Settings, alternating_rounds  # noqa: E402
+from fastbwd.kernels._group_norm_math import STAGE_CHUNK, STAGE_ROWS, swish_gradient_rows, swish_rows  # noqa: E402
+from fastbwd.kernels._halfbits import NATIVE  # noqa: E402
+from fastbwd.kernels._jit import wide_vectors  # noqa: E402
+from fastbwd.kernels._memory import stack_array  # noqa: E402
+
+#: The main job's full-run timing (bench/__main__.py's FULL): rounds until every median is known
+#: within 2%, or 12 s a shape.
+SETTINGS = Settings(round_seconds=0.05, min_rounds=7, tolerance=0.02, budget=12.0)
 
 #: issue 53's shapes with at least 16 x 16 positions
 SHAPES = ((2, 256, 16, 16), (2, 128, 32, 32), (2, 320, 32, 32), (1, 128, 64, 64))
@@ -63,19 +71,11 @@ def swish_floor(rounds=5, repeats=100_000):
     return best[False], best[True]
 
 
-def _per_element(calls, elements, rounds=15):
-    """Median ns per element of each call, alternating rounds."""
-    repeats = max(3, int(2e6 / elements))
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(repeats):
-                call()
-            times[name].append((time.perf_counter() - start) / repeats / elements * 1e9)
-    return {name: statistics.median(values) for name, values in times.items()}
+def _per_element(calls, elements):
+    """Median ns per element of each call, in the main job's alternating rounds
+    (``bench.timing.alternating_rounds``)."""
+    timing = alternating_rounds(list(calls.values()), [(index, None) for index in range(len(calls))], SETTINGS)
+    return {name: timing.median(index) / elements * 1e9 for index, name in enumerate(calls)}
 
 
 def compare(shape, groups=32):
